@@ -1,0 +1,76 @@
+"""FastAPI application factory: routers, error rendering, OpenAPI."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from service.checkpoints.endpoints import router as checkpoints_router
+from service.datasets.endpoints import router as datasets_router
+from service.jobs.endpoints import router as jobs_router
+from service.kit.errors import DomainError
+from service.ops.endpoints import router as ops_router
+from service.rewards.endpoints import router as rewards_router
+
+ERROR_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "error": {
+            "type": "object",
+            "properties": {
+                "code": {"type": "string", "example": "not_found"},
+                "message": {"type": "string", "example": "job 'job_01J...' not found"},
+                "details": {},
+            },
+            "required": ["code", "message"],
+        }
+    },
+}
+
+
+def _error(status: int, code: str, message: str, details: Any = None) -> JSONResponse:
+    return JSONResponse(status_code=status, content={"error": {"code": code, "message": message, "details": details}})
+
+
+async def _domain_error(_request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, DomainError)
+    return JSONResponse(status_code=exc.http_status, content=exc.to_body())
+
+
+async def _validation_error(_request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, RequestValidationError)
+    errors = [
+        {"field": ".".join(str(p) for p in e.get("loc", ())), "message": e.get("msg", ""), "type": e.get("type")}
+        for e in exc.errors()
+    ]
+    first = errors[0] if errors else {"field": "", "message": "invalid request"}
+    return _error(422, "validation_error", f"{first['field']}: {first['message']}", errors)
+
+
+async def _http_error(_request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, StarletteHTTPException)
+    code = {401: "unauthenticated", 404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+    return _error(exc.status_code, code, str(exc.detail), None)
+
+
+def create_app() -> FastAPI:
+    app = FastAPI(
+        title="GRPO training service",
+        version="0.1.0",
+        description="Submit GRPO fine-tuning jobs, register remote reward endpoints, follow progress, "
+        "download checkpoints. Every error has the shape `{\"error\": {\"code\", \"message\", \"details\"}}`.",
+        responses={"default": {"description": "Error", "content": {"application/json": {"schema": ERROR_SCHEMA}}}},
+    )
+    app.add_exception_handler(DomainError, _domain_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.include_router(ops_router)
+    app.include_router(datasets_router, prefix="/v1")
+    app.include_router(rewards_router, prefix="/v1")
+    app.include_router(jobs_router, prefix="/v1")
+    app.include_router(checkpoints_router, prefix="/v1")
+    return app

@@ -1,0 +1,15 @@
+"""The `grpo` command line. Each subcommand group lives in its own module and registers here."""
+
+from __future__ import annotations
+
+import typer
+
+from service.cli import admin, train
+
+app = typer.Typer(help="GRPO training service: run the engine locally, serve the API, drive jobs.", no_args_is_help=True)
+app.add_typer(admin.app, name="admin")
+app.command("train")(train.train)
+
+
+def main() -> None:
+    app()

@@ -1,0 +1,1 @@
+"""Shared plumbing for the service: settings, database session, errors, ids."""

@@ -1,0 +1,56 @@
+"""Service settings, read from `GRPO_*` environment variables (and `.env`). Documented in README."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Literal
+
+from pydantic import Field, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="GRPO_", env_file=".env", extra="ignore")
+
+    env: Literal["development", "production"] = Field(
+        "development", description="production enforces the strict SSRF policy and real secrets."
+    )
+    data_dir: str = Field("./grpo-data", description="Root for the embedded defaults (SQLite, broker, storage).")
+    database_url: str = Field(
+        "", description="SQLAlchemy URL. Empty = SQLite at <data_dir>/grpo.db. PostgreSQL: postgresql+psycopg://..."
+    )
+    broker_url: str = Field(
+        "", description="Celery broker. Empty = embedded SQLite broker at <data_dir>/broker.db; redis://... in production."
+    )
+    storage_url: str = Field(
+        "", description="fsspec URL for datasets and checkpoints. Empty = <data_dir>/storage; s3://bucket/prefix."
+    )
+    api_host: str = Field("127.0.0.1", description="REST bind address.")
+    api_port: int = Field(8000, description="REST port.")
+    grpc_port: int = Field(50051, description="gRPC port (0 disables the gRPC server).")
+    max_dataset_bytes: int = Field(512 * 1024 * 1024, gt=0, description="Upload size limit (413 beyond it).")
+    allow_private_reward_urls: bool | None = Field(
+        None, description="Allow loopback/private reward URLs. None = allowed in development, refused in production."
+    )
+    idempotency_ttl_hours: int = Field(24, ge=24, description="How long Idempotency-Key records are kept.")
+    lease_seconds: int = Field(60, ge=5, description="Worker lease on a running job; renewed by heartbeat.")
+    max_attempts: int = Field(3, ge=1, description="Attempts before a job whose worker keeps dying is failed.")
+    queued_resend_seconds: int = Field(120, ge=5, description="Re-send jobs left queued this long (lost messages).")
+    log_json: bool = Field(False, description="Structured JSON logs.")
+
+    @model_validator(mode="after")
+    def _defaults_from_data_dir(self) -> Settings:
+        if not self.database_url:
+            self.database_url = f"sqlite:///{self.data_dir}/grpo.db"
+        if not self.broker_url:
+            self.broker_url = f"sqla+sqlite:///{self.data_dir}/broker.db"
+        if not self.storage_url:
+            self.storage_url = f"{self.data_dir}/storage"
+        if self.allow_private_reward_urls is None:
+            self.allow_private_reward_urls = self.env == "development"
+        return self
+
+
+@lru_cache
+def get_settings() -> Settings:
+    return Settings()

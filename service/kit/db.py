@@ -1,0 +1,123 @@
+"""Database engine, sessions and the declarative base.
+
+Services and repositories never commit: the boundary (request dependency, Celery task wrapper,
+gRPC servicer) does, through `session_scope`. Work that must only happen once a transaction is
+durable (enqueueing a Celery task) is registered with `on_commit` and dropped on rollback.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from datetime import UTC, datetime
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import DateTime, Engine, MetaData, create_engine, event
+from sqlalchemy.engine import make_url
+from sqlalchemy.orm import DeclarativeBase, Session, sessionmaker
+from sqlalchemy.types import TypeDecorator
+
+NAMING_CONVENTION = {
+    "ix": "ix_%(column_0_label)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING_CONVENTION)
+
+
+class UTCDateTime(TypeDecorator[datetime]):
+    """Timezone-aware UTC datetimes on both PostgreSQL and SQLite (which drops the offset)."""
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Any) -> datetime | None:
+        if value is not None and value.tzinfo is None:
+            raise ValueError("naive datetime")
+        return value
+
+    def process_result_value(self, value: datetime | None, dialect: Any) -> datetime | None:
+        if value is not None and value.tzinfo is None:
+            value = value.replace(tzinfo=UTC)
+        return value
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+def make_engine(url: str) -> Engine:
+    parsed = make_url(url)
+    if parsed.get_backend_name() == "sqlite":
+        if parsed.database and parsed.database != ":memory:":
+            Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
+        engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
+
+        @event.listens_for(engine, "connect")
+        def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
+            cursor = dbapi_conn.cursor()
+            cursor.execute("PRAGMA journal_mode=WAL")
+            cursor.execute("PRAGMA foreign_keys=ON")
+            cursor.execute("PRAGMA busy_timeout=30000")
+            cursor.close()
+
+        return engine
+    return create_engine(url, pool_pre_ping=True, pool_size=20, max_overflow=20)
+
+
+@lru_cache
+def _engine_for(url: str) -> Engine:
+    return make_engine(url)
+
+
+def get_engine() -> Engine:
+    from service.kit.config import get_settings
+
+    return _engine_for(get_settings().database_url)
+
+
+@lru_cache
+def _factory_for(engine: Engine) -> sessionmaker[Session]:
+    return sessionmaker(bind=engine, expire_on_commit=False)
+
+
+def session_factory(engine: Engine | None = None) -> sessionmaker[Session]:
+    return _factory_for(engine or get_engine())
+
+
+@contextmanager
+def session_scope(engine: Engine | None = None) -> Iterator[Session]:
+    """The transaction boundary: commit on success, roll back on any exception."""
+    session = session_factory(engine)()
+    try:
+        yield session
+        session.commit()
+    except BaseException:
+        session.rollback()
+        raise
+    finally:
+        session.close()
+
+
+def on_commit(session: Session, callback: Callable[[], None]) -> None:
+    """Run `callback` after the session's current transaction commits; forget it on rollback."""
+    session.info.setdefault("on_commit", []).append(callback)
+
+
+@event.listens_for(Session, "after_commit")
+def _run_on_commit(session: Session) -> None:
+    callbacks: list[Callable[[], None]] = session.info.pop("on_commit", [])
+    for callback in callbacks:
+        callback()
+
+
+@event.listens_for(Session, "after_soft_rollback")
+def _drop_on_rollback(session: Session, _previous_transaction: Any) -> None:
+    session.info.pop("on_commit", None)

@@ -1,0 +1,5 @@
+"""Routes (thin): parse, call the domain service, render."""
+
+from fastapi import APIRouter
+
+router = APIRouter()

@@ -1,0 +1,34 @@
+"""Fixtures for the real services the suite needs. A missing service fails the test; it never skips."""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Iterator
+
+import pytest
+
+POSTGRES_ADMIN_URL = os.environ.get("GRPO_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
+REDIS_URL = os.environ.get("GRPO_TEST_REDIS_URL", "redis://127.0.0.1:6379")
+
+
+def _reachable(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=2):
+            return True
+    except OSError:
+        return False
+
+
+@pytest.fixture(scope="session")
+def postgres_admin_url() -> str:
+    if not _reachable("127.0.0.1", 5432):
+        pytest.fail("PostgreSQL is required at 127.0.0.1:5432 (see .ci/run for how to start it)")
+    return POSTGRES_ADMIN_URL
+
+
+@pytest.fixture(scope="session")
+def redis_base_url() -> Iterator[str]:
+    if not _reachable("127.0.0.1", 6379):
+        pytest.fail("Redis is required at 127.0.0.1:6379 (see .ci/run for how to start it)")
+    yield REDIS_URL

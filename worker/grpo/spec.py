@@ -1,0 +1,180 @@
+"""The job spec: what a user submits (REST, gRPC) or runs locally (`grpo train --config job.yaml`).
+
+Torch-free on purpose: the service validates submitted specs with these models.
+
+`base_model` forms:
+- a Hugging Face id (``org/name``) or a local directory with ``config.json``;
+- ``builtin:tiny`` / ``builtin:small`` / ``builtin:medium``: a Llama-style model built offline by
+  `worker.grpo.tiny` (no model hub is needed);
+- ``checkpoint:<id>`` (service only): a checkpoint of an earlier job.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from worker.grpo.config import GRPOConfig, LoraConfig
+
+TINY_PRESETS = ("tiny", "small", "medium")
+_NAME = r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$"
+
+
+class BoxedAnswerParams(BaseModel):
+    """+format_reward for a ``\\boxed{...}`` answer, +correct_reward when it matches the answer column."""
+
+    model_config = ConfigDict(extra="forbid")
+    answer_column: str = "answer"
+    format_reward: float = 0.5
+    correct_reward: float = 1.0
+    tolerance: float = Field(1e-6, ge=0, description="Absolute tolerance when both sides parse as numbers.")
+
+
+class ExactMatchParams(BaseModel):
+    """1.0 when the stripped completion equals the answer column, else 0.0."""
+
+    model_config = ConfigDict(extra="forbid")
+    answer_column: str = "answer"
+    case_sensitive: bool = True
+    strip: bool = True
+
+
+class RegexMatchParams(BaseModel):
+    """1.0 when the pattern matches the completion (re.search, or re.fullmatch when fullmatch)."""
+
+    model_config = ConfigDict(extra="forbid")
+    pattern: str
+    fullmatch: bool = False
+
+    @field_validator("pattern")
+    @classmethod
+    def _compiles(cls, value: str) -> str:
+        try:
+            re.compile(value)
+        except re.error as exc:
+            raise ValueError(f"invalid regular expression: {exc}") from exc
+        return value
+
+
+class LengthPenaltyParams(BaseModel):
+    """-scale x |len(completion) - target_length| / target_length (characters, or tokens when unit=tokens)."""
+
+    model_config = ConfigDict(extra="forbid")
+    target_length: int = Field(64, ge=1)
+    scale: float = Field(1.0, ge=0)
+    unit: Literal["chars", "tokens"] = "tokens"
+
+
+BUILTIN_PARAMS: dict[str, type[BaseModel]] = {
+    "boxed_answer": BoxedAnswerParams,
+    "exact_match": ExactMatchParams,
+    "regex_match": RegexMatchParams,
+    "length_penalty": LengthPenaltyParams,
+}
+BuiltinName = Literal["boxed_answer", "exact_match", "regex_match", "length_penalty"]
+
+
+class BuiltinRewardSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["builtin"] = "builtin"
+    name: BuiltinName
+    weight: float = Field(1.0, allow_inf_nan=False)
+    params: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _check_params(self) -> BuiltinRewardSpec:
+        # Validate now so a bad parameter is a 422 at submission, not a failed job later.
+        self.params = BUILTIN_PARAMS[self.name].model_validate(self.params).model_dump()
+        return self
+
+    @property
+    def source_name(self) -> str:
+        return self.name
+
+
+class RemoteRewardSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["remote"] = "remote"
+    reward_function_id: str = Field(min_length=1, max_length=64)
+    weight: float = Field(1.0, allow_inf_nan=False)
+
+    @property
+    def source_name(self) -> str:
+        return f"remote:{self.reward_function_id}"
+
+
+class ModelRewardSpec(BaseModel):
+    """A sequence-classification reward model scoring prompt + completion (logit 0)."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["model"] = "model"
+    model: str = Field(min_length=1, max_length=512, description="Hugging Face id or local path.")
+    weight: float = Field(1.0, allow_inf_nan=False)
+    batch_size: int = Field(16, ge=1, le=1024)
+
+    @property
+    def source_name(self) -> str:
+        return f"model:{self.model}"
+
+
+RewardSpec = Annotated[BuiltinRewardSpec | RemoteRewardSpec | ModelRewardSpec, Field(discriminator="type")]
+
+
+class JobSpec(BaseModel):
+    """One training job. `train_dataset` is a dataset id in the service and a JSONL path locally."""
+
+    model_config = ConfigDict(
+        extra="forbid",
+        json_schema_extra={
+            "examples": [
+                {
+                    "name": "gsm8k-boxed",
+                    "base_model": "Qwen/Qwen2.5-0.5B-Instruct",
+                    "train_dataset": "ds_01J9Z3K2Q8",
+                    "rewards": [
+                        {"type": "builtin", "name": "boxed_answer", "weight": 1.0, "params": {}},
+                        {"type": "remote", "reward_function_id": "rf_01J9Z3M4", "weight": 0.5},
+                    ],
+                    "hyperparameters": {
+                        "num_generations": 8,
+                        "prompts_per_step": 4,
+                        "max_steps": 200,
+                        "learning_rate": 1e-6,
+                        "beta": 0.04,
+                        "max_completion_length": 256,
+                    },
+                    "lora": {"r": 16, "alpha": 32},
+                }
+            ]
+        },
+    )
+
+    name: str | None = Field(None, pattern=_NAME, description="Optional human-readable name.")
+    base_model: str = Field(min_length=1, max_length=512)
+    train_dataset: str = Field(min_length=1, max_length=1024)
+    eval_dataset: str | None = Field(None, min_length=1, max_length=1024)
+    rewards: list[RewardSpec] = Field(min_length=1, max_length=16)
+    hyperparameters: GRPOConfig
+    lora: LoraConfig | None = Field(None, description="Shorthand for hyperparameters.lora.")
+    metadata: dict[str, str] = Field(default_factory=dict, max_length=32)
+
+    @field_validator("base_model")
+    @classmethod
+    def _check_base_model(cls, value: str) -> str:
+        if value.startswith("builtin:") and value.removeprefix("builtin:") not in TINY_PRESETS:
+            raise ValueError(f"unknown builtin model {value!r}; choose one of {', '.join(TINY_PRESETS)}")
+        return value
+
+    @model_validator(mode="after")
+    def _merge_lora(self) -> JobSpec:
+        if self.lora is not None:
+            if self.hyperparameters.lora is not None and self.hyperparameters.lora != self.lora:
+                raise ValueError("lora is set both at the top level and in hyperparameters, differently")
+            self.hyperparameters.lora = self.lora
+        names = [r.source_name for r in self.rewards]
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise ValueError(f"reward sources listed twice: {', '.join(duplicates)}")
+        return self
