@@ -1,3 +1,35 @@
-"""SQLAlchemy models of this domain."""
+"""Checkpoints saved by a job. The files live in storage under `storage_path`; the manifest lists them.
 
-from service.kit.db import Base  # noqa: F401
+Only manifest-listed paths can ever be downloaded, so the manifest is the allow-list for file access.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import JSON, BigInteger, ForeignKey, Index, Integer, String, UniqueConstraint
+from sqlalchemy.orm import Mapped, mapped_column
+
+from service.kit.db import Base, UTCDateTime, utcnow
+
+
+class Checkpoint(Base):
+    __tablename__ = "checkpoints"
+    __table_args__ = (
+        UniqueConstraint("job_id", "step"),
+        Index("ix_checkpoints_tenant_id_id", "tenant_id", "id"),
+    )
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    # Denormalised from the job so tenant-scoped lookups are one indexed read.
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    step: Mapped[int] = mapped_column(Integer)
+    storage_path: Mapped[str] = mapped_column(String(512))
+    # [{"path": "adapter_model.safetensors", "size": 123, "sha256": "..."}], paths relative to storage_path.
+    manifest: Mapped[list[dict[str, Any]]] = mapped_column(JSON)
+    total_bytes: Mapped[int] = mapped_column(BigInteger)
+    metrics: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    attempt: Mapped[int] = mapped_column(Integer, default=0)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
