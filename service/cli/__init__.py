@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import typer
 
-from service.cli import admin, train
+from service.cli import admin, migrate, train
 
 app = typer.Typer(help="GRPO training service: run the engine locally, serve the API, drive jobs.", no_args_is_help=True)
 app.add_typer(admin.app, name="admin")
 app.command("train")(train.train)
+app.command("migrate")(migrate.migrate)
 
 
 def main() -> None:

@@ -1,0 +1,12 @@
+"""Every domain's models, imported in one place so Alembic (and `Base.metadata`) sees all tables."""
+
+from __future__ import annotations
+
+from service.checkpoints import models as checkpoints_models
+from service.datasets import models as datasets_models
+from service.jobs import models as jobs_models
+from service.kit.db import Base
+from service.rewards import models as rewards_models
+from service.tenants import models as tenants_models
+
+__all__ = ["Base", "checkpoints_models", "datasets_models", "jobs_models", "rewards_models", "tenants_models"]

@@ -1,0 +1,33 @@
+"""All SQL of the tenants domain."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from service.tenants.models import ApiKey, Tenant
+
+
+def get_tenant(session: Session, tenant_id: str) -> Tenant | None:
+    return session.get(Tenant, tenant_id)
+
+
+def get_tenant_by_name(session: Session, name: str) -> Tenant | None:
+    return session.scalars(select(Tenant).where(Tenant.name == name)).one_or_none()
+
+
+def active_keys_with_prefix(session: Session, prefix: str) -> Sequence[tuple[ApiKey, Tenant]]:
+    """Unrevoked keys sharing a lookup prefix, with their tenant (one query)."""
+    rows = session.execute(
+        select(ApiKey, Tenant)
+        .join(Tenant, Tenant.id == ApiKey.tenant_id)
+        .where(ApiKey.prefix == prefix, ApiKey.revoked_at.is_(None))
+    ).all()
+    return [(key, tenant) for key, tenant in rows]
+
+
+def add(session: Session, row: Tenant | ApiKey) -> None:
+    session.add(row)
+    session.flush()

@@ -1,0 +1,64 @@
+"""Tenants and API keys: creation (admin CLI, test factories) and key material.
+
+A key is "grpo_sk_" + 43 url-safe characters (32 random bytes). Stored: the sha256 of the whole key
+and the first PREFIX_LEN characters of the random part as a lookup index.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import secrets
+
+from sqlalchemy.orm import Session
+
+from service.kit.errors import Conflict, NotFound, ValidationFailed
+from service.kit.ids import new_id
+from service.tenants import repository
+from service.tenants.models import ApiKey, Tenant
+
+KEY_PREFIX = "grpo_sk_"
+PREFIX_LEN = 12
+_TENANT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$")
+
+
+def hash_key(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+def lookup_prefix(token: str) -> str | None:
+    """The stored lookup prefix of a presented token, or None if it is not shaped like one of our keys."""
+    if not token.startswith(KEY_PREFIX) or len(token) < len(KEY_PREFIX) + PREFIX_LEN:
+        return None
+    return token[len(KEY_PREFIX) : len(KEY_PREFIX) + PREFIX_LEN]
+
+
+def create_tenant(session: Session, name: str) -> Tenant:
+    """A new tenant; names are unique. Raises ValidationFailed / Conflict."""
+    if not _TENANT_NAME.match(name):
+        raise ValidationFailed(
+            "tenant name must be 1-128 characters of letters, digits, '_', '.', '-' (starting alphanumeric)",
+            details=[{"field": "name"}],
+        )
+    if repository.get_tenant_by_name(session, name) is not None:
+        raise Conflict(f"tenant {name!r} already exists")
+    tenant = Tenant(id=new_id("ten"), name=name)
+    repository.add(session, tenant)
+    return tenant
+
+
+def find_tenant(session: Session, name_or_id: str) -> Tenant:
+    tenant = repository.get_tenant(session, name_or_id) or repository.get_tenant_by_name(session, name_or_id)
+    if tenant is None:
+        raise NotFound("tenant", name_or_id)
+    return tenant
+
+
+def create_api_key(session: Session, tenant: Tenant) -> tuple[ApiKey, str]:
+    """A new key for `tenant`: returns the row and the plaintext, which is never stored or shown again."""
+    token = KEY_PREFIX + secrets.token_urlsafe(32)
+    prefix = lookup_prefix(token)
+    assert prefix is not None  # our own format
+    key = ApiKey(id=new_id("key"), tenant_id=tenant.id, prefix=prefix, key_hash=hash_key(token))
+    repository.add(session, key)
+    return key, token

@@ -1,0 +1,131 @@
+"""Service test fixtures: a migrated database per backend, settings, the app, a real ASGI client, tenants.
+
+- `db_url` is parametrized over SQLite and PostgreSQL: every test that uses it (directly or through
+  `settings`/`app`/`client`/`tenant_a`) runs on both.
+  * sqlite: one database migrated per session with Alembic, copied to a fresh file per test.
+  * postgres: one throwaway database `grpo_test_<random>` per session on 127.0.0.1:5432, migrated with
+    Alembic, every table truncated before each test, dropped at the end.
+- `settings`: GRPO_* env pointing at that database, tmp storage, `memory://` broker; caches cleared.
+- `client`: starlette TestClient over `create_app()` (the real ASGI app, in-process).
+- `tenant_a` / `tenant_b`: `TenantHeaders` (a headers dict with `.tenant_id` and `.api_key`).
+"""
+
+from __future__ import annotations
+
+import shutil
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+from sqlalchemy import create_engine, text
+from sqlalchemy.engine import make_url
+
+from service.cli.migrate import upgrade_head
+from service.kit import db as kit_db
+from service.kit.config import Settings, get_settings
+from service.models import Base
+from tests.service.factories import TenantHeaders, auth_headers, create_tenant
+
+__all__ = ["TenantHeaders", "auth_headers", "create_tenant"]
+
+
+@pytest.fixture(scope="session")
+def _sqlite_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("sqlite-template") / "template.db"
+    upgrade_head(f"sqlite:///{path}")
+    return path
+
+
+@pytest.fixture(scope="session")
+def _postgres_database(postgres_admin_url: str) -> Iterator[str]:
+    name = f"grpo_test_{uuid.uuid4().hex[:12]}"
+    admin = create_engine(postgres_admin_url, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(text(f'CREATE DATABASE "{name}"'))
+    url = make_url(postgres_admin_url).set(database=name).render_as_string(hide_password=False)
+    try:
+        upgrade_head(url)
+        yield url
+    finally:
+        kit_db._engine_for.cache_clear()
+        with admin.connect() as conn:
+            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()
+
+
+def _truncate_all(url: str) -> None:
+    tables = ", ".join(f'"{t.name}"' for t in Base.metadata.sorted_tables)
+    engine = create_engine(url)
+    try:
+        with engine.begin() as conn:
+            conn.execute(text(f"TRUNCATE {tables} RESTART IDENTITY CASCADE"))
+    finally:
+        engine.dispose()
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """A migrated, empty database URL on each backend."""
+    if request.param == "sqlite":
+        path = tmp_path / "grpo.db"
+        shutil.copyfile(request.getfixturevalue("_sqlite_template"), path)
+        return f"sqlite:///{path}"
+    url: str = request.getfixturevalue("_postgres_database")
+    _truncate_all(url)
+    return url
+
+
+@pytest.fixture
+def settings(db_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Settings]:
+    """Service settings for this test's database, storage under tmp_path, in-memory broker."""
+    monkeypatch.setenv("GRPO_ENV", "development")
+    monkeypatch.setenv("GRPO_DATABASE_URL", db_url)
+    monkeypatch.setenv("GRPO_DATA_DIR", str(tmp_path / "data"))
+    monkeypatch.setenv("GRPO_STORAGE_URL", str(tmp_path / "storage"))
+    monkeypatch.setenv("GRPO_BROKER_URL", "memory://")
+    get_settings.cache_clear()
+    kit_db._engine_for.cache_clear()
+    kit_db._factory_for.cache_clear()
+    yield get_settings()
+    kit_db.get_engine().dispose()  # release connections so the next test can TRUNCATE / delete the file
+    get_settings.cache_clear()
+    kit_db._engine_for.cache_clear()
+    kit_db._factory_for.cache_clear()
+
+
+@pytest.fixture
+def app(settings: Settings) -> FastAPI:
+    from service.app import create_app
+
+    return create_app()
+
+
+@pytest.fixture
+def client(app: FastAPI) -> Iterator[TestClient]:
+    with TestClient(app) as test_client:
+        yield test_client
+
+
+@pytest.fixture
+def make_tenant(settings: Settings) -> Callable[[str], TenantHeaders]:
+    """Create (and commit) a tenant with an API key; returns its headers."""
+
+    def make(name: str) -> TenantHeaders:
+        with kit_db.session_scope() as session:
+            tenant, key = create_tenant(session, name)
+        return TenantHeaders(tenant.id, key)
+
+    return make
+
+
+@pytest.fixture
+def tenant_a(make_tenant: Callable[[str], TenantHeaders]) -> TenantHeaders:
+    return make_tenant("tenant-a")
+
+
+@pytest.fixture
+def tenant_b(make_tenant: Callable[[str], TenantHeaders]) -> TenantHeaders:
+    return make_tenant("tenant-b")
