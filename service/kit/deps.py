@@ -17,4 +17,7 @@ def get_session() -> Iterator[Session]:
         yield session
 
 
-SessionDep = Annotated[Session, Depends(get_session)]
+# scope="function": commit before the response is sent (FastAPI's default for yield dependencies ends
+# them after the response), so a client never sees a 201 for a row that then fails to commit, reads
+# its own writes at once, and streaming responses (SSE, downloads) do not hold a pooled connection.
+SessionDep = Annotated[Session, Depends(get_session, scope="function")]
