@@ -1,0 +1,1 @@
+"""The gRPC API: grpc.aio server, auth interceptor, error mapping and servicers over the domain layer."""
