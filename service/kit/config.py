@@ -36,6 +36,9 @@ class Settings(BaseSettings):
     lease_seconds: int = Field(60, ge=5, description="Worker lease on a running job; renewed by heartbeat.")
     max_attempts: int = Field(3, ge=1, description="Attempts before a job whose worker keeps dying is failed.")
     queued_resend_seconds: int = Field(120, ge=5, description="Re-send jobs left queued this long (lost messages).")
+    broker_visibility_timeout: int = Field(
+        3600, ge=60, description="Redis: seconds a delivered, unacknowledged task stays hidden before redelivery."
+    )
     log_json: bool = Field(False, description="Structured JSON logs.")
 
     @model_validator(mode="after")
