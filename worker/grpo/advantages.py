@@ -1,0 +1,82 @@
+"""Group-relative advantages: each completion's reward compared with its siblings' (GRPO, seed 004).
+
+A_i = (r_i - mean(group)) / (std + eps), one value per completion, shared by all its tokens.
+https://arxiv.org/abs/2402.03300 (DeepSeekMath, section 4.1.2).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from worker.grpo.config import AdvantageStd, ScaleRewards
+
+
+def _nan_std(values: Tensor, mean: Tensor, count: Tensor, std: AdvantageStd) -> Tensor:
+    """NaN-ignoring std along the last dim given its NaN-ignoring mean and count of valid values.
+
+    population divides by n (the GRPO paper's, seed 004), unbiased by n - 1 (TRL's nanstd).
+    Fewer values than the estimator needs (0, or 1 for unbiased) give NaN.
+    """
+    squared = (values - mean.unsqueeze(-1)).square().nansum(dim=-1)
+    dof = count if std == "population" else count - 1
+    return torch.where(dof > 0, squared / dof.clamp(min=1), torch.full_like(squared, float("nan"))).sqrt()
+
+
+def group_advantages(
+    rewards: Tensor,
+    group_size: int,
+    *,
+    scale: ScaleRewards = "group",
+    std: AdvantageStd = "population",
+    eps: float = 1e-4,
+) -> tuple[Tensor, Tensor]:
+    """Advantages (N,) and per-group reward std (N / G,) for rewards (N,) in contiguous groups of G.
+
+    - scale="group": (r - group mean) / (group std + eps); "batch": (r - group mean) / (one std
+      over the whole batch + eps), as TRL does; "none": r - group mean.
+    - NaN rewards (every reward source abstained) are ignored in the group statistics and get
+      advantage 0.
+    - A group whose valid rewards are all equal (or that has fewer than two) gets exactly 0, not
+      the rounding residue of (r - mean) / eps: it carries no learning signal.
+
+    The returned group std (population or unbiased, as chosen) is 0 for such groups, for the
+    `frac_zero_std_groups` and `reward/std` metrics. Statistics are computed in float64 and the
+    result is returned in the rewards' floating dtype.
+    """
+    if rewards.dim() != 1:
+        raise ValueError(f"rewards must be 1-D (N,), got shape {tuple(rewards.shape)}")
+    if group_size < 1 or rewards.numel() % group_size != 0:
+        raise ValueError(f"{rewards.numel()} rewards cannot be split into groups of {group_size}")
+    if scale not in ("group", "batch", "none"):
+        raise ValueError(f"scale must be 'group', 'batch' or 'none', got {scale!r}")
+    if std not in ("population", "unbiased"):
+        raise ValueError(f"std must be 'population' or 'unbiased', got {std!r}")
+    out_dtype = rewards.dtype if rewards.is_floating_point() else torch.float32
+
+    grouped = rewards.double().view(-1, group_size)  # (num_groups, G)
+    valid = ~grouped.isnan()  # (num_groups, G)
+    count = valid.sum(dim=1)  # (num_groups,)
+    mean = grouped.nansum(dim=1) / count.clamp(min=1)  # (num_groups,)
+    centred = grouped - mean.unsqueeze(1)  # (num_groups, G), NaN where the reward is NaN
+
+    # Zero spread: compare the extremes exactly instead of trusting a float std to be 0.
+    high = torch.where(valid, grouped, -torch.inf).amax(dim=1)
+    low = torch.where(valid, grouped, torch.inf).amin(dim=1)
+    flat_group = (count < 2) | (high == low)  # (num_groups,)
+
+    group_std = _nan_std(grouped, mean, count, std)  # (num_groups,)
+    group_std = torch.where(flat_group, torch.zeros_like(group_std), group_std)
+    if scale == "group":
+        advantages = centred / (group_std.unsqueeze(1) + eps)
+    elif scale == "batch":
+        flat = grouped.reshape(1, -1)
+        batch_count = valid.sum().reshape(1)
+        batch_mean = flat.nansum(dim=1) / batch_count.clamp(min=1)
+        batch_std = _nan_std(flat, batch_mean, batch_count, std).nan_to_num(0.0)  # (1,)
+        advantages = centred / (batch_std + eps)
+    else:
+        advantages = centred
+
+    advantages = torch.where(flat_group.unsqueeze(1) | ~valid, torch.zeros_like(advantages), advantages)
+    return advantages.reshape(-1).to(out_dtype), group_std.to(out_dtype)

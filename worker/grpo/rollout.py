@@ -1,0 +1,201 @@
+"""Rollouts: G completions per prompt with `model.generate`, as token ids and masks for the loss.
+
+The loss trains on the sampled ids exactly; the decoded texts go to reward sources only and are
+never tokenised again (a decode/encode round trip is not the identity for most tokenizers).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
+
+from worker.grpo.config import GRPOConfig
+
+
+def render_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str | list[dict[str, str]]) -> str:
+    """A plain string is used as is; a list of chat messages goes through the tokenizer's chat template."""
+    if isinstance(prompt, str):
+        return prompt
+    if tokenizer.chat_template is None:
+        raise ValueError("prompt is a list of chat messages but the tokenizer has no chat template")
+    rendered = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+    if not isinstance(rendered, str):
+        raise TypeError(f"chat template rendered {type(rendered).__name__}, expected str")
+    return rendered
+
+
+@dataclass
+class Rollout:
+    """One step's generations. N = num_prompts * G rows; rows g*G .. g*G + G - 1 share prompt g."""
+
+    prompt_ids: Tensor  # (N, P) left-padded with pad_token_id
+    prompt_mask: Tensor  # (N, P) int64, 1 = real prompt token
+    completion_ids: Tensor  # (N, C) right-padded with pad_token_id after the first EOS
+    completion_mask: Tensor  # (N, C) int64, 1 up to and including the first EOS, 0 after
+    is_truncated: Tensor  # (N,) bool, no EOS within max_completion_length
+    completion_texts: list[str]  # decoded with skip_special_tokens=True, for rewards only
+    group_size: int  # G
+
+    @property
+    def input_ids(self) -> Tensor:
+        """(N, P + C) prompt then completion, the input of the log-prob forward pass."""
+        return torch.cat([self.prompt_ids, self.completion_ids], dim=1)
+
+    @property
+    def attention_mask(self) -> Tensor:
+        """(N, P + C); padding on both sides (and everything after EOS) is masked out."""
+        return torch.cat([self.prompt_mask, self.completion_mask], dim=1)
+
+    @property
+    def completion_lengths(self) -> Tensor:
+        """(N,) number of completion tokens, EOS included."""
+        return self.completion_mask.sum(dim=1)
+
+
+def tokenize_prompts(
+    tokenizer: PreTrainedTokenizerBase, prompts: list[str], max_prompt_length: int | None
+) -> tuple[Tensor, Tensor]:
+    """Tokenise with the tokenizer's special tokens (BOS), truncate from the left, pad on the left.
+
+    Returns ids and mask, both (num_prompts, P). Done by hand so the shared tokenizer's
+    padding/truncation side is never mutated.
+    """
+    if not prompts:
+        raise ValueError("no prompts to generate from")
+    pad_id = _pad_token_id(tokenizer)
+    encoded: list[list[int]] = tokenizer(prompts, add_special_tokens=True)["input_ids"]
+    if max_prompt_length is not None:
+        encoded = [ids[-max_prompt_length:] for ids in encoded]
+    for index, ids in enumerate(encoded):
+        if not ids:
+            raise ValueError(f"prompt {index} tokenises to nothing")
+    width = max(len(ids) for ids in encoded)
+    input_ids = torch.full((len(encoded), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(encoded), width), dtype=torch.long)
+    for row, ids in enumerate(encoded):
+        input_ids[row, width - len(ids) :] = torch.tensor(ids, dtype=torch.long)
+        mask[row, width - len(ids) :] = 1
+    return input_ids, mask
+
+
+def _pad_token_id(tokenizer: PreTrainedTokenizerBase) -> int:
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    if pad_id is None:
+        raise ValueError("tokenizer has neither a pad token nor an EOS token")
+    return int(pad_id)
+
+
+def _generation_config(config: GRPOConfig, tokenizer: PreTrainedTokenizerBase) -> GenerationConfig:
+    """A complete GenerationConfig, so the model's own generation defaults (e.g. top_k=50) never leak in."""
+    common = {
+        "max_new_tokens": config.max_completion_length,
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": _pad_token_id(tokenizer),
+        "bos_token_id": tokenizer.bos_token_id,
+        "use_cache": True,
+    }
+    if config.generation == "beam":
+        # G beams returned per prompt: distinct sequences by construction (seed 001).
+        return GenerationConfig(
+            do_sample=False,
+            num_beams=config.num_generations,
+            num_return_sequences=config.num_generations,
+            early_stopping=True,
+            **common,
+        )
+    return GenerationConfig(
+        do_sample=True,
+        temperature=config.temperature,
+        top_p=config.top_p,
+        top_k=config.top_k,  # 0 disables top-k in transformers
+        num_return_sequences=1,
+        **common,
+    )
+
+
+def completion_mask_after_eos(completion_ids: Tensor, eos_token_id: int) -> tuple[Tensor, Tensor]:
+    """(N, C) ids -> mask (N, C) int64 covering tokens up to and including the first EOS, and truncation (N,) bool.
+
+    A row without EOS keeps every token and is flagged as truncated.
+    """
+    is_eos = completion_ids == eos_token_id  # (N, C)
+    has_eos = is_eos.any(dim=1)  # (N,)
+    length = completion_ids.shape[1]
+    # argmax on int finds the first True; rows without EOS use the full length.
+    first_eos = torch.where(has_eos, is_eos.int().argmax(dim=1), length)  # (N,)
+    positions = torch.arange(length, device=completion_ids.device).unsqueeze(0)  # (1, C)
+    mask = (positions <= first_eos.unsqueeze(1)).long()  # (N, C)
+    return mask, ~has_eos
+
+
+@torch.no_grad()
+def generate_rollout(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: list[str],
+    config: GRPOConfig,
+    *,
+    generator_seed: int | None = None,
+) -> Rollout:
+    """Generate G = config.num_generations completions for each already-rendered prompt.
+
+    Sampling mode repeats each prompt G times (contiguous rows) and samples with temperature,
+    top_p and top_k; beam mode runs beam search with G beams and returns all G. With
+    `generator_seed` the sampling is reproducible and the global RNG state is left as it was.
+    The model is put in eval mode for generation (no dropout) and restored afterwards. All
+    returned tensors live on the model's device.
+    """
+    if tokenizer.eos_token_id is None:
+        raise ValueError("tokenizer has no EOS token: completions could never end")
+    group = config.num_generations
+    device = model.device
+    prompt_ids, prompt_mask = tokenize_prompts(tokenizer, prompts, config.max_prompt_length)
+    prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
+    if config.generation == "sample":
+        # (num_prompts * G, P): each prompt's G rows are contiguous.
+        prompt_ids = prompt_ids.repeat_interleave(group, dim=0)
+        prompt_mask = prompt_mask.repeat_interleave(group, dim=0)
+    generation_config = _generation_config(config, tokenizer)
+
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.random.fork_rng(devices=_cuda_devices(device), enabled=generator_seed is not None):
+            if generator_seed is not None:
+                torch.manual_seed(generator_seed)
+            # PreTrainedModel's stubs do not show GenerationMixin.generate to mypy.
+            sequences = model.generate(  # type: ignore[operator]
+                input_ids=prompt_ids,
+                attention_mask=prompt_mask,
+                generation_config=generation_config,
+            )  # (N, P + C') with C' <= max_completion_length
+    finally:
+        model.train(was_training)
+
+    if config.generation == "beam":
+        # Beam search returns the G sequences of each prompt contiguously; expand the prompt to match.
+        prompt_ids = prompt_ids.repeat_interleave(group, dim=0)
+        prompt_mask = prompt_mask.repeat_interleave(group, dim=0)
+    prompt_length = prompt_ids.shape[1]
+    completion_ids = sequences[:, prompt_length:]  # (N, C')
+    completion_mask, is_truncated = completion_mask_after_eos(completion_ids, int(tokenizer.eos_token_id))
+    # Whatever generate() put after the first EOS (pad, or beam leftovers) becomes pad.
+    completion_ids = completion_ids.masked_fill(completion_mask == 0, _pad_token_id(tokenizer))
+    texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+    return Rollout(
+        prompt_ids=prompt_ids,
+        prompt_mask=prompt_mask,
+        completion_ids=completion_ids,
+        completion_mask=completion_mask,
+        is_truncated=is_truncated,
+        completion_texts=list(texts),
+        group_size=group,
+    )
+
+
+def _cuda_devices(device: torch.device) -> list[int]:
+    """fork_rng must also save/restore the CUDA generator of the model's device when there is one."""
+    return [device.index or 0] if device.type == "cuda" else []
