@@ -44,8 +44,6 @@ class _JobStateEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_JobState.Val
     """Cancel requested; the worker stops at the next step boundary."""
     JOB_STATE_CANCELLED: _JobState.ValueType  # 7
     """Cancelled (terminal)."""
-    JOB_STATE_RETRYING: _JobState.ValueType  # 8
-    """Its worker was lost; waiting to be re-queued for another attempt."""
 
 class JobState(_JobState, metaclass=_JobStateEnumTypeWrapper):
     """Lifecycle state of a job."""
@@ -66,8 +64,6 @@ JOB_STATE_CANCELLING: JobState.ValueType  # 6
 """Cancel requested; the worker stops at the next step boundary."""
 JOB_STATE_CANCELLED: JobState.ValueType  # 7
 """Cancelled (terminal)."""
-JOB_STATE_RETRYING: JobState.ValueType  # 8
-"""Its worker was lost; waiting to be re-queued for another attempt."""
 Global___JobState: _TypeAlias = JobState  # noqa: Y015
 
 @_typing.final
@@ -90,6 +86,7 @@ class Job(_message.Message):
     STARTED_AT_FIELD_NUMBER: _builtins.int
     FINISHED_AT_FIELD_NUMBER: _builtins.int
     RESUME_CHECKPOINT_ID_FIELD_NUMBER: _builtins.int
+    PAUSE_REQUESTED_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     """Job id ("job_...")."""
     state: Global___JobState.ValueType
@@ -99,7 +96,9 @@ class Job(_message.Message):
     total_steps: _builtins.int
     """Total optimiser steps, once known."""
     attempt: _builtins.int
-    """Which attempt is (or was last) running, from 0."""
+    """Which attempt is (or was last) running, from 0; a job re-queued after its worker was lost
+    goes back to QUEUED with attempt + 1.
+    """
     max_attempts: _builtins.int
     """Attempts before a job whose worker keeps dying is failed."""
     queue: _builtins.str
@@ -110,6 +109,8 @@ class Job(_message.Message):
     """Human-readable failure message when state is FAILED."""
     resume_checkpoint_id: _builtins.str
     """Checkpoint the next attempt resumes from, if any."""
+    pause_requested: _builtins.bool
+    """A pause was requested on a RUNNING job; the worker pauses at its next checkpoint."""
     @_builtins.property
     def spec(self) -> _job_spec_pb2.JobSpec:
         """The spec as submitted, with server defaults filled in."""
@@ -143,10 +144,11 @@ class Job(_message.Message):
         started_at: _timestamp_pb2.Timestamp | None = ...,
         finished_at: _timestamp_pb2.Timestamp | None = ...,
         resume_checkpoint_id: _builtins.str | None = ...,
+        pause_requested: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_resume_checkpoint_id", b"_resume_checkpoint_id", "_total_steps", b"_total_steps", "created_at", b"created_at", "finished_at", b"finished_at", "resume_checkpoint_id", b"resume_checkpoint_id", "spec", b"spec", "started_at", b"started_at", "total_steps", b"total_steps"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_resume_checkpoint_id", b"_resume_checkpoint_id", "_total_steps", b"_total_steps", "attempt", b"attempt", "created_at", b"created_at", "current_step", b"current_step", "error_code", b"error_code", "error_message", b"error_message", "finished_at", b"finished_at", "id", b"id", "max_attempts", b"max_attempts", "queue", b"queue", "resume_checkpoint_id", b"resume_checkpoint_id", "spec", b"spec", "started_at", b"started_at", "state", b"state", "total_steps", b"total_steps"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_resume_checkpoint_id", b"_resume_checkpoint_id", "_total_steps", b"_total_steps", "attempt", b"attempt", "created_at", b"created_at", "current_step", b"current_step", "error_code", b"error_code", "error_message", b"error_message", "finished_at", b"finished_at", "id", b"id", "max_attempts", b"max_attempts", "pause_requested", b"pause_requested", "queue", b"queue", "resume_checkpoint_id", b"resume_checkpoint_id", "spec", b"spec", "started_at", b"started_at", "state", b"state", "total_steps", b"total_steps"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__resume_checkpoint_id: _TypeAlias = _typing.Literal["resume_checkpoint_id"]  # noqa: Y015
     _WhichOneofArgType__resume_checkpoint_id: _TypeAlias = _typing.Literal["_resume_checkpoint_id", b"_resume_checkpoint_id"]  # noqa: Y015

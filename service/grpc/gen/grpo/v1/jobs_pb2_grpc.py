@@ -125,7 +125,7 @@ class JobServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def PauseJob(self, request, context):
-        """Pause a running or queued job at the next step boundary.
+        """Pause a job: a queued job at once, a running one at its next step boundary (pause_requested).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -48,7 +48,7 @@ class JobServiceStub:
     CancelJob: _grpc.UnaryUnaryMultiCallable[_jobs_pb2.CancelJobRequest, _jobs_pb2.CancelJobResponse]
     """Cancel a queued, running or paused job (FAILED_PRECONDITION when already terminal)."""
     PauseJob: _grpc.UnaryUnaryMultiCallable[_jobs_pb2.PauseJobRequest, _jobs_pb2.PauseJobResponse]
-    """Pause a running or queued job at the next step boundary."""
+    """Pause a job: a queued job at once, a running one at its next step boundary (pause_requested)."""
     ResumeJob: _grpc.UnaryUnaryMultiCallable[_jobs_pb2.ResumeJobRequest, _jobs_pb2.ResumeJobResponse]
     """Resume a paused job from its latest checkpoint."""
     ListJobEvents: _grpc.UnaryUnaryMultiCallable[_jobs_pb2.ListJobEventsRequest, _jobs_pb2.ListJobEventsResponse]
@@ -81,7 +81,7 @@ class JobServiceAsyncStub(JobServiceStub):
     CancelJob: _aio.UnaryUnaryMultiCallable[_jobs_pb2.CancelJobRequest, _jobs_pb2.CancelJobResponse]  # type: ignore[assignment]
     """Cancel a queued, running or paused job (FAILED_PRECONDITION when already terminal)."""
     PauseJob: _aio.UnaryUnaryMultiCallable[_jobs_pb2.PauseJobRequest, _jobs_pb2.PauseJobResponse]  # type: ignore[assignment]
-    """Pause a running or queued job at the next step boundary."""
+    """Pause a job: a queued job at once, a running one at its next step boundary (pause_requested)."""
     ResumeJob: _aio.UnaryUnaryMultiCallable[_jobs_pb2.ResumeJobRequest, _jobs_pb2.ResumeJobResponse]  # type: ignore[assignment]
     """Resume a paused job from its latest checkpoint."""
     ListJobEvents: _aio.UnaryUnaryMultiCallable[_jobs_pb2.ListJobEventsRequest, _jobs_pb2.ListJobEventsResponse]  # type: ignore[assignment]
@@ -141,7 +141,7 @@ class JobServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _jobs_pb2.PauseJobRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_jobs_pb2.PauseJobResponse, _abc.Awaitable[_jobs_pb2.PauseJobResponse]]:
-        """Pause a running or queued job at the next step boundary."""
+        """Pause a job: a queued job at once, a running one at its next step boundary (pause_requested)."""
 
     @_abc_1.abstractmethod
     def ResumeJob(

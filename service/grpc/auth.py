@@ -1,0 +1,59 @@
+"""Who is calling: the bearer key from metadata, resolved with the same `authenticate()` as REST.
+
+The interceptor resolves the key once per call and binds the tenant to a ContextVar for the duration of
+that call; servicers read it with `current_tenant()`. (grpc.aio runs each call's handler in its own task,
+so the binding cannot leak between calls.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from contextvars import ContextVar
+
+from service.kit.db import session_scope
+from service.tenants.auth import TenantContext, authenticate
+
+_TENANT: ContextVar[TenantContext | None] = ContextVar("grpo_grpc_tenant", default=None)
+
+
+def metadata_value(metadata: Sequence[tuple[str, str | bytes]] | None, key: str) -> str | None:
+    """The first value of a (lower-case) metadata key, or None."""
+    for name, value in metadata or ():
+        if name == key:
+            return value.decode() if isinstance(value, bytes) else value
+    return None
+
+
+def bearer_token(metadata: Sequence[tuple[str, str | bytes]] | None) -> str | None:
+    """The key of an `authorization: Bearer <key>` entry; None when absent or not a bearer credential."""
+    header = metadata_value(metadata, "authorization")
+    if header is None:
+        return None
+    scheme, _, token = header.partition(" ")
+    return token.strip() or None if scheme.lower() == "bearer" else None
+
+
+def _authenticate_sync(token: str | None) -> TenantContext:
+    with session_scope() as session:
+        return authenticate(session, token)
+
+
+@asynccontextmanager
+async def authenticated(token: str | None) -> AsyncIterator[TenantContext]:
+    """Resolve `token` (raises Unauthenticated) and bind the tenant for the enclosed call."""
+    tenant = await asyncio.to_thread(_authenticate_sync, token)
+    binding = _TENANT.set(tenant)
+    try:
+        yield tenant
+    finally:
+        _TENANT.reset(binding)
+
+
+def current_tenant() -> TenantContext:
+    """The authenticated tenant of the current call (only inside a call that went through the interceptor)."""
+    tenant = _TENANT.get()
+    if tenant is None:
+        raise RuntimeError("no authenticated tenant bound: is the AuthInterceptor installed?")
+    return tenant

@@ -1,0 +1,87 @@
+"""The one place where failures become gRPC statuses (the REST twin is service/app.py's handlers).
+
+Domain errors carry their own `grpc_status` (service/kit/errors.py); this module only renders them:
+status code + message, and trailing metadata with the stable error code (`grpo-error-code`) and, for
+validation errors, the offending field path (`grpo-error-field`) so clients need not parse messages.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from typing import Any, NoReturn
+
+import grpc
+from pydantic import ValidationError
+
+from service.kit.errors import DomainError, ValidationFailed
+
+log = logging.getLogger(__name__)
+
+ERROR_CODE_KEY = "grpo-error-code"
+ERROR_FIELD_KEY = "grpo-error-field"
+
+
+def field_path(loc: Sequence[Any]) -> str:
+    """Pydantic error location -> dotted field path ("rewards.0.regex_match.pattern")."""
+    return ".".join(str(part) for part in loc)
+
+
+def from_validation_error(exc: ValidationError, *, prefix: str = "") -> ValidationFailed:
+    """A pydantic ValidationError as the domain's ValidationFailed, naming the first bad field.
+
+    `prefix` is prepended to every field path (e.g. "spec" when validating CreateJobRequest.spec).
+    """
+    errors = [
+        {"field": ".".join(p for p in (prefix, field_path(e.get("loc", ()))) if p), "message": e.get("msg", "")}
+        for e in exc.errors()
+    ]
+    first = errors[0] if errors else {"field": prefix, "message": "invalid value"}
+    label = f"{first['field']}: " if first["field"] else ""
+    return ValidationFailed(f"{label}{first['message']}", details=errors)
+
+
+def _field_of(exc: DomainError) -> str | None:
+    """The field a validation error is about, from its details (REST's [{"field": ...}] shape)."""
+    details = exc.details
+    if isinstance(details, list) and details and isinstance(details[0], dict):
+        details = details[0]
+    if isinstance(details, dict):
+        field = details.get("field")
+        if isinstance(field, str) and field:
+            return field
+    return None
+
+
+def status_of(exc: DomainError) -> tuple[grpc.StatusCode, str, tuple[tuple[str, str], ...]]:
+    """(status code, message, trailing metadata) for a domain error."""
+    trailers = [(ERROR_CODE_KEY, exc.code)]
+    field = _field_of(exc)
+    if field is not None:
+        trailers.append((ERROR_FIELD_KEY, field))
+    return exc.grpc_status, exc.message, tuple(trailers)
+
+
+async def abort_with(context: grpc.aio.ServicerContext[Any, Any], exc: DomainError) -> NoReturn:
+    """End the call with the status the domain error stands for."""
+    code, message, trailers = status_of(exc)
+    await context.abort(code, message, trailing_metadata=trailers)
+    raise AssertionError("context.abort returned")  # abort always raises; this keeps NoReturn honest
+
+
+@asynccontextmanager
+async def rendered_errors(context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[None]:
+    """Wrap a call: domain errors -> their status, pydantic errors -> INVALID_ARGUMENT, the rest -> INTERNAL."""
+    try:
+        yield
+    except DomainError as exc:
+        await abort_with(context, exc)
+    except ValidationError as exc:
+        await abort_with(context, from_validation_error(exc))
+    except grpc.aio.AbortError:
+        raise  # already a status (context.abort was called)
+    except Exception:
+        # A bug, not an expected failure: log it with its traceback, tell the client nothing internal.
+        log.exception("unhandled error in gRPC handler")
+        await context.abort(grpc.StatusCode.INTERNAL, "internal error", trailing_metadata=((ERROR_CODE_KEY, "internal"),))
