@@ -60,7 +60,7 @@ async def _whoami_stream(request: bytes, context: Any) -> AsyncIterator[bytes]:
 async def test_channel(settings: object) -> AsyncIterator[grpc.aio.Channel]:
     """A server with the production interceptors and a test-only service calling current_tenant()."""
     server = grpc.aio.server(interceptors=[ErrorInterceptor(), AuthInterceptor()])
-    handlers = {
+    handlers: dict[str, grpc.RpcMethodHandler] = {
         "Who": grpc.unary_unary_rpc_method_handler(_whoami),
         "WhoStream": grpc.unary_stream_rpc_method_handler(_whoami_stream),
     }
@@ -72,6 +72,14 @@ async def test_channel(settings: object) -> AsyncIterator[grpc.aio.Channel]:
     await server.stop(None)
 
 
+def _who(chan: grpc.aio.Channel) -> Any:
+    return chan.unary_unary("/test.Probe/Who")  # raw bytes in and out
+
+
+def _who_stream(chan: grpc.aio.Channel) -> Any:
+    return chan.unary_stream("/test.Probe/WhoStream")
+
+
 def _trailer(error: grpc.aio.AioRpcError, key: str) -> str | None:
     for name, value in error.trailing_metadata() or ():
         if name == key:
@@ -81,13 +89,13 @@ def _trailer(error: grpc.aio.AioRpcError, key: str) -> str | None:
 
 class TestAuthInterceptor:
     async def test_valid_key_binds_the_tenant(self, test_channel: grpc.aio.Channel, tenant_a: TenantHeaders) -> None:
-        reply = await test_channel.unary_unary("/test.Probe/Who")(b"ok", metadata=bearer(tenant_a.api_key))
+        reply = await _who(test_channel)(b"ok", metadata=bearer(tenant_a.api_key))
         assert reply == tenant_a.tenant_id.encode()
 
     async def test_tenants_are_told_apart(
         self, test_channel: grpc.aio.Channel, tenant_a: TenantHeaders, tenant_b: TenantHeaders
     ) -> None:
-        call = test_channel.unary_unary("/test.Probe/Who")
+        call = _who(test_channel)
         assert await call(b"ok", metadata=bearer(tenant_b.api_key)) == tenant_b.tenant_id.encode()
         assert await call(b"ok", metadata=bearer(tenant_a.api_key)) == tenant_a.tenant_id.encode()
 
@@ -100,13 +108,13 @@ class TestAuthInterceptor:
         self, test_channel: grpc.aio.Channel, tenant_a: TenantHeaders, metadata: tuple[tuple[str, str], ...]
     ) -> None:
         with pytest.raises(grpc.aio.AioRpcError) as err:
-            await test_channel.unary_unary("/test.Probe/Who")(b"ok", metadata=metadata)
+            await _who(test_channel)(b"ok", metadata=metadata)
         assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
         assert _trailer(err.value, ERROR_CODE_KEY) == "unauthenticated"
 
     async def test_streams_are_authenticated_too(self, test_channel: grpc.aio.Channel) -> None:
         with pytest.raises(grpc.aio.AioRpcError) as err:
-            async for _ in test_channel.unary_stream("/test.Probe/WhoStream")(b"ok"):
+            async for _ in _who_stream(test_channel)(b"ok"):
                 pass
         assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
@@ -133,12 +141,12 @@ class TestErrorMapping:
         code: str,
     ) -> None:
         with pytest.raises(grpc.aio.AioRpcError) as err:
-            await test_channel.unary_unary("/test.Probe/Who")(trigger.encode(), metadata=bearer(tenant_a.api_key))
+            await _who(test_channel)(trigger.encode(), metadata=bearer(tenant_a.api_key))
         assert err.value.code() == status
         assert _trailer(err.value, ERROR_CODE_KEY) == code
 
     async def test_validation_names_the_field(self, test_channel: grpc.aio.Channel, tenant_a: TenantHeaders) -> None:
-        call = test_channel.unary_unary("/test.Probe/Who")
+        call = _who(test_channel)
         for trigger, field in (("validation", "spec.base_model"), ("pydantic", "count")):
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await call(trigger.encode(), metadata=bearer(tenant_a.api_key))
@@ -147,13 +155,13 @@ class TestErrorMapping:
 
     async def test_bugs_do_not_leak_internals(self, test_channel: grpc.aio.Channel, tenant_a: TenantHeaders) -> None:
         with pytest.raises(grpc.aio.AioRpcError) as err:
-            await test_channel.unary_unary("/test.Probe/Who")(b"bug", metadata=bearer(tenant_a.api_key))
+            await _who(test_channel)(b"bug", metadata=bearer(tenant_a.api_key))
         assert "secret" not in (err.value.details() or "")
 
     async def test_error_mid_stream(self, test_channel: grpc.aio.Channel, tenant_a: TenantHeaders) -> None:
         received = []
         with pytest.raises(grpc.aio.AioRpcError) as err:
-            async for item in test_channel.unary_stream("/test.Probe/WhoStream")(
+            async for item in _who_stream(test_channel)(
                 b"not_found", metadata=bearer(tenant_a.api_key)
             ):
                 received.append(item)
