@@ -1,0 +1,162 @@
+"""Claim, fencing and reaper semantics on real SQLite and PostgreSQL (no broker, no torch)."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+from sqlalchemy import select, update
+
+from service.checkpoints.models import Checkpoint
+from service.jobs.models import Job, JobEvent, JobMetric
+from service.jobs.states import JobStatus
+from service.kit.config import Settings
+from service.kit.db import session_scope, utcnow
+from tests.service.factories import TenantHeaders
+from tests.worker.conftest import RecordingQueue, insert_job
+from worker import reporting
+from worker.lease import Claim, LeaseLost, claim_job
+from worker.reaper import LEASE_EXPIRED_EVENT, WORKER_LOST, reap_once
+
+
+@pytest.fixture
+def job_id(settings: Settings, tenant_a: TenantHeaders) -> str:
+    with session_scope() as session:
+        return insert_job(session, tenant_a.tenant_id).id
+
+
+def _claim(job_id: str, worker: str = "w1", lease: int = 60) -> Claim | None:
+    with session_scope() as session:
+        return claim_job(session, job_id, worker, lease)
+
+
+def _job(job_id: str) -> Job:
+    with session_scope() as session:
+        return session.execute(select(Job).where(Job.id == job_id)).scalar_one()
+
+
+def _expire_lease(job_id: str) -> None:
+    with session_scope() as session:
+        session.execute(update(Job).where(Job.id == job_id).values(lease_until=utcnow() - timedelta(seconds=1)))
+
+
+def _event_types(job_id: str) -> list[str]:
+    with session_scope() as session:
+        return list(session.scalars(select(JobEvent.type).where(JobEvent.job_id == job_id).order_by(JobEvent.id)))
+
+
+class TestClaim:
+    def test_first_claim_starts_attempt_one(self, job_id: str) -> None:
+        claim = _claim(job_id)
+        assert claim is not None and claim.attempt == 1 and claim.resume_step == 0
+        job = _job(job_id)
+        assert (job.status, job.attempt, job.worker_id) == ("running", 1, "w1")
+        assert job.lease_until is not None and job.lease_until > utcnow()
+
+    def test_duplicate_delivery_is_refused(self, job_id: str) -> None:
+        assert _claim(job_id, "w1") is not None
+        assert _claim(job_id, "w2") is None
+        assert _job(job_id).attempt == 1
+
+    def test_cancelled_queued_job_never_starts(self, job_id: str) -> None:
+        with session_scope() as session:
+            job = session.get(Job, job_id)
+            assert job is not None
+            from service.jobs.service import cancel_job
+
+            cancel_job(session, job.tenant_id, job_id)
+        assert _claim(job_id) is None
+        assert _job(job_id).status == "cancelled"
+
+    def test_expired_lease_can_be_taken_over(self, job_id: str) -> None:
+        first = _claim(job_id, "w1")
+        assert first is not None
+        _expire_lease(job_id)
+        second = _claim(job_id, "w2")
+        assert second is not None and second.attempt == 2
+        assert "lease_taken_over" in _event_types(job_id)
+
+
+class TestFencing:
+    def test_old_attempt_writes_are_refused_after_takeover(self, job_id: str) -> None:
+        old = _claim(job_id, "w1")
+        assert old is not None
+        reporting.record_step(old, 1, {"loss": 0.5}, [])
+        _expire_lease(job_id)
+        new = _claim(job_id, "w2")
+        assert new is not None
+        with pytest.raises(LeaseLost):
+            reporting.record_step(old, 2, {"loss": 0.4}, [])
+        with pytest.raises(LeaseLost):
+            reporting.finish(old, JobStatus.succeeded, reason="late")
+        reporting.record_step(new, 1, {"loss": 0.3}, [])
+        with session_scope() as session:
+            rows = session.execute(select(JobMetric.step, JobMetric.attempt).where(JobMetric.job_id == job_id)).all()
+        assert sorted(rows) == [(1, 2)]
+        assert _job(job_id).status == "running"
+
+    def test_claim_discards_steps_after_latest_checkpoint(self, job_id: str) -> None:
+        old = _claim(job_id)
+        assert old is not None
+        for step in (1, 2, 3):
+            reporting.record_step(old, step, {"loss": float(step)}, [])
+        reporting.record_checkpoint(old, checkpoint_id="ckpt_test2", step=2, storage_path="checkpoints/x/y",
+                                    manifest=[{"path": "a", "size": 1, "sha256": "0"}], metrics={})
+        _expire_lease(job_id)
+        new = _claim(job_id, "w2")
+        assert new is not None and new.resume_step == 2 and new.resume_checkpoint_id == "ckpt_test2"
+        with session_scope() as session:
+            steps = sorted(session.scalars(select(JobMetric.step).where(JobMetric.job_id == job_id)))
+            assert session.scalar(select(Checkpoint.id).where(Checkpoint.job_id == job_id)) == "ckpt_test2"
+        assert steps == [1, 2]
+        assert _job(job_id).current_step == 2
+
+    def test_finish_honours_a_cancel_requested_meanwhile(self, job_id: str) -> None:
+        claim = _claim(job_id)
+        assert claim is not None
+        with session_scope() as session:
+            from service.jobs.service import cancel_job
+
+            cancel_job(session, _job(job_id).tenant_id, job_id)
+        assert reporting.finish(claim, JobStatus.succeeded, reason="done") is JobStatus.cancelled
+        assert _job(job_id).status == "cancelled"
+
+
+class TestReaper:
+    def test_expired_lease_is_requeued_then_failed_after_max_attempts(
+        self, job_id: str, settings: Settings
+    ) -> None:
+        queue = RecordingQueue()
+        for attempt in range(1, settings.max_attempts + 1):
+            claim = _claim(job_id, f"w{attempt}")
+            assert claim is not None and claim.attempt == attempt
+            assert not reap_once(queue, settings).requeued  # lease still valid: untouched
+            _expire_lease(job_id)
+            report = reap_once(queue, settings)
+            if attempt < settings.max_attempts:
+                assert report.requeued == [job_id]
+                assert _job(job_id).status == "queued"
+            else:
+                assert report.failed == [job_id]
+        job = _job(job_id)
+        assert job.status == "failed" and job.error_code == WORKER_LOST
+        assert queue.sent == [(job_id, job.queue)] * (settings.max_attempts - 1)
+        assert _event_types(job_id).count(LEASE_EXPIRED_EVENT) == settings.max_attempts
+
+    def test_pause_requested_job_whose_worker_died_is_paused(self, job_id: str, settings: Settings) -> None:
+        assert _claim(job_id) is not None
+        with session_scope() as session:
+            from service.jobs.service import pause_job
+
+            pause_job(session, _job(job_id).tenant_id, job_id)
+        _expire_lease(job_id)
+        assert reap_once(RecordingQueue(), settings).paused == [job_id]
+        assert _job(job_id).status == "paused"
+
+    def test_stale_queued_job_is_resent_once_per_period(self, job_id: str, settings: Settings) -> None:
+        queue = RecordingQueue()
+        assert not reap_once(queue, settings).resent
+        later = utcnow() + timedelta(seconds=settings.queued_resend_seconds + 1)
+        assert reap_once(queue, settings, now=later).resent == [job_id]
+        assert not reap_once(queue, settings, now=later).resent
+        assert queue.sent == [(job_id, _job(job_id).queue)]
