@@ -1,0 +1,104 @@
+"""Group-relative advantages (acceptance item 1)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from worker.grpo.advantages import group_advantages
+
+NAN = float("nan")
+
+
+class TestGroupScale:
+    def test_seed_004_worked_example(self) -> None:
+        # 6 of 10 correct: mean 0.6, population std sqrt(0.24) ~ 0.49 -> +0.82 / -1.22.
+        rewards = torch.tensor([1.0] * 6 + [0.0] * 4)
+        advantages, group_std = group_advantages(rewards, 10)
+        assert group_std.tolist() == pytest.approx([math.sqrt(0.24)])
+        assert advantages[:6].tolist() == pytest.approx([0.4 / (math.sqrt(0.24) + 1e-4)] * 6)
+        assert advantages[6:].tolist() == pytest.approx([-0.6 / (math.sqrt(0.24) + 1e-4)] * 4)
+        assert round(float(advantages[0]), 2) == 0.82
+        assert round(float(advantages[-1]), 2) == -1.22
+
+    def test_zero_spread_group_is_exactly_zero(self) -> None:
+        # 0.1 * 3 / 3 != 0.1 in floating point: the naive (r - mean) / eps would be ~1e-13, not 0.
+        rewards = torch.tensor([0.1, 0.1, 0.1, 0.0, 1.0, 0.5])
+        advantages, group_std = group_advantages(rewards, 3)
+        assert advantages[:3].tolist() == [0.0, 0.0, 0.0]
+        assert group_std[0].item() == 0.0
+        assert group_std[1].item() > 0
+
+    def test_groups_are_contiguous_blocks(self) -> None:
+        rewards = torch.tensor([0.0, 1.0, 10.0, 30.0])
+        advantages, group_std = group_advantages(rewards, 2, eps=0.0)
+        assert advantages.tolist() == pytest.approx([-1.0, 1.0, -1.0, 1.0])
+        assert group_std.tolist() == pytest.approx([0.5, 10.0])
+
+    def test_nan_rewards_are_ignored_and_get_zero(self) -> None:
+        # Valid rewards 1, 0, 0: mean 1/3, population std sqrt(2)/3.
+        rewards = torch.tensor([1.0, NAN, 0.0, 0.0])
+        advantages, group_std = group_advantages(rewards, 4, eps=0.0)
+        std = math.sqrt(2) / 3
+        assert group_std.tolist() == pytest.approx([std])
+        assert advantages.tolist() == pytest.approx([(2 / 3) / std, 0.0, (-1 / 3) / std, (-1 / 3) / std])
+
+    def test_group_with_a_single_valid_reward_is_zero(self) -> None:
+        advantages, group_std = group_advantages(torch.tensor([NAN, 3.0, NAN, NAN]), 2)
+        assert advantages.tolist() == [0.0, 0.0, 0.0, 0.0]
+        assert group_std.tolist() == [0.0, 0.0]
+
+    def test_unbiased_std(self) -> None:
+        # [1, 0, 0]: mean 1/3, unbiased variance ((2/3)^2 + 2 (1/3)^2) / 2 = 1/3.
+        advantages, group_std = group_advantages(torch.tensor([1.0, 0.0, 0.0]), 3, std="unbiased")
+        std = math.sqrt(1 / 3)
+        assert group_std.tolist() == pytest.approx([std])
+        assert advantages.tolist() == pytest.approx([x / (std + 1e-4) for x in (2 / 3, -1 / 3, -1 / 3)])
+
+
+class TestBatchAndNoneScale:
+    rewards = torch.tensor([1.0, 0.0, 3.0, 3.0, 2.0, 4.0])  # groups of 2: means 0.5, 3, 3
+
+    def test_batch_scale_uses_group_mean_and_one_batch_std(self) -> None:
+        # Batch mean 13/6; population variance = mean(r^2) - mean^2 = 39/6 - (13/6)^2 = 65/36.
+        batch_std = math.sqrt(65 / 36)
+        advantages, group_std = group_advantages(self.rewards, 2, scale="batch")
+        expected = [0.5, -0.5, 0.0, 0.0, -1.0, 1.0]
+        assert advantages.tolist() == pytest.approx([e / (batch_std + 1e-4) for e in expected])
+        assert group_std.tolist() == pytest.approx([0.5, 0.0, 1.0])
+
+    def test_batch_scale_unbiased(self) -> None:
+        batch_std = math.sqrt(65 / 36 * 6 / 5)
+        advantages, _ = group_advantages(self.rewards, 2, scale="batch", std="unbiased")
+        expected = [0.5, -0.5, 0.0, 0.0, -1.0, 1.0]
+        assert advantages.tolist() == pytest.approx([e / (batch_std + 1e-4) for e in expected])
+
+    def test_none_scale_only_centres(self) -> None:
+        advantages, _ = group_advantages(self.rewards, 2, scale="none")
+        assert advantages.tolist() == pytest.approx([0.5, -0.5, 0.0, 0.0, -1.0, 1.0])
+
+    def test_zero_spread_group_is_zero_in_every_scale(self) -> None:
+        rewards = torch.tensor([0.1, 0.1, 0.1, 0.0, 1.0, 0.0])
+        for scale in ("group", "batch", "none"):
+            advantages, _ = group_advantages(rewards, 3, scale=scale)  # type: ignore[arg-type]
+            assert advantages[:3].tolist() == [0.0, 0.0, 0.0], scale
+
+
+class TestValidation:
+    def test_rewards_not_divisible_by_group(self) -> None:
+        with pytest.raises(ValueError, match="groups of 4"):
+            group_advantages(torch.zeros(6), 4)
+
+    def test_rewards_must_be_one_dimensional(self) -> None:
+        with pytest.raises(ValueError, match="1-D"):
+            group_advantages(torch.zeros(2, 4), 4)
+
+    def test_bad_scale_is_named(self) -> None:
+        with pytest.raises(ValueError, match="scale"):
+            group_advantages(torch.zeros(4), 2, scale="global")  # type: ignore[arg-type]
+
+    def test_dtype_is_preserved(self) -> None:
+        advantages, group_std = group_advantages(torch.tensor([1.0, 0.0], dtype=torch.float32), 2)
+        assert advantages.dtype == torch.float32 and group_std.dtype == torch.float32
