@@ -52,19 +52,22 @@ class Checkpoint(_message.Message):
     FILES_FIELD_NUMBER: _builtins.int
     METRICS_FIELD_NUMBER: _builtins.int
     CREATED_AT_FIELD_NUMBER: _builtins.int
+    TOTAL_BYTES_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     """Checkpoint id ("ckpt_...")."""
     job_id: _builtins.str
     """Job it belongs to."""
     step: _builtins.int
     """Optimiser step it was taken at."""
+    total_bytes: _builtins.int
+    """Sum of the files' sizes."""
     @_builtins.property
     def files(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.FileInfo]:
         """Its files with size and SHA-256 (the manifest)."""
 
     @_builtins.property
     def metrics(self) -> _containers.ScalarMap[_builtins.str, _builtins.float]:
-        """Metrics of that step."""
+        """Metrics of that step (metrics without a value are left out)."""
 
     @_builtins.property
     def created_at(self) -> _timestamp_pb2.Timestamp:
@@ -79,10 +82,11 @@ class Checkpoint(_message.Message):
         files: _abc.Iterable[_common_pb2.FileInfo] | None = ...,
         metrics: _abc.Mapping[_builtins.str, _builtins.float] | None = ...,
         created_at: _timestamp_pb2.Timestamp | None = ...,
+        total_bytes: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "files", b"files", "id", b"id", "job_id", b"job_id", "metrics", b"metrics", "step", b"step"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "files", b"files", "id", b"id", "job_id", b"job_id", "metrics", b"metrics", "step", b"step", "total_bytes", b"total_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -77,7 +77,7 @@ class UploadDatasetMetadata(_message.Message):
 
     NAME_FIELD_NUMBER: _builtins.int
     name: _builtins.str
-    """Dataset name (REST: the uploaded file name)."""
+    """Dataset name (1-256 printable characters); empty = "dataset" (REST defaults to the file name)."""
     def __init__(
         self,
         *,
@@ -200,7 +200,7 @@ class ListDatasetsRequest(_message.Message):
     PAGE_SIZE_FIELD_NUMBER: _builtins.int
     PAGE_TOKEN_FIELD_NUMBER: _builtins.int
     page_size: _builtins.int
-    """Maximum datasets to return (server default and cap apply when 0)."""
+    """Maximum datasets to return (0 = 20; at most 100)."""
     page_token: _builtins.str
     """next_page_token of the previous page; empty for the first page."""
     def __init__(

@@ -72,6 +72,26 @@ class Job(_message.Message):
 
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class LatestMetricsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.float
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.float = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     ID_FIELD_NUMBER: _builtins.int
     SPEC_FIELD_NUMBER: _builtins.int
     STATE_FIELD_NUMBER: _builtins.int
@@ -87,6 +107,8 @@ class Job(_message.Message):
     FINISHED_AT_FIELD_NUMBER: _builtins.int
     RESUME_CHECKPOINT_ID_FIELD_NUMBER: _builtins.int
     PAUSE_REQUESTED_FIELD_NUMBER: _builtins.int
+    LATEST_METRICS_FIELD_NUMBER: _builtins.int
+    UPDATED_AT_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     """Job id ("job_...")."""
     state: Global___JobState.ValueType
@@ -127,6 +149,14 @@ class Job(_message.Message):
     def finished_at(self) -> _timestamp_pb2.Timestamp:
         """When it reached a terminal state."""
 
+    @_builtins.property
+    def latest_metrics(self) -> _containers.ScalarMap[_builtins.str, _builtins.float]:
+        """Metrics of the latest recorded step (metrics without a value are left out)."""
+
+    @_builtins.property
+    def updated_at(self) -> _timestamp_pb2.Timestamp:
+        """When the job last changed."""
+
     def __init__(
         self,
         *,
@@ -145,10 +175,12 @@ class Job(_message.Message):
         finished_at: _timestamp_pb2.Timestamp | None = ...,
         resume_checkpoint_id: _builtins.str | None = ...,
         pause_requested: _builtins.bool = ...,
+        latest_metrics: _abc.Mapping[_builtins.str, _builtins.float] | None = ...,
+        updated_at: _timestamp_pb2.Timestamp | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_resume_checkpoint_id", b"_resume_checkpoint_id", "_total_steps", b"_total_steps", "created_at", b"created_at", "finished_at", b"finished_at", "resume_checkpoint_id", b"resume_checkpoint_id", "spec", b"spec", "started_at", b"started_at", "total_steps", b"total_steps"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_resume_checkpoint_id", b"_resume_checkpoint_id", "_total_steps", b"_total_steps", "created_at", b"created_at", "finished_at", b"finished_at", "resume_checkpoint_id", b"resume_checkpoint_id", "spec", b"spec", "started_at", b"started_at", "total_steps", b"total_steps", "updated_at", b"updated_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_resume_checkpoint_id", b"_resume_checkpoint_id", "_total_steps", b"_total_steps", "attempt", b"attempt", "created_at", b"created_at", "current_step", b"current_step", "error_code", b"error_code", "error_message", b"error_message", "finished_at", b"finished_at", "id", b"id", "max_attempts", b"max_attempts", "pause_requested", b"pause_requested", "queue", b"queue", "resume_checkpoint_id", b"resume_checkpoint_id", "spec", b"spec", "started_at", b"started_at", "state", b"state", "total_steps", b"total_steps"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_resume_checkpoint_id", b"_resume_checkpoint_id", "_total_steps", b"_total_steps", "attempt", b"attempt", "created_at", b"created_at", "current_step", b"current_step", "error_code", b"error_code", "error_message", b"error_message", "finished_at", b"finished_at", "id", b"id", "latest_metrics", b"latest_metrics", "max_attempts", b"max_attempts", "pause_requested", b"pause_requested", "queue", b"queue", "resume_checkpoint_id", b"resume_checkpoint_id", "spec", b"spec", "started_at", b"started_at", "state", b"state", "total_steps", b"total_steps", "updated_at", b"updated_at"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__resume_checkpoint_id: _TypeAlias = _typing.Literal["resume_checkpoint_id"]  # noqa: Y015
     _WhichOneofArgType__resume_checkpoint_id: _TypeAlias = _typing.Literal["_resume_checkpoint_id", b"_resume_checkpoint_id"]  # noqa: Y015
@@ -265,7 +297,7 @@ class ListJobsRequest(_message.Message):
     PAGE_TOKEN_FIELD_NUMBER: _builtins.int
     STATE_FIELD_NUMBER: _builtins.int
     page_size: _builtins.int
-    """Maximum jobs to return (server default and cap apply when 0)."""
+    """Maximum jobs to return (0 = 20; at most 100)."""
     page_token: _builtins.str
     """next_page_token of the previous page; empty for the first page."""
     state: Global___JobState.ValueType
@@ -510,22 +542,28 @@ class ListJobEventsRequest(_message.Message):
     JOB_ID_FIELD_NUMBER: _builtins.int
     AFTER_EVENT_ID_FIELD_NUMBER: _builtins.int
     PAGE_SIZE_FIELD_NUMBER: _builtins.int
+    TYPES_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     """Job id ("job_...")."""
     after_event_id: _builtins.int
     """Only events with id > after_event_id (0 = from the start)."""
     page_size: _builtins.int
-    """Maximum events to return (server default and cap apply when 0)."""
+    """Maximum events to return (0 = 100; at most 500)."""
+    @_builtins.property
+    def types(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Only events of these types (e.g. "status", "checkpoint"); empty = all."""
+
     def __init__(
         self,
         *,
         job_id: _builtins.str = ...,
         after_event_id: _builtins.int = ...,
         page_size: _builtins.int = ...,
+        types: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["after_event_id", b"after_event_id", "job_id", b"job_id", "page_size", b"page_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["after_event_id", b"after_event_id", "job_id", b"job_id", "page_size", b"page_size", "types", b"types"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -538,6 +576,9 @@ class ListJobEventsResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     EVENTS_FIELD_NUMBER: _builtins.int
+    NEXT_AFTER_EVENT_ID_FIELD_NUMBER: _builtins.int
+    next_after_event_id: _builtins.int
+    """Pass as after_event_id to get the next page; unset when this is the last page."""
     @_builtins.property
     def events(self) -> _containers.RepeatedCompositeFieldContainer[Global___JobEvent]:
         """Events, oldest first."""
@@ -546,12 +587,15 @@ class ListJobEventsResponse(_message.Message):
         self,
         *,
         events: _abc.Iterable[Global___JobEvent] | None = ...,
+        next_after_event_id: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_next_after_event_id", b"_next_after_event_id", "next_after_event_id", b"next_after_event_id"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["events", b"events"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_next_after_event_id", b"_next_after_event_id", "events", b"events", "next_after_event_id", b"next_after_event_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__next_after_event_id: _TypeAlias = _typing.Literal["next_after_event_id"]  # noqa: Y015
+    _WhichOneofArgType__next_after_event_id: _TypeAlias = _typing.Literal["_next_after_event_id", b"_next_after_event_id"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__next_after_event_id) -> _WhichOneofReturnType__next_after_event_id | None: ...
 
 Global___ListJobEventsResponse: _TypeAlias = ListJobEventsResponse  # noqa: Y015
 
@@ -611,14 +655,14 @@ class GetJobMetricsRequest(_message.Message):
 
     JOB_ID_FIELD_NUMBER: _builtins.int
     FROM_STEP_FIELD_NUMBER: _builtins.int
-    TO_STEP_FIELD_NUMBER: _builtins.int
     NAMES_FIELD_NUMBER: _builtins.int
+    PAGE_SIZE_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     """Job id ("job_...")."""
     from_step: _builtins.int
     """Only steps >= from_step (0 = from the start)."""
-    to_step: _builtins.int
-    """Only steps <= to_step; unset = up to the latest."""
+    page_size: _builtins.int
+    """Most (step, name) points to return (0 = 10000; at most 50000); a page never ends mid-step."""
     @_builtins.property
     def names(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Only these metric names; empty = all."""
@@ -628,16 +672,14 @@ class GetJobMetricsRequest(_message.Message):
         *,
         job_id: _builtins.str = ...,
         from_step: _builtins.int = ...,
-        to_step: _builtins.int | None = ...,
         names: _abc.Iterable[_builtins.str] | None = ...,
+        page_size: _builtins.int = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_to_step", b"_to_step", "to_step", b"to_step"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_to_step", b"_to_step", "from_step", b"from_step", "job_id", b"job_id", "names", b"names", "to_step", b"to_step"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["from_step", b"from_step", "job_id", b"job_id", "names", b"names", "page_size", b"page_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType__to_step: _TypeAlias = _typing.Literal["to_step"]  # noqa: Y015
-    _WhichOneofArgType__to_step: _TypeAlias = _typing.Literal["_to_step", b"_to_step"]  # noqa: Y015
-    def WhichOneof(self, oneof_group: _WhichOneofArgType__to_step) -> _WhichOneofReturnType__to_step | None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GetJobMetricsRequest: _TypeAlias = GetJobMetricsRequest  # noqa: Y015
 
@@ -648,6 +690,9 @@ class GetJobMetricsResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     STEPS_FIELD_NUMBER: _builtins.int
+    NEXT_FROM_STEP_FIELD_NUMBER: _builtins.int
+    next_from_step: _builtins.int
+    """Pass as from_step to continue; unset when this is the last page."""
     @_builtins.property
     def steps(self) -> _containers.RepeatedCompositeFieldContainer[Global___StepMetrics]:
         """Metrics by step, in increasing step order."""
@@ -656,14 +701,155 @@ class GetJobMetricsResponse(_message.Message):
         self,
         *,
         steps: _abc.Iterable[Global___StepMetrics] | None = ...,
+        next_from_step: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_next_from_step", b"_next_from_step", "next_from_step", b"next_from_step"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["steps", b"steps"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_next_from_step", b"_next_from_step", "next_from_step", b"next_from_step", "steps", b"steps"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__next_from_step: _TypeAlias = _typing.Literal["next_from_step"]  # noqa: Y015
+    _WhichOneofArgType__next_from_step: _TypeAlias = _typing.Literal["_next_from_step", b"_next_from_step"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__next_from_step) -> _WhichOneofReturnType__next_from_step | None: ...
 
 Global___GetJobMetricsResponse: _TypeAlias = GetJobMetricsResponse  # noqa: Y015
+
+@_typing.final
+class JobSample(_message.Message):
+    """One logged completion."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class RewardsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.float
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.float = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    ID_FIELD_NUMBER: _builtins.int
+    STEP_FIELD_NUMBER: _builtins.int
+    PROMPT_FIELD_NUMBER: _builtins.int
+    COMPLETION_FIELD_NUMBER: _builtins.int
+    REWARD_FIELD_NUMBER: _builtins.int
+    REWARDS_FIELD_NUMBER: _builtins.int
+    CREATED_AT_FIELD_NUMBER: _builtins.int
+    id: _builtins.int
+    """Sample id; pass it as after_sample_id to continue from here."""
+    step: _builtins.int
+    """Step it was generated at."""
+    prompt: _builtins.str
+    """The prompt as rendered for the model."""
+    completion: _builtins.str
+    """The completion."""
+    reward: _builtins.float
+    """Weighted total reward; unset when no source gave a value."""
+    @_builtins.property
+    def rewards(self) -> _containers.ScalarMap[_builtins.str, _builtins.float]:
+        """Reward per source; sources that abstained are left out."""
+
+    @_builtins.property
+    def created_at(self) -> _timestamp_pb2.Timestamp:
+        """When it was logged."""
+
+    def __init__(
+        self,
+        *,
+        id: _builtins.int = ...,
+        step: _builtins.int = ...,
+        prompt: _builtins.str = ...,
+        completion: _builtins.str = ...,
+        reward: _builtins.float | None = ...,
+        rewards: _abc.Mapping[_builtins.str, _builtins.float] | None = ...,
+        created_at: _timestamp_pb2.Timestamp | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_reward", b"_reward", "created_at", b"created_at", "reward", b"reward"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_reward", b"_reward", "completion", b"completion", "created_at", b"created_at", "id", b"id", "prompt", b"prompt", "reward", b"reward", "rewards", b"rewards", "step", b"step"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__reward: _TypeAlias = _typing.Literal["reward"]  # noqa: Y015
+    _WhichOneofArgType__reward: _TypeAlias = _typing.Literal["_reward", b"_reward"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__reward) -> _WhichOneofReturnType__reward | None: ...
+
+Global___JobSample: _TypeAlias = JobSample  # noqa: Y015
+
+@_typing.final
+class ListJobSamplesRequest(_message.Message):
+    """Request of JobService.ListJobSamples."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_ID_FIELD_NUMBER: _builtins.int
+    STEP_FIELD_NUMBER: _builtins.int
+    AFTER_SAMPLE_ID_FIELD_NUMBER: _builtins.int
+    PAGE_SIZE_FIELD_NUMBER: _builtins.int
+    job_id: _builtins.str
+    """Job id ("job_...")."""
+    step: _builtins.int
+    """Only completions logged at this step; unset = all steps."""
+    after_sample_id: _builtins.int
+    """Only samples with id > after_sample_id (0 = from the start)."""
+    page_size: _builtins.int
+    """Maximum samples to return (0 = 100; at most 500)."""
+    def __init__(
+        self,
+        *,
+        job_id: _builtins.str = ...,
+        step: _builtins.int | None = ...,
+        after_sample_id: _builtins.int = ...,
+        page_size: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_step", b"_step", "step", b"step"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_step", b"_step", "after_sample_id", b"after_sample_id", "job_id", b"job_id", "page_size", b"page_size", "step", b"step"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__step: _TypeAlias = _typing.Literal["step"]  # noqa: Y015
+    _WhichOneofArgType__step: _TypeAlias = _typing.Literal["_step", b"_step"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__step) -> _WhichOneofReturnType__step | None: ...
+
+Global___ListJobSamplesRequest: _TypeAlias = ListJobSamplesRequest  # noqa: Y015
+
+@_typing.final
+class ListJobSamplesResponse(_message.Message):
+    """Response of JobService.ListJobSamples."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SAMPLES_FIELD_NUMBER: _builtins.int
+    NEXT_AFTER_SAMPLE_ID_FIELD_NUMBER: _builtins.int
+    next_after_sample_id: _builtins.int
+    """Pass as after_sample_id to get the next page; unset when this is the last page."""
+    @_builtins.property
+    def samples(self) -> _containers.RepeatedCompositeFieldContainer[Global___JobSample]:
+        """Samples, oldest first."""
+
+    def __init__(
+        self,
+        *,
+        samples: _abc.Iterable[Global___JobSample] | None = ...,
+        next_after_sample_id: _builtins.int | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_next_after_sample_id", b"_next_after_sample_id", "next_after_sample_id", b"next_after_sample_id"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_next_after_sample_id", b"_next_after_sample_id", "next_after_sample_id", b"next_after_sample_id", "samples", b"samples"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__next_after_sample_id: _TypeAlias = _typing.Literal["next_after_sample_id"]  # noqa: Y015
+    _WhichOneofArgType__next_after_sample_id: _TypeAlias = _typing.Literal["_next_after_sample_id", b"_next_after_sample_id"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__next_after_sample_id) -> _WhichOneofReturnType__next_after_sample_id | None: ...
+
+Global___ListJobSamplesResponse: _TypeAlias = ListJobSamplesResponse  # noqa: Y015
 
 @_typing.final
 class WatchJobRequest(_message.Message):

@@ -80,6 +80,11 @@ class JobServiceStub:
                 request_serializer=grpo_dot_v1_dot_jobs__pb2.GetJobMetricsRequest.SerializeToString,
                 response_deserializer=grpo_dot_v1_dot_jobs__pb2.GetJobMetricsResponse.FromString,
                 _registered_method=True)
+        self.ListJobSamples = channel.unary_unary(
+                '/grpo.v1.JobService/ListJobSamples',
+                request_serializer=grpo_dot_v1_dot_jobs__pb2.ListJobSamplesRequest.SerializeToString,
+                response_deserializer=grpo_dot_v1_dot_jobs__pb2.ListJobSamplesResponse.FromString,
+                _registered_method=True)
         self.WatchJob = channel.unary_stream(
                 '/grpo.v1.JobService/WatchJob',
                 request_serializer=grpo_dot_v1_dot_jobs__pb2.WatchJobRequest.SerializeToString,
@@ -152,6 +157,13 @@ class JobServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListJobSamples(self, request, context):
+        """Logged sample completions with their per-source rewards.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def WatchJob(self, request, context):
         """Live progress: the current state, then every step's metrics from `from_step` on in order,
         checkpoints and state changes as they happen; the stream ends after the terminal state.
@@ -203,6 +215,11 @@ def add_JobServiceServicer_to_server(servicer, server):
                     servicer.GetJobMetrics,
                     request_deserializer=grpo_dot_v1_dot_jobs__pb2.GetJobMetricsRequest.FromString,
                     response_serializer=grpo_dot_v1_dot_jobs__pb2.GetJobMetricsResponse.SerializeToString,
+            ),
+            'ListJobSamples': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListJobSamples,
+                    request_deserializer=grpo_dot_v1_dot_jobs__pb2.ListJobSamplesRequest.FromString,
+                    response_serializer=grpo_dot_v1_dot_jobs__pb2.ListJobSamplesResponse.SerializeToString,
             ),
             'WatchJob': grpc.unary_stream_rpc_method_handler(
                     servicer.WatchJob,
@@ -432,6 +449,33 @@ class JobService:
             '/grpo.v1.JobService/GetJobMetrics',
             grpo_dot_v1_dot_jobs__pb2.GetJobMetricsRequest.SerializeToString,
             grpo_dot_v1_dot_jobs__pb2.GetJobMetricsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListJobSamples(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/grpo.v1.JobService/ListJobSamples',
+            grpo_dot_v1_dot_jobs__pb2.ListJobSamplesRequest.SerializeToString,
+            grpo_dot_v1_dot_jobs__pb2.ListJobSamplesResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -55,6 +55,8 @@ class JobServiceStub:
     """The job's event log (state changes, checkpoints, errors), oldest first."""
     GetJobMetrics: _grpc.UnaryUnaryMultiCallable[_jobs_pb2.GetJobMetricsRequest, _jobs_pb2.GetJobMetricsResponse]
     """The job's per-step metrics, by step."""
+    ListJobSamples: _grpc.UnaryUnaryMultiCallable[_jobs_pb2.ListJobSamplesRequest, _jobs_pb2.ListJobSamplesResponse]
+    """Logged sample completions with their per-source rewards."""
     WatchJob: _grpc.UnaryStreamMultiCallable[_jobs_pb2.WatchJobRequest, _jobs_pb2.WatchJobResponse]
     """Live progress: the current state, then every step's metrics from `from_step` on in order,
     checkpoints and state changes as they happen; the stream ends after the terminal state.
@@ -88,6 +90,8 @@ class JobServiceAsyncStub(JobServiceStub):
     """The job's event log (state changes, checkpoints, errors), oldest first."""
     GetJobMetrics: _aio.UnaryUnaryMultiCallable[_jobs_pb2.GetJobMetricsRequest, _jobs_pb2.GetJobMetricsResponse]  # type: ignore[assignment]
     """The job's per-step metrics, by step."""
+    ListJobSamples: _aio.UnaryUnaryMultiCallable[_jobs_pb2.ListJobSamplesRequest, _jobs_pb2.ListJobSamplesResponse]  # type: ignore[assignment]
+    """Logged sample completions with their per-source rewards."""
     WatchJob: _aio.UnaryStreamMultiCallable[_jobs_pb2.WatchJobRequest, _jobs_pb2.WatchJobResponse]  # type: ignore[assignment]
     """Live progress: the current state, then every step's metrics from `from_step` on in order,
     checkpoints and state changes as they happen; the stream ends after the terminal state.
@@ -166,6 +170,14 @@ class JobServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_jobs_pb2.GetJobMetricsResponse, _abc.Awaitable[_jobs_pb2.GetJobMetricsResponse]]:
         """The job's per-step metrics, by step."""
+
+    @_abc_1.abstractmethod
+    def ListJobSamples(
+        self,
+        request: _jobs_pb2.ListJobSamplesRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_jobs_pb2.ListJobSamplesResponse, _abc.Awaitable[_jobs_pb2.ListJobSamplesResponse]]:
+        """Logged sample completions with their per-source rewards."""
 
     @_abc_1.abstractmethod
     def WatchJob(
