@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import uvicorn
 from starlette.applications import Starlette
@@ -119,27 +120,47 @@ class RewardServer:
 
     def start(self) -> RewardServer:
         app = Starlette(routes=[Route("/{path:path}", self._handle, methods=["POST"])])
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(("127.0.0.1", self.port))  # port 0 the first time; the same port on restart
-        self.port = sock.getsockname()[1]
-        config = uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=1)
-        self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]}, daemon=True)
-        self._thread.start()
-        deadline = time.monotonic() + 10
-        while not self._server.started:
-            if time.monotonic() > deadline or not self._thread.is_alive():
-                raise RuntimeError("reward server did not start")
-            time.sleep(0.01)
+        self._server, self._thread, self.port = start_uvicorn(app, port=self.port)
         return self
 
     def stop(self) -> None:
         if self._server is not None and self._thread is not None:
-            self._server.should_exit = True
-            self._thread.join(timeout=10)
+            stop_uvicorn(self._server, self._thread)
         self._server = None
         self._thread = None
+
+
+def start_uvicorn(app: Any, *, port: int = 0) -> tuple[uvicorn.Server, threading.Thread, int]:
+    """Serve the ASGI `app` on 127.0.0.1:`port` (0 = any free port) in a daemon thread; wait until it listens."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", port))
+    port = sock.getsockname()[1]
+    config = uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=1)
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError("reward server did not start")
+        time.sleep(0.01)
+    return server, thread, port
+
+
+def stop_uvicorn(server: uvicorn.Server, thread: threading.Thread) -> None:
+    server.should_exit = True
+    thread.join(timeout=10)
+
+
+@contextmanager
+def serving(app: Any) -> Iterator[str]:
+    """Serve `app` on loopback for the duration; yields its base URL."""
+    server, thread, port = start_uvicorn(app)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        stop_uvicorn(server, thread)
 
 
 @contextmanager
