@@ -1,5 +1,237 @@
 """Routes (thin): parse, call the domain service, render."""
 
-from fastapi import APIRouter
+from __future__ import annotations
 
-router = APIRouter()
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Body, Depends, Header, Query, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from sqlalchemy.orm import Session
+
+from service.jobs import service
+from service.jobs.idempotency import request_hash, run_idempotent
+from service.jobs.schemas import EventList, EventOut, JobList, JobOut, MetricsOut, SampleList, SampleOut
+from service.jobs.states import JobStatus
+from service.jobs.stream import job_event_stream, parse_last_event_id
+from service.kit.deps import SessionDep
+from service.kit.openapi import error_responses
+from service.kit.queue import JobQueue, get_job_queue
+from service.tenants.auth import CurrentTenant
+from worker.grpo.spec import JobSpec
+
+router = APIRouter(tags=["jobs"])
+
+QueueDep = Annotated[JobQueue, Depends(get_job_queue)]
+
+_SPEC_EXAMPLES: dict[str, Any] = {
+    "builtin_and_remote_rewards": {
+        "summary": "LoRA on a hub model, a built-in and a remote reward",
+        "value": JobSpec.model_config["json_schema_extra"]["examples"][0],  # type: ignore[index]
+    },
+    "tiny_cpu": {
+        "summary": "The builtin tiny model on a CPU worker",
+        "value": {
+            "name": "tiny-exact-match",
+            "base_model": "builtin:tiny",
+            "train_dataset": "ds_01J9Z3K2Q8",
+            "rewards": [{"type": "builtin", "name": "exact_match", "weight": 1.0}],
+            "hyperparameters": {"max_steps": 20, "num_generations": 4, "prompts_per_step": 2},
+        },
+    },
+}
+
+
+def _split(csv: str | None) -> list[str] | None:
+    if csv is None:
+        return None
+    return [part.strip() for part in csv.split(",") if part.strip()] or None
+
+
+@router.post(
+    "/jobs",
+    status_code=201,
+    response_model=JobOut,
+    summary="Create a training job",
+    responses=error_responses(401, 409, 422),
+)
+def create_job(
+    spec: Annotated[JobSpec, Body(openapi_examples=_SPEC_EXAMPLES)],
+    tenant: CurrentTenant,
+    session: SessionDep,
+    queue: QueueDep,
+    idempotency_key: Annotated[
+        str | None,
+        Header(
+            alias="Idempotency-Key",
+            description="Makes retries safe: the same key and body return the original response (kept 24 h "
+            "or more); the same key with another body is a 422; while the first request runs, a 409.",
+        ),
+    ] = None,
+) -> JSONResponse:
+    """Validate the spec (datasets, reward functions and checkpoints must be yours) and queue the job.
+
+    The job is sent to the workers only once it is committed.
+    """
+
+    def work(s: Session) -> tuple[int, dict[str, Any]]:
+        job = service.create_job(s, tenant.tenant_id, spec, queue)
+        return 201, JobOut.from_row(job).model_dump(mode="json")
+
+    if idempotency_key is None:
+        status_code, body = work(session)
+        return JSONResponse(body, status_code=status_code)
+    outcome = run_idempotent(
+        session, tenant.tenant_id, idempotency_key, request_hash(spec.model_dump(mode="json")), work
+    )
+    headers = {"Idempotent-Replayed": "true"} if outcome.replayed else None
+    return JSONResponse(outcome.body, status_code=outcome.status_code, headers=headers)
+
+
+@router.get(
+    "/jobs", response_model=JobList, summary="List jobs, newest first", responses=error_responses(401, 422)
+)
+def list_jobs(
+    tenant: CurrentTenant,
+    session: SessionDep,
+    status: Annotated[JobStatus | None, Query(description="Only jobs in this state.")] = None,
+    limit: Annotated[int, Query(ge=1, le=100)] = 20,
+    after: Annotated[
+        str | None, Query(max_length=64, description="`next_after` of the previous page.")
+    ] = None,
+) -> JobList:
+    rows, has_more = service.list_jobs(session, tenant.tenant_id, status=status, limit=limit, after=after)
+    data = [JobOut.from_row(job) for job in rows]
+    return JobList(data=data, has_more=has_more, next_after=data[-1].id if has_more else None)
+
+
+@router.get("/jobs/{job_id}", response_model=JobOut, summary="Get a job", responses=error_responses(401, 404))
+def get_job(job_id: str, tenant: CurrentTenant, session: SessionDep) -> JobOut:
+    return JobOut.from_row(service.get_job(session, tenant.tenant_id, job_id))
+
+
+@router.post(
+    "/jobs/{job_id}/cancel",
+    response_model=JobOut,
+    summary="Cancel a job",
+    responses=error_responses(401, 404, 409),
+)
+def cancel_job(job_id: str, tenant: CurrentTenant, session: SessionDep) -> JobOut:
+    """A queued or paused job is cancelled at once; a running one becomes `cancelling` until its worker stops."""
+    return JobOut.from_row(service.cancel_job(session, tenant.tenant_id, job_id))
+
+
+@router.post(
+    "/jobs/{job_id}/pause",
+    response_model=JobOut,
+    summary="Pause a job",
+    responses=error_responses(401, 404, 409),
+)
+def pause_job(job_id: str, tenant: CurrentTenant, session: SessionDep) -> JobOut:
+    """A queued job pauses at once; a running one gets `pause_requested` and pauses at its next checkpoint."""
+    return JobOut.from_row(service.pause_job(session, tenant.tenant_id, job_id))
+
+
+@router.post(
+    "/jobs/{job_id}/resume",
+    response_model=JobOut,
+    summary="Resume a job",
+    responses=error_responses(401, 404, 409),
+)
+def resume_job(job_id: str, tenant: CurrentTenant, session: SessionDep, queue: QueueDep) -> JobOut:
+    """A paused job is queued again and resumes from its latest checkpoint; a pending pause is withdrawn."""
+    return JobOut.from_row(service.resume_job(session, tenant.tenant_id, job_id, queue))
+
+
+@router.get(
+    "/jobs/{job_id}/events",
+    response_model=EventList,
+    summary="List a job's events, oldest first",
+    responses=error_responses(401, 404, 422),
+)
+def list_events(
+    job_id: str,
+    tenant: CurrentTenant,
+    session: SessionDep,
+    after: Annotated[int | None, Query(ge=0, description="Event id to continue after.")] = None,
+    limit: Annotated[int, Query(ge=1, le=500)] = 100,
+    types: Annotated[
+        str | None, Query(description="Comma-separated event types, e.g. `status,checkpoint`.")
+    ] = None,
+) -> EventList:
+    rows, has_more = service.list_events(
+        session, tenant.tenant_id, job_id, after=after, limit=limit, types=_split(types)
+    )
+    data = [EventOut.from_row(row) for row in rows]
+    return EventList(data=data, has_more=has_more, next_after=data[-1].id if has_more else None)
+
+
+@router.get(
+    "/jobs/{job_id}/metrics",
+    response_model=MetricsOut,
+    summary="A job's metrics as time series",
+    responses=error_responses(401, 404, 422),
+)
+def get_metrics(
+    job_id: str,
+    tenant: CurrentTenant,
+    session: SessionDep,
+    names: Annotated[str | None, Query(description="Comma-separated metric names; all when omitted.")] = None,
+    since_step: Annotated[int, Query(ge=0, description="First step to include.")] = 0,
+    limit: Annotated[int, Query(ge=1, le=50_000, description="Most points per page.")] = 10_000,
+) -> MetricsOut:
+    return service.get_metrics(
+        session, tenant.tenant_id, job_id, names=_split(names), since_step=since_step, limit=limit
+    )
+
+
+@router.get(
+    "/jobs/{job_id}/samples",
+    response_model=SampleList,
+    summary="Logged completions with per-source rewards",
+    responses=error_responses(401, 404, 422),
+)
+def list_samples(
+    job_id: str,
+    tenant: CurrentTenant,
+    session: SessionDep,
+    step: Annotated[int | None, Query(ge=0, description="Only completions logged at this step.")] = None,
+    after: Annotated[int | None, Query(ge=0, description="Sample id to continue after.")] = None,
+    limit: Annotated[int, Query(ge=1, le=500)] = 100,
+) -> SampleList:
+    rows, has_more = service.list_samples(
+        session, tenant.tenant_id, job_id, step=step, after=after, limit=limit
+    )
+    data = [SampleOut.from_row(row) for row in rows]
+    return SampleList(data=data, has_more=has_more, next_after=data[-1].id if has_more else None)
+
+
+@router.get(
+    "/jobs/{job_id}/stream",
+    summary="Follow a job live (Server-Sent Events)",
+    response_class=StreamingResponse,
+    responses={
+        200: {
+            "description": "`text/event-stream`: one message per job event (`id:` = event id, `event:` = type "
+            "(status, metrics, checkpoint, ...), `data:` = the event as JSON). Ends after a terminal state. "
+            "Reconnect with `Last-Event-ID` to continue where you left off.",
+            "content": {"text/event-stream": {"schema": {"type": "string"}}},
+        },
+        **error_responses(401, 404, 422),
+    },
+)
+def stream_job(
+    job_id: str,
+    request: Request,
+    tenant: CurrentTenant,
+    session: SessionDep,
+    last_event_id: Annotated[
+        str | None, Header(alias="Last-Event-ID", description="Resume after this event id.")
+    ] = None,
+) -> StreamingResponse:
+    after = parse_last_event_id(last_event_id)
+    service.get_job(session, tenant.tenant_id, job_id)  # 404 before the stream starts
+    return StreamingResponse(
+        job_event_stream(job_id, after, request.is_disconnected),
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )

@@ -73,7 +73,9 @@ def can_transition(current: str, to: JobStatus) -> bool:
     return to in TRANSITIONS[JobStatus(current)]
 
 
-def transition(session: Session, job: Job, to: JobStatus, *, reason: str, data: dict[str, Any] | None = None) -> JobEvent:
+def transition(
+    session: Session, job: Job, to: JobStatus, *, reason: str, data: dict[str, Any] | None = None
+) -> JobEvent:
     """Move `job` to `to`, or raise IllegalTransition (409) naming the current state.
 
     Writes the `status` event in the same transaction, stamps started_at/finished_at, and flushes so

@@ -1,0 +1,149 @@
+"""What the worker reports while it runs a job: events, metrics, samples, state changes.
+
+Transport-free domain functions (issue 4 wires them into the Celery task). Every call carries the
+`attempt` the worker claimed: it is a fencing token. A worker whose lease was lost (the job was
+re-queued and maybe claimed again with attempt + 1) gets StaleAttempt and must stop, so a zombie
+can never overwrite the progress of the attempt that replaced it.
+
+Each call locks the job row first: on PostgreSQL that also orders the job's event ids by commit
+time, which the SSE stream relies on (it reads `id > last seen id`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from sqlalchemy.orm import Session
+
+from service.jobs import repository
+from service.jobs.models import Job, JobEvent, JobSample
+from service.jobs.schemas import SampleIn
+from service.jobs.states import STATUS_EVENT, WORKER_OWNED, JobStatus, flush_job, transition
+from service.kit.db import utcnow
+from service.kit.errors import Conflict, NotFound, ValidationFailed
+
+METRICS_EVENT = "metrics"
+CHECKPOINT_EVENT = "checkpoint"
+
+
+class StaleAttempt(Conflict):
+    """The caller's attempt no longer owns the job: stop working on it."""
+
+    code = "stale_attempt"
+
+
+def load_owned_job(session: Session, job_id: str, attempt: int) -> Job:
+    """Lock the job row and check that `attempt` still owns it (status running or cancelling)."""
+    job = repository.get_job_any_tenant(session, job_id, for_update=True)
+    if job is None:
+        raise NotFound("job", job_id)
+    if job.attempt != attempt or job.status not in WORKER_OWNED:
+        raise StaleAttempt(
+            f"job {job_id!r} is {job.status} at attempt {job.attempt}; attempt {attempt} no longer owns it",
+            details={"current_status": job.status, "current_attempt": job.attempt},
+        )
+    return job
+
+
+def record_event(
+    session: Session,
+    job_id: str,
+    attempt: int,
+    type: str,
+    message: str,
+    data: Mapping[str, Any] | None = None,
+) -> JobEvent:
+    """Append a free-form event (type e.g. "log", "warning", "eval"). Status events come from transitions."""
+    if type == STATUS_EVENT:
+        raise ValidationFailed("type: 'status' events are written by state transitions only")
+    job = load_owned_job(session, job_id, attempt)
+    return _append(session, job, type, message, dict(data or {}))
+
+
+def record_metrics(
+    session: Session, job_id: str, attempt: int, step: int, metrics: Mapping[str, float]
+) -> JobEvent:
+    """Store one step's metrics (replacing a re-run step's), advance progress, emit a "metrics" event."""
+    if step < 0:
+        raise ValidationFailed(f"step: must be >= 0, got {step}")
+    bad = sorted(name for name, value in metrics.items() if not math.isfinite(value))
+    if bad:
+        raise ValidationFailed(f"metrics: non-finite values for {', '.join(bad)}", details={"names": bad})
+    job = load_owned_job(session, job_id, attempt)
+    values = {name: float(value) for name, value in metrics.items()}
+    repository.replace_metrics(session, job.id, step, values, attempt)
+    job.current_step = step
+    job.latest_metrics = values
+    job.updated_at = utcnow()
+    event = _append(session, job, METRICS_EVENT, f"step {step}", {"step": step, "metrics": values})
+    flush_job(session, job)
+    return event
+
+
+def record_samples(
+    session: Session, job_id: str, attempt: int, step: int, samples: Sequence[SampleIn]
+) -> int:
+    """Log completions of `step` with their total and per-source rewards. Returns how many."""
+    job = load_owned_job(session, job_id, attempt)
+    now = utcnow()
+    session.add_all(
+        JobSample(
+            job_id=job.id,
+            step=step,
+            prompt=s.prompt,
+            completion=s.completion,
+            reward=s.reward,
+            rewards=s.rewards,
+            attempt=attempt,
+            created_at=now,
+        )
+        for s in samples
+    )
+    session.flush()
+    return len(samples)
+
+
+def set_total_steps(session: Session, job_id: str, attempt: int, total_steps: int) -> None:
+    """Once the worker knows the plan (num_epochs x dataset size), progress can show it."""
+    if total_steps < 1:
+        raise ValidationFailed(f"total_steps: must be >= 1, got {total_steps}")
+    job = load_owned_job(session, job_id, attempt)
+    job.total_steps = total_steps
+    flush_job(session, job)
+
+
+def worker_transition(
+    session: Session,
+    job_id: str,
+    attempt: int,
+    to: JobStatus,
+    *,
+    reason: str,
+    error_code: str | None = None,
+    error_message: str | None = None,
+) -> Job:
+    """A fenced state change by the worker: succeeded, failed (with error), paused or cancelled."""
+    job = load_owned_job(session, job_id, attempt)
+    if to is JobStatus.failed:
+        job.error_code = error_code or "internal_error"
+        job.error_message = error_message or reason
+    transition(session, job, to, reason=reason)
+    return job
+
+
+def append_locked_event(
+    session: Session, job: Job, type: str, message: str, data: dict[str, Any]
+) -> JobEvent:
+    """For other domains (checkpoints) that already hold the owned, locked job row."""
+    return _append(session, job, type, message, data)
+
+
+def _append(session: Session, job: Job, type: str, message: str, data: dict[str, Any]) -> JobEvent:
+    event = JobEvent(
+        job_id=job.id, type=type, message=message, data=data, attempt=job.attempt, created_at=utcnow()
+    )
+    session.add(event)
+    session.flush()
+    return event

@@ -1,0 +1,160 @@
+"""All SQL of the jobs domain. Every query of a tenant's data filters on tenant_id."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+
+from sqlalchemy import delete, exists, or_, select
+from sqlalchemy.orm import Session
+
+from service.checkpoints.models import Checkpoint
+from service.datasets.models import Dataset
+from service.jobs.models import IdempotencyKey, Job, JobEvent, JobMetric, JobSample
+from service.rewards.models import RewardFunction
+
+
+def get_job(session: Session, tenant_id: str, job_id: str, *, for_update: bool = False) -> Job | None:
+    stmt = select(Job).where(Job.id == job_id, Job.tenant_id == tenant_id)
+    if for_update:
+        # Row lock (PostgreSQL): serialises API transitions with the worker's writes to this job.
+        stmt = stmt.with_for_update()
+    return session.scalars(stmt).one_or_none()
+
+
+def get_job_any_tenant(session: Session, job_id: str, *, for_update: bool = False) -> Job | None:
+    """For the worker, which acts on a job id it was sent, not on behalf of a tenant."""
+    stmt = select(Job).where(Job.id == job_id)
+    if for_update:
+        stmt = stmt.with_for_update()
+    return session.scalars(stmt).one_or_none()
+
+
+def list_jobs(
+    session: Session, tenant_id: str, *, status: str | None, limit: int, before_id: str | None
+) -> Sequence[Job]:
+    """Newest first. Ids are time-sortable, so `id < before_id` is a stable cursor."""
+    stmt = select(Job).where(Job.tenant_id == tenant_id)
+    if status is not None:
+        stmt = stmt.where(Job.status == status)
+    if before_id is not None:
+        stmt = stmt.where(Job.id < before_id)
+    return session.scalars(stmt.order_by(Job.id.desc()).limit(limit)).all()
+
+
+def job_uses_dataset(session: Session, tenant_id: str, dataset_id: str, statuses: Sequence[str]) -> bool:
+    stmt = select(
+        exists().where(
+            Job.tenant_id == tenant_id,
+            Job.status.in_(statuses),
+            or_(Job.train_dataset_id == dataset_id, Job.eval_dataset_id == dataset_id),
+        )
+    )
+    return bool(session.scalar(stmt))
+
+
+# --- references a job spec makes ------------------------------------------------------------------
+
+
+def live_dataset_ids(session: Session, tenant_id: str, ids: Sequence[str]) -> set[str]:
+    stmt = select(Dataset.id).where(
+        Dataset.tenant_id == tenant_id, Dataset.id.in_(ids), Dataset.deleted_at.is_(None)
+    )
+    return set(session.scalars(stmt))
+
+
+def live_reward_function_ids(session: Session, tenant_id: str, ids: Sequence[str]) -> set[str]:
+    stmt = select(RewardFunction.id).where(
+        RewardFunction.tenant_id == tenant_id, RewardFunction.id.in_(ids), RewardFunction.deleted_at.is_(None)
+    )
+    return set(session.scalars(stmt))
+
+
+def tenant_has_checkpoint(session: Session, tenant_id: str, checkpoint_id: str) -> bool:
+    stmt = select(exists().where(Checkpoint.id == checkpoint_id, Checkpoint.tenant_id == tenant_id))
+    return bool(session.scalar(stmt))
+
+
+def latest_checkpoint_id(session: Session, job_id: str) -> str | None:
+    stmt = select(Checkpoint.id).where(Checkpoint.job_id == job_id).order_by(Checkpoint.step.desc()).limit(1)
+    return session.scalar(stmt)
+
+
+# --- events, metrics, samples ---------------------------------------------------------------------
+
+
+def list_events(
+    session: Session, job_id: str, *, after_id: int | None, limit: int, types: Sequence[str] | None = None
+) -> Sequence[JobEvent]:
+    """Oldest first, from after `after_id` (the cursor, also the SSE Last-Event-ID)."""
+    stmt = select(JobEvent).where(JobEvent.job_id == job_id)
+    if after_id is not None:
+        stmt = stmt.where(JobEvent.id > after_id)
+    if types:
+        stmt = stmt.where(JobEvent.type.in_(types))
+    return session.scalars(stmt.order_by(JobEvent.id).limit(limit)).all()
+
+
+def job_status(session: Session, job_id: str) -> str | None:
+    return session.scalar(select(Job.status).where(Job.id == job_id))
+
+
+def replace_metrics(
+    session: Session, job_id: str, step: int, values: Mapping[str, float], attempt: int
+) -> None:
+    """Write a step's metrics; a re-recorded step (retried attempt) replaces the earlier values."""
+    session.execute(
+        delete(JobMetric).where(
+            JobMetric.job_id == job_id, JobMetric.step == step, JobMetric.name.in_(list(values))
+        )
+    )
+    session.add_all(
+        JobMetric(job_id=job_id, step=step, name=name, value=value, attempt=attempt)
+        for name, value in values.items()
+    )
+
+
+def metric_rows(
+    session: Session, job_id: str, *, names: Sequence[str] | None, since_step: int, limit: int
+) -> Sequence[tuple[int, str, float]]:
+    stmt = select(JobMetric.step, JobMetric.name, JobMetric.value).where(
+        JobMetric.job_id == job_id, JobMetric.step >= since_step
+    )
+    if names:
+        stmt = stmt.where(JobMetric.name.in_(names))
+    rows = session.execute(stmt.order_by(JobMetric.step, JobMetric.name).limit(limit)).all()
+    return [(row.step, row.name, row.value) for row in rows]
+
+
+def list_samples(
+    session: Session, job_id: str, *, step: int | None, after_id: int | None, limit: int
+) -> Sequence[JobSample]:
+    stmt = select(JobSample).where(JobSample.job_id == job_id)
+    if step is not None:
+        stmt = stmt.where(JobSample.step == step)
+    if after_id is not None:
+        stmt = stmt.where(JobSample.id > after_id)
+    return session.scalars(stmt.order_by(JobSample.id).limit(limit)).all()
+
+
+# --- idempotency keys -----------------------------------------------------------------------------
+
+
+def get_idempotency_key(session: Session, tenant_id: str, key: str) -> IdempotencyKey | None:
+    return session.get(IdempotencyKey, (tenant_id, key), populate_existing=True)
+
+
+def delete_idempotency_key(session: Session, tenant_id: str, key: str, *, created_at: datetime) -> None:
+    """Delete the claim only if it is still the one we looked at (a concurrent re-claim survives)."""
+    session.execute(
+        delete(IdempotencyKey).where(
+            IdempotencyKey.tenant_id == tenant_id,
+            IdempotencyKey.key == key,
+            IdempotencyKey.created_at == created_at,
+        )
+    )
+
+
+def delete_idempotency_keys_before(session: Session, cutoff: datetime) -> int:
+    result = session.execute(delete(IdempotencyKey).where(IdempotencyKey.created_at < cutoff))
+    return int(getattr(result, "rowcount", 0) or 0)

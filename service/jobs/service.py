@@ -1,0 +1,235 @@
+"""Jobs business logic for API callers (REST and gRPC): create, read, list, cancel, pause, resume.
+
+Transport-free: functions take a Session and a tenant id, return ORM rows or pydantic models and
+raise service.kit.errors.*. They never commit; enqueueing is registered to run after the commit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from functools import partial
+from typing import Any
+
+from sqlalchemy.orm import Session
+
+from service.jobs import repository
+from service.jobs.models import Job, JobEvent
+from service.jobs.schemas import MetricSeries, MetricsOut
+from service.jobs.states import STATUS_EVENT, UNFINISHED, JobStatus, transition
+from service.kit.config import get_settings
+from service.kit.db import on_commit, utcnow
+from service.kit.errors import IllegalTransition, NotFound, ValidationFailed
+from service.kit.ids import new_id
+from service.kit.queue import JobQueue, send_job_logged
+from worker.grpo.spec import JobSpec, RemoteRewardSpec
+
+CHECKPOINT_MODEL_PREFIX = "checkpoint:"
+
+
+# --- create ---------------------------------------------------------------------------------------
+
+
+def create_job(session: Session, tenant_id: str, spec: JobSpec, queue: JobQueue) -> Job:
+    """Validate what the spec refers to, insert the job `queued`, and enqueue it once committed."""
+    check_references(session, tenant_id, spec)
+    now = utcnow()
+    job = Job(
+        id=new_id("job"),
+        tenant_id=tenant_id,
+        name=spec.name,
+        status=JobStatus.queued.value,
+        spec=spec.model_dump(mode="json"),
+        base_model=spec.base_model,
+        train_dataset_id=spec.train_dataset,
+        eval_dataset_id=spec.eval_dataset,
+        queue=queue_for(spec),
+        metadata_=dict(spec.metadata),
+        current_step=0,
+        total_steps=spec.hyperparameters.max_steps,
+        latest_metrics={},
+        pause_requested=False,
+        attempt=0,
+        max_attempts=get_settings().max_attempts,
+        created_at=now,
+        updated_at=now,
+    )
+    session.add(job)
+    session.add(
+        JobEvent(
+            job_id=job.id,
+            type=STATUS_EVENT,
+            message="created: queued",
+            data={"from": None, "to": JobStatus.queued.value, "reason": "created"},
+            attempt=0,
+            created_at=now,
+        )
+    )
+    session.flush()
+    enqueue_after_commit(session, job, queue)
+    return job
+
+
+def queue_for(spec: JobSpec) -> str:
+    """The builtin: models are small enough for CPU workers; everything else needs a GPU."""
+    return "cpu" if spec.base_model.startswith("builtin:") else "gpu"
+
+
+def enqueue_after_commit(session: Session, job: Job, queue: JobQueue) -> None:
+    on_commit(session, partial(send_job_logged, queue, job.id, job.queue))
+
+
+def check_references(session: Session, tenant_id: str, spec: JobSpec) -> None:
+    """Datasets, remote reward functions and checkpoint base models must exist and be the tenant's.
+
+    Raises ValidationFailed (422) naming every offending field, e.g. `rewards[1].reward_function_id`.
+    """
+    errors: list[dict[str, Any]] = []
+    datasets = {"train_dataset": spec.train_dataset, "eval_dataset": spec.eval_dataset}
+    wanted = [ds for ds in datasets.values() if ds is not None]
+    found = repository.live_dataset_ids(session, tenant_id, wanted)
+    for field, dataset_id in datasets.items():
+        if dataset_id is not None and dataset_id not in found:
+            errors.append(_missing(field, f"dataset {dataset_id!r} not found"))
+
+    remote = {i: r.reward_function_id for i, r in enumerate(spec.rewards) if isinstance(r, RemoteRewardSpec)}
+    found = repository.live_reward_function_ids(session, tenant_id, list(remote.values()))
+    for i, rf_id in remote.items():
+        if rf_id not in found:
+            errors.append(
+                _missing(f"rewards[{i}].reward_function_id", f"reward function {rf_id!r} not found")
+            )
+
+    if spec.base_model.startswith(CHECKPOINT_MODEL_PREFIX):
+        checkpoint_id = spec.base_model.removeprefix(CHECKPOINT_MODEL_PREFIX)
+        if not repository.tenant_has_checkpoint(session, tenant_id, checkpoint_id):
+            errors.append(_missing("base_model", f"checkpoint {checkpoint_id!r} not found"))
+
+    if errors:
+        raise ValidationFailed(f"{errors[0]['field']}: {errors[0]['message']}", details=errors)
+
+
+def _missing(field: str, message: str) -> dict[str, Any]:
+    return {"field": field, "message": message, "type": "not_found"}
+
+
+# --- read -----------------------------------------------------------------------------------------
+
+
+def get_job(session: Session, tenant_id: str, job_id: str, *, for_update: bool = False) -> Job:
+    job = repository.get_job(session, tenant_id, job_id, for_update=for_update)
+    if job is None:
+        raise NotFound("job", job_id)
+    return job
+
+
+def list_jobs(
+    session: Session, tenant_id: str, *, status: JobStatus | None, limit: int, after: str | None
+) -> tuple[Sequence[Job], bool]:
+    """Newest first; `after` is the id of the last job of the previous page. Returns (page, has_more)."""
+    rows = repository.list_jobs(
+        session, tenant_id, status=status.value if status else None, limit=limit + 1, before_id=after
+    )
+    return rows[:limit], len(rows) > limit
+
+
+def list_events(
+    session: Session,
+    tenant_id: str,
+    job_id: str,
+    *,
+    after: int | None,
+    limit: int,
+    types: Sequence[str] | None,
+) -> tuple[Sequence[JobEvent], bool]:
+    get_job(session, tenant_id, job_id)
+    rows = repository.list_events(session, job_id, after_id=after, limit=limit + 1, types=types)
+    return rows[:limit], len(rows) > limit
+
+
+def get_metrics(
+    session: Session, tenant_id: str, job_id: str, *, names: Sequence[str] | None, since_step: int, limit: int
+) -> MetricsOut:
+    """Time series from `since_step` on, at most `limit` points; a page never ends mid-step."""
+    get_job(session, tenant_id, job_id)
+    rows = repository.metric_rows(session, job_id, names=names, since_step=since_step, limit=limit + 1)
+    has_more = len(rows) > limit
+    next_since_step = None
+    if has_more:
+        # Drop the (possibly partial) last step; the next page starts at it.
+        next_since_step = rows[limit][0]
+        rows = [row for row in rows[:limit] if row[0] < next_since_step]
+        if not rows:
+            raise ValidationFailed(f"limit: {limit} is smaller than the number of metrics in one step")
+    series: dict[str, MetricSeries] = {}
+    for step, name, value in rows:
+        entry = series.setdefault(name, MetricSeries(steps=[], values=[]))
+        entry.steps.append(step)
+        entry.values.append(value)
+    return MetricsOut(job_id=job_id, series=series, has_more=has_more, next_since_step=next_since_step)
+
+
+def list_samples(
+    session: Session, tenant_id: str, job_id: str, *, step: int | None, after: int | None, limit: int
+) -> tuple[Sequence[Any], bool]:
+    get_job(session, tenant_id, job_id)
+    rows = repository.list_samples(session, job_id, step=step, after_id=after, limit=limit + 1)
+    return rows[:limit], len(rows) > limit
+
+
+def dataset_in_use(session: Session, tenant_id: str, dataset_id: str) -> bool:
+    """True while an unfinished job (not succeeded/failed/cancelled) trains or evaluates on the dataset."""
+    return repository.job_uses_dataset(session, tenant_id, dataset_id, [s.value for s in UNFINISHED])
+
+
+# --- control --------------------------------------------------------------------------------------
+
+
+def cancel_job(session: Session, tenant_id: str, job_id: str) -> Job:
+    """queued/paused -> cancelled at once; running -> cancelling (the worker stops and finishes it)."""
+    job = get_job(session, tenant_id, job_id, for_update=True)
+    target = JobStatus.cancelling if job.status == JobStatus.running else JobStatus.cancelled
+    transition(session, job, target, reason="cancel requested")
+    return job
+
+
+def pause_job(session: Session, tenant_id: str, job_id: str) -> Job:
+    """queued -> paused at once; running -> pause requested (the worker pauses at a checkpoint)."""
+    job = get_job(session, tenant_id, job_id, for_update=True)
+    if job.status != JobStatus.running:
+        transition(session, job, JobStatus.paused, reason="pause requested")
+        return job
+    if not job.pause_requested:
+        job.pause_requested = True
+        job.updated_at = utcnow()
+        _event(session, job, "pause_requested", "pause requested; the job pauses at its next checkpoint")
+    return job
+
+
+def resume_job(session: Session, tenant_id: str, job_id: str, queue: JobQueue) -> Job:
+    """paused -> queued (re-enqueued, resuming from the latest checkpoint); withdraws a pending pause."""
+    job = get_job(session, tenant_id, job_id, for_update=True)
+    if job.status == JobStatus.running and job.pause_requested:
+        job.pause_requested = False
+        job.updated_at = utcnow()
+        _event(session, job, "pause_withdrawn", "pause request withdrawn")
+        return job
+    if job.status != JobStatus.paused:
+        raise IllegalTransition(
+            f"job {job.id!r} is {job.status}: only a paused job can be resumed",
+            details={"current_status": job.status, "requested_status": JobStatus.queued.value},
+        )
+    job.resume_checkpoint_id = repository.latest_checkpoint_id(session, job.id) or job.resume_checkpoint_id
+    transition(
+        session, job, JobStatus.queued, reason="resumed", data={"checkpoint_id": job.resume_checkpoint_id}
+    )
+    enqueue_after_commit(session, job, queue)
+    return job
+
+
+def _event(session: Session, job: Job, type_: str, message: str) -> None:
+    session.add(
+        JobEvent(
+            job_id=job.id, type=type_, message=message, data={}, attempt=job.attempt, created_at=utcnow()
+        )
+    )
+    session.flush()

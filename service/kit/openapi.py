@@ -1,0 +1,35 @@
+"""OpenAPI helpers: the error body as a pydantic model, and per-route error response docs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+
+class ErrorDetail(BaseModel):
+    code: str = Field(description="Stable machine-readable code.", examples=["not_found"])
+    message: str = Field(examples=["job 'job_01J...' not found"])
+    details: Any = Field(None, description="Extra context, e.g. a list of {field, message, type} for 422.")
+
+
+class ErrorBody(BaseModel):
+    """Every 4xx/5xx response has this shape."""
+
+    error: ErrorDetail
+
+
+_DESCRIPTIONS = {
+    401: "Missing or invalid API key (`unauthenticated`).",
+    404: "Unknown id, or another tenant's (`not_found`, identical either way).",
+    409: "Conflict with the current state (`illegal_transition`, `idempotency_key_in_flight`, `conflict`).",
+    413: "Payload too large (`payload_too_large`).",
+    416: "Range not satisfiable.",
+    422: "Invalid input (`validation_error`); `details` names each field.",
+    503: "A dependency is unavailable (`service_unavailable`).",
+}
+
+
+def error_responses(*codes: int) -> dict[int | str, dict[str, Any]]:
+    """`responses=` for a route: each listed status documented with the error body."""
+    return {code: {"model": ErrorBody, "description": _DESCRIPTIONS[code]} for code in codes}
