@@ -5,7 +5,7 @@ the lease fence (worker.lease.fence), retried through transient database errors.
 a newer attempt owns the job raises `LeaseLost`; the runner then stops without touching anything else.
 
 Retried writes are idempotent: a step's metrics replace that step's earlier rows, samples of a step are
-replaced, a checkpoint row is keyed by an id chosen before the first try.
+replaced, a checkpoint is keyed by an id chosen before the upload.
 """
 
 from __future__ import annotations
@@ -18,12 +18,13 @@ from typing import Any, TypeVar
 from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 
+from service.checkpoints import service as checkpoints
 from service.checkpoints.models import Checkpoint
 from service.jobs import progress
 from service.jobs.models import Job, JobSample
 from service.jobs.schemas import SampleIn
 from service.jobs.states import JobStatus
-from service.kit.db import utcnow
+from service.storage import get_storage
 from worker.lease import Claim, LeaseLost, fenced_write
 
 log = logging.getLogger(__name__)
@@ -68,38 +69,19 @@ def record_checkpoint(
     *,
     checkpoint_id: str,
     step: int,
-    storage_path: str,
-    manifest: list[dict[str, Any]],
-    metrics: Mapping[str, float],
+    files: Mapping[str, Mapping[str, Any]],
+    metrics: Mapping[str, float] | None = None,
 ) -> None:
-    """Insert the checkpoint row (its files are already in storage) and a "checkpoint" event."""
+    """Register a checkpoint whose files are already uploaded under checkpoint_prefix(job, id)."""
 
     def work(session: Session) -> None:
-        job = progress.load_owned_job(session, claim.job_id, claim.attempt)
         if session.get(Checkpoint, checkpoint_id) is not None:  # a retry after a lost commit reply
             return
-        # A checkpoint of the same step from a dead attempt was discarded at claim time; this one replaces
-        # any the same attempt wrote before a retry.
-        session.execute(delete(Checkpoint).where(Checkpoint.job_id == job.id, Checkpoint.step == step))
-        session.add(
-            Checkpoint(
-                id=checkpoint_id,
-                tenant_id=job.tenant_id,
-                job_id=job.id,
-                step=step,
-                storage_path=storage_path,
-                manifest=manifest,
-                total_bytes=sum(int(entry["size"]) for entry in manifest),
-                metrics=finite_metrics(metrics),
-                attempt=claim.attempt,
-                created_at=utcnow(),
-            )
+        checkpoints.record_checkpoint(
+            session, get_storage(), claim.job_id, claim.attempt, checkpoint_id=checkpoint_id, step=step,
+            files=files, metrics=None if metrics is None else finite_metrics(metrics),
         )
         session.flush()
-        progress.append_locked_event(
-            session, job, progress.CHECKPOINT_EVENT, f"checkpoint at step {step}",
-            {"checkpoint_id": checkpoint_id, "step": step},
-        )
 
     _fenced(claim, work)
 

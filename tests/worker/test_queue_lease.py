@@ -12,6 +12,7 @@ from service.jobs.models import Job, JobEvent, JobMetric
 from service.jobs.states import JobStatus
 from service.kit.config import Settings
 from service.kit.db import session_scope, utcnow
+from service.storage import checkpoint_key, get_storage
 from tests.service.factories import TenantHeaders
 from tests.worker.conftest import RecordingQueue, insert_job
 from worker import reporting
@@ -37,12 +38,16 @@ def _job(job_id: str) -> Job:
 
 def _expire_lease(job_id: str) -> None:
     with session_scope() as session:
-        session.execute(update(Job).where(Job.id == job_id).values(lease_until=utcnow() - timedelta(seconds=1)))
+        session.execute(
+            update(Job).where(Job.id == job_id).values(lease_until=utcnow() - timedelta(seconds=1))
+        )
 
 
 def _event_types(job_id: str) -> list[str]:
     with session_scope() as session:
-        return list(session.scalars(select(JobEvent.type).where(JobEvent.job_id == job_id).order_by(JobEvent.id)))
+        return list(
+            session.scalars(select(JobEvent.type).where(JobEvent.job_id == job_id).order_by(JobEvent.id))
+        )
 
 
 class TestClaim:
@@ -91,7 +96,9 @@ class TestFencing:
             reporting.finish(old, JobStatus.succeeded, reason="late")
         reporting.record_step(new, 1, {"loss": 0.3}, [])
         with session_scope() as session:
-            rows = session.execute(select(JobMetric.step, JobMetric.attempt).where(JobMetric.job_id == job_id)).all()
+            rows = session.execute(
+                select(JobMetric.step, JobMetric.attempt).where(JobMetric.job_id == job_id)
+            ).all()
         assert sorted(rows) == [(1, 2)]
         assert _job(job_id).status == "running"
 
@@ -100,8 +107,8 @@ class TestFencing:
         assert old is not None
         for step in (1, 2, 3):
             reporting.record_step(old, step, {"loss": float(step)}, [])
-        reporting.record_checkpoint(old, checkpoint_id="ckpt_test2", step=2, storage_path="checkpoints/x/y",
-                                    manifest=[{"path": "a", "size": 1, "sha256": "0"}], metrics={})
+        get_storage().put_stream(checkpoint_key(job_id, "ckpt_test2", "a.bin"), [b"x"])
+        reporting.record_checkpoint(old, checkpoint_id="ckpt_test2", step=2, files={"a.bin": {"size": 1, "sha256": "0" * 64}})
         _expire_lease(job_id)
         new = _claim(job_id, "w2")
         assert new is not None and new.resume_step == 2 and new.resume_checkpoint_id == "ckpt_test2"
