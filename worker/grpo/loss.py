@@ -77,14 +77,18 @@ def grpo_loss(
     if old_logps is None:
         old_logps = logps.detach()
 
-    ratio = torch.exp(logps - old_logps)  # (B, C)
+    keep = mask.bool()  # (B, C)
+    # Masked positions are zeroed before exp (not only after): a stray huge value in a padded slot
+    # would otherwise give inf there and NaN gradients through the where below.
+    log_ratio = torch.where(keep, logps - old_logps, torch.zeros_like(logps))  # (B, C)
+    ratio = torch.exp(log_ratio)  # (B, C)
     clipped = torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high)  # (B, C)
     adv = advantages.to(logps.dtype).unsqueeze(1)  # (B, 1): the sequence's advantage on every token
     per_token = -torch.min(ratio * adv, clipped * adv)  # (B, C)
 
     kl: Tensor | None = None
     if ref_logps is not None:
-        kl = k3_kl(logps, ref_logps)  # (B, C)
+        kl = k3_kl(logps, torch.where(keep, ref_logps, logps.detach()))  # (B, C), 0 where masked
         if beta > 0:
             per_token = per_token + beta * kl  # added per token, before aggregation (as TRL)
 
