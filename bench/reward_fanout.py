@@ -1,0 +1,129 @@
+"""Acceptance 9: reward-phase time with concurrent batches vs one request at a time, same run.
+
+A loopback reward server (the user helper's app under uvicorn) sleeps 100 ms per request. 32 completions
+(4 prompts x 8) are scored with max_batch_size 8 and max_concurrency 4 (target <= 150 ms) and, as the
+baseline, with max_concurrency 1. Each figure is the median of --repeats calls (cache off, one warm-up).
+
+    .venv/bin/python bench/reward_fanout.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import multiprocessing
+import os
+import socket
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import uvicorn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from worker.grpo.reward_types import RewardInput  # noqa: E402
+from worker.reward_client import RemoteRewardConfig, RemoteRewardSource  # noqa: E402
+from worker.reward_server import RewardRequest, make_reward_app  # noqa: E402
+
+LATENCY_S = 0.100
+TARGET_MS = 150.0
+
+
+async def _score(request: RewardRequest) -> list[float | None]:
+    await asyncio.sleep(LATENCY_S)  # the endpoint's own work
+    return [float(len(item.completion)) for item in request.items]
+
+
+def _serve(secret: str, sock: socket.socket) -> None:
+    config = uvicorn.Config(
+        make_reward_app(secret, _score), log_level="warning", lifespan="off", access_log=False
+    )
+    uvicorn.Server(config).run(sockets=[sock])
+
+
+def start_server(secret: str) -> tuple[multiprocessing.Process, int]:
+    """The endpoint in its own process, as in production (no GIL shared with the client)."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    process = multiprocessing.get_context("fork").Process(target=_serve, args=(secret, sock), daemon=True)
+    process.start()
+    deadline = time.monotonic() + 20
+    while True:  # wait until it accepts connections
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return process, port
+        except OSError:
+            if time.monotonic() > deadline:
+                raise RuntimeError("reward server did not start") from None
+            time.sleep(0.05)
+
+
+def completions(n_prompts: int, per_prompt: int) -> list[RewardInput]:
+    return [
+        RewardInput(
+            prompt=f"prompt {g}",
+            completion=f"completion {g}-{k}",
+            completion_ids=[],
+            group_id=g,
+            index=g * per_prompt + k,
+        )
+        for g in range(n_prompts)
+        for k in range(per_prompt)
+    ]
+
+
+async def reward_phase_ms(url: str, secret: str, *, concurrency: int, repeats: int) -> list[float]:
+    config = RemoteRewardConfig(
+        reward_function_id="bench",
+        url=url,
+        secret=secret,
+        job_id="bench",
+        max_batch_size=8,
+        max_concurrency=concurrency,
+        allow_private=True,
+        cache_max_entries=0,
+    )
+    source = RemoteRewardSource(config)
+    items = completions(4, 8)
+    await source(items, step=0)  # warm-up: connections opened
+    timings = []
+    for step in range(1, repeats + 1):
+        started = time.perf_counter()
+        rewards = await source(items, step=step)
+        timings.append((time.perf_counter() - started) * 1000)
+        assert rewards == [float(len(i.completion)) for i in items]
+    await source.aclose()
+    return timings
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="Reward fan-out benchmark (acceptance 9).")
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    secret = "whsec_" + base64.b64encode(os.urandom(24)).decode()
+    server, port = start_server(secret)
+    url = f"http://127.0.0.1:{port}/score"
+    try:
+        fan = asyncio.run(reward_phase_ms(url, secret, concurrency=4, repeats=args.repeats))
+        seq = asyncio.run(reward_phase_ms(url, secret, concurrency=1, repeats=args.repeats))
+    finally:
+        server.terminate()
+        server.join()
+    fan_ms, seq_ms = statistics.median(fan), statistics.median(seq)
+    print("reward phase, 32 completions, 100 ms endpoint latency, max_batch_size 8 (4 requests)")
+    print(f"  max_concurrency 4 : median {fan_ms:7.1f} ms  (min {min(fan):.1f}, max {max(fan):.1f})")
+    print(
+        f"  max_concurrency 1 : median {seq_ms:7.1f} ms  (min {min(seq):.1f}, max {max(seq):.1f})  [baseline]"
+    )
+    print(
+        f"  speed-up {seq_ms / fan_ms:.2f}x; target <= {TARGET_MS:.0f} ms: {'PASS' if fan_ms <= TARGET_MS else 'FAIL'}"
+    )
+    sys.exit(0 if fan_ms <= TARGET_MS else 1)
+
+
+if __name__ == "__main__":
+    main()

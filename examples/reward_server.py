@@ -1,0 +1,56 @@
+"""A complete remote reward server built with the helper in `worker.reward_server`.
+
+Scores a completion 1.0 when it contains the dataset row's ``answer`` inside ``\\boxed{...}``, 0.1 when it
+has a ``\\boxed{}`` with something else, 0.0 otherwise, and abstains (null) on rows without an answer.
+
+Run it (the secret is the one shown when you registered the reward function)::
+
+    GRPO_REWARD_SECRET=whsec_... python examples/reward_server.py --port 9000
+
+then register ``http://127.0.0.1:9000/score`` (development mode allows loopback; production requires a
+public https URL, e.g. behind a TLS-terminating proxy). Any framework works: call
+``verify_and_parse(secret, headers, raw_body)`` and answer ``encode_response(rewards)``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+
+import uvicorn
+
+from worker.reward_server import RewardRequest, make_reward_app
+
+BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
+
+
+def score(request: RewardRequest) -> list[float | None]:
+    """One reward per item, in order; None abstains."""
+    rewards: list[float | None] = []
+    for item in request.items:
+        answer = item.metadata.get("answer")
+        if answer is None:
+            rewards.append(None)
+            continue
+        found = BOXED.findall(item.completion)
+        if not found:
+            rewards.append(0.0)
+        else:
+            rewards.append(1.0 if found[-1].strip() == str(answer).strip() else 0.1)
+    return rewards
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=9000)
+    args = parser.parse_args()
+    secret = os.environ.get("GRPO_REWARD_SECRET")
+    if not secret:
+        parser.error("set GRPO_REWARD_SECRET to the reward function's whsec_ secret")
+    uvicorn.run(make_reward_app(secret, score), host=args.host, port=args.port)
+
+
+if __name__ == "__main__":
+    main()
