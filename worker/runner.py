@@ -1,0 +1,410 @@
+"""JobRunner: one delivery of `grpo.run_job(job_id)`, from claim to final state.
+
+    claim (or return quietly: duplicate delivery / cancelled / finished)
+      -> heartbeat thread renews the lease
+      -> spec from the job row -> dataset from storage -> base model (builtin:, HF id, checkpoint:<id>)
+      -> resume point: the latest checkpoint that downloads and verifies against its manifest
+      -> rewards (built-ins, reward models, remote endpoints with retry events)
+      -> GRPOTrainer with hooks: every step's metrics/samples, every checkpoint (uploaded, then recorded),
+         should_stop polled between steps (cancel, pause, lost lease)
+      -> final state: succeeded | paused | cancelled | failed (with a code)
+
+Every report is fenced by the attempt (worker.reporting); when a newer attempt owns the job the runner
+stops without writing anything more. How the outcome maps to states:
+
+- trained to the end -> `succeeded` (or `cancelled` if a cancel arrived meanwhile);
+- stopped by should_stop -> the trainer saved a checkpoint; `paused` after a pause request, `cancelled`
+  after a cancel;
+- `RewardUnavailable` (an endpoint stayed down) -> event `reward_endpoint_unavailable`, `paused`;
+  `POST /v1/jobs/{id}/resume` re-enqueues it and it resumes from its last checkpoint;
+- `RewardError` -> `failed` with the error's code (`reward_endpoint_invalid_response`, ...) and message;
+- a dataset that no longer parses -> `failed` (`dataset_invalid`); a `checkpoint:<id>` base model that is
+  missing or corrupt -> `failed` (`base_checkpoint_invalid`); anything else -> `failed`
+  (`training_error`, with the exception type and message).
+Metrics, events and checkpoints already recorded always stay.
+
+torch is imported only inside `run()` (through the trainer), never when this module is imported: the
+Celery parent process that forks children must not initialise CUDA.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from sqlalchemy import select
+
+from service.checkpoints.models import Checkpoint
+from service.checkpoints.service import new_checkpoint_id
+from service.datasets.models import Dataset
+from service.jobs.models import Job
+from service.jobs.schemas import SampleIn
+from service.jobs.states import JobStatus
+from service.kit.config import Settings, get_settings
+from service.kit.db import session_scope
+from service.rewards.models import RewardFunction
+from service.storage import Storage, checkpoint_key, checkpoint_prefix, get_storage
+from worker import reporting
+from worker.grpo.reward_types import RewardError, RewardUnavailable
+from worker.grpo.spec import JobSpec, RemoteRewardSpec
+from worker.lease import (
+    OWNED_STATES,
+    Claim,
+    Heartbeat,
+    LeaseLost,
+    claim_job,
+    latest_checkpoint,
+    rewind_to,
+    with_db_retry,
+)
+
+if TYPE_CHECKING:
+    from worker.grpo.data import PromptRow
+    from worker.grpo.rewards import CompositeReward
+    from worker.reward_client import RetryEvent
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT_MODEL_PREFIX = "checkpoint:"
+MANIFEST_NAME = "manifest.json"
+_CHUNK = 1 << 20
+
+
+class JobFailure(Exception):
+    """A failure with a stable error code for the job row."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+@dataclass(frozen=True)
+class JobContext:
+    """What the runner reads from the database once, after the claim."""
+
+    job_id: str
+    tenant_id: str
+    queue: str
+    spec: JobSpec
+    dataset_key: str
+    eval_dataset_key: str | None
+    reward_functions: dict[str, RewardFunction]
+
+
+def default_worker_id() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+class JobRunner:
+    """Runs one delivery of a job. `run()` returns what happened (for logs and tests)."""
+
+    def __init__(self, job_id: str, *, settings: Settings | None = None, worker_id: str | None = None) -> None:
+        self.job_id = job_id
+        self.settings = settings or get_settings()
+        self.worker_id = worker_id or default_worker_id()
+        self.storage: Storage = get_storage()
+        self._step_metrics: dict[int, dict[str, float]] = {}
+
+    # --- entry point ---------------------------------------------------------------------------
+
+    def run(self) -> str:
+        """"duplicate" when the claim was refused, "lease_lost" when a newer attempt took over,
+        else the job's final state for this attempt."""
+        claim = with_db_retry(self._claim)
+        if claim is None:
+            log.info("job %s: not claimable (duplicate delivery, finished, paused or cancelled)", self.job_id)
+            return "duplicate"
+        log.info("job %s: attempt %d claimed by %s, resuming at step %d",
+                 self.job_id, claim.attempt, self.worker_id, claim.resume_step)
+        workdir = Path(self.settings.data_dir) / "work" / self.job_id / f"attempt-{claim.attempt}"
+        try:
+            with Heartbeat(claim) as heartbeat:
+                return self._run_claimed(claim, heartbeat, workdir).value
+        except LeaseLost:
+            log.warning("job %s: attempt %d lost the job to a newer attempt; stopped", self.job_id, claim.attempt)
+            return "lease_lost"
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+    def _claim(self) -> Claim | None:
+        with session_scope() as session:
+            return claim_job(session, self.job_id, self.worker_id, self.settings.lease_seconds)
+
+    def _run_claimed(self, claim: Claim, heartbeat: Heartbeat, workdir: Path) -> JobStatus:
+        try:
+            result = self._train(claim, heartbeat, workdir)
+        except LeaseLost:
+            raise
+        except RewardUnavailable as exc:
+            reporting.record_event(claim, "reward_endpoint_unavailable", str(exc), {"source": exc.source})
+            return reporting.finish(claim, JobStatus.paused, reason=f"reward endpoint unavailable: {exc.reason}")
+        except RewardError as exc:
+            return self._fail(claim, exc.code, str(exc))
+        except JobFailure as exc:
+            return self._fail(claim, exc.code, exc.message)
+        except Exception as exc:
+            log.exception("job %s: attempt %d crashed", self.job_id, claim.attempt)
+            return self._fail(claim, "training_error", f"{type(exc).__name__}: {exc}")
+        if heartbeat.lost.is_set():
+            raise LeaseLost(claim.job_id, claim.attempt)
+        if not result.stopped:
+            return reporting.finish(claim, JobStatus.succeeded, reason=f"trained {result.step} steps")
+        control = reporting.read_control(self.job_id)
+        if control is None or control[2] != claim.attempt or control[0] not in OWNED_STATES:
+            raise LeaseLost(claim.job_id, claim.attempt)
+        if control[0] == JobStatus.cancelling.value:
+            return reporting.finish(claim, JobStatus.cancelled, reason=f"cancelled at step {result.step}")
+        return reporting.finish(claim, JobStatus.paused, reason=f"paused at step {result.step}")
+
+    def _fail(self, claim: Claim, code: str, message: str) -> JobStatus:
+        log.warning("job %s: failed (%s): %s", self.job_id, code, message)
+        return reporting.finish(claim, JobStatus.failed, reason=message, error_code=code, error_message=message)
+
+    # --- training ------------------------------------------------------------------------------
+
+    def _train(self, claim: Claim, heartbeat: Heartbeat, workdir: Path) -> Any:
+        context = with_db_retry(lambda: self._load_context(claim))
+        train_rows = self._load_rows(context.dataset_key, workdir / "train.jsonl")
+        eval_rows = None
+        if context.eval_dataset_key is not None:
+            eval_rows = self._load_rows(context.eval_dataset_key, workdir / "eval.jsonl")
+        base_model = self._resolve_base_model(context, workdir / "base")
+        resume_from = self._prepare_resume(claim, workdir / "resume")
+        reward = self._build_rewards(claim, context)
+
+        from worker.grpo.trainer import GRPOTrainer  # torch is imported here, in the job's process
+
+        def should_stop() -> bool:
+            return self._should_stop(claim, heartbeat)
+
+        trainer = GRPOTrainer(
+            context.spec.hyperparameters,
+            base_model=base_model,
+            train_rows=train_rows,
+            eval_rows=eval_rows,
+            reward=reward,
+            output_dir=workdir / "checkpoints",
+            model_cache_dir=Path(self.settings.data_dir) / "models",
+            resume_from=resume_from,
+            on_metrics=lambda step, metrics, samples: self._on_metrics(claim, step, metrics, samples),
+            on_checkpoint=lambda step, path, manifest: self._on_checkpoint(claim, step, path, manifest),
+            should_stop=should_stop,
+            device="cpu" if context.queue == "cpu" else None,
+            checkpoint_metadata={"job_id": self.job_id, "attempt": claim.attempt},
+        )
+        reporting.set_total_steps(claim, trainer.total_steps)
+        return trainer.train()
+
+    def _load_context(self, claim: Claim) -> JobContext:
+        with session_scope() as session:
+            job = session.execute(select(Job).where(Job.id == claim.job_id)).scalar_one()
+            spec = JobSpec.model_validate(job.spec)
+            datasets = {
+                d.id: d.storage_key
+                for d in session.scalars(select(Dataset).where(
+                    Dataset.tenant_id == job.tenant_id,
+                    Dataset.id.in_([spec.train_dataset, spec.eval_dataset or spec.train_dataset]),
+                ))
+            }
+            remote_ids = [r.reward_function_id for r in spec.rewards if isinstance(r, RemoteRewardSpec)]
+            functions = {
+                f.id: f for f in session.scalars(select(RewardFunction).where(
+                    RewardFunction.tenant_id == job.tenant_id, RewardFunction.id.in_(remote_ids)
+                ))
+            }
+            session.expunge_all()
+        if spec.train_dataset not in datasets:
+            raise JobFailure("dataset_missing", f"train_dataset {spec.train_dataset!r} no longer exists")
+        if spec.eval_dataset is not None and spec.eval_dataset not in datasets:
+            raise JobFailure("dataset_missing", f"eval_dataset {spec.eval_dataset!r} no longer exists")
+        missing = sorted(set(remote_ids) - set(functions))
+        if missing:
+            raise JobFailure("reward_function_missing", f"reward function {missing[0]!r} no longer exists")
+        return JobContext(
+            job_id=job.id, tenant_id=job.tenant_id, queue=job.queue, spec=spec,
+            dataset_key=datasets[spec.train_dataset],
+            eval_dataset_key=datasets[spec.eval_dataset] if spec.eval_dataset else None,
+            reward_functions=functions,
+        )
+
+    def _load_rows(self, key: str, path: Path) -> list[PromptRow]:
+        from worker.grpo.data import DatasetError, load_jsonl
+
+        self._download(key, path)
+        try:
+            return load_jsonl(path)
+        except DatasetError as exc:
+            raise JobFailure("dataset_invalid", str(exc)) from exc
+
+    def _download(self, key: str, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with self.storage.open(key) as source, path.open("wb") as target:
+            shutil.copyfileobj(source, target, _CHUNK)
+
+    # --- models and checkpoints ----------------------------------------------------------------
+
+    def _resolve_base_model(self, context: JobContext, directory: Path) -> str:
+        """`checkpoint:<id>` -> a verified local copy of that checkpoint; anything else unchanged."""
+        base = context.spec.base_model
+        if not base.startswith(CHECKPOINT_MODEL_PREFIX):
+            return base
+        checkpoint_id = base.removeprefix(CHECKPOINT_MODEL_PREFIX)
+        with session_scope() as session:
+            checkpoint = session.execute(select(Checkpoint).where(
+                Checkpoint.id == checkpoint_id, Checkpoint.tenant_id == context.tenant_id
+            )).scalar_one_or_none()
+            if checkpoint is not None:
+                session.expunge(checkpoint)
+        if checkpoint is None:
+            raise JobFailure("base_checkpoint_invalid", f"base_model: checkpoint {checkpoint_id!r} not found")
+        from worker.grpo.checkpoint import CheckpointCorrupt
+
+        try:
+            return str(self._fetch_checkpoint(checkpoint, directory / checkpoint_id))
+        except (OSError, ValueError, CheckpointCorrupt) as exc:
+            raise JobFailure("base_checkpoint_invalid", f"base_model: checkpoint {checkpoint_id!r}: {exc}") from exc
+
+    def _fetch_checkpoint(self, checkpoint: Checkpoint, directory: Path) -> Path:
+        """Download every listed file and verify it against the engine's manifest (CheckpointCorrupt)."""
+        from worker.grpo.checkpoint import verify_manifest
+
+        shutil.rmtree(directory, ignore_errors=True)
+        for entry in checkpoint.manifest:
+            self._download(f"{checkpoint.storage_path}/{entry['path']}", directory / entry["path"])
+        verify_manifest(directory)
+        return directory
+
+    def _prepare_resume(self, claim: Claim, root: Path) -> Path | None:
+        """The newest checkpoint that verifies; older ones are tried if it does not (and steps rewound)."""
+        from worker.grpo.checkpoint import CheckpointCorrupt
+
+        with session_scope() as session:
+            checkpoint = latest_checkpoint(session, claim.job_id, before_step=claim.resume_step + 1)
+            if checkpoint is not None:
+                session.expunge(checkpoint)
+        while checkpoint is not None:
+            try:
+                # Named like the engine's own directories so the trainer knows that step is saved.
+                return self._fetch_checkpoint(checkpoint, root / f"checkpoint-{checkpoint.step}")
+            except (OSError, ValueError, CheckpointCorrupt) as exc:
+                log.warning("job %s: checkpoint %s unusable: %s", claim.job_id, checkpoint.id, exc)
+                reporting.record_event(claim, "checkpoint_unusable", f"checkpoint {checkpoint.id}: {exc}",
+                                       {"checkpoint_id": checkpoint.id, "step": checkpoint.step})
+                step = checkpoint.step
+                with session_scope() as session:
+                    checkpoint = latest_checkpoint(session, claim.job_id, before_step=step)
+                    if checkpoint is not None:
+                        session.expunge(checkpoint)
+                    rewind_to(session, claim, checkpoint)
+        return None
+
+    def _on_checkpoint(self, claim: Claim, step: int, path: Path, manifest: dict[str, Any]) -> None:
+        """Upload the checkpoint's files (manifest last), then record it; nothing is recorded half-uploaded."""
+        checkpoint_id = new_checkpoint_id()
+        files: dict[str, dict[str, Any]] = {name: dict(meta) for name, meta in manifest["files"].items()}
+        try:
+            for name in files:
+                self._upload(path / name, checkpoint_key(claim.job_id, checkpoint_id, name))
+            manifest_path = path / MANIFEST_NAME
+            files[MANIFEST_NAME] = {"size": manifest_path.stat().st_size, "sha256": _sha256(manifest_path)}
+            self._upload(manifest_path, checkpoint_key(claim.job_id, checkpoint_id, MANIFEST_NAME))
+            reporting.record_checkpoint(
+                claim, checkpoint_id=checkpoint_id, step=step, files=files, metrics=self._step_metrics.get(step)
+            )
+        except BaseException:
+            self.storage.delete(checkpoint_prefix(claim.job_id, checkpoint_id))
+            raise
+
+    def _upload(self, path: Path, key: str) -> None:
+        with path.open("rb") as handle:
+            self.storage.put_stream(key, iter(lambda: handle.read(_CHUNK), b""))
+
+    # --- hooks ---------------------------------------------------------------------------------
+
+    def _on_metrics(self, claim: Claim, step: int, metrics: Mapping[str, float], samples: list[dict[str, Any]]) -> None:
+        self._step_metrics = {step: dict(metrics)}
+        logged = [
+            SampleIn(prompt=str(s["prompt"]), completion=str(s["completion"]), reward=_finite_or_none(s.get("reward")),
+                     rewards={k: _finite_or_none(v) for k, v in dict(s.get("rewards", {})).items()})
+            for s in samples
+        ]
+        reporting.record_step(claim, step, metrics, logged)
+
+    def _should_stop(self, claim: Claim, heartbeat: Heartbeat) -> bool:
+        """Polled between steps: a cancel or pause request, or this attempt no longer owning the job."""
+        if heartbeat.lost.is_set():
+            return True
+        try:
+            control = reporting.read_control(claim.job_id)
+        except Exception:
+            log.warning("job %s: could not read the job's state; continuing", claim.job_id, exc_info=True)
+            return False
+        if control is None:
+            return True
+        status, pause_requested, attempt = control
+        if attempt != claim.attempt or status not in OWNED_STATES:
+            heartbeat.lost.set()
+            return True
+        return status == JobStatus.cancelling.value or pause_requested
+
+    # --- rewards -------------------------------------------------------------------------------
+
+    def _build_rewards(self, claim: Claim, context: JobContext) -> CompositeReward:
+        from worker.grpo.rewards import build_reward_sources
+        from worker.reward_client import RemoteRewardConfig, RemoteRewardSource
+
+        async def on_retry(event: RetryEvent) -> None:
+            import asyncio
+
+            message = f"{event.source}: attempt {event.attempt} failed ({event.reason}); retrying in {event.wait_s:.2f}s"
+            data = {"source": event.source, "attempt": event.attempt, "reason": event.reason,
+                    "wait_s": event.wait_s, "message_id": event.message_id, "batch_size": event.batch_size}
+            try:
+                await asyncio.to_thread(reporting.record_event, claim, "reward_retry", message, data)
+            except LeaseLost:
+                log.info("job %s: retry event refused (lease lost)", claim.job_id)
+
+        def remote(spec: RemoteRewardSpec) -> RemoteRewardSource:
+            row = context.reward_functions[spec.reward_function_id]
+            config = RemoteRewardConfig.model_validate({
+                "reward_function_id": row.id, "url": row.url, "secret": row.signing_secret,
+                "job_id": context.job_id, "timeout_s": row.timeout_s, "max_batch_size": row.max_batch_size,
+                "max_concurrency": row.max_concurrency, "headers": {str(k): str(v) for k, v in row.headers.items()},
+                "allow_private": bool(self.settings.allow_private_reward_urls),
+            })
+            return RemoteRewardSource(config, on_retry=on_retry)
+
+        device = "cpu" if context.queue == "cpu" else _default_device()
+        return build_reward_sources(context.spec.rewards, remote=remote, device=device)
+
+
+def _default_device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _finite_or_none(value: Any) -> float | None:
+    import math
+
+    if value is None:
+        return None
+    number = float(value)
+    return number if math.isfinite(number) else None
+
+
+def _sha256(path: Path) -> str:
+    import hashlib
+
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        while chunk := handle.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()

@@ -1,0 +1,27 @@
+"""Celery tasks. `grpo.run_job(job_id)` is the only one: ids in, nothing out (results are ignored).
+
+The task is idempotent by construction: JobRunner claims the job row first, so a duplicate or redelivered
+message returns at once, and a retry after a crash resumes from the latest checkpoint instead of training
+again from scratch. It never raises for a job's own failure (that is recorded on the job row); an
+exception escaping here is a bug or an unreachable database, and the message is then acknowledged anyway
+(acks_late acknowledges failed tasks too) — the reaper re-sends a job left queued, and re-enqueues one
+whose lease expires.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from worker.celery_app import RUN_JOB_TASK, app
+
+log = logging.getLogger(__name__)
+
+
+@app.task(name=RUN_JOB_TASK, ignore_result=True, acks_late=True, reject_on_worker_lost=True)
+def run_job(job_id: str) -> str:
+    """Run (or resume, or ignore as a duplicate) the job; returns the outcome for the worker log."""
+    from worker.runner import JobRunner  # keeps the parent's import light; torch loads inside run()
+
+    outcome = JobRunner(job_id).run()
+    log.info("grpo.run_job %s -> %s", job_id, outcome)
+    return outcome
