@@ -62,36 +62,20 @@ class Storage:
         return f"{self.root}/{validate_key(key)}"
 
     def put_stream(self, key: str, chunks: Iterable[bytes]) -> int:
-        """Write `chunks` to `key` one at a time (never joined in memory); returns the byte count.
-
-        Local files are written under a temporary name and renamed, so readers never see half a file;
-        s3 objects only appear when the (multipart) upload completes.
-        """
-        path = self._path(key)
-        target = f"{path}.partial-{uuid.uuid4().hex}" if self._local else path
-        if self._local:
-            self.fs.makedirs(posixpath.dirname(path), exist_ok=True)
-        written = 0
+        """Write `chunks` to `key` one at a time (never joined in memory); returns the byte count."""
+        writer = self.begin_put(key)
         try:
-            with self.fs.open(target, "wb") as out:
-                for chunk in chunks:
-                    out.write(chunk)
-                    written += len(chunk)
-            if self._local:
-                self.fs.mv(target, path)
+            for chunk in chunks:
+                writer.write(chunk)
         except BaseException:
-            if self.fs.exists(target):
-                self.fs.rm(target)
+            writer.abort()
             raise
-        return written
+        writer.commit()
+        return writer.written
 
-    def writer(self, key: str) -> IO[bytes]:
-        """A binary file to write `key` directly (callers that produce data incrementally)."""
-        path = self._path(key)
-        if self._local:
-            self.fs.makedirs(posixpath.dirname(path), exist_ok=True)
-        handle: IO[bytes] = self.fs.open(path, "wb")
-        return handle
+    def begin_put(self, key: str) -> BlobWriter:
+        """A push-style writer for `key`: `write()` chunks, then `commit()` (or `abort()`)."""
+        return BlobWriter(self, key)
 
     def open(self, key: str) -> IO[bytes]:
         """A seekable binary reader (Range requests seek, then read)."""
@@ -122,6 +106,39 @@ class Storage:
             stripped = self.fs._strip_protocol(path)
             keys.append(posixpath.relpath(stripped, root))
         return sorted(keys)
+
+
+class BlobWriter:
+    """Writes one key incrementally. Readers never see half a blob.
+
+    Local files are written under a temporary name and renamed on commit; on object stores the
+    object only appears when the (multipart) upload completes, and abort removes what was written.
+    """
+
+    def __init__(self, storage: Storage, key: str) -> None:
+        self._fs = storage.fs
+        self._local = storage._local
+        self._path = storage._path(key)
+        self._target = f"{self._path}.partial-{uuid.uuid4().hex}" if self._local else self._path
+        if self._local:
+            self._fs.makedirs(posixpath.dirname(self._path), exist_ok=True)
+        self._handle: IO[bytes] = self._fs.open(self._target, "wb")
+        self.written = 0
+
+    def write(self, chunk: bytes) -> None:
+        self._handle.write(chunk)
+        self.written += len(chunk)
+
+    def commit(self) -> None:
+        self._handle.close()
+        if self._local:
+            self._fs.mv(self._target, self._path)
+
+    def abort(self) -> None:
+        if not self._handle.closed:
+            self._handle.close()
+        if self._fs.exists(self._target):
+            self._fs.rm(self._target)
 
 
 @lru_cache

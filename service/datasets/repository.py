@@ -1,0 +1,32 @@
+"""All SQL of the datasets domain. Soft-deleted rows are invisible here."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from service.datasets.models import Dataset
+
+
+def get(session: Session, tenant_id: str, dataset_id: str, *, for_update: bool = False) -> Dataset | None:
+    stmt = select(Dataset).where(
+        Dataset.id == dataset_id, Dataset.tenant_id == tenant_id, Dataset.deleted_at.is_(None)
+    )
+    if for_update:
+        stmt = stmt.with_for_update()
+    return session.scalars(stmt).one_or_none()
+
+
+def list_page(session: Session, tenant_id: str, *, limit: int, after: str | None) -> Sequence[Dataset]:
+    """Newest first; `after` is the last id of the previous page. Returns up to `limit` rows."""
+    stmt = select(Dataset).where(Dataset.tenant_id == tenant_id, Dataset.deleted_at.is_(None))
+    if after is not None:
+        stmt = stmt.where(Dataset.id < after)
+    return session.scalars(stmt.order_by(Dataset.id.desc()).limit(limit)).all()
+
+
+def add(session: Session, dataset: Dataset) -> None:
+    session.add(dataset)
+    session.flush()
