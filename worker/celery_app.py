@@ -56,7 +56,6 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         "worker_concurrency": 1,
         "worker_max_tasks_per_child": 1,
         "worker_send_task_events": False,
-        "worker_hijack_root_logger": False,
         # Keep the running task when the broker connection drops (Redis restart); the lease covers it.
         "worker_cancel_long_running_tasks_on_connection_loss": False,
         "broker_connection_retry": True,

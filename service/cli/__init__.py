@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import typer
 
-from service.cli import admin, migrate, train
+from service.cli import admin, migrate, serve, train, worker
 
 app = typer.Typer(help="GRPO training service: run the engine locally, serve the API, drive jobs.", no_args_is_help=True)
 app.add_typer(admin.app, name="admin")
 app.command("train")(train.train)
 app.command("migrate")(migrate.migrate)
+app.command("serve")(serve.serve)
+app.command("worker")(worker.worker)
 
 
 def main() -> None:

@@ -1,0 +1,51 @@
+"""`grpo worker`: a Celery worker running `grpo.run_job` (see worker/celery_app.py for why it is set up so).
+
+One job at a time (concurrency 1 per GPU: start one worker per GPU with CUDA_VISIBLE_DEVICES). The
+service package never imports torch; the worker modules are imported only when this command runs, and
+torch only inside the child process that runs a job.
+"""
+
+from __future__ import annotations
+
+import typer
+
+VALID_QUEUES = ("gpu", "cpu")
+POOLS = ("prefork", "solo")
+
+
+def parse_queues(value: str) -> list[str]:
+    """"gpu,cpu" -> ["gpu", "cpu"]; an unknown or empty name is an error naming it."""
+    names = [name.strip() for name in value.split(",")]
+    for name in names:
+        if name not in VALID_QUEUES:
+            raise typer.BadParameter(f"unknown queue {name!r}; choose from {', '.join(VALID_QUEUES)}",
+                                     param_hint="--queues")
+    return names
+
+
+def worker_argv(queues: list[str], pool: str, loglevel: str, hostname: str | None) -> list[str]:
+    """The `celery worker` command line: one process slot, no gossip/mingle/event heartbeats (unused)."""
+    argv = [
+        "worker", "--queues", ",".join(queues), "--concurrency", "1", "--pool", pool,
+        "--prefetch-multiplier", "1", "--without-gossip", "--without-mingle", "--without-heartbeat",
+        "--loglevel", loglevel,
+    ]
+    if hostname:
+        argv += ["--hostname", hostname]
+    return argv
+
+
+def worker(
+    queues: str = typer.Option("gpu,cpu", "--queues", "-Q", help="Comma-separated queues to consume: gpu, cpu."),
+    pool: str = typer.Option("prefork", "--pool", "-P",
+                             help="prefork: each job in a fresh child process (default); solo: in this process."),
+    loglevel: str = typer.Option("INFO", "--loglevel", "-l", help="Log level."),
+    hostname: str | None = typer.Option(None, "--hostname", "-n", help="Celery node name (default celery@host)."),
+) -> None:
+    """Run a worker that trains queued jobs (broker: GRPO_BROKER_URL; embedded SQLite broker by default)."""
+    if pool not in POOLS:
+        raise typer.BadParameter(f"unknown pool {pool!r}; choose from {', '.join(POOLS)}", param_hint="--pool")
+    argv = worker_argv(parse_queues(queues), pool, loglevel, hostname)
+    from worker.celery_app import app as celery_app
+
+    celery_app.worker_main(argv)
