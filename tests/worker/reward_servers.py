@@ -130,13 +130,13 @@ class RewardServer:
         self._thread = None
 
 
-def start_uvicorn(app: Any, *, port: int = 0) -> tuple[uvicorn.Server, threading.Thread, int]:
+def start_uvicorn(app: Any, *, port: int = 0, **options: Any) -> tuple[uvicorn.Server, threading.Thread, int]:
     """Serve the ASGI `app` on 127.0.0.1:`port` (0 = any free port) in a daemon thread; wait until it listens."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", port))
     port = sock.getsockname()[1]
-    config = uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=1)
+    config = uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=1, **options)
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()

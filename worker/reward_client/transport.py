@@ -12,6 +12,8 @@ Proxies from the environment are ignored (trust_env=False): a proxy would do its
 
 from __future__ import annotations
 
+import ssl
+
 import httpx
 
 from service.kit.urlpolicy import Resolver, resolve_and_check
@@ -21,9 +23,14 @@ class PinnedResolutionTransport(httpx.AsyncHTTPTransport):
     """`httpx.AsyncHTTPTransport` that validates and pins the destination address of each request."""
 
     def __init__(
-        self, *, allow_private: bool, resolver: Resolver | None = None, limits: httpx.Limits | None = None
+        self,
+        *,
+        allow_private: bool,
+        resolver: Resolver | None = None,
+        limits: httpx.Limits | None = None,
+        verify: ssl.SSLContext | bool = True,
     ) -> None:
-        super().__init__(trust_env=False, limits=limits or httpx.Limits())
+        super().__init__(trust_env=False, limits=limits or httpx.Limits(), verify=verify)
         self._allow_private = allow_private
         self._resolver = resolver
 
