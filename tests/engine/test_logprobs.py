@@ -1,0 +1,109 @@
+"""Per-token log-probs: the chunked selective log-softmax and the completion forward pass."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+
+from worker.grpo import logprobs
+from worker.grpo.logprobs import completion_logprobs, entropy_from_logits, selective_log_softmax
+
+
+class TestSelectiveLogSoftmax:
+    @pytest.mark.parametrize("chunk_rows", [1, 7, 1024])
+    def test_equals_log_softmax_gather(self, monkeypatch: pytest.MonkeyPatch, chunk_rows: int) -> None:
+        monkeypatch.setattr(logprobs, "CHUNK_ROWS", chunk_rows)
+        generator = torch.Generator().manual_seed(0)
+        logits = (torch.randn(3, 5, 50, generator=generator) * 4).requires_grad_(True)
+        index = torch.randint(0, 50, (3, 5), generator=generator)
+        ours = selective_log_softmax(logits, index)
+        naive = torch.log_softmax(logits, dim=-1).gather(-1, index.unsqueeze(-1)).squeeze(-1)
+        torch.testing.assert_close(ours, naive)
+        # Same gradient too: the loss backpropagates through it.
+        (ours_grad,) = torch.autograd.grad(ours.sum(), logits)
+        (naive_grad,) = torch.autograd.grad(naive.sum(), logits)
+        torch.testing.assert_close(ours_grad, naive_grad)
+
+    def test_low_precision_logits_give_float32(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch.setattr(logprobs, "CHUNK_ROWS", 4)
+        logits = torch.randn(2, 6, 40, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+        index = torch.randint(0, 40, (2, 6), generator=torch.Generator().manual_seed(2))
+        ours = selective_log_softmax(logits, index)
+        assert ours.dtype == torch.float32
+        naive = torch.log_softmax(logits.float(), dim=-1).gather(-1, index.unsqueeze(-1)).squeeze(-1)
+        torch.testing.assert_close(ours, naive)
+
+    def test_shape_mismatch_is_refused(self) -> None:
+        with pytest.raises(ValueError, match="index shape"):
+            selective_log_softmax(torch.zeros(2, 3, 4), torch.zeros(2, 4, dtype=torch.long))
+
+    def test_entropy(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch.setattr(logprobs, "CHUNK_ROWS", 3)
+        logits = torch.randn(2, 5, 30, generator=torch.Generator().manual_seed(3))
+        naive = torch.distributions.Categorical(logits=logits).entropy()
+        torch.testing.assert_close(entropy_from_logits(logits), naive)
+
+
+Batch = tuple[PreTrainedModel, torch.Tensor, torch.Tensor, list[list[int]]]
+
+
+@pytest.fixture(scope="module")
+def model_and_batch(tiny_model_dir: Path) -> Batch:
+    """The tiny model and a left-padded batch: prompts of different lengths, each followed by 6 tokens."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    rows = [tokenizer(text)["input_ids"] for text in ("hi there", "a", "what is 2+2? 4", "xyz")]
+    completion = torch.randint(4, len(tokenizer), (len(rows), 6), generator=torch.Generator().manual_seed(0))
+    sequences = [prompt + completion[i].tolist() for i, prompt in enumerate(rows)]
+    width = max(len(s) for s in sequences)
+    input_ids = torch.full((len(sequences), width), tokenizer.pad_token_id, dtype=torch.long)
+    mask = torch.zeros_like(input_ids)
+    for i, seq in enumerate(sequences):
+        input_ids[i, width - len(seq) :] = torch.tensor(seq)
+        mask[i, width - len(seq) :] = 1
+    return model, input_ids, mask, sequences
+
+
+class TestCompletionLogprobs:
+    @pytest.mark.parametrize("temperature", [1.0, 0.7])
+    def test_equals_naive_full_forward(self, model_and_batch: Batch, temperature: float) -> None:
+        model, input_ids, mask, _ = model_and_batch
+        with torch.no_grad():
+            ours, entropy = completion_logprobs(
+                model, input_ids, mask, 6, temperature=temperature, with_entropy=True
+            )
+            positions = (mask.cumsum(-1) - 1).clamp(min=0)
+            logits = model(input_ids=input_ids, attention_mask=mask, position_ids=positions).logits
+            naive_all = torch.log_softmax(logits[:, :-1].float() / temperature, dim=-1)  # (N, T-1, V)
+            naive = naive_all.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)[:, -6:]
+        assert ours.shape == (4, 6) and ours.dtype == torch.float32
+        torch.testing.assert_close(ours, naive)
+        assert entropy is not None
+        naive_entropy = -(naive_all.exp() * naive_all).sum(-1)[:, -6:]
+        torch.testing.assert_close(entropy, naive_entropy)
+
+    def test_left_padding_does_not_change_the_result(self, model_and_batch: Batch) -> None:
+        model, input_ids, mask, sequences = model_and_batch
+        with torch.no_grad():
+            batched, no_entropy = completion_logprobs(model, input_ids, mask, 6, temperature=1.0)
+            for row, seq in enumerate(sequences):
+                alone = torch.tensor([seq])
+                single, _ = completion_logprobs(model, alone, torch.ones_like(alone), 6, temperature=1.0)
+                torch.testing.assert_close(batched[row : row + 1], single, atol=1e-5, rtol=1e-5)
+        assert no_entropy is None
+
+    def test_gradient_reaches_the_model(self, model_and_batch: Batch) -> None:
+        model, input_ids, mask, _ = model_and_batch
+        model.zero_grad()
+        logps, _ = completion_logprobs(model, input_ids, mask, 6, temperature=1.0)
+        logps.sum().backward()
+        assert model.lm_head.weight.grad is not None and model.lm_head.weight.grad.abs().sum() > 0
+        model.zero_grad()
+
+    def test_bad_completion_length(self, model_and_batch: Batch) -> None:
+        model, input_ids, mask, _ = model_and_batch
+        with pytest.raises(ValueError, match="completion_length"):
+            completion_logprobs(model, input_ids, mask, input_ids.shape[1], temperature=1.0)
