@@ -8,7 +8,7 @@ so the binding cannot leak between calls.)
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
 from contextvars import ContextVar
 
@@ -18,7 +18,7 @@ from service.tenants.auth import TenantContext, authenticate
 _TENANT: ContextVar[TenantContext | None] = ContextVar("grpo_grpc_tenant", default=None)
 
 
-def metadata_value(metadata: Sequence[tuple[str, str | bytes]] | None, key: str) -> str | None:
+def metadata_value(metadata: Iterable[tuple[str, str | bytes]] | None, key: str) -> str | None:
     """The first value of a (lower-case) metadata key, or None."""
     for name, value in metadata or ():
         if name == key:
@@ -26,7 +26,7 @@ def metadata_value(metadata: Sequence[tuple[str, str | bytes]] | None, key: str)
     return None
 
 
-def bearer_token(metadata: Sequence[tuple[str, str | bytes]] | None) -> str | None:
+def bearer_token(metadata: Iterable[tuple[str, str | bytes]] | None) -> str | None:
     """The key of an `authorization: Bearer <key>` entry; None when absent or not a bearer credential."""
     header = metadata_value(metadata, "authorization")
     if header is None:

@@ -7,6 +7,7 @@ validation errors, the offending field path (`grpo-error-field`) so clients need
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
@@ -21,6 +22,9 @@ log = logging.getLogger(__name__)
 
 ERROR_CODE_KEY = "grpo-error-code"
 ERROR_FIELD_KEY = "grpo-error-field"
+ERROR_DETAILS_KEY = "grpo-error-details"  # REST's error.details as JSON (e.g. [{line, error}] of a dataset)
+# Metadata shares the default 8 KiB header budget: larger details are cut to their first entries.
+MAX_DETAILS_BYTES = 4096
 
 
 def field_path(loc: Sequence[Any]) -> str:
@@ -42,6 +46,29 @@ def from_validation_error(exc: ValidationError, *, prefix: str = "") -> Validati
     return ValidationFailed(f"{label}{first['message']}", details=errors)
 
 
+def prefix_fields(exc: ValidationFailed, prefix: str) -> ValidationFailed:
+    """The same error with its field paths under `prefix` (REST bodies are the spec; RPCs nest it).
+
+    `header.*` fields (e.g. header.Idempotency-Key) are not part of the message and are left alone.
+    """
+    details = exc.details if isinstance(exc.details, list) else None
+    if not details:
+        return exc
+    moved = [
+        {**d, "field": f"{prefix}.{d['field']}"}
+        if isinstance(d, dict) and isinstance(d.get("field"), str) and not d["field"].startswith("header.")
+        else d
+        for d in details
+    ]
+    message = exc.message
+    old, new = details[0], moved[0]
+    if isinstance(old, dict) and old is not new and message.startswith(f"{old['field']}:"):
+        message = new["field"] + message[len(old["field"]) :]
+    prefixed = ValidationFailed(message, details=moved)
+    prefixed.code = exc.code
+    return prefixed
+
+
 def _field_of(exc: DomainError) -> str | None:
     """The field a validation error is about, from its details (REST's [{"field": ...}] shape)."""
     details = exc.details
@@ -60,7 +87,22 @@ def status_of(exc: DomainError) -> tuple[grpc.StatusCode, str, tuple[tuple[str, 
     field = _field_of(exc)
     if field is not None:
         trailers.append((ERROR_FIELD_KEY, field))
+    details = _details_json(exc.details)
+    if details is not None:
+        trailers.append((ERROR_DETAILS_KEY, details))
     return exc.grpc_status, exc.message, tuple(trailers)
+
+
+def _details_json(details: Any) -> str | None:
+    """ASCII JSON of the details, dropping trailing list entries until it fits MAX_DETAILS_BYTES."""
+    if details is None:
+        return None
+    items = details if isinstance(details, list) else None
+    text = json.dumps(details, default=str)
+    while items and len(text) > MAX_DETAILS_BYTES:
+        items = items[:-1]
+        text = json.dumps(items, default=str)
+    return text if len(text) <= MAX_DETAILS_BYTES else None
 
 
 async def abort_with(context: grpc.aio.ServicerContext[Any, Any], exc: DomainError) -> NoReturn:

@@ -48,8 +48,3 @@ async def grpc_port(settings: object) -> AsyncIterator[int]:  # noqa: F811
 async def channel(grpc_port: int) -> AsyncIterator[grpc.aio.Channel]:
     async with grpc.aio.insecure_channel(f"127.0.0.1:{grpc_port}") as chan:
         yield chan
-
-
-def bearer(api_key: str) -> tuple[tuple[str, str], ...]:
-    """Call metadata authenticating with `api_key`."""
-    return (("authorization", f"Bearer {api_key}"),)

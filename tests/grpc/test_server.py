@@ -22,7 +22,7 @@ from service.kit.errors import (
     NotFound,
     ValidationFailed,
 )
-from tests.grpc.conftest import bearer
+from tests.grpc.helpers import bearer
 from tests.service.factories import TenantHeaders
 
 

@@ -8,8 +8,26 @@ from __future__ import annotations
 
 import grpc
 
+from service.grpc.gen.grpo.v1 import (
+    checkpoints_pb2,
+    checkpoints_pb2_grpc,
+    datasets_pb2,
+    datasets_pb2_grpc,
+    jobs_pb2,
+    jobs_pb2_grpc,
+)
+from service.grpc.servicers.checkpoints import CheckpointServicer
+from service.grpc.servicers.datasets import DatasetServicer
+from service.grpc.servicers.jobs import JobServicer
+
 
 def register_all(server: grpc.aio.Server) -> tuple[str, ...]:
     """Add every domain servicer to `server`; returns their full service names ("grpo.v1.JobService", ...)."""
-    names: list[str] = []
-    return tuple(names)
+    datasets_pb2_grpc.add_DatasetServiceServicer_to_server(DatasetServicer(), server)
+    jobs_pb2_grpc.add_JobServiceServicer_to_server(JobServicer(), server)
+    checkpoints_pb2_grpc.add_CheckpointServiceServicer_to_server(CheckpointServicer(), server)
+    return (
+        checkpoints_pb2.DESCRIPTOR.services_by_name["CheckpointService"].full_name,
+        datasets_pb2.DESCRIPTOR.services_by_name["DatasetService"].full_name,
+        jobs_pb2.DESCRIPTOR.services_by_name["JobService"].full_name,
+    )

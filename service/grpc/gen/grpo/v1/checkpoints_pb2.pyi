@@ -225,7 +225,7 @@ class DownloadCheckpointRequest(_message.Message):
     @_builtins.property
     def offsets(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
         """Path -> bytes already received: that file is streamed from this offset (a file whose offset
-        equals its size is skipped). Offsets beyond the size fail with OUT_OF_RANGE.
+        equals its size gets its header and no chunks). Offsets beyond the size fail with OUT_OF_RANGE.
         """
 
     def __init__(

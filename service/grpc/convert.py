@@ -1,0 +1,299 @@
+"""Converters between grpo.v1 messages and the pydantic schemas of the REST API (the one place they meet).
+
+Inbound: the typed JobSpec message becomes the plain dict that `worker.grpo.spec.JobSpec` validates, so
+gRPC and REST run the very same validation (and report the same field paths, prefixed with "spec.").
+Only fields the client set are passed on (proto3 `optional` presence, enum `*_UNSPECIFIED`), so the
+pydantic defaults stay the single source of defaults.
+
+Outbound: REST's response models (`JobOut`, `DatasetOut`, ...) become messages, so both transports render
+the same domain rows the same way.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from datetime import datetime
+from typing import Any
+
+from google.protobuf import struct_pb2, timestamp_pb2
+from google.protobuf.descriptor import FieldDescriptor
+from google.protobuf.message import Message
+from pydantic import ValidationError
+
+from service.checkpoints.schemas import CheckpointOut
+from service.datasets.schemas import DatasetOut
+from service.grpc.errors import from_validation_error
+from service.grpc.gen.grpo.v1 import checkpoints_pb2, common_pb2, datasets_pb2, job_spec_pb2, jobs_pb2
+from service.jobs.schemas import EventOut, JobOut, SampleOut
+from service.jobs.states import JobStatus
+from service.kit.errors import ValidationFailed
+from worker.grpo.spec import JobSpec
+
+# Hyperparameters whose `None` means something other than "default": proto flag -> GRPOConfig field.
+NONE_FLAGS = {
+    "disable_grad_clipping": "max_grad_norm",
+    "unlimited_prompt_length": "max_prompt_length",
+    "keep_all_checkpoints": "save_total_limit",
+}
+ALL_LINEAR = "all-linear"
+BUILTIN_REWARDS = ("boxed_answer", "exact_match", "regex_match", "length_penalty")
+
+
+# --- enums -------------------------------------------------------------------------------------------
+
+
+# Enum descriptors are typed `Any`: the upb and pure-Python descriptor classes are distinct types to mypy.
+def _enum_prefix(enum: Any) -> str:
+    """Buf's value prefix of an enum: "LossType" -> "LOSS_TYPE_"."""
+    return re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", enum.name).upper() + "_"
+
+
+def enum_to_str(enum: Any, number: int) -> str:
+    """LOSS_TYPE_DR_GRPO -> "dr_grpo" (the Literal value of the pydantic model)."""
+    return enum.values_by_number[number].name.removeprefix(_enum_prefix(enum)).lower()
+
+
+def str_to_enum(enum: Any, value: str) -> int:
+    """"dr_grpo" -> LOSS_TYPE_DR_GRPO's number."""
+    return enum.values_by_name[_enum_prefix(enum) + value.upper().replace("-", "_")].number
+
+
+# --- generic message <-> dict -----------------------------------------------------------------------
+
+
+def _set_fields(message: Message) -> dict[str, Any]:
+    """The fields the client set, as plain values (enums as their pydantic strings, maps as dicts)."""
+    out: dict[str, Any] = {}
+    for field, value in message.ListFields():
+        if field.message_type is not None and field.message_type.GetOptions().map_entry:
+            out[field.name] = dict(value)
+        elif field.type == FieldDescriptor.TYPE_MESSAGE and field.is_repeated:
+            out[field.name] = [_set_fields(item) for item in value]
+        elif field.type == FieldDescriptor.TYPE_MESSAGE:
+            out[field.name] = _set_fields(value)
+        elif field.enum_type is not None:
+            out[field.name] = enum_to_str(field.enum_type, value)
+        elif field.is_repeated:
+            out[field.name] = list(value)
+        else:
+            out[field.name] = value
+    return out
+
+
+def _fill(message: Message, values: Mapping[str, Any]) -> None:
+    """Set `message` fields from a pydantic dump; None values and unknown keys are left out."""
+    descriptor = message.DESCRIPTOR
+    for name, value in values.items():
+        field = descriptor.fields_by_name.get(name)
+        if field is None or value is None:
+            continue
+        if field.message_type is not None and field.message_type.GetOptions().map_entry:
+            getattr(message, name).update(value)
+        elif field.type == FieldDescriptor.TYPE_MESSAGE and field.is_repeated:
+            for item in value:
+                _fill(getattr(message, name).add(), item)
+        elif field.type == FieldDescriptor.TYPE_MESSAGE:
+            _fill(getattr(message, name), value)
+        elif field.enum_type is not None:
+            setattr(message, name, str_to_enum(field.enum_type, value))
+        elif field.is_repeated:
+            getattr(message, name).extend(value)
+        else:
+            setattr(message, name, value)
+
+
+# --- job spec ----------------------------------------------------------------------------------------
+
+
+def _lora_in(values: dict[str, Any]) -> dict[str, Any]:
+    modules = values.pop("target_modules", None)
+    if modules and modules != [ALL_LINEAR]:
+        values["target_modules"] = modules
+    return values
+
+
+def _hyperparameters_in(message: job_spec_pb2.Hyperparameters) -> dict[str, Any]:
+    values = _set_fields(message)
+    for flag, field in NONE_FLAGS.items():
+        if values.pop(flag, False):
+            if field in values:
+                raise ValidationFailed(
+                    f"spec.hyperparameters.{flag}: set either {flag} or {field}, not both",
+                    details=[{"field": f"spec.hyperparameters.{flag}", "message": f"conflicts with {field}"}],
+                )
+            values[field] = None
+    if "lora" in values:
+        values["lora"] = _lora_in(values["lora"])
+    return values
+
+
+def _reward_in(index: int, message: job_spec_pb2.RewardSpec) -> dict[str, Any]:
+    source = message.WhichOneof("source")
+    if source is None:
+        field = f"spec.rewards[{index}]"
+        raise ValidationFailed(
+            f"{field}: set one reward source ({', '.join(BUILTIN_REWARDS)}, remote or model)",
+            details=[{"field": field, "message": "no reward source set"}],
+        )
+    values = _set_fields(getattr(message, source))
+    reward: dict[str, Any]
+    if source in BUILTIN_REWARDS:
+        reward = {"type": "builtin", "name": source, "params": values}
+    else:
+        reward = {"type": source, **values}
+    if message.HasField("weight"):
+        reward["weight"] = message.weight
+    return reward
+
+
+def job_spec_from_proto(message: job_spec_pb2.JobSpec) -> JobSpec:
+    """Validate a JobSpec message with the shared pydantic model. Errors name fields as "spec.<path>"."""
+    values = _set_fields(message)
+    values["rewards"] = [_reward_in(i, r) for i, r in enumerate(message.rewards)]
+    if message.HasField("hyperparameters"):
+        values["hyperparameters"] = _hyperparameters_in(message.hyperparameters)
+    if message.HasField("lora"):
+        values["lora"] = _lora_in(values["lora"])
+    try:
+        return JobSpec.model_validate(values)
+    except ValidationError as exc:
+        raise from_validation_error(exc, prefix="spec") from exc
+
+
+def job_spec_to_proto(spec: JobSpec) -> job_spec_pb2.JobSpec:
+    """The validated spec (defaults filled in) as a message."""
+    dumped = spec.model_dump(mode="json")
+    message = job_spec_pb2.JobSpec()
+    _fill(message, {k: v for k, v in dumped.items() if k not in ("rewards", "hyperparameters", "lora")})
+    hyper = dumped["hyperparameters"]
+    for flag, field in NONE_FLAGS.items():
+        setattr(message.hyperparameters, flag, hyper[field] is None)
+    _fill(message.hyperparameters, {k: v for k, v in hyper.items() if k != "lora"})
+    if hyper["lora"] is not None:
+        _lora_out(message.hyperparameters.lora, hyper["lora"])
+    if dumped["lora"] is not None:
+        _lora_out(message.lora, dumped["lora"])
+    for reward in dumped["rewards"]:
+        out = message.rewards.add(weight=reward["weight"])
+        if reward["type"] == "builtin":
+            _fill(getattr(out, reward["name"]), reward["params"])
+        else:
+            _fill(getattr(out, reward["type"]), {k: v for k, v in reward.items() if k not in ("type", "weight")})
+    return message
+
+
+def _lora_out(message: job_spec_pb2.LoraConfig, values: dict[str, Any]) -> None:
+    modules = values["target_modules"]
+    _fill(message, {**values, "target_modules": [] if modules == ALL_LINEAR else modules})
+
+
+# --- outbound: jobs ----------------------------------------------------------------------------------
+
+
+def timestamp(value: datetime | None) -> timestamp_pb2.Timestamp | None:
+    if value is None:
+        return None
+    message = timestamp_pb2.Timestamp()
+    message.FromDatetime(value)
+    return message
+
+
+def _finite_values(values: Mapping[str, float | None]) -> dict[str, float]:
+    return {name: value for name, value in values.items() if value is not None}
+
+
+def job_state(status: JobStatus) -> jobs_pb2.JobState.ValueType:
+    return jobs_pb2.JobState.Value(f"JOB_STATE_{status.value.upper()}")
+
+
+def job_status(state: jobs_pb2.JobState.ValueType) -> JobStatus | None:
+    """The REST status filter for a JobState (None for UNSPECIFIED = every state)."""
+    if state == jobs_pb2.JOB_STATE_UNSPECIFIED:
+        return None
+    return JobStatus(enum_to_str(jobs_pb2.JobState.DESCRIPTOR, state))
+
+
+def job_to_proto(job: JobOut) -> jobs_pb2.Job:
+    message = jobs_pb2.Job(
+        id=job.id,
+        spec=job_spec_to_proto(job.spec),
+        state=job_state(job.status),
+        current_step=job.progress.step,
+        total_steps=job.progress.total_steps,
+        attempt=job.attempt,
+        max_attempts=job.max_attempts,
+        queue=job.queue,
+        error_code=job.error.code if job.error else "",
+        error_message=job.error.message if job.error else "",
+        created_at=timestamp(job.created_at),
+        started_at=timestamp(job.started_at),
+        finished_at=timestamp(job.finished_at),
+        resume_checkpoint_id=job.resume_checkpoint_id,
+        pause_requested=job.pause_requested,
+        latest_metrics=_finite_values(job.metrics),
+        updated_at=timestamp(job.updated_at),
+    )
+    return message
+
+
+def event_to_proto(event: EventOut) -> jobs_pb2.JobEvent:
+    data = struct_pb2.Struct()
+    data.update(event.data)
+    return jobs_pb2.JobEvent(
+        id=event.id,
+        job_id=event.job_id,
+        type=event.type,
+        message=event.message,
+        data=data,
+        created_at=timestamp(event.created_at),
+        attempt=event.attempt,
+    )
+
+
+def sample_to_proto(sample: SampleOut) -> jobs_pb2.JobSample:
+    return jobs_pb2.JobSample(
+        id=sample.id,
+        step=sample.step,
+        prompt=sample.prompt,
+        completion=sample.completion,
+        reward=sample.reward,
+        rewards=_finite_values(sample.rewards),
+        created_at=timestamp(sample.created_at),
+    )
+
+
+def metrics_by_step(series: Mapping[str, tuple[list[int], list[float]]]) -> list[jobs_pb2.StepMetrics]:
+    """Per-name series (REST's shape) regrouped per step, in increasing step order."""
+    steps: dict[int, dict[str, float]] = {}
+    for name, (step_list, values) in series.items():
+        for step, value in zip(step_list, values, strict=True):
+            steps.setdefault(step, {})[name] = value
+    return [jobs_pb2.StepMetrics(step=step, values=steps[step]) for step in sorted(steps)]
+
+
+# --- outbound: datasets, checkpoints -----------------------------------------------------------------
+
+
+def dataset_to_proto(dataset: DatasetOut) -> datasets_pb2.Dataset:
+    return datasets_pb2.Dataset(
+        id=dataset.id,
+        name=dataset.name,
+        num_rows=dataset.num_rows,
+        size_bytes=dataset.bytes,
+        sha256=dataset.sha256,
+        columns=dataset.columns,
+        created_at=timestamp(dataset.created_at),
+    )
+
+
+def checkpoint_to_proto(checkpoint: CheckpointOut) -> checkpoints_pb2.Checkpoint:
+    return checkpoints_pb2.Checkpoint(
+        id=checkpoint.id,
+        job_id=checkpoint.job_id,
+        step=checkpoint.step,
+        files=[common_pb2.FileInfo(path=f.path, size_bytes=f.size, sha256=f.sha256) for f in checkpoint.files],
+        metrics=_finite_values(checkpoint.metrics),
+        created_at=timestamp(checkpoint.created_at),
+        total_bytes=checkpoint.total_bytes,
+    )

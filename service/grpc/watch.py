@@ -1,0 +1,83 @@
+"""WatchJob: a job's progress as a stream of messages, built by polling the same domain reads as REST.
+
+Order of one poll (one short transaction): the job first, then its metrics and checkpoints. The worker
+commits a terminal state after the last step's metrics, so a poll that sees the terminal state also sees
+every metric; the stream then sends what is left and ends with the terminal Job.
+
+Guarantees: metrics go out in increasing step order, each step once, starting at `from_step`; a client
+that reconnects with from_step = last step received + 1 continues without gaps or duplicates. (A step
+re-run by a retried attempt is not sent again; GetJobMetrics has the final values.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from functools import partial
+
+from sqlalchemy.orm import Session
+
+from service.checkpoints import service as checkpoints_service
+from service.grpc.calls import in_session
+from service.grpc.convert import job_to_proto, metrics_by_step
+from service.grpc.gen.grpo.v1 import jobs_pb2
+from service.jobs import service as jobs_service
+from service.jobs.schemas import JobOut
+from service.jobs.states import TERMINAL
+
+POLL_INTERVAL_S = 0.5
+METRICS_PAGE = 10_000  # (step, name) points per read; a page never ends mid-step
+
+
+@dataclass
+class _Poll:
+    job: JobOut
+    steps: list[jobs_pb2.StepMetrics]
+    more_metrics: bool
+    checkpoints: list[tuple[str, int]] = field(default_factory=list)  # (id, step), by step
+
+
+def _read(session: Session, tenant_id: str, job_id: str, next_step: int) -> _Poll:
+    """One poll: job, then metrics from next_step, then checkpoints."""
+    job = JobOut.from_row(jobs_service.get_job(session, tenant_id, job_id))
+    metrics = jobs_service.get_metrics(session, tenant_id, job_id, names=None, since_step=next_step, limit=METRICS_PAGE)
+    series = {name: (s.steps, s.values) for name, s in metrics.series.items()}
+    checkpoints = [(c.id, c.step) for c in checkpoints_service.list_job_checkpoints(session, tenant_id, job_id)]
+    return _Poll(job, metrics_by_step(series), metrics.has_more, checkpoints)
+
+
+async def watch_job(
+    tenant_id: str, job_id: str, from_step: int, *, poll_interval_s: float = POLL_INTERVAL_S
+) -> AsyncIterator[jobs_pb2.WatchJobResponse]:
+    """The WatchJob stream for one job of `tenant_id` (NotFound before anything is sent otherwise)."""
+    next_step = from_step
+    sent_checkpoints: set[str] = set()
+    last_job: jobs_pb2.Job | None = None
+    while True:
+        poll = await in_session(partial(_read, tenant_id=tenant_id, job_id=job_id, next_step=next_step))
+        job = job_to_proto(poll.job)
+        if last_job is None or _changed(last_job, job):
+            yield jobs_pb2.WatchJobResponse(job=job)
+            last_job = job
+        for step in poll.steps:
+            yield jobs_pb2.WatchJobResponse(metrics=step)
+            next_step = step.step + 1
+        for checkpoint_id, step_number in poll.checkpoints:
+            if checkpoint_id not in sent_checkpoints and step_number >= from_step:
+                sent_checkpoints.add(checkpoint_id)
+                yield jobs_pb2.WatchJobResponse(
+                    checkpoint=jobs_pb2.CheckpointSaved(checkpoint_id=checkpoint_id, step=step_number)
+                )
+        if poll.more_metrics:
+            continue  # a backlog is waiting: no sleep
+        if poll.job.status in TERMINAL:
+            if last_job is not job:
+                yield jobs_pb2.WatchJobResponse(job=job)  # the stream always ends with the terminal Job
+            return
+        await asyncio.sleep(poll_interval_s)
+
+
+def _changed(before: jobs_pb2.Job, after: jobs_pb2.Job) -> bool:
+    """A state change (or a pause request) is news; step and metric updates come as StepMetrics."""
+    return (before.state, before.pause_requested, before.attempt) != (after.state, after.pause_requested, after.attempt)
