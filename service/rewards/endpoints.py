@@ -1,5 +1,74 @@
-"""Routes (thin): parse, call the domain service, render."""
+"""Reward-function routes (thin): parse, call the domain service, render."""
 
-from fastapi import APIRouter
+from __future__ import annotations
 
-router = APIRouter()
+from typing import Annotated
+
+from fastapi import APIRouter, Query, Response
+
+from service.kit.deps import SessionDep
+from service.rewards import service
+from service.rewards.schemas import (
+    RewardFunctionCreate,
+    RewardFunctionList,
+    RewardFunctionOut,
+    RewardFunctionWithSecret,
+)
+from service.tenants.auth import CurrentTenant
+
+router = APIRouter(tags=["reward functions"])
+
+Limit = Annotated[int, Query(ge=1, le=100, description="Page size.")]
+After = Annotated[str | None, Query(max_length=64, description="`next_after` of the previous page.")]
+
+
+@router.post(
+    "/reward-functions",
+    status_code=201,
+    response_model=RewardFunctionWithSecret,
+    responses={422: {"description": "Invalid field, or URL refused by the policy (`url_rejected`)."}},
+)
+def create_reward_function(
+    body: RewardFunctionCreate, session: SessionDep, tenant: CurrentTenant
+) -> RewardFunctionWithSecret:
+    """Register a remote reward endpoint. The response carries `signing_secret`, shown only here."""
+    return RewardFunctionWithSecret.from_row(service.create_reward_function(session, tenant.tenant_id, body))
+
+
+@router.get("/reward-functions", response_model=RewardFunctionList)
+def list_reward_functions(
+    session: SessionDep, tenant: CurrentTenant, limit: Limit = 20, after: After = None
+) -> RewardFunctionList:
+    """The tenant's reward functions, newest first (cursor pagination). Never includes secrets."""
+    rows, has_more = service.list_reward_functions(session, tenant.tenant_id, limit=limit, after=after)
+    return RewardFunctionList(
+        data=[RewardFunctionOut.from_row(r) for r in rows],
+        has_more=has_more,
+        next_after=rows[-1].id if has_more and rows else None,
+    )
+
+
+@router.get("/reward-functions/{reward_function_id}", response_model=RewardFunctionOut)
+def get_reward_function(
+    reward_function_id: str, session: SessionDep, tenant: CurrentTenant
+) -> RewardFunctionOut:
+    return RewardFunctionOut.from_row(
+        service.get_reward_function(session, tenant.tenant_id, reward_function_id)
+    )
+
+
+@router.delete("/reward-functions/{reward_function_id}", status_code=204, response_class=Response)
+def delete_reward_function(reward_function_id: str, session: SessionDep, tenant: CurrentTenant) -> Response:
+    """Remove from the registry; jobs already submitted with it keep using it until they finish."""
+    service.delete_reward_function(session, tenant.tenant_id, reward_function_id)
+    return Response(status_code=204)
+
+
+@router.post("/reward-functions/{reward_function_id}/rotate-secret", response_model=RewardFunctionWithSecret)
+def rotate_secret(
+    reward_function_id: str, session: SessionDep, tenant: CurrentTenant
+) -> RewardFunctionWithSecret:
+    """Issue a new signing secret (returned once); requests signed from now on use it."""
+    return RewardFunctionWithSecret.from_row(
+        service.rotate_secret(session, tenant.tenant_id, reward_function_id)
+    )

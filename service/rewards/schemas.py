@@ -1,0 +1,144 @@
+"""Request/response models of the reward-function registry."""
+
+from __future__ import annotations
+
+import re
+from datetime import datetime
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from service.rewards.models import RewardFunction
+
+# Headers the worker sets itself (Standard Webhooks signature, body framing) or that change routing or
+# connection handling: a user value would break signing or smuggle requests. `Authorization` is allowed:
+# reward endpoints commonly want a bearer token, and the signature is carried in webhook-* headers.
+RESERVED_HEADERS = frozenset(
+    {
+        "content-type",
+        "content-length",
+        "content-encoding",
+        "transfer-encoding",
+        "connection",
+        "keep-alive",
+        "upgrade",
+        "te",
+        "trailer",
+        "expect",
+        "host",
+        "user-agent",
+    }
+)
+RESERVED_HEADER_PREFIXES = ("webhook-", "proxy-", "x-forwarded-")
+# Values of these (case-insensitive substrings of the name) are never echoed back by the API.
+SENSITIVE_HEADER_HINTS = ("auth", "token", "key", "secret", "password", "cookie", "signature")
+REDACTED = "<redacted>"
+MAX_HEADERS = 32
+_TOKEN = re.compile(r"^[!#$%&'*+\-.^_`|~0-9A-Za-z]{1,128}$")  # RFC 9110 field-name
+_NAME = r"^[A-Za-z0-9][A-Za-z0-9_.\- ]{0,127}$"
+
+
+class RewardFunctionCreate(BaseModel):
+    model_config = ConfigDict(
+        extra="forbid",
+        json_schema_extra={
+            "examples": [
+                {
+                    "name": "math-checker",
+                    "url": "https://rewards.example.com/score",
+                    "timeout_s": 10,
+                    "max_batch_size": 64,
+                    "max_concurrency": 4,
+                    "headers": {"Authorization": "Bearer my-endpoint-token"},
+                }
+            ]
+        },
+    )
+
+    name: str = Field(pattern=_NAME, description="Display name (letters, digits, space, '_', '.', '-').")
+    url: str = Field(
+        min_length=1,
+        max_length=2048,
+        description="http(s) endpoint receiving signed batches; https only in production, no credentials.",
+    )
+    timeout_s: float = Field(10.0, gt=0, le=300, allow_inf_nan=False, description="Per-request timeout.")
+    max_batch_size: int = Field(64, ge=1, le=4096, description="Most samples sent in one request.")
+    max_concurrency: int = Field(4, ge=1, le=64, description="Most requests in flight at once per job.")
+    headers: dict[str, str] = Field(
+        default_factory=dict,
+        description="Extra request headers (e.g. Authorization). Content-Type, webhook-*, Host, framing and "
+        "proxy headers are reserved. Values of credential-like headers are never shown again.",
+    )
+
+    @field_validator("headers")
+    @classmethod
+    def _check_headers(cls, headers: dict[str, str]) -> dict[str, str]:
+        if len(headers) > MAX_HEADERS:
+            raise ValueError(f"at most {MAX_HEADERS} headers")
+        seen: set[str] = set()
+        for name, value in headers.items():
+            lowered = name.lower()
+            if not _TOKEN.match(name):
+                raise ValueError(f"header name {name!r} is not a valid HTTP field name")
+            if lowered in RESERVED_HEADERS or lowered.startswith(RESERVED_HEADER_PREFIXES):
+                raise ValueError(f"header {name!r} is reserved (set by the worker or the HTTP client)")
+            if lowered in seen:
+                raise ValueError(f"header {name!r} is given twice (names are case-insensitive)")
+            seen.add(lowered)
+            if len(value) > 4096 or any(ch in value for ch in "\r\n\x00"):
+                raise ValueError(f"header {name!r} value is longer than 4096 or contains CR, LF or NUL")
+        return headers
+
+
+def redact_headers(headers: dict[str, str]) -> dict[str, str]:
+    return {
+        name: REDACTED if any(hint in name.lower() for hint in SENSITIVE_HEADER_HINTS) else value
+        for name, value in headers.items()
+    }
+
+
+class RewardFunctionOut(BaseModel):
+    id: str = Field(examples=["rf_01J9Z3M4T6V8X0Z2B4D6F8H0K2"])
+    name: str
+    url: str
+    timeout_s: float
+    max_batch_size: int
+    max_concurrency: int
+    headers: dict[str, str] = Field(description="Credential-like header values are shown as <redacted>.")
+    created_at: datetime
+    updated_at: datetime
+
+    @classmethod
+    def from_row(cls, row: RewardFunction) -> RewardFunctionOut:
+        return cls(
+            id=row.id,
+            name=row.name,
+            url=row.url,
+            timeout_s=row.timeout_s,
+            max_batch_size=row.max_batch_size,
+            max_concurrency=row.max_concurrency,
+            headers=redact_headers(dict(row.headers)),
+            created_at=row.created_at,
+            updated_at=row.updated_at,
+        )
+
+
+class RewardFunctionWithSecret(RewardFunctionOut):
+    """Returned by create and rotate-secret only: the one time the signing secret is shown."""
+
+    signing_secret: str = Field(
+        description="Standard Webhooks secret ('whsec_' + base64 key): verify the webhook-signature "
+        "header of every request with it. Shown only now.",
+        examples=["whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"],
+    )
+
+    @classmethod
+    def from_row(cls, row: RewardFunction) -> RewardFunctionWithSecret:
+        return cls(**RewardFunctionOut.from_row(row).model_dump(), signing_secret=row.signing_secret)
+
+
+class RewardFunctionList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[RewardFunctionOut]
+    has_more: bool
+    next_after: str | None = Field(description="Pass as `after` to get the next (older) page.")

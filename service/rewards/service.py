@@ -1,0 +1,90 @@
+"""The reward-function registry: register, read, delete, rotate the signing secret.
+
+Secrets are Standard Webhooks keys ("whsec_" + base64 of 24 random bytes), stored as issued because
+the worker needs them to sign each request; they are returned only by create and rotate-secret.
+Deletion is soft: jobs already submitted with a function keep calling it (`get_for_job`).
+"""
+
+from __future__ import annotations
+
+import base64
+import secrets
+from collections.abc import Sequence
+
+from sqlalchemy.orm import Session
+
+from service.kit.config import get_settings
+from service.kit.db import utcnow
+from service.kit.errors import NotFound
+from service.kit.ids import new_id
+from service.kit.urlpolicy import check_url_syntax
+from service.rewards import repository
+from service.rewards.models import RewardFunction
+from service.rewards.schemas import RewardFunctionCreate
+
+
+def new_signing_secret() -> str:
+    return "whsec_" + base64.b64encode(secrets.token_bytes(24)).decode()
+
+
+def create_reward_function(session: Session, tenant_id: str, spec: RewardFunctionCreate) -> RewardFunction:
+    """Register an endpoint (URL checked against the SSRF policy's static rules). Raises UrlRejected."""
+    url = check_url_syntax(spec.url, allow_private=bool(get_settings().allow_private_reward_urls))
+    now = utcnow()
+    row = RewardFunction(
+        id=new_id("rf"),
+        tenant_id=tenant_id,
+        name=spec.name,
+        url=url,
+        timeout_s=spec.timeout_s,
+        max_batch_size=spec.max_batch_size,
+        max_concurrency=spec.max_concurrency,
+        headers=dict(spec.headers),
+        signing_secret=new_signing_secret(),
+        created_at=now,
+        updated_at=now,
+    )
+    repository.add(session, row)
+    return row
+
+
+def get_reward_function(session: Session, tenant_id: str, rf_id: str) -> RewardFunction:
+    row = repository.get(session, tenant_id, rf_id)
+    if row is None:
+        raise NotFound("reward function", rf_id)
+    return row
+
+
+def list_reward_functions(
+    session: Session, tenant_id: str, *, limit: int, after: str | None
+) -> tuple[Sequence[RewardFunction], bool]:
+    """A page, newest first, and whether more follow."""
+    rows = repository.list_page(session, tenant_id, limit=limit + 1, after=after)
+    return rows[:limit], len(rows) > limit
+
+
+def delete_reward_function(session: Session, tenant_id: str, rf_id: str) -> None:
+    row = repository.get(session, tenant_id, rf_id, for_update=True)
+    if row is None:
+        raise NotFound("reward function", rf_id)
+    row.deleted_at = utcnow()
+    session.flush()
+
+
+def rotate_secret(session: Session, tenant_id: str, rf_id: str) -> RewardFunction:
+    """Issue a new signing secret; the old one stops being used for requests signed from now on."""
+    row = repository.get(session, tenant_id, rf_id, for_update=True)
+    if row is None:
+        raise NotFound("reward function", rf_id)
+    row.signing_secret = new_signing_secret()
+    row.updated_at = utcnow()
+    session.flush()
+    return row
+
+
+def get_for_job(session: Session, rf_id: str) -> RewardFunction:
+    """The row a job's remote reward refers to, even if deleted since (worker side, no tenant filter)."""
+    row = repository.get_for_job(session, rf_id)
+    if row is None:
+        raise NotFound("reward function", rf_id)
+    return row
