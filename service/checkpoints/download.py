@@ -67,11 +67,11 @@ def parse_range(header: str | None, size: int) -> ByteRange | None:
             raise RangeNotSatisfiable(size)
         return ByteRange(max(0, size - suffix), size - 1)
     start = int(first)
-    end = int(last) if last else size - 1
-    if end < start:
+    if last and int(last) < start:
         return None  # invalid spec: ignored
     if start >= size:
         raise RangeNotSatisfiable(size)
+    end = int(last) if last else size - 1
     return ByteRange(start, min(end, size - 1))
 
 
