@@ -13,6 +13,9 @@ from fastapi.testclient import TestClient
 
 from service.kit.config import Settings
 from tests.service.factories import TenantHeaders
+from tests.service.jobs_support import RecordingQueue, job_spec, recording_queue
+
+__all__ = ["recording_queue"]  # the fixture, re-exported for pytest
 
 Upload = Callable[..., Any]
 
@@ -174,3 +177,25 @@ class TestReadAndDelete:
             }
         assert client.get("/v1/datasets", headers=tenant_b).json()["data"] == []
         assert client.get(f"/v1/datasets/{dataset_id}", headers=tenant_a).status_code == 200
+
+
+class TestDeleteWhileInUse:
+    def test_409_while_an_unfinished_job_uses_it_then_deletable(
+        self, client: TestClient, tenant_a: TenantHeaders, recording_queue: RecordingQueue
+    ) -> None:
+        train_id = upload(client, tenant_a, jsonl(GOOD_ROWS)).json()["id"]
+        eval_id = upload(client, tenant_a, jsonl(GOOD_ROWS)).json()["id"]
+        job = client.post("/v1/jobs", headers=tenant_a, json=job_spec(train_id, eval_dataset=eval_id))
+        assert job.status_code == 201, job.text
+        for dataset_id in (train_id, eval_id):
+            response = client.delete(f"/v1/datasets/{dataset_id}", headers=tenant_a)
+            assert response.status_code == 409, response.text
+            assert response.json()["error"]["code"] == "dataset_in_use"
+            assert client.get(f"/v1/datasets/{dataset_id}", headers=tenant_a).status_code == 200
+
+        cancelled = client.post(f"/v1/jobs/{job.json()['id']}/cancel", headers=tenant_a)
+        assert cancelled.status_code == 200 and cancelled.json()["status"] == "cancelled"
+        for dataset_id in (train_id, eval_id):
+            assert client.delete(f"/v1/datasets/{dataset_id}", headers=tenant_a).status_code == 204
+        # The finished job still reads fine: the dataset rows are kept (soft delete).
+        assert client.get(f"/v1/jobs/{job.json()['id']}", headers=tenant_a).status_code == 200
