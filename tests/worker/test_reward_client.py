@@ -26,6 +26,9 @@ from worker.reward_client import (
     RewardUnavailable,
     test_endpoint,
 )
+from worker.reward_client.batching import make_batches
+from worker.reward_client.breaker import CircuitBreaker
+from worker.reward_client.cache import RewardCache, cache_key
 from worker.reward_client.endpoint import parse_retry_after
 from worker.reward_server import RewardRequest
 
@@ -318,7 +321,10 @@ class TestSsrfAtCallTime:
     async def test_loopback_refused_in_production_before_connecting(
         self, server: RewardServer, secret: str
     ) -> None:
-        source = RemoteRewardSource(make_config(server.url, secret, allow_private=False))
+        # The config would refuse this URL at construction; model_copy skips that to exercise the call-time
+        # check on its own (the transport must refuse before opening a socket).
+        config = make_config(server.url, secret).model_copy(update={"allow_private": False})
+        source = RemoteRewardSource(config)
         with pytest.raises(RewardEndpointRefused, match="127.0.0.1 is a loopback address"):
             await source(make_items(1, 2), step=0)
         await source.aclose()
@@ -370,3 +376,61 @@ class TestConfig:
             make_config("http://127.0.0.1/", "not-a-secret")
         with pytest.raises(ValueError, match="may not set Webhook-Signature"):
             make_config("http://127.0.0.1/", secret, headers={"Webhook-Signature": "v1,x"})
+
+
+class TestConfigUrl:
+    def test_url_policy_applies_at_construction(self, secret: str) -> None:
+        with pytest.raises(ValueError, match="scheme 'http' is not allowed"):
+            make_config("http://rewards.example.com/", secret, allow_private=False)
+        with pytest.raises(ValueError, match="is a loopback address"):
+            make_config("https://0x7f000001/", secret, allow_private=False)
+        assert make_config("https://rewards.example.com/", secret, allow_private=False).url
+
+
+class TestBatchingUnits:
+    def test_oversize_group_is_split_and_order_kept(self) -> None:
+        items = [(0, i) for i in range(10)] + [(1, i) for i in range(3)] + [(2, i) for i in range(6)]
+        batches = make_batches(items, max_batch_size=8, key=lambda x: x[0])
+        assert [len(b) for b in batches] == [8, 5, 6]  # group 0 split 8+2, the 2 share with group 1
+        assert [x for b in batches for x in b] == items
+        assert all(len(b) <= 8 for b in batches)
+
+    def test_interleaved_group_ids_are_gathered(self) -> None:
+        items = [(g, i) for i in range(2) for g in range(3)]  # 0,1,2,0,1,2
+        batches = make_batches(items, max_batch_size=4, key=lambda x: x[0])
+        assert batches == [[(0, 0), (0, 1), (1, 0), (1, 1)], [(2, 0), (2, 1)]]
+
+
+class TestBreakerUnits:
+    def test_opens_after_threshold_and_half_opens_once(self) -> None:
+        now = [0.0]
+        breaker = CircuitBreaker(threshold=2, reset_after_s=10, clock=lambda: now[0])
+        breaker.record_failure()
+        assert breaker.allow() and not breaker.is_open
+        breaker.record_failure()
+        assert breaker.is_open and not breaker.allow()
+        now[0] = 11.0
+        assert breaker.allow()  # the trial
+        assert not breaker.allow()  # only one trial at a time
+        breaker.record_failure()  # trial failed: open for another period
+        assert not breaker.allow()
+        now[0] = 22.0
+        assert breaker.allow()
+        breaker.record_success()
+        assert not breaker.is_open and breaker.allow() and breaker.consecutive_failures == 0
+
+
+class TestCacheUnits:
+    def test_lru_bound_and_cached_abstention(self) -> None:
+        cache = RewardCache(max_entries=2)
+        a, b, c = (cache_key("p", x, {}) for x in "abc")
+        cache.put(a, None)
+        cache.put(b, 1.0)
+        assert cache.get(a) == (True, None)  # a cached abstention is a hit; a is now most recent
+        cache.put(c, 2.0)  # evicts b
+        assert cache.get(b) == (False, None) and cache.get(c) == (True, 2.0) and len(cache) == 2
+
+    def test_key_separates_fields_and_metadata(self) -> None:
+        assert cache_key("ab", "c", {}) != cache_key("a", "bc", {})
+        assert cache_key("p", "c", {"answer": 1}) != cache_key("p", "c", {"answer": 2})
+        assert cache_key("p", "c", {"x": 1, "y": 2}) == cache_key("p", "c", {"y": 2, "x": 1})

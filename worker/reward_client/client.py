@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import inspect
+import logging
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
@@ -34,6 +35,8 @@ from worker.reward_client.endpoint import EndpointCaller, TransientFailure
 from worker.reward_client.protocol import RewardItem, RewardRequest, encode_request
 from worker.reward_client.signing import load_secret, new_message_id
 from worker.reward_client.transport import PinnedResolutionTransport
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -97,6 +100,11 @@ class RemoteRewardSource:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._client: httpx.AsyncClient | None = None
         self._semaphore = asyncio.Semaphore(config.max_concurrency)
+        if config.allow_private:
+            logger.warning(
+                "reward endpoint %s may resolve to loopback/private addresses (allow_private: development mode)",
+                self.name,
+            )
 
     async def __call__(self, items: Sequence[RewardInput], *, step: int) -> list[float | None]:
         results: list[float | None] = [None] * len(items)

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
+from service.kit.urlpolicy import UrlRejected, check_url_syntax
 from worker.reward_client.signing import SIGNING_HEADERS, load_secret
 
 # Headers the client owns; a user-configured header may not override them.
@@ -55,6 +56,15 @@ class RemoteRewardConfig(BaseModel):
         if clash:
             raise ValueError(f"headers may not set {', '.join(clash)} (set by the client)")
         return value
+
+    @model_validator(mode="after")
+    def _url_passes_syntax_policy(self) -> RemoteRewardConfig:
+        # The resolving checks run on every call; the static ones fail fast here.
+        try:
+            check_url_syntax(self.url, allow_private=self.allow_private)
+        except UrlRejected as exc:
+            raise ValueError(exc.message) from exc
+        return self
 
     @property
     def source_name(self) -> str:

@@ -85,7 +85,9 @@ def parse_response(body: bytes, *, expected: int) -> list[float | None]:
     except ValidationError as exc:
         first = exc.errors()[0]
         where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in first["loc"]).lstrip(".")
-        raise ResponseInvalid(f"{where} is {first['input']!r}: {first['msg']}") from exc
+        shown = repr(first["input"])
+        shown = shown if len(shown) <= 60 else shown[:57] + "..."
+        raise ResponseInvalid(f"{where} is {shown}: {first['msg']}") from exc
     if len(rewards) != expected:
         raise ResponseInvalid(f"rewards has {len(rewards)} values for {expected} items")
     return rewards
