@@ -48,7 +48,12 @@ async def authenticated(token: str | None) -> AsyncIterator[TenantContext]:
     try:
         yield tenant
     finally:
-        _TENANT.reset(binding)
+        try:
+            _TENANT.reset(binding)
+        except ValueError:
+            # A streaming call the client cancelled is finalised from another context; the call's own
+            # context (one per call task) goes away with its task, so there is nothing left to undo.
+            pass
 
 
 def current_tenant() -> TenantContext:

@@ -24,10 +24,18 @@ from pydantic import ValidationError
 from service.checkpoints.schemas import CheckpointOut
 from service.datasets.schemas import DatasetOut
 from service.grpc.errors import from_validation_error
-from service.grpc.gen.grpo.v1 import checkpoints_pb2, common_pb2, datasets_pb2, job_spec_pb2, jobs_pb2
+from service.grpc.gen.grpo.v1 import (
+    checkpoints_pb2,
+    common_pb2,
+    datasets_pb2,
+    job_spec_pb2,
+    jobs_pb2,
+    reward_functions_pb2,
+)
 from service.jobs.schemas import EventOut, JobOut, SampleOut
 from service.jobs.states import JobStatus
 from service.kit.errors import ValidationFailed
+from service.rewards.schemas import RewardFunctionCreate, RewardFunctionOut
 from worker.grpo.spec import JobSpec
 
 # Hyperparameters whose `None` means something other than "default": proto flag -> GRPOConfig field.
@@ -296,4 +304,29 @@ def checkpoint_to_proto(checkpoint: CheckpointOut) -> checkpoints_pb2.Checkpoint
         metrics=_finite_values(checkpoint.metrics),
         created_at=timestamp(checkpoint.created_at),
         total_bytes=checkpoint.total_bytes,
+    )
+
+
+# --- reward functions --------------------------------------------------------------------------------
+
+
+def reward_function_create_from_proto(message: reward_functions_pb2.RegisterRewardFunctionRequest) -> RewardFunctionCreate:
+    """The REST create body from the request (only the fields the client set); errors name the field."""
+    try:
+        return RewardFunctionCreate.model_validate(_set_fields(message))
+    except ValidationError as exc:
+        raise from_validation_error(exc) from exc
+
+
+def reward_function_to_proto(row: RewardFunctionOut) -> reward_functions_pb2.RewardFunction:
+    return reward_functions_pb2.RewardFunction(
+        id=row.id,
+        name=row.name,
+        url=row.url,
+        timeout_s=row.timeout_s,
+        max_batch_size=row.max_batch_size,
+        max_concurrency=row.max_concurrency,
+        headers=row.headers,
+        created_at=timestamp(row.created_at),
+        updated_at=timestamp(row.updated_at),
     )

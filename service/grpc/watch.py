@@ -57,25 +57,41 @@ async def watch_job(
     while True:
         poll = await in_session(partial(_read, tenant_id=tenant_id, job_id=job_id, next_step=next_step))
         job = job_to_proto(poll.job)
-        if last_job is None or _changed(last_job, job):
+        terminal = poll.job.status in TERMINAL
+        if not terminal and (last_job is None or _changed(last_job, job)):
             yield jobs_pb2.WatchJobResponse(job=job)
             last_job = job
-        for step in poll.steps:
-            yield jobs_pb2.WatchJobResponse(metrics=step)
-            next_step = step.step + 1
-        for checkpoint_id, step_number in poll.checkpoints:
-            if checkpoint_id not in sent_checkpoints and step_number >= from_step:
-                sent_checkpoints.add(checkpoint_id)
-                yield jobs_pb2.WatchJobResponse(
-                    checkpoint=jobs_pb2.CheckpointSaved(checkpoint_id=checkpoint_id, step=step_number)
-                )
+        pending = [(cid, step) for cid, step in poll.checkpoints if cid not in sent_checkpoints and step >= from_step]
+        for metrics in poll.steps:
+            yield jobs_pb2.WatchJobResponse(metrics=metrics)
+            next_step = metrics.step + 1
+            # A checkpoint follows the metrics of its step.
+            for message in _checkpoints_up_to(pending, sent_checkpoints, metrics.step):
+                yield message
         if poll.more_metrics:
             continue  # a backlog is waiting: no sleep
-        if poll.job.status in TERMINAL:
-            if last_job is not job:
-                yield jobs_pb2.WatchJobResponse(job=job)  # the stream always ends with the terminal Job
+        for message in _checkpoints_up_to(pending, sent_checkpoints, None):
+            yield message
+        if terminal:
+            yield jobs_pb2.WatchJobResponse(job=job)  # the stream always ends with the terminal Job
             return
         await asyncio.sleep(poll_interval_s)
+
+
+def _checkpoints_up_to(
+    pending: list[tuple[str, int]], sent: set[str], step: int | None
+) -> list[jobs_pb2.WatchJobResponse]:
+    """Messages for the pending checkpoints at or before `step` (None = all), marked as sent."""
+    out = []
+    for checkpoint_id, checkpoint_step in pending:
+        if checkpoint_id not in sent and (step is None or checkpoint_step <= step):
+            sent.add(checkpoint_id)
+            out.append(
+                jobs_pb2.WatchJobResponse(
+                    checkpoint=jobs_pb2.CheckpointSaved(checkpoint_id=checkpoint_id, step=checkpoint_step)
+                )
+            )
+    return out
 
 
 def _changed(before: jobs_pb2.Job, after: jobs_pb2.Job) -> bool:

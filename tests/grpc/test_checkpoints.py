@@ -30,7 +30,7 @@ FILES = {
 
 
 @pytest.fixture
-def stub(channel: grpc.aio.Channel) -> checkpoints_pb2_grpc.CheckpointServiceStub:
+def stub(channel: grpc.aio.Channel) -> checkpoints_pb2_grpc.CheckpointServiceAsyncStub:
     return checkpoints_pb2_grpc.CheckpointServiceStub(channel)
 
 
@@ -59,7 +59,7 @@ async def checkpoint(channel: grpc.aio.Channel, tenant_a: TenantHeaders, queue: 
 
 
 async def _download(
-    stub: checkpoints_pb2_grpc.CheckpointServiceStub, api_key: str, request: checkpoints_pb2.DownloadCheckpointRequest
+    stub: checkpoints_pb2_grpc.CheckpointServiceAsyncStub, api_key: str, request: checkpoints_pb2.DownloadCheckpointRequest
 ) -> tuple[dict[str, checkpoints_pb2.FileHeader], dict[str, bytearray]]:
     headers: dict[str, checkpoints_pb2.FileHeader] = {}
     files: dict[str, bytearray] = {}
@@ -76,7 +76,7 @@ async def _download(
 
 class TestReadCheckpoints:
     async def test_list_and_get(
-        self, stub: checkpoints_pb2_grpc.CheckpointServiceStub, checkpoint: tuple[str, str], tenant_a: TenantHeaders
+        self, stub: checkpoints_pb2_grpc.CheckpointServiceAsyncStub, checkpoint: tuple[str, str], tenant_a: TenantHeaders
     ) -> None:
         job_id, checkpoint_id = checkpoint
         auth = bearer(tenant_a.api_key)
@@ -89,7 +89,7 @@ class TestReadCheckpoints:
         assert got.total_bytes == sum(len(d) for d in FILES.values())
 
     async def test_other_tenant_gets_not_found(
-        self, stub: checkpoints_pb2_grpc.CheckpointServiceStub, checkpoint: tuple[str, str], tenant_b: TenantHeaders
+        self, stub: checkpoints_pb2_grpc.CheckpointServiceAsyncStub, checkpoint: tuple[str, str], tenant_b: TenantHeaders
     ) -> None:
         job_id, checkpoint_id = checkpoint
         theirs = bearer(tenant_b.api_key)
@@ -107,7 +107,7 @@ class TestReadCheckpoints:
 
 class TestDownloadCheckpoint:
     async def test_reassembled_files_match_the_manifest(
-        self, stub: checkpoints_pb2_grpc.CheckpointServiceStub, checkpoint: tuple[str, str], tenant_a: TenantHeaders
+        self, stub: checkpoints_pb2_grpc.CheckpointServiceAsyncStub, checkpoint: tuple[str, str], tenant_a: TenantHeaders
     ) -> None:
         _, checkpoint_id = checkpoint
         request = checkpoints_pb2.DownloadCheckpointRequest(checkpoint_id=checkpoint_id, chunk_size=256 * 1024)
@@ -119,7 +119,7 @@ class TestDownloadCheckpoint:
             assert bytes(data) == FILES[path]
 
     async def test_resume_from_offsets(
-        self, stub: checkpoints_pb2_grpc.CheckpointServiceStub, checkpoint: tuple[str, str], tenant_a: TenantHeaders
+        self, stub: checkpoints_pb2_grpc.CheckpointServiceAsyncStub, checkpoint: tuple[str, str], tenant_a: TenantHeaders
     ) -> None:
         _, checkpoint_id = checkpoint
         big, small = "model.safetensors", "config.json"
@@ -144,7 +144,7 @@ class TestDownloadCheckpoint:
     )
     async def test_bad_requests(
         self,
-        stub: checkpoints_pb2_grpc.CheckpointServiceStub,
+        stub: checkpoints_pb2_grpc.CheckpointServiceAsyncStub,
         checkpoint: tuple[str, str],
         tenant_a: TenantHeaders,
         request_fields: dict[str, object],

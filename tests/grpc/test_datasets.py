@@ -20,7 +20,7 @@ def _jsonl(rows: int) -> bytes:
 
 
 @pytest.fixture
-def stub(channel: grpc.aio.Channel) -> datasets_pb2_grpc.DatasetServiceStub:
+def stub(channel: grpc.aio.Channel) -> datasets_pb2_grpc.DatasetServiceAsyncStub:
     return datasets_pb2_grpc.DatasetServiceStub(channel)
 
 
@@ -52,7 +52,7 @@ class TestUploadDataset:
         assert [p["line"] for p in error_details(err.value)] == [2, 3]
 
     async def test_first_message_must_be_metadata(
-        self, stub: datasets_pb2_grpc.DatasetServiceStub, tenant_a: TenantHeaders
+        self, stub: datasets_pb2_grpc.DatasetServiceAsyncStub, tenant_a: TenantHeaders
     ) -> None:
         async def chunks_only():  # type: ignore[no-untyped-def]
             yield datasets_pb2.UploadDatasetRequest(chunk=b'{"prompt": "x"}\n')
@@ -63,7 +63,7 @@ class TestUploadDataset:
         assert error_field(err.value) == "metadata"
 
     async def test_bad_name_is_invalid_argument(
-        self, stub: datasets_pb2_grpc.DatasetServiceStub, tenant_a: TenantHeaders
+        self, stub: datasets_pb2_grpc.DatasetServiceAsyncStub, tenant_a: TenantHeaders
     ) -> None:
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await stub.UploadDataset(upload_requests(b'{"prompt": "x"}\n', name="x" * 300), metadata=bearer(tenant_a.api_key))
@@ -83,7 +83,7 @@ class TestUploadDataset:
 
 class TestReadAndDelete:
     async def test_get_list_delete(
-        self, channel: grpc.aio.Channel, stub: datasets_pb2_grpc.DatasetServiceStub, tenant_a: TenantHeaders
+        self, channel: grpc.aio.Channel, stub: datasets_pb2_grpc.DatasetServiceAsyncStub, tenant_a: TenantHeaders
     ) -> None:
         auth = bearer(tenant_a.api_key)
         first = await upload(channel, tenant_a.api_key, _jsonl(3), name="one")
@@ -107,7 +107,7 @@ class TestReadAndDelete:
     async def test_other_tenants_datasets_are_not_found(
         self,
         channel: grpc.aio.Channel,
-        stub: datasets_pb2_grpc.DatasetServiceStub,
+        stub: datasets_pb2_grpc.DatasetServiceAsyncStub,
         tenant_a: TenantHeaders,
         tenant_b: TenantHeaders,
     ) -> None:
@@ -125,7 +125,7 @@ class TestReadAndDelete:
         assert list(listed.datasets) == []
 
     async def test_page_size_out_of_range_names_the_field(
-        self, stub: datasets_pb2_grpc.DatasetServiceStub, tenant_a: TenantHeaders
+        self, stub: datasets_pb2_grpc.DatasetServiceAsyncStub, tenant_a: TenantHeaders
     ) -> None:
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await stub.ListDatasets(datasets_pb2.ListDatasetsRequest(page_size=101), metadata=bearer(tenant_a.api_key))

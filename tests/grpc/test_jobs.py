@@ -28,7 +28,7 @@ def queue(settings: object) -> Iterator[RecordingQueue]:
 
 
 @pytest.fixture
-def stub(channel: grpc.aio.Channel) -> jobs_pb2_grpc.JobServiceStub:
+def stub(channel: grpc.aio.Channel) -> jobs_pb2_grpc.JobServiceAsyncStub:
     return jobs_pb2_grpc.JobServiceStub(channel)
 
 
@@ -44,7 +44,7 @@ def spec_message(dataset_id: str, **hyper: int) -> job_spec_pb2.JobSpec:
     )
 
 
-async def _create(stub: jobs_pb2_grpc.JobServiceStub, tenant: TenantHeaders, **hyper: int) -> jobs_pb2.Job:
+async def _create(stub: jobs_pb2_grpc.JobServiceAsyncStub, tenant: TenantHeaders, **hyper: int) -> jobs_pb2.Job:
     request = jobs_pb2.CreateJobRequest(spec=spec_message(make_dataset(tenant.tenant_id), **hyper))
     return (await stub.CreateJob(request, metadata=bearer(tenant.api_key))).job
 
@@ -57,7 +57,7 @@ async def _fails(call: object, request: object, metadata: object) -> grpc.aio.Ai
 
 class TestCreateAndRead:
     async def test_create_get_list(
-        self, stub: jobs_pb2_grpc.JobServiceStub, tenant_a: TenantHeaders, queue: RecordingQueue, client: TestClient
+        self, stub: jobs_pb2_grpc.JobServiceAsyncStub, tenant_a: TenantHeaders, queue: RecordingQueue, client: TestClient
     ) -> None:
         job = await _create(stub, tenant_a)
         assert job.id.startswith("job_") and job.state == jobs_pb2.JOB_STATE_QUEUED
@@ -81,7 +81,7 @@ class TestCreateAndRead:
         assert [j.id for j in cancelled.jobs] == [job.id]
 
     async def test_invalid_spec_names_the_field(
-        self, stub: jobs_pb2_grpc.JobServiceStub, tenant_a: TenantHeaders, queue: RecordingQueue
+        self, stub: jobs_pb2_grpc.JobServiceAsyncStub, tenant_a: TenantHeaders, queue: RecordingQueue
     ) -> None:
         request = jobs_pb2.CreateJobRequest(spec=spec_message(make_dataset(tenant_a.tenant_id), num_generations=1))
         err = await _fails(stub.CreateJob, request, bearer(tenant_a.api_key))
@@ -90,7 +90,7 @@ class TestCreateAndRead:
         assert queue.sent == []
 
     async def test_unknown_dataset_names_the_field(
-        self, stub: jobs_pb2_grpc.JobServiceStub, tenant_a: TenantHeaders, tenant_b: TenantHeaders, queue: RecordingQueue
+        self, stub: jobs_pb2_grpc.JobServiceAsyncStub, tenant_a: TenantHeaders, tenant_b: TenantHeaders, queue: RecordingQueue
     ) -> None:
         # Another tenant's dataset is as unknown as a missing one.
         request = jobs_pb2.CreateJobRequest(spec=spec_message(make_dataset(tenant_b.tenant_id)))
@@ -99,7 +99,7 @@ class TestCreateAndRead:
         assert error_field(err) == "spec.train_dataset"
 
     async def test_reward_without_source_names_it(
-        self, stub: jobs_pb2_grpc.JobServiceStub, tenant_a: TenantHeaders, queue: RecordingQueue
+        self, stub: jobs_pb2_grpc.JobServiceAsyncStub, tenant_a: TenantHeaders, queue: RecordingQueue
     ) -> None:
         spec = spec_message(make_dataset(tenant_a.tenant_id))
         spec.rewards.add(weight=2.0)
@@ -110,7 +110,7 @@ class TestCreateAndRead:
 
 class TestIdempotency:
     async def test_replay_conflict_and_rest_interplay(
-        self, stub: jobs_pb2_grpc.JobServiceStub, tenant_a: TenantHeaders, queue: RecordingQueue, client: TestClient
+        self, stub: jobs_pb2_grpc.JobServiceAsyncStub, tenant_a: TenantHeaders, queue: RecordingQueue, client: TestClient
     ) -> None:
         dataset = make_dataset(tenant_a.tenant_id)
         keyed = (*bearer(tenant_a.api_key), ("idempotency-key", "run-42"))
@@ -138,7 +138,7 @@ class TestIdempotency:
 
 class TestControl:
     async def test_pause_resume_cancel_and_illegal_transition(
-        self, stub: jobs_pb2_grpc.JobServiceStub, tenant_a: TenantHeaders, queue: RecordingQueue
+        self, stub: jobs_pb2_grpc.JobServiceAsyncStub, tenant_a: TenantHeaders, queue: RecordingQueue
     ) -> None:
         auth = bearer(tenant_a.api_key)
         job = await _create(stub, tenant_a)
@@ -155,7 +155,7 @@ class TestControl:
         assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
 
     async def test_other_tenants_jobs_are_not_found(
-        self, stub: jobs_pb2_grpc.JobServiceStub, tenant_a: TenantHeaders, tenant_b: TenantHeaders, queue: RecordingQueue
+        self, stub: jobs_pb2_grpc.JobServiceAsyncStub, tenant_a: TenantHeaders, tenant_b: TenantHeaders, queue: RecordingQueue
     ) -> None:
         job = await _create(stub, tenant_a)
         theirs = bearer(tenant_b.api_key)
@@ -181,7 +181,7 @@ class TestControl:
 
 class TestProgress:
     async def test_events_metrics_samples(
-        self, stub: jobs_pb2_grpc.JobServiceStub, tenant_a: TenantHeaders, queue: RecordingQueue
+        self, stub: jobs_pb2_grpc.JobServiceAsyncStub, tenant_a: TenantHeaders, queue: RecordingQueue
     ) -> None:
         auth = bearer(tenant_a.api_key)
         job = await _create(stub, tenant_a)
@@ -221,7 +221,7 @@ class TestProgress:
         assert list(none.samples) == []
 
     async def test_finished_job_reports_its_error(
-        self, stub: jobs_pb2_grpc.JobServiceStub, tenant_a: TenantHeaders, queue: RecordingQueue
+        self, stub: jobs_pb2_grpc.JobServiceAsyncStub, tenant_a: TenantHeaders, queue: RecordingQueue
     ) -> None:
         job = await _create(stub, tenant_a)
         attempt = start_job(job.id)

@@ -15,10 +15,13 @@ from service.grpc.gen.grpo.v1 import (
     datasets_pb2_grpc,
     jobs_pb2,
     jobs_pb2_grpc,
+    reward_functions_pb2,
+    reward_functions_pb2_grpc,
 )
 from service.grpc.servicers.checkpoints import CheckpointServicer
 from service.grpc.servicers.datasets import DatasetServicer
 from service.grpc.servicers.jobs import JobServicer
+from service.grpc.servicers.rewards import RewardFunctionServicer
 
 
 def register_all(server: grpc.aio.Server) -> tuple[str, ...]:
@@ -26,8 +29,10 @@ def register_all(server: grpc.aio.Server) -> tuple[str, ...]:
     datasets_pb2_grpc.add_DatasetServiceServicer_to_server(DatasetServicer(), server)
     jobs_pb2_grpc.add_JobServiceServicer_to_server(JobServicer(), server)
     checkpoints_pb2_grpc.add_CheckpointServiceServicer_to_server(CheckpointServicer(), server)
+    reward_functions_pb2_grpc.add_RewardFunctionServiceServicer_to_server(RewardFunctionServicer(), server)
     return (
         checkpoints_pb2.DESCRIPTOR.services_by_name["CheckpointService"].full_name,
         datasets_pb2.DESCRIPTOR.services_by_name["DatasetService"].full_name,
         jobs_pb2.DESCRIPTOR.services_by_name["JobService"].full_name,
+        reward_functions_pb2.DESCRIPTOR.services_by_name["RewardFunctionService"].full_name,
     )

@@ -1,0 +1,111 @@
+"""The typed proto spec stays in step with the pydantic contract (worker/grpo/spec.py, config.py)."""
+
+from __future__ import annotations
+
+import typing
+
+import pytest
+from pydantic import BaseModel
+
+from service.grpc.convert import (
+    BUILTIN_REWARDS,
+    NONE_FLAGS,
+    job_spec_from_proto,
+    job_spec_to_proto,
+    str_to_enum,
+)
+from service.grpc.gen.grpo.v1 import job_spec_pb2
+from service.kit.errors import ValidationFailed
+from worker.grpo.config import GRPOConfig, LoraConfig
+from worker.grpo.spec import BUILTIN_PARAMS, JobSpec, ModelRewardSpec, RemoteRewardSpec
+
+PAIRS: list[tuple[type[BaseModel], type[typing.Any]]] = [
+    (GRPOConfig, job_spec_pb2.Hyperparameters),
+    (LoraConfig, job_spec_pb2.LoraConfig),
+    (JobSpec, job_spec_pb2.JobSpec),
+    (RemoteRewardSpec, job_spec_pb2.RemoteReward),
+    (ModelRewardSpec, job_spec_pb2.ModelReward),
+    *((BUILTIN_PARAMS[name], getattr(job_spec_pb2, f"{name.title().replace('_', '')}Reward")) for name in BUILTIN_REWARDS),
+]
+
+
+@pytest.mark.parametrize(("model", "message"), PAIRS, ids=lambda p: p.__name__)
+def test_every_pydantic_field_has_a_proto_field(model: type[BaseModel], message: type[typing.Any]) -> None:
+    proto_fields = set(message.DESCRIPTOR.fields_by_name)
+    missing = set(model.model_fields) - proto_fields - {"type", "weight"}
+    assert not missing, f"{message.__name__} lacks {sorted(missing)}: update proto/grpo/v1/job_spec.proto"
+
+
+@pytest.mark.parametrize("name", [n for n, f in GRPOConfig.model_fields.items() if typing.get_origin(f.annotation) is typing.Literal])
+def test_every_literal_value_has_an_enum_value(name: str) -> None:
+    field = job_spec_pb2.Hyperparameters.DESCRIPTOR.fields_by_name[name]
+    for value in typing.get_args(GRPOConfig.model_fields[name].annotation):
+        str_to_enum(field.enum_type, value)  # KeyError if the proto enum lacks it
+
+
+def _roundtrip(values: dict[str, typing.Any]) -> None:
+    spec = JobSpec.model_validate(values)
+    assert job_spec_from_proto(job_spec_to_proto(spec)) == spec
+
+
+def test_roundtrip_example() -> None:
+    _roundtrip(JobSpec.model_config["json_schema_extra"]["examples"][0])  # type: ignore[index]
+
+
+def test_roundtrip_nones_and_lists() -> None:
+    _roundtrip(
+        {
+            "base_model": "builtin:tiny",
+            "train_dataset": "ds_1",
+            "eval_dataset": "ds_2",
+            "rewards": [
+                {"type": "builtin", "name": "regex_match", "params": {"pattern": "^a+$", "fullmatch": True}},
+                {"type": "builtin", "name": "length_penalty", "params": {"unit": "chars"}, "weight": -0.5},
+                {"type": "model", "model": "org/rm"},
+            ],
+            "hyperparameters": {
+                "num_epochs": 1.5, "max_grad_norm": None, "max_prompt_length": None, "save_total_limit": None,
+                "loss_type": "dr_grpo", "dtype": "bfloat16", "epsilon_high": 0.28,
+                "lora": {"r": 4, "target_modules": ["q_proj", "v_proj"]},
+            },
+            "metadata": {"team": "rl"},
+        }
+    )
+    message = job_spec_to_proto(JobSpec.model_validate({
+        "base_model": "builtin:tiny", "train_dataset": "d", "rewards": [{"type": "builtin", "name": "exact_match"}],
+        "hyperparameters": {"max_steps": 1, "max_grad_norm": None},
+    }))
+    assert message.hyperparameters.disable_grad_clipping and not message.hyperparameters.HasField("max_grad_norm")
+
+
+def test_unset_fields_take_the_pydantic_defaults() -> None:
+    message = job_spec_pb2.JobSpec(
+        base_model="builtin:tiny", train_dataset="d",
+        rewards=[job_spec_pb2.RewardSpec(boxed_answer=job_spec_pb2.BoxedAnswerReward())],
+        hyperparameters=job_spec_pb2.Hyperparameters(max_steps=3),
+    )
+    spec = job_spec_from_proto(message)
+    assert spec.hyperparameters == GRPOConfig(max_steps=3)
+    assert spec.rewards[0].weight == 1.0 and spec.rewards[0].params["format_reward"] == 0.5  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("flag", sorted(NONE_FLAGS))
+def test_flag_and_value_together_is_an_error(flag: str) -> None:
+    hyper = job_spec_pb2.Hyperparameters(max_steps=3, **{flag: True, NONE_FLAGS[flag]: 1})
+    message = job_spec_pb2.JobSpec(
+        base_model="builtin:tiny", train_dataset="d",
+        rewards=[job_spec_pb2.RewardSpec(exact_match=job_spec_pb2.ExactMatchReward())], hyperparameters=hyper,
+    )
+    with pytest.raises(ValidationFailed) as err:
+        job_spec_from_proto(message)
+    assert err.value.details[0]["field"] == f"spec.hyperparameters.{flag}"
+
+
+def test_missing_hyperparameters_names_the_field() -> None:
+    message = job_spec_pb2.JobSpec(
+        base_model="builtin:tiny", train_dataset="d",
+        rewards=[job_spec_pb2.RewardSpec(exact_match=job_spec_pb2.ExactMatchReward())],
+    )
+    with pytest.raises(ValidationFailed) as err:
+        job_spec_from_proto(message)
+    assert err.value.details[0]["field"] == "spec.hyperparameters"

@@ -1,0 +1,119 @@
+"""WatchJob while a stand-in worker records progress: ordered metrics, checkpoints, terminal state, resuming.
+
+(The end-to-end run with the real Celery worker and engine is a separate test; here the worker side is
+the same domain functions the worker's reporting uses, driven from a thread.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+import grpc
+import pytest
+
+from service.grpc import watch
+from service.grpc.gen.grpo.v1 import job_spec_pb2, jobs_pb2, jobs_pb2_grpc
+from service.jobs.progress import record_metrics, worker_transition
+from service.jobs.states import JobStatus
+from service.kit.db import session_scope
+from service.kit.queue import set_job_queue
+from service.storage import get_storage
+from tests.grpc.helpers import bearer
+from tests.service.factories import TenantHeaders
+from tests.service.jobs_support import RecordingQueue, make_dataset, put_checkpoint, start_job
+
+STEPS = 6
+
+
+@pytest.fixture(autouse=True)
+def fast_polling(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(watch, "POLL_INTERVAL_S", 0.02)
+
+
+@pytest.fixture
+def queue(settings: object) -> Iterator[RecordingQueue]:
+    recording = RecordingQueue()
+    set_job_queue(recording)
+    yield recording
+    set_job_queue(None)
+
+
+async def _job(channel: grpc.aio.Channel, tenant: TenantHeaders) -> str:
+    spec = job_spec_pb2.JobSpec(
+        base_model="builtin:tiny",
+        train_dataset=make_dataset(tenant.tenant_id),
+        rewards=[job_spec_pb2.RewardSpec(exact_match=job_spec_pb2.ExactMatchReward())],
+        hyperparameters=job_spec_pb2.Hyperparameters(max_steps=STEPS, num_generations=2),
+    )
+    stub = jobs_pb2_grpc.JobServiceStub(channel)
+    return (await stub.CreateJob(jobs_pb2.CreateJobRequest(spec=spec), metadata=bearer(tenant.api_key))).job.id
+
+
+def _work(job_id: str, attempt: int, pause_s: float) -> None:
+    """The worker's reports: one metrics row set per step, a checkpoint at step 3, then success."""
+    import time
+
+    for step in range(1, STEPS + 1):
+        with session_scope() as session:
+            record_metrics(session, job_id, attempt, step, {"reward": step / 10, "loss": 1.0 / step})
+        if step == 3:
+            put_checkpoint(get_storage(), job_id, attempt, step, {"weights.bin": b"w" * 10})
+        time.sleep(pause_s)
+    with session_scope() as session:
+        worker_transition(session, job_id, attempt, JobStatus.succeeded, reason="done")
+
+
+async def _collect(
+    stub: jobs_pb2_grpc.JobServiceAsyncStub, api_key: str, job_id: str, from_step: int, stop_after_step: int | None = None
+) -> list[jobs_pb2.WatchJobResponse]:
+    received = []
+    call = stub.WatchJob(jobs_pb2.WatchJobRequest(job_id=job_id, from_step=from_step), metadata=bearer(api_key))
+    async for message in call:
+        received.append(message)
+        if stop_after_step is not None and message.WhichOneof("event") == "metrics" and message.metrics.step == stop_after_step:
+            call.cancel()  # the client goes away mid-stream
+            break
+    return received
+
+
+def _steps(messages: list[jobs_pb2.WatchJobResponse]) -> list[int]:
+    return [m.metrics.step for m in messages if m.WhichOneof("event") == "metrics"]
+
+
+class TestWatchJob:
+    async def test_live_stream_then_reconnect(
+        self, channel: grpc.aio.Channel, tenant_a: TenantHeaders, queue: RecordingQueue
+    ) -> None:
+        stub = jobs_pb2_grpc.JobServiceStub(channel)
+        job_id = await _job(channel, tenant_a)
+        attempt = start_job(job_id)
+        worker = asyncio.create_task(asyncio.to_thread(_work, job_id, attempt, 0.05))
+
+        first = await _collect(stub, tenant_a.api_key, job_id, from_step=0, stop_after_step=2)
+        assert first[0].WhichOneof("event") == "job" and first[0].job.state == jobs_pb2.JOB_STATE_RUNNING
+        assert _steps(first) == [1, 2]
+
+        rest = await _collect(stub, tenant_a.api_key, job_id, from_step=3)
+        await worker
+        assert _steps(rest) == [3, 4, 5, 6]  # no gap, no duplicate
+        values = {m.metrics.step: dict(m.metrics.values) for m in rest if m.WhichOneof("event") == "metrics"}
+        assert values[4] == {"reward": pytest.approx(0.4), "loss": pytest.approx(0.25)}
+        checkpoints = [m.checkpoint.step for m in rest if m.WhichOneof("event") == "checkpoint"]
+        assert checkpoints == [3]
+        kinds = [(m.WhichOneof("event"), m.metrics.step or m.checkpoint.step) for m in rest]
+        assert kinds[kinds.index(("metrics", 3)) + 1] == ("checkpoint", 3)  # right after its step's metrics
+        assert rest[-1].WhichOneof("event") == "job" and rest[-1].job.state == jobs_pb2.JOB_STATE_SUCCEEDED
+
+    async def test_watching_a_finished_job_replays_and_ends(
+        self, channel: grpc.aio.Channel, tenant_a: TenantHeaders, queue: RecordingQueue
+    ) -> None:
+        stub = jobs_pb2_grpc.JobServiceStub(channel)
+        job_id = await _job(channel, tenant_a)
+        await asyncio.to_thread(_work, job_id, start_job(job_id), 0)
+        everything = await asyncio.wait_for(_collect(stub, tenant_a.api_key, job_id, from_step=0), timeout=10)
+        assert _steps(everything) == list(range(1, STEPS + 1))
+        assert everything[-1].job.state == jobs_pb2.JOB_STATE_SUCCEEDED
+        tail = await asyncio.wait_for(_collect(stub, tenant_a.api_key, job_id, from_step=5), timeout=10)
+        assert _steps(tail) == [5, 6]
+        assert [m.checkpoint.step for m in tail if m.WhichOneof("event") == "checkpoint"] == []  # step 3 < 5
