@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 from datetime import datetime
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -142,3 +142,23 @@ class RewardFunctionList(BaseModel):
     data: list[RewardFunctionOut]
     has_more: bool
     next_after: str | None = Field(description="Pass as `after` to get the next (older) page.")
+
+
+class RewardTestItem(BaseModel):
+    """One completion to score in a dry run (the same fields the endpoint receives during training)."""
+
+    model_config = ConfigDict(extra="forbid")
+    prompt: str
+    completion: str
+    metadata: dict[str, Any] = Field(default_factory=dict, description="Dataset columns other than the prompt.")
+    group_id: int = 0
+
+
+class RewardTestRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    items: list[RewardTestItem] = Field(min_length=1, max_length=64)
+
+
+class RewardTestResult(BaseModel):
+    rewards: list[float | None] = Field(description="One per item, in order; null where the endpoint abstained.")
+    latency_ms: float = Field(description="Wall time of the signed call, retries excluded.")
