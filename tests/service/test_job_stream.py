@@ -1,0 +1,114 @@
+"""GET /v1/jobs/{id}/stream: Server-Sent Events with row ids, Last-Event-ID replay, live updates."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from typing import Any
+
+from fastapi.testclient import TestClient
+
+from service.jobs import progress
+from service.jobs.states import JobStatus
+from service.kit.db import session_scope
+from service.storage import get_storage
+from tests.service.factories import TenantHeaders
+from tests.service.jobs_support import job_spec, make_dataset, put_checkpoint, start_job
+
+
+def parse_sse(text: str) -> list[dict[str, Any]]:
+    """Messages with an id (comments and the retry hint are skipped)."""
+    messages = []
+    for block in text.split("\n\n"):
+        fields: dict[str, str] = {}
+        for line in block.splitlines():
+            if line.startswith(":"):
+                continue
+            name, _, value = line.partition(": ")
+            fields[name] = value
+        if "id" in fields:
+            messages.append(
+                {"id": int(fields["id"]), "event": fields["event"], "data": json.loads(fields["data"])}
+            )
+    return messages
+
+
+def read_stream(client: TestClient, job_id: str, headers: dict[str, str]) -> list[dict[str, Any]]:
+    with client.stream("GET", f"/v1/jobs/{job_id}/stream", headers=headers) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        return parse_sse(response.read().decode())
+
+
+def finished_job(client: TestClient, tenant: TenantHeaders) -> str:
+    job_id: str = client.post(
+        "/v1/jobs", json=job_spec(make_dataset(tenant.tenant_id)), headers=tenant
+    ).json()["id"]
+    attempt = start_job(job_id)
+    for step in (1, 2):
+        with session_scope() as session:
+            progress.record_metrics(session, job_id, attempt, step, {"loss": 1.0 / step})
+    put_checkpoint(get_storage(), job_id, attempt, 2, {"model.safetensors": b"weights"})
+    with session_scope() as session:
+        progress.worker_transition(session, job_id, attempt, JobStatus.succeeded, reason="done")
+    return job_id
+
+
+class TestStream:
+    def test_all_events_with_row_ids_then_the_stream_ends(
+        self, client: TestClient, tenant_a: TenantHeaders
+    ) -> None:
+        job_id = finished_job(client, tenant_a)
+        messages = read_stream(client, job_id, tenant_a)
+        events = client.get(f"/v1/jobs/{job_id}/events", headers=tenant_a).json()["data"]
+        assert [m["id"] for m in messages] == [e["id"] for e in events]
+        assert [m["event"] for m in messages] == [
+            "status",
+            "status",
+            "metrics",
+            "metrics",
+            "checkpoint",
+            "status",
+        ]
+        assert messages[2]["data"]["data"] == {"step": 1, "metrics": {"loss": 1.0}}
+        assert messages[-1]["data"]["data"]["to"] == "succeeded"
+
+    def test_last_event_id_replays_what_came_after(self, client: TestClient, tenant_a: TenantHeaders) -> None:
+        job_id = finished_job(client, tenant_a)
+        everything = read_stream(client, job_id, tenant_a)
+        resumed = read_stream(client, job_id, {**tenant_a, "Last-Event-ID": str(everything[2]["id"])})
+        assert resumed == everything[3:]
+
+    def test_live_updates_arrive_until_the_job_finishes(
+        self, client: TestClient, tenant_a: TenantHeaders
+    ) -> None:
+        job_id = client.post(
+            "/v1/jobs", json=job_spec(make_dataset(tenant_a.tenant_id)), headers=tenant_a
+        ).json()["id"]
+        attempt = start_job(job_id)
+
+        def worker() -> None:
+            for step in range(1, 4):
+                time.sleep(0.3)
+                with session_scope() as session:
+                    progress.record_metrics(session, job_id, attempt, step, {"reward": float(step)})
+            with session_scope() as session:
+                progress.worker_transition(session, job_id, attempt, JobStatus.succeeded, reason="done")
+
+        thread = threading.Thread(target=worker)
+        started = time.monotonic()
+        thread.start()
+        try:
+            messages = read_stream(client, job_id, tenant_a)
+        finally:
+            thread.join()
+        assert [m["data"]["data"].get("step") for m in messages if m["event"] == "metrics"] == [1, 2, 3]
+        assert messages[-1]["event"] == "status" and messages[-1]["data"]["data"]["to"] == "succeeded"
+        assert time.monotonic() - started < 10
+
+    def test_bad_last_event_id_is_422(self, client: TestClient, tenant_a: TenantHeaders) -> None:
+        job_id = finished_job(client, tenant_a)
+        response = client.get(f"/v1/jobs/{job_id}/stream", headers={**tenant_a, "Last-Event-ID": "abc"})
+        assert response.status_code == 422
+        assert "Last-Event-ID" in response.json()["error"]["message"]
