@@ -34,7 +34,9 @@ from tests.service.conftest import (  # noqa: F401  (fixtures re-exported for te
 )
 from worker.grpo.spec import JobSpec
 
-PROMPTS = [{"prompt": f"Say {word}:", "answer": word} for word in ("yes", "no", "up", "down", "left", "right")]
+PROMPTS = [
+    {"prompt": f"Say {word}:", "answer": word} for word in ("yes", "no", "up", "down", "left", "right")
+]
 
 
 @dataclass
@@ -74,8 +76,18 @@ def insert_dataset(session: Session, tenant_id: str, rows: list[dict[str, Any]] 
     dataset_id = new_id("ds")
     key = dataset_key(dataset_id)
     get_storage().put_stream(key, [data])
-    session.add(Dataset(id=dataset_id, tenant_id=tenant_id, name="prompts", num_rows=len(rows or PROMPTS),
-                        bytes=len(data), sha256="0" * 64, columns=["prompt", "answer"], storage_key=key))
+    session.add(
+        Dataset(
+            id=dataset_id,
+            tenant_id=tenant_id,
+            name="prompts",
+            num_rows=len(rows or PROMPTS),
+            bytes=len(data),
+            sha256="0" * 64,
+            columns=["prompt", "answer"],
+            storage_key=key,
+        )
+    )
     session.flush()
     return dataset_id
 

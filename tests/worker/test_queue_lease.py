@@ -108,7 +108,9 @@ class TestFencing:
         for step in (1, 2, 3):
             reporting.record_step(old, step, {"loss": float(step)}, [])
         get_storage().put_stream(checkpoint_key(job_id, "ckpt_test2", "a.bin"), [b"x"])
-        reporting.record_checkpoint(old, checkpoint_id="ckpt_test2", step=2, files={"a.bin": {"size": 1, "sha256": "0" * 64}})
+        reporting.record_checkpoint(
+            old, checkpoint_id="ckpt_test2", step=2, files={"a.bin": {"size": 1, "sha256": "0" * 64}}
+        )
         _expire_lease(job_id)
         new = _claim(job_id, "w2")
         assert new is not None and new.resume_step == 2 and new.resume_checkpoint_id == "ckpt_test2"
