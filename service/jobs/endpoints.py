@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Body, Depends, Header, Query, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel
 from sqlalchemy.orm import Session
 
 from service.jobs import service
@@ -39,6 +40,12 @@ _SPEC_EXAMPLES: dict[str, Any] = {
         },
     },
 }
+
+
+def _json(model: BaseModel, status_code: int = 200) -> Response:
+    """Serialise once. Returning the model would make FastAPI dump it, validate it again, then serialise;
+    the route's response_model still documents (and the tests check) the shape."""
+    return Response(model.model_dump_json(), status_code=status_code, media_type="application/json")
 
 
 def _split(csv: str | None) -> list[str] | None:
@@ -105,8 +112,8 @@ def list_jobs(
 
 
 @router.get("/jobs/{job_id}", response_model=JobOut, summary="Get a job", responses=error_responses(401, 404))
-def get_job(job_id: str, tenant: CurrentTenant, session: SessionDep) -> JobOut:
-    return JobOut.from_row(service.get_job(session, tenant.tenant_id, job_id))
+def get_job(job_id: str, tenant: CurrentTenant, session: SessionDep) -> Response:
+    return _json(JobOut.from_row(service.get_job(session, tenant.tenant_id, job_id)))
 
 
 @router.post(
@@ -235,3 +242,33 @@ def stream_job(
         media_type="text/event-stream",
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
     )
+
+
+PLOTTED_METRICS = ["reward/mean", "reward/std", "kl", "completion_length/mean"]
+
+
+@router.get(
+    "/jobs/{job_id}/plot.png",
+    summary="Training curves as a PNG",
+    response_class=Response,
+    responses={
+        200: {
+            "content": {"image/png": {}},
+            "description": "Reward mean ± std, KL and completion length over steps.",
+        },
+        **error_responses(401, 404),
+    },
+)
+def plot_job(job_id: str, tenant: CurrentTenant, session: SessionDep) -> Response:
+    from service.plots import render_metrics_png  # matplotlib: loaded on first use, not at start-up
+
+    metrics = service.get_metrics(
+        session, tenant.tenant_id, job_id, names=PLOTTED_METRICS, since_step=0, limit=50_000
+    )
+    png = render_metrics_png(metrics.series, title=f"{job_id} (steps {_steps(metrics)})")
+    return Response(content=png, media_type="image/png", headers={"Cache-Control": "no-cache"})
+
+
+def _steps(metrics: MetricsOut) -> str:
+    steps = [step for series in metrics.series.values() for step in series.steps]
+    return f"{min(steps)}-{max(steps)}" if steps else "none yet"

@@ -57,6 +57,8 @@ def job_uses_dataset(session: Session, tenant_id: str, dataset_id: str, statuses
 
 
 def live_dataset_ids(session: Session, tenant_id: str, ids: Sequence[str]) -> set[str]:
+    if not ids:
+        return set()
     stmt = select(Dataset.id).where(
         Dataset.tenant_id == tenant_id, Dataset.id.in_(ids), Dataset.deleted_at.is_(None)
     )
@@ -64,6 +66,8 @@ def live_dataset_ids(session: Session, tenant_id: str, ids: Sequence[str]) -> se
 
 
 def live_reward_function_ids(session: Session, tenant_id: str, ids: Sequence[str]) -> set[str]:
+    if not ids:
+        return set()
     stmt = select(RewardFunction.id).where(
         RewardFunction.tenant_id == tenant_id, RewardFunction.id.in_(ids), RewardFunction.deleted_at.is_(None)
     )

@@ -10,8 +10,10 @@ the worker (and so never torch). Sends happen after the job row is committed (se
 from __future__ import annotations
 
 import logging
-from functools import lru_cache
+import threading
 from typing import Any, Protocol
+
+from celery import Celery
 
 from service.kit.config import get_settings
 
@@ -31,8 +33,6 @@ class CeleryJobQueue:
     """A send-only Celery client: no result backend, no task imports."""
 
     def __init__(self, broker_url: str) -> None:
-        from celery import Celery  # imported lazily: only processes that send tasks pay for it
-
         self._app = Celery("grpo-api", broker=broker_url, set_as_current=False)
         self._app.conf.update(
             task_ignore_result=True,
@@ -52,9 +52,15 @@ class CeleryJobQueue:
         return self._app
 
 
-@lru_cache
+_clients: dict[str, CeleryJobQueue] = {}
+_clients_lock = threading.Lock()  # requests run in a thread pool: build one client per broker URL
+
+
 def _celery_queue(broker_url: str) -> CeleryJobQueue:
-    return CeleryJobQueue(broker_url)
+    with _clients_lock:
+        if broker_url not in _clients:
+            _clients[broker_url] = CeleryJobQueue(broker_url)
+        return _clients[broker_url]
 
 
 _override: JobQueue | None = None

@@ -1,0 +1,297 @@
+"""REST API load benchmark (issue 3, acceptance 8).
+
+Runs, in one go:
+- the API under uvicorn on a throwaway PostgreSQL database (migrated with Alembic, seeded with a
+  tenant, an API key, a dataset and one job), broker `memory://` so POSTs pay the real enqueue call
+  without filling a shared Redis;
+- a bare FastAPI hello-world app under the same uvicorn settings;
+and loads both with the same async generator (aiohttp, 64 connections, closed loop: each connection
+sends its next request when the previous answer arrives). Not httpx: its connection pool collapses
+at 64 connections (hello-world measured 58 req/s with httpx vs 912 with aiohttp on the same box),
+which would measure the client instead of the servers. Prints req/s, p50/p99 latency and errors
+for `GET /v1/jobs/{id}`, `GET /v1/jobs?limit=20`, `POST /v1/jobs`, and each one's ratio to the
+hello-world req/s.
+
+    .venv/bin/python bench/api_load.py [--duration 10] [--connections 64] [--json out.json]
+
+Both servers and the load generator share this machine's cores: read the ratio, not the absolutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import httpx
+from fastapi import FastAPI
+
+ROOT = Path(__file__).resolve().parents[1]
+ADMIN_URL = os.environ.get("GRPO_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
+
+# The baseline: the least a FastAPI endpoint can do (uvicorn runs it as `api_load:hello_app`).
+hello_app = FastAPI()
+
+
+@hello_app.get("/")
+def hello() -> dict[str, str]:
+    return {"hello": "world"}
+
+
+@dataclass
+class Result:
+    name: str
+    requests: int
+    errors: int
+    seconds: float
+    p50_ms: float
+    p99_ms: float
+
+    @property
+    def rps(self) -> float:
+        return self.requests / self.seconds
+
+
+# --- the load generator ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Call:
+    method: str
+    path: str
+    headers: dict[str, str] | None = None
+    json: dict[str, Any] | None = None
+
+
+async def _load(base_url: str, call: Call, *, connections: int, duration: float, warmup: float) -> Result:
+    latencies: list[float] = []
+    errors = 0
+    connector = aiohttp.TCPConnector(limit=connections)
+    timeout = aiohttp.ClientTimeout(total=30)
+    async with aiohttp.ClientSession(base_url=base_url, connector=connector, timeout=timeout) as session:
+        start = time.perf_counter()
+        measure_from = start + warmup
+        stop = measure_from + duration
+
+        async def connection() -> None:
+            nonlocal errors
+            while (now := time.perf_counter()) < stop:
+                try:
+                    async with session.request(
+                        call.method, call.path, headers=call.headers, json=call.json
+                    ) as resp:
+                        await resp.read()
+                        ok = resp.status < 400
+                except (TimeoutError, aiohttp.ClientError):
+                    ok = False
+                done = time.perf_counter()
+                if now >= measure_from:
+                    latencies.append(done - now)
+                    errors += not ok
+
+        await asyncio.gather(*(connection() for _ in range(connections)))
+        elapsed = time.perf_counter() - measure_from
+    latencies.sort()
+    return Result(
+        name="",
+        requests=len(latencies),
+        errors=errors,
+        seconds=elapsed,
+        p50_ms=1000 * statistics.median(latencies),
+        p99_ms=1000 * latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))],
+    )
+
+
+def run_load(name: str, base_url: str, call: Call, args: argparse.Namespace) -> Result:
+    result = asyncio.run(
+        _load(base_url, call, connections=args.connections, duration=args.duration, warmup=args.warmup)
+    )
+    result.name = name
+    print(
+        f"  {name:<26} {result.rps:8.0f} req/s   p50 {result.p50_ms:6.1f} ms   p99 {result.p99_ms:6.1f} ms   "
+        f"errors {result.errors}",
+        flush=True,
+    )
+    return result
+
+
+# --- servers --------------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+@contextmanager
+def uvicorn_server(
+    app: str, env: dict[str, str], args: argparse.Namespace, *, factory: bool = False
+) -> Iterator[str]:
+    port = _free_port()
+    command = [
+        sys.executable, "-m", "uvicorn", app, "--host", "127.0.0.1", "--port", str(port),
+        "--workers", str(args.workers), "--log-level", "warning", "--no-access-log",
+        "--app-dir", str(ROOT / "bench"),
+    ]  # fmt: skip
+    if factory:
+        command.append("--factory")
+    proc = subprocess.Popen(command, cwd=ROOT, env={**os.environ, **env})
+    base_url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if (
+                    httpx.get(f"{base_url}/openapi.json" if factory else base_url, timeout=1).status_code
+                    == 200
+                ):
+                    break
+            except httpx.HTTPError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"{app} did not start")
+            time.sleep(0.2)
+        yield base_url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
+
+
+# --- the database ---------------------------------------------------------------------------------
+
+
+@contextmanager
+def throwaway_database() -> Iterator[str]:
+    from sqlalchemy import create_engine, text
+    from sqlalchemy.engine import make_url
+
+    name = f"grpo_bench_{uuid.uuid4().hex[:10]}"
+    admin = create_engine(ADMIN_URL, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(text(f'CREATE DATABASE "{name}"'))
+    try:
+        yield make_url(ADMIN_URL).set(database=name).render_as_string(hide_password=False)
+    finally:
+        with admin.connect() as conn:
+            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()
+
+
+def seed(database_url: str) -> tuple[str, str, str]:
+    """Migrate, then create a tenant, an API key, a dataset and one job. Returns (key, dataset id, job id)."""
+    from service.cli.migrate import upgrade_head
+    from service.datasets.models import Dataset
+    from service.jobs import service as jobs_service
+    from service.kit.db import session_scope, utcnow
+    from service.kit.ids import new_id
+    from service.tenants import service as tenants
+    from worker.grpo.spec import JobSpec
+
+    class NoQueue:
+        def send_job(self, job_id: str, *, queue: str) -> None:
+            pass
+
+    upgrade_head(database_url)
+    with session_scope() as session:
+        tenant = tenants.create_tenant(session, "bench")
+        _row, key = tenants.create_api_key(session, tenant)
+        dataset = Dataset(
+            id=new_id("ds"), tenant_id=tenant.id, name="bench", num_rows=1, bytes=1, sha256="0" * 64,
+            columns=["prompt"], storage_key="datasets/bench.jsonl", created_at=utcnow(),
+        )  # fmt: skip
+        session.add(dataset)
+        session.flush()
+        job = jobs_service.create_job(
+            session, tenant.id, JobSpec.model_validate(job_body(dataset.id)), NoQueue()
+        )
+        return key, dataset.id, job.id
+
+
+def job_body(dataset_id: str) -> dict[str, Any]:
+    return {
+        "name": "bench",
+        "base_model": "builtin:tiny",
+        "train_dataset": dataset_id,
+        "rewards": [{"type": "builtin", "name": "exact_match", "weight": 1.0}],
+        "hyperparameters": {"max_steps": 100, "num_generations": 4, "prompts_per_step": 2},
+    }
+
+
+# --- main -----------------------------------------------------------------------------------------
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--duration", type=float, default=10.0, help="Measured seconds per endpoint.")
+    parser.add_argument(
+        "--warmup", type=float, default=2.0, help="Unmeasured seconds before each measurement."
+    )
+    parser.add_argument("--connections", type=int, default=64)
+    parser.add_argument("--workers", type=int, default=1, help="uvicorn worker processes (both apps).")
+    parser.add_argument("--json", type=Path, help="Also write the results here.")
+    args = parser.parse_args()
+
+    results: list[Result] = []
+    with throwaway_database() as database_url, tempfile.TemporaryDirectory() as data_dir:
+        env = {
+            "GRPO_DATABASE_URL": database_url,
+            "GRPO_DATA_DIR": data_dir,
+            "GRPO_BROKER_URL": "memory://",
+            "GRPO_ENV": "development",
+        }
+        os.environ.update(env)
+        key, dataset_id, job_id = seed(database_url)
+        headers = {"Authorization": f"Bearer {key}"}
+        body = job_body(dataset_id)
+
+        print(f"hello-world (uvicorn, {args.workers} worker(s), {args.connections} connections)", flush=True)
+        with uvicorn_server("api_load:hello_app", {}, args) as url:
+            hello = run_load("GET /", url, Call("GET", "/"), args)
+        print("API on PostgreSQL (same settings)", flush=True)
+        with uvicorn_server("service.app:create_app", env, args, factory=True) as url:
+            for name, call in [
+                ("GET /v1/jobs/{id}", Call("GET", f"/v1/jobs/{job_id}", headers)),
+                ("GET /v1/jobs?limit=20", Call("GET", "/v1/jobs?limit=20", headers)),
+                ("POST /v1/jobs", Call("POST", "/v1/jobs", headers, body)),
+            ]:
+                results.append(run_load(name, url, call, args))
+
+    print("\nratio to hello-world req/s", flush=True)
+    for result in results:
+        print(f"  {result.name:<26} {result.rps / hello.rps:6.2f}")
+    target = results[0]
+    verdict = target.rps >= 0.5 * hello.rps and target.p99_ms < 50 and all(r.errors == 0 for r in results)
+    print(
+        f"\ntarget (GET /v1/jobs/{{id}} >= 0.5x hello-world, p99 < 50 ms, zero errors): {'met' if verdict else 'NOT met'}"
+    )
+    if args.json:
+        payload = {
+            "hello": asdict(hello) | {"rps": hello.rps},
+            "api": [asdict(r) | {"rps": r.rps, "ratio": r.rps / hello.rps} for r in results],
+            "connections": args.connections,
+            "workers": args.workers,
+            "cpus": os.cpu_count(),
+        }
+        args.json.write_text(json.dumps(payload, indent=2))
+
+
+if __name__ == "__main__":
+    main()
