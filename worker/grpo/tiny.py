@@ -93,7 +93,11 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     return tokenizer
 
 
-def _model_config(preset: str, tokenizer: PreTrainedTokenizerFast) -> LlamaConfig:
+def model_config(preset: TinyPreset) -> LlamaConfig:
+    """The LlamaConfig of a size preset (vocabulary and special-token ids from the char tokenizer)."""
+    if preset not in _PRESETS:
+        raise ValueError(f"unknown tiny model preset {preset!r}; expected one of {sorted(_PRESETS)}")
+    tokenizer = build_tokenizer()
     shape = _PRESETS[preset]
     return LlamaConfig(
         vocab_size=len(tokenizer),
@@ -122,8 +126,7 @@ def build_tiny_model(preset: TinyPreset, out_dir: Path, *, seed: int = 0) -> Pat
     sibling directory and renamed into place, so a concurrent or interrupted build never
     leaves a half-written model behind at `out_dir`.
     """
-    if preset not in _PRESETS:
-        raise ValueError(f"unknown tiny model preset {preset!r}; expected one of {sorted(_PRESETS)}")
+    config = model_config(preset)  # validates the preset name first
     out_dir = Path(out_dir)
     if _is_complete(out_dir):
         return out_dir
@@ -131,7 +134,6 @@ def build_tiny_model(preset: TinyPreset, out_dir: Path, *, seed: int = 0) -> Pat
         raise FileExistsError(f"{out_dir} exists, is not empty and does not hold a complete model")
 
     tokenizer = build_tokenizer()
-    config = _model_config(preset, tokenizer)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = LlamaForCausalLM(config)
