@@ -1,0 +1,220 @@
+"""GRPOTrainer on the tiny model: parameters move, LoRA and the reference behave, hooks and metrics work."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from tests.engine.trainer_helpers import (
+    char_count_reward,
+    small_config,
+    spread_reward,
+    trainer_kwargs,
+    word_rows,
+)
+from worker.grpo.checkpoint import verify_manifest
+from worker.grpo.data import PromptRow
+from worker.grpo.logprobs import completion_logprobs
+from worker.grpo.rewards import CompositeReward, FunctionSource
+from worker.grpo.rollout import generate_rollout
+from worker.grpo.trainer import GRPOTrainer
+
+EXPECTED_METRICS = {
+    "reward/mean",
+    "reward/std",
+    "reward/spread/mean",
+    "frac_zero_std_groups",
+    "advantage/abs_mean",
+    "loss",
+    "kl",
+    "clip_ratio/low",
+    "clip_ratio/high",
+    "clip_ratio/region",
+    "entropy",
+    "completion_length/mean",
+    "completion_length/min",
+    "completion_length/max",
+    "truncated_fraction",
+    "learning_rate",
+    "grad_norm",
+    "time/generate_s",
+    "time/reward_s",
+    "time/train_s",
+    "time/step_s",
+    "tokens_per_s",
+}
+
+
+@pytest.fixture
+def models_dir(tiny_model_dir: Path) -> Path:
+    return tiny_model_dir.parent  # resolve_model_path("builtin:tiny", models_dir) finds the built model
+
+
+def _snapshot(model: Any) -> dict[str, torch.Tensor]:
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+class TestParametersMove:
+    def test_one_step_changes_every_trainable_parameter(self, tmp_path: Path, models_dir: Path) -> None:
+        trainer = GRPOTrainer(
+            small_config(max_steps=1, beta=0.04),
+            train_rows=word_rows(),
+            reward=spread_reward(),
+            **trainer_kwargs(tmp_path, models_dir),
+        )
+        before = _snapshot(trainer.models.policy)
+        reference_before = _snapshot(trainer.models.reference)
+        result = trainer.train()
+        assert result.step == 1
+        unchanged = [n for n, p in trainer.models.policy.named_parameters() if torch.equal(p, before[n])]
+        assert unchanged == []
+        # The frozen reference copy never moves.
+        reference = trainer.models.reference
+        assert reference is not None
+        for name, param in reference.named_parameters():
+            assert torch.equal(param, reference_before[name]), name
+
+    def test_lora_changes_only_adapters_and_reference_is_the_base_model(
+        self, tmp_path: Path, models_dir: Path, tiny_model_dir: Path
+    ) -> None:
+        config = small_config(max_steps=2, beta=0.04, lora={"r": 4, "alpha": 8})
+        trainer = GRPOTrainer(
+            config, train_rows=word_rows(), reward=spread_reward(), **trainer_kwargs(tmp_path, models_dir)
+        )
+        assert trainer.models.reference is None  # no second copy with LoRA
+        policy = trainer.models.policy
+        before = _snapshot(policy)
+        trainer.train()  # two steps: lora_B starts at 0, so lora_A only gets a gradient from step 2
+
+        changed = {n for n, p in policy.named_parameters() if not torch.equal(p, before[n])}
+        adapters = {n for n, _ in policy.named_parameters() if "lora_" in n}
+        assert adapters and changed == adapters
+        assert {n for n, p in policy.named_parameters() if p.requires_grad} == adapters
+
+        base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+        rollout = generate_rollout(
+            policy, trainer.models.tokenizer, ["cat: ", "dog: "], config, generator_seed=1
+        )
+        length = rollout.completion_ids.shape[1]
+        expected, _ = completion_logprobs(
+            base, rollout.input_ids, rollout.attention_mask, length, temperature=1.0
+        )
+        got = trainer.models.reference_logps(
+            rollout.input_ids, rollout.attention_mask, length, temperature=1.0
+        )
+        mask = rollout.completion_mask.bool()
+        assert torch.allclose(got[mask], expected[mask], atol=1e-6)
+        with torch.no_grad():
+            trained, _ = completion_logprobs(
+                policy, rollout.input_ids, rollout.attention_mask, length, temperature=1.0
+            )
+        assert not torch.allclose(trained[mask], expected[mask], atol=1e-4)  # the adapters do matter
+
+    def test_beta_zero_builds_no_reference(self, tmp_path: Path, models_dir: Path) -> None:
+        trainer = GRPOTrainer(
+            small_config(max_steps=1),
+            train_rows=word_rows(),
+            reward=spread_reward(),
+            **trainer_kwargs(tmp_path, models_dir),
+        )
+        assert trainer.models.reference is None
+        metrics = trainer.train().history[0]
+        assert "kl" not in metrics
+
+
+class TestMetricsAndHooks:
+    def test_metrics_names_samples_and_checkpoint_hook(self, tmp_path: Path, models_dir: Path) -> None:
+        seen: list[tuple[int, dict[str, float], list[dict[str, Any]]]] = []
+        checkpoints: list[tuple[int, Path, dict[str, Any]]] = []
+        config = small_config(
+            max_steps=2,
+            beta=0.04,
+            checkpoint_every=1,
+            log_completions_every=2,
+            log_completions_count=3,
+            num_iterations=2,
+            mini_batch_size=4,
+            loss_type="grpo",
+        )
+        GRPOTrainer(
+            config,
+            train_rows=word_rows(),
+            reward=spread_reward(),
+            on_metrics=lambda step, metrics, samples: seen.append((step, metrics, samples)),
+            on_checkpoint=lambda step, path, manifest: checkpoints.append((step, path, manifest)),
+            **trainer_kwargs(tmp_path, models_dir),
+        ).train()
+        assert [s for s, _, _ in seen] == [1, 2]
+        for _, metrics, _ in seen:
+            assert set(metrics) == EXPECTED_METRICS
+            assert all(math.isfinite(v) for v in metrics.values())
+        assert seen[0][2] == [] and len(seen[1][2]) == 3
+        sample = seen[1][2][0]
+        assert set(sample) == {"step", "group", "prompt", "completion", "reward", "advantage"}
+        assert [s for s, _, _ in checkpoints] == [1, 2]
+        for _, path, manifest in checkpoints[1:]:
+            assert verify_manifest(path) == manifest
+
+    def test_should_stop_saves_and_returns_stopped(self, tmp_path: Path, models_dir: Path) -> None:
+        calls = {"n": 0}
+
+        def should_stop() -> bool:
+            calls["n"] += 1
+            return calls["n"] > 2  # polled before each step: stop before step 3
+
+        result = GRPOTrainer(
+            small_config(max_steps=10),
+            train_rows=word_rows(),
+            reward=spread_reward(),
+            should_stop=should_stop,
+            **trainer_kwargs(tmp_path, models_dir),
+        ).train()
+        assert result.stopped and result.step == 2
+        assert result.last_checkpoint == tmp_path / "run" / "checkpoint-2"
+        verify_manifest(result.last_checkpoint)
+
+    def test_eval_reports_greedy_reward(self, tmp_path: Path, models_dir: Path) -> None:
+        result = GRPOTrainer(
+            small_config(max_steps=2, eval_every=2, eval_samples=3),
+            train_rows=word_rows(),
+            eval_rows=word_rows()[:5],
+            reward=char_count_reward(),
+            **trainer_kwargs(tmp_path, models_dir),
+        ).train()
+        assert "eval/reward/mean" not in result.history[0]
+        assert 0.0 <= result.history[1]["eval/reward/mean"] <= 1.0
+        assert "eval/reward/target/mean" in result.history[1]
+
+
+class TestDynamicSampling:
+    def test_zero_spread_groups_are_replaced_by_fresh_prompts(self, tmp_path: Path, models_dir: Path) -> None:
+        rows = [PromptRow(f"flat {i}: ", {"flat": True}) for i in range(4)] + [
+            PromptRow(f"live {i}: ", {"flat": False}) for i in range(4)
+        ]
+
+        def score(item: Any) -> float:
+            return 1.0 if item.extras["flat"] else float(sum(item.completion_ids) % 17)
+
+        samples: list[dict[str, Any]] = []
+        config = small_config(
+            max_steps=1,
+            dynamic_sampling=True,
+            max_resample_rounds=8,
+            log_completions_every=1,
+            log_completions_count=8,
+        )
+        result = GRPOTrainer(
+            config,
+            train_rows=rows,
+            reward=CompositeReward([(FunctionSource("mixed", score), 1.0)]),
+            on_metrics=lambda step, metrics, logged: samples.extend(logged),
+            **trainer_kwargs(tmp_path, models_dir),
+        ).train()
+        # The trained batch holds only prompts whose completions disagree (enough live ones exist).
+        assert {s["prompt"].split()[0] for s in samples} == {"live"}
+        assert result.history[0]["advantage/abs_mean"] > 0

@@ -1,0 +1,55 @@
+"""Shared helpers for the trainer tests: small configs, toy datasets and rule rewards."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from worker.grpo.config import GRPOConfig
+from worker.grpo.data import PromptRow
+from worker.grpo.reward_types import RewardInput
+from worker.grpo.rewards import CompositeReward, FunctionSource
+
+WORDS = ["cat", "dog", "sun", "map", "hat", "pen", "cup", "box"]
+
+
+def small_config(**overrides: Any) -> GRPOConfig:
+    """A config small enough for a CPU step in well under a second."""
+    values: dict[str, Any] = {
+        "num_generations": 4,
+        "prompts_per_step": 2,
+        "max_steps": 2,
+        "learning_rate": 1e-3,
+        "lr_scheduler": "constant",
+        "max_completion_length": 6,
+        "checkpoint_every": 1000,
+        "seed": 0,
+    }
+    values.update(overrides)
+    return GRPOConfig.model_validate(values)
+
+
+def word_rows() -> list[PromptRow]:
+    return [PromptRow(f"{word}: ", {"word": word}) for word in WORDS]
+
+
+def char_count_reward(target: str = "a", name: str = "target") -> CompositeReward:
+    """Fraction of completion characters equal to `target`: dense enough for the tiny model to learn."""
+
+    def score(item: RewardInput) -> float:
+        return sum(ch == target for ch in item.completion) / max(len(item.completion), 1)
+
+    return CompositeReward([(FunctionSource(name, score), 1.0)])
+
+
+def spread_reward() -> CompositeReward:
+    """A deterministic reward that (almost surely) differs between sampled completions."""
+
+    def score(item: RewardInput) -> float:
+        return float(sum(item.completion_ids) % 17)
+
+    return CompositeReward([(FunctionSource("spread", score), 1.0)])
+
+
+def trainer_kwargs(tmp_path: Path, models_dir: Path) -> dict[str, Any]:
+    return {"base_model": "builtin:tiny", "output_dir": tmp_path / "run", "model_cache_dir": models_dir}

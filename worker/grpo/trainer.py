@@ -1,0 +1,533 @@
+"""GRPOTrainer: the training loop, read top to bottom.
+
+One step (https://arxiv.org/abs/2402.03300, algorithm 1; TRL's GRPOTrainer for the details):
+
+    sample prompts -> generate G completions each -> score them (async) while the frozen
+    old/reference log-probs are computed -> group-relative advantages -> mu optimisation passes
+    over mini-batches (gradient accumulation, clip, AdamW + scheduler step per pass) -> metrics
+    -> periodic eval, sample logging and checkpoint.
+
+A "step" is one generation batch. With num_iterations = mu > 1 it makes mu optimiser updates
+(each pass over the batch is one update, as in PPO); with mu = 1 (the default) one update, the
+old log-probs are the detached current ones and no extra forward pass runs (as in TRL).
+
+Model plumbing (loading, LoRA, reference, optimiser, scheduler) lives in `worker.grpo.modeling`;
+checkpoint files in `worker.grpo.checkpoint`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import threading
+import time
+from collections.abc import Callable, Coroutine
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+from torch import Tensor
+
+from worker.grpo.advantages import group_advantages
+from worker.grpo.checkpoint import capture_rng_state, load_checkpoint, restore_rng_state, save_checkpoint
+from worker.grpo.config import GRPOConfig
+from worker.grpo.data import PromptRow, PromptSampler
+from worker.grpo.logprobs import completion_logprobs
+from worker.grpo.loss import grpo_loss
+from worker.grpo.modeling import (
+    ModelBundle,
+    build_model_bundle,
+    greedy_generate,
+    iter_chunks,
+    merge_groups,
+    seed_everything,
+)
+from worker.grpo.reward_types import RewardInput
+from worker.grpo.rewards import CompositeReward, RewardResult
+from worker.grpo.rollout import Rollout, generate_rollout, render_prompt
+
+MetricsHook = Callable[[int, dict[str, float], list[dict[str, Any]]], None]
+CheckpointHook = Callable[[int, Path, dict[str, Any]], None]
+StopHook = Callable[[], bool]
+T = TypeVar("T")
+
+
+@dataclass
+class TrainResult:
+    """What `GRPOTrainer.train` returns."""
+
+    step: int  # steps completed in total (including those before a resume)
+    stopped: bool  # should_stop() ended the run early
+    last_checkpoint: Path | None
+    history: list[dict[str, float]] = field(default_factory=list)  # metrics of every step, in order
+
+
+@dataclass
+class Scored:
+    """A rollout and its rewards. Rows are grouped: group g is rows g*G .. g*G + G - 1."""
+
+    rollout: Rollout
+    rows: list[PromptRow]  # one per group
+    prompts: list[str]  # rendered prompt, one per group
+    rewards: Tensor  # (N,) float32, NaN where every source abstained
+    per_source: dict[str, list[float | None]]
+    group_std: Tensor  # (num_groups,)
+
+
+@dataclass
+class StepBatch:
+    """Everything the optimisation phase needs."""
+
+    scored: Scored
+    advantages: Tensor  # (N,)
+    loss_mask: Tensor  # (N, C) tokens that count in the loss
+    old_logps: Tensor | None  # (N, C), None when mu == 1 (on-policy)
+    ref_logps: Tensor | None  # (N, C), None when beta == 0
+    generated: list[Scored]  # every group generated this step (for reward metrics)
+
+
+class _EventLoopThread:
+    """An asyncio loop on a daemon thread: reward scoring runs there while torch works here."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="grpo-rewards", daemon=True)
+        self._thread.start()
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> Future[T]:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=10)
+        self.loop.close()
+
+
+class GRPOTrainer:
+    """Trains `base_model` on `train_rows` with `reward`. Pure library: no database, queue or HTTP."""
+
+    def __init__(
+        self,
+        config: GRPOConfig,
+        *,
+        base_model: str,
+        train_rows: list[PromptRow],
+        reward: CompositeReward,
+        output_dir: Path,
+        eval_rows: list[PromptRow] | None = None,
+        model_cache_dir: Path | None = None,
+        resume_from: Path | None = None,
+        on_metrics: MetricsHook | None = None,
+        on_checkpoint: CheckpointHook | None = None,
+        should_stop: StopHook | None = None,
+        device: str | None = None,
+        checkpoint_metadata: dict[str, Any] | None = None,
+    ) -> None:
+        if not train_rows:
+            raise ValueError("train_rows is empty")
+        self.config = config
+        self.train_rows = train_rows
+        self.eval_rows = eval_rows or []
+        self.reward = reward
+        self.output_dir = Path(output_dir)
+        self.on_metrics = on_metrics
+        self.on_checkpoint = on_checkpoint
+        self.should_stop = should_stop
+        self.checkpoint_metadata = checkpoint_metadata or {}
+        self.total_steps = config.total_steps(len(train_rows))
+        seed_everything(config.seed)
+        checkpoint = load_checkpoint(resume_from) if resume_from is not None else None
+        cache_dir = model_cache_dir or self.output_dir / "models"
+        self.models: ModelBundle = build_model_bundle(
+            base_model,
+            config,
+            cache_dir=cache_dir,
+            total_updates=self.total_steps * config.num_iterations,
+            device=device,
+            resume_dir=None if checkpoint is None else checkpoint.path,
+        )
+        self.sampler = PromptSampler(len(train_rows), seed=config.seed)
+        self.step = 0
+        self.history: list[dict[str, float]] = []
+        self.last_checkpoint: Path | None = None
+        self._saved_step = 0  # step of the newest checkpoint written or resumed from
+        if checkpoint is not None:
+            self._restore(checkpoint.trainer_state, checkpoint.path)
+
+    # --- the loop ----------------------------------------------------------------------------
+
+    def train(self) -> TrainResult:
+        """Run until total_steps (or should_stop()); saves a checkpoint at the end either way."""
+        runner = _EventLoopThread()
+        stopped = False
+        try:
+            while self.step < self.total_steps:
+                if self.should_stop is not None and self.should_stop():
+                    stopped = True
+                    break
+                self._run_step(runner)
+        finally:
+            runner.close()
+        if self.step > self._saved_step:
+            self._save()
+        return TrainResult(self.step, stopped, self.last_checkpoint, list(self.history))
+
+    def _run_step(self, runner: _EventLoopThread) -> None:
+        step = self.step + 1
+        started = time.perf_counter()
+        timings: dict[str, float] = {}
+
+        # ===== 1. rollout: sample prompts, generate G each, score (overlapped with frozen log-probs)
+        batch = self._rollout_phase(step, runner, timings)
+
+        # ===== 2. optimise: mu passes over mini-batches, one optimiser update per pass
+        train_started = time.perf_counter()
+        train_stats = self._optimise(batch)
+        timings["time/train_s"] = time.perf_counter() - train_started
+
+        # ===== 3. metrics, samples, eval, checkpoint
+        timings["time/step_s"] = time.perf_counter() - started
+        metrics = {**self._batch_metrics(batch), **train_stats, **timings}
+        generated_tokens = sum(int(s.rollout.completion_mask.sum()) for s in batch.generated)
+        metrics["tokens_per_s"] = generated_tokens / max(timings["time/step_s"], 1e-9)
+        if self.config.eval_every and self.eval_rows and step % self.config.eval_every == 0:
+            metrics.update(self._evaluate(step, runner))
+        samples = self._samples(step, batch) if step % self.config.log_completions_every == 0 else []
+        self.step = step
+        self.history.append(metrics)
+        if self.on_metrics is not None:
+            self.on_metrics(step, metrics, samples)
+        if step % self.config.checkpoint_every == 0:
+            self._save()
+
+    # --- 1. rollout ----------------------------------------------------------------------------
+
+    def _rollout_phase(self, step: int, runner: _EventLoopThread, timings: dict[str, float]) -> StepBatch:
+        timings["time/generate_s"] = 0.0
+        timings["time/reward_s"] = 0.0
+        first = self._generate(step, 0, self.config.prompts_per_step, timings)
+        if self.config.dynamic_sampling:
+            scored = self._score(first, step, runner, timings).result()
+            generated = self._refill(scored, step, runner, timings)
+            final, in_loss = self._select_groups(generated)
+            old_logps, ref_logps = self._frozen_logps(final.rollout)
+        else:
+            # Rewards do not depend on the old/reference log-probs: compute them while scoring runs.
+            pending = self._score(first, step, runner, timings)
+            old_logps, ref_logps = self._frozen_logps(first[0])
+            final = pending.result()
+            generated, in_loss = [final], torch.ones(len(final.rows), dtype=torch.bool)
+        advantages, _ = group_advantages(
+            final.rewards,
+            self.config.num_generations,
+            scale=self.config.scale_rewards,
+            std=self.config.advantage_std,
+            eps=self.config.advantage_eps,
+        )  # (N,)
+        loss_mask = self._loss_mask(final.rollout, in_loss)
+        advantages = advantages.to(loss_mask.device) * in_loss.repeat_interleave(
+            self.config.num_generations
+        ).to(loss_mask.device)
+        return StepBatch(final, advantages, loss_mask, old_logps, ref_logps, generated)
+
+    def _generate(
+        self, step: int, round_index: int, num_prompts: int, timings: dict[str, float]
+    ) -> tuple[Rollout, list[PromptRow], list[str]]:
+        started = time.perf_counter()
+        rows = [self.train_rows[i] for i in self.sampler.next_indices(num_prompts)]
+        prompts = [render_prompt(self.models.tokenizer, row.prompt) for row in rows]
+        # A seed per (run, step, round): sampling is reproducible across resumes whatever ran before.
+        seed = (self.config.seed * 1_000_003 + step * 101 + round_index) % (2**63)
+        rollout = generate_rollout(
+            self.models.policy, self.models.tokenizer, prompts, self.config, generator_seed=seed
+        )
+        timings["time/generate_s"] += time.perf_counter() - started
+        return rollout, rows, prompts
+
+    def _score(
+        self,
+        generated: tuple[Rollout, list[PromptRow], list[str]],
+        step: int,
+        runner: _EventLoopThread,
+        timings: dict[str, float],
+    ) -> Future[Scored]:
+        rollout, rows, prompts = generated
+        items = self._reward_inputs(rollout, rows, prompts)
+        group_size = self.config.num_generations
+
+        async def score() -> Scored:
+            started = time.perf_counter()
+            result: RewardResult = await self.reward.score(items, step=step)
+            timings["time/reward_s"] += time.perf_counter() - started
+            rewards = torch.tensor(result.total, dtype=torch.float32)  # (N,)
+            _, group_std = group_advantages(rewards, group_size, std=self.config.advantage_std)
+            return Scored(rollout, rows, prompts, rewards, result.per_source, group_std)
+
+        return runner.submit(score())
+
+    def _reward_inputs(
+        self, rollout: Rollout, rows: list[PromptRow], prompts: list[str]
+    ) -> list[RewardInput]:
+        group_size = rollout.group_size
+        lengths = rollout.completion_lengths.tolist()
+        ids = rollout.completion_ids.tolist()
+        return [
+            RewardInput(
+                prompt=prompts[i // group_size],
+                completion=rollout.completion_texts[i],
+                completion_ids=ids[i][: lengths[i]],
+                extras=dict(rows[i // group_size].extras),
+                group_id=i // group_size,
+                index=i,
+            )
+            for i in range(len(rollout.completion_texts))
+        ]
+
+    def _refill(
+        self, first: Scored, step: int, runner: _EventLoopThread, timings: dict[str, float]
+    ) -> list[Scored]:
+        """DAPO dynamic sampling: generate more groups until prompts_per_step have reward spread (bounded)."""
+        generated = [first]
+        for round_index in range(1, self.config.max_resample_rounds + 1):
+            useful = sum(int((s.group_std > 0).sum()) for s in generated)
+            missing = self.config.prompts_per_step - useful
+            if missing <= 0:
+                break
+            more = self._generate(step, round_index, missing, timings)
+            generated.append(self._score(more, step, runner, timings).result())
+        return generated
+
+    def _select_groups(self, generated: list[Scored]) -> tuple[Scored, Tensor]:
+        """prompts_per_step groups, those with spread first; zero-spread fillers are excluded from the loss."""
+        useful = [(s, g) for s in generated for g in range(len(s.rows)) if s.group_std[g] > 0]
+        flat = [(s, g) for s in generated for g in range(len(s.rows)) if not s.group_std[g] > 0]
+        chosen = (useful + flat)[: self.config.prompts_per_step]
+        in_loss = torch.tensor([bool(s.group_std[g] > 0) for s, g in chosen])  # (num_groups,)
+        pad_id = int(self.models.tokenizer.pad_token_id)
+        rollout = merge_groups([(s.rollout, g) for s, g in chosen], pad_id)
+        group_size = self.config.num_generations
+        rewards = torch.cat([s.rewards[g * group_size : (g + 1) * group_size] for s, g in chosen])
+        per_source = {
+            name: [v for s, g in chosen for v in s.per_source[name][g * group_size : (g + 1) * group_size]]
+            for name in generated[0].per_source
+        }
+        group_std = torch.stack([s.group_std[g] for s, g in chosen])
+        selected = Scored(
+            rollout,
+            [s.rows[g] for s, g in chosen],
+            [s.prompts[g] for s, g in chosen],
+            rewards,
+            per_source,
+            group_std,
+        )
+        return selected, in_loss
+
+    def _loss_mask(self, rollout: Rollout, in_loss: Tensor) -> Tensor:
+        mask = rollout.completion_mask.clone()  # (N, C)
+        if self.config.mask_truncated_completions:
+            mask = mask * (~rollout.is_truncated).unsqueeze(1).to(mask.dtype)
+        keep = in_loss.repeat_interleave(self.config.num_generations).to(mask.device)  # (N,)
+        return mask * keep.unsqueeze(1).to(mask.dtype)
+
+    @torch.no_grad()
+    def _frozen_logps(self, rollout: Rollout) -> tuple[Tensor | None, Tensor | None]:
+        """Old-policy (mu > 1) and reference (beta > 0) log-probs (N, C), mini-batch by mini-batch."""
+        need_old = self.config.num_iterations > 1
+        need_ref = self.config.beta > 0
+        if not (need_old or need_ref):
+            return None, None
+        old: list[Tensor] = []
+        ref: list[Tensor] = []
+        for rows in self._mini_batches(rollout.completion_ids.shape[0]):
+            ids, attention = rollout.input_ids[rows], rollout.attention_mask[rows]
+            if need_old:
+                old.append(self._logps(self.models.policy, ids, attention, rollout))
+            if need_ref:
+                ref.append(
+                    self.models.reference_logps(
+                        ids, attention, rollout.completion_ids.shape[1], temperature=self.config.temperature
+                    )
+                )
+        return (torch.cat(old) if old else None), (torch.cat(ref) if ref else None)
+
+    def _logps(self, model: Any, ids: Tensor, attention: Tensor, rollout: Rollout) -> Tensor:
+        logps, _ = completion_logprobs(
+            model, ids, attention, rollout.completion_ids.shape[1], temperature=self.config.temperature
+        )
+        return logps
+
+    def _mini_batches(self, total: int) -> list[slice]:
+        return list(iter_chunks(total, self.config.mini_batch_size or total))
+
+    # --- 2. optimise ---------------------------------------------------------------------------
+
+    def _optimise(self, batch: StepBatch) -> dict[str, float]:
+        rollout = batch.scored.rollout
+        slices = self._mini_batches(rollout.completion_ids.shape[0])
+        step_tokens = int(batch.loss_mask.sum())
+        sums: dict[str, float] = {}
+        losses, grad_norms, entropies = [], [], []
+        for iteration in range(self.config.num_iterations):
+            pass_loss = 0.0
+            for rows in slices:
+                loss, stats, entropy = self._backward_mini_batch(
+                    batch, rows, len(slices), step_tokens, iteration
+                )
+                pass_loss += loss
+                for key, value in stats.items():
+                    sums[key] = sums.get(key, 0.0) + value
+                if entropy is not None:
+                    entropies.append(entropy)
+            grad_norms.append(self._optimizer_update())
+            losses.append(pass_loss)
+        passes = self.config.num_iterations * len(slices)
+        metrics = {key: value / passes for key, value in sums.items()}
+        metrics.pop("ratio_mean", None)
+        if self.config.beta == 0:
+            metrics.pop("kl", None)  # no reference model: there is no KL to report
+        mask = rollout.completion_mask
+        entropy_sum = sum(e[0] for e in entropies)
+        metrics.update(
+            loss=sum(losses) / len(losses),
+            grad_norm=sum(grad_norms) / len(grad_norms),
+            learning_rate=self.models.optimizer.param_groups[0]["lr"],
+            entropy=entropy_sum / max(float(mask.sum()), 1.0),
+        )
+        return metrics
+
+    def _backward_mini_batch(
+        self, batch: StepBatch, rows: slice, num_slices: int, step_tokens: int, iteration: int
+    ) -> tuple[float, dict[str, float], tuple[float, int] | None]:
+        """Forward, loss and backward of one mini-batch; returns (loss value, stats, entropy sum/count)."""
+        rollout = batch.scored.rollout
+        completion_length = rollout.completion_ids.shape[1]
+        logps, entropy = completion_logprobs(
+            self.models.policy,
+            rollout.input_ids[rows],
+            rollout.attention_mask[rows],
+            completion_length,
+            temperature=self.config.temperature,
+            with_entropy=iteration == 0,
+        )  # (B, C)
+        loss, stats = grpo_loss(
+            logps,
+            None if batch.old_logps is None else batch.old_logps[rows],
+            None if batch.ref_logps is None else batch.ref_logps[rows],
+            batch.advantages[rows],
+            batch.loss_mask[rows],
+            epsilon=self.config.epsilon,
+            epsilon_high=self.config.clip_high,
+            beta=self.config.beta,
+            loss_type=self.config.loss_type,
+            max_completion_length=self.config.max_completion_length,
+            num_items_in_batch=step_tokens if self.config.loss_type == "dapo" else None,
+        )
+        # dapo is already normalised by the whole step's tokens; the others are per-mini-batch means.
+        scaled = loss if self.config.loss_type == "dapo" else loss / num_slices
+        scaled.backward()
+        entropy_sum = None
+        if entropy is not None:
+            mask = rollout.completion_mask[rows]
+            entropy_sum = (float((entropy * mask).sum()), int(mask.sum()))
+        return float(scaled.detach()), stats, entropy_sum
+
+    def _optimizer_update(self) -> float:
+        """Clip, step the optimiser and the scheduler; returns the pre-clip gradient norm."""
+        params = self.models.trainable_parameters
+        max_norm = self.config.max_grad_norm if self.config.max_grad_norm is not None else math.inf
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        self.models.optimizer.step()
+        self.models.scheduler.step()
+        self.models.optimizer.zero_grad(set_to_none=True)
+        return grad_norm
+
+    # --- 3. metrics, samples, eval, checkpoint -------------------------------------------------
+
+    def _batch_metrics(self, batch: StepBatch) -> dict[str, float]:
+        """Reward statistics over every completion generated this step; shape statistics of the trained batch."""
+        rewards = torch.cat([s.rewards for s in batch.generated])
+        finite = rewards[~rewards.isnan()]
+        group_std = torch.cat([s.group_std for s in batch.generated])
+        rollout = batch.scored.rollout
+        lengths = rollout.completion_lengths.float()
+        loss_rows = batch.loss_mask.sum(dim=1) > 0
+        metrics = {
+            "reward/mean": float(finite.mean()) if finite.numel() else math.nan,
+            "reward/std": float(finite.std(correction=0)) if finite.numel() else math.nan,
+            "frac_zero_std_groups": float((group_std == 0).float().mean()),
+            "advantage/abs_mean": float(batch.advantages[loss_rows.to(batch.advantages.device)].abs().mean())
+            if bool(loss_rows.any())
+            else 0.0,
+            "completion_length/mean": float(lengths.mean()),
+            "completion_length/min": float(lengths.min()),
+            "completion_length/max": float(lengths.max()),
+            "truncated_fraction": float(rollout.is_truncated.float().mean()),
+        }
+        for name in batch.generated[0].per_source:
+            values = [v for s in batch.generated for v in s.per_source[name] if v is not None]
+            metrics[f"reward/{name}/mean"] = sum(values) / len(values) if values else math.nan
+        return metrics
+
+    def _samples(self, step: int, batch: StepBatch) -> list[dict[str, Any]]:
+        scored = batch.scored
+        count = min(self.config.log_completions_count, len(scored.rollout.completion_texts))
+        group_size = self.config.num_generations
+        return [
+            {
+                "step": step,
+                "group": i // group_size,
+                "prompt": scored.prompts[i // group_size],
+                "completion": scored.rollout.completion_texts[i],
+                "reward": float(scored.rewards[i]),
+                "advantage": float(batch.advantages[i]),
+            }
+            for i in range(count)
+        ]
+
+    def _evaluate(self, step: int, runner: _EventLoopThread) -> dict[str, float]:
+        """Greedy completion of the first eval_samples eval prompts; reports the mean reward."""
+        rows = self.eval_rows[: self.config.eval_samples]
+        prompts = [render_prompt(self.models.tokenizer, row.prompt) for row in rows]
+        rollout = greedy_generate(self.models.policy, self.models.tokenizer, prompts, self.config)
+        items = self._reward_inputs(rollout, rows, prompts)
+        result = runner.submit(self.reward.score(items, step=step)).result()
+        finite = [v for v in result.total if not math.isnan(v)]
+        metrics = {"eval/reward/mean": sum(finite) / len(finite) if finite else math.nan}
+        metrics.update({f"eval/{name}": value for name, value in result.metrics.items()})
+        return metrics
+
+    def _save(self) -> None:
+        state = {
+            "optimizer": self.models.optimizer.state_dict(),
+            "scheduler": self.models.scheduler.state_dict(),
+            "rng": capture_rng_state(),
+            "sampler": self.sampler.state_dict(),
+            "history": self.history,
+        }
+        path, manifest = save_checkpoint(
+            self.output_dir,
+            step=self.step,
+            model=self.models.policy,
+            tokenizer=self.models.tokenizer,
+            config=self.config,
+            trainer_state=state,
+            save_total_limit=self.config.save_total_limit,
+            metadata=self.checkpoint_metadata,
+        )
+        self.last_checkpoint = path
+        self._saved_step = self.step
+        if self.on_checkpoint is not None:
+            self.on_checkpoint(self.step, path, manifest)
+
+    def _restore(self, state: dict[str, Any], path: Path) -> None:
+        """Continue exactly: optimiser, scheduler, data cursor, metrics history and RNG states."""
+        self.models.optimizer.load_state_dict(state["optimizer"])
+        self.models.scheduler.load_state_dict(state["scheduler"])
+        self.sampler.load_state_dict(state["sampler"])
+        self.history = list(state["history"])
+        self.step = int(state["step"])
+        self.last_checkpoint = path
+        self._saved_step = self.step
+        restore_rng_state(state["rng"])  # last: building the models above may have drawn random numbers
