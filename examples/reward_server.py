@@ -41,15 +41,29 @@ def score(request: RewardRequest) -> list[float | None]:
     return rewards
 
 
+def score_repeat_letter(request: RewardRequest) -> list[float | None]:
+    """The demo's dense task: the share of completion characters equal to the row's ``answer`` letter."""
+    rewards: list[float | None] = []
+    for item in request.items:
+        letter = str(item.metadata.get("answer", ""))
+        text = item.completion
+        rewards.append(None if not letter else (sum(ch == letter for ch in text) / len(text) if text else 0.0))
+    return rewards
+
+
+SCORERS = {"boxed": score, "repeat_letter": score_repeat_letter}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=9000)
+    parser.add_argument("--task", choices=sorted(SCORERS), default="boxed", help="Which scoring rule to serve.")
     args = parser.parse_args()
     secret = os.environ.get("GRPO_REWARD_SECRET")
     if not secret:
         parser.error("set GRPO_REWARD_SECRET to the reward function's whsec_ secret")
-    uvicorn.run(make_reward_app(secret, score), host=args.host, port=args.port)
+    uvicorn.run(make_reward_app(secret, SCORERS[args.task]), host=args.host, port=args.port)
 
 
 if __name__ == "__main__":

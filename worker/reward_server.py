@@ -88,4 +88,9 @@ def make_reward_app(secret: str, score_fn: ScoreFn) -> Starlette:
             raise ValueError(f"score_fn returned {len(rewards)} rewards for {len(parsed.items)} items")
         return Response(encode_response(list(rewards)), media_type="application/json")
 
-    return Starlette(routes=[Route("/{path:path}", handle, methods=["POST"])])
+    async def healthz(_request: Request) -> Response:
+        return JSONResponse({"status": "ok"})
+
+    return Starlette(
+        routes=[Route("/healthz", healthz, methods=["GET"]), Route("/{path:path}", handle, methods=["POST"])]
+    )

@@ -4,14 +4,19 @@ from __future__ import annotations
 
 import typer
 
-from service.cli import admin, migrate, serve, train, worker
+from service.cli import admin, checkpoints, datasets, demo, jobs, migrate, rewards, serve, train, worker
 
 app = typer.Typer(help="GRPO training service: run the engine locally, serve the API, drive jobs.", no_args_is_help=True)
 app.add_typer(admin.app, name="admin")
+app.add_typer(datasets.app, name="datasets")
+app.add_typer(rewards.app, name="rewards")
+app.add_typer(jobs.app, name="jobs")
+app.add_typer(checkpoints.app, name="checkpoints")
 app.command("train")(train.train)
 app.command("migrate")(migrate.migrate)
 app.command("serve")(serve.serve)
 app.command("worker")(worker.worker)
+app.command("demo")(demo.demo)
 
 
 def main() -> None:

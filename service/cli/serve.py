@@ -44,7 +44,9 @@ def serve(
     from service.cli.worker import parse_queues
 
     settings = get_settings()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from service.observability.logs import setup_logging
+
+    setup_logging(json_logs=settings.log_json)
     worker_queues = parse_queues(queues)
     if migrate if migrate is not None else settings.database_url.startswith("sqlite"):
         from service.cli.migrate import upgrade_head
@@ -53,7 +55,7 @@ def serve(
     if settings.allow_private_reward_urls:
         log.warning("reward endpoints on loopback/private addresses are ALLOWED (GRPO_ALLOW_PRIVATE_REWARD_URLS; "
                     "development default). Set GRPO_ENV=production to refuse them.")
-    with _reaper(settings, enabled=reaper), _embedded_worker(worker_queues, enabled=worker):
+    with _reaper(settings, enabled=reaper), _webhooks(settings), _embedded_worker(worker_queues, enabled=worker):
         asyncio.run(_serve_apis(settings, host or settings.api_host, port or settings.api_port,
                                 settings.grpc_port if grpc_port is None else grpc_port))
 
@@ -87,6 +89,19 @@ def _reaper(settings: Settings, *, enabled: bool) -> Iterator[None]:
     from worker.reaper import start_reaper_thread
 
     thread, stop = start_reaper_thread(get_job_queue(), settings)
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(timeout=10)
+
+
+@contextlib.contextmanager
+def _webhooks(settings: Settings) -> Iterator[None]:
+    """The webhook dispatcher (service/webhooks/delivery.py): sends the outbox, with retries."""
+    from service.webhooks.delivery import start_dispatcher_thread
+
+    thread, stop = start_dispatcher_thread(settings)
     try:
         yield
     finally:

@@ -46,6 +46,23 @@ def worker(
     if pool not in POOLS:
         raise typer.BadParameter(f"unknown pool {pool!r}; choose from {', '.join(POOLS)}", param_hint="--pool")
     argv = worker_argv(parse_queues(queues), pool, loglevel, hostname)
+    _observability()
     from worker.celery_app import app as celery_app
 
     celery_app.worker_main(argv)
+
+
+def _observability() -> None:
+    """JSON logs with job id/attempt (GRPO_LOG_JSON) and the /metrics server (GRPO_WORKER_METRICS_PORT).
+
+    Must run before the pool forks: the children inherit the metrics directory and logging hooks.
+    """
+    from service.kit.config import get_settings
+    from service.observability.logs import install_celery_logging
+
+    settings = get_settings()
+    install_celery_logging(json_logs=settings.log_json)
+    if settings.worker_metrics_port:
+        from worker.metrics import start_for_celery_worker
+
+        start_for_celery_worker(settings.worker_metrics_port, settings.data_dir)

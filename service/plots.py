@@ -1,0 +1,50 @@
+"""Training curves as PNG (matplotlib, headless): reward mean ± std, KL and completion length over steps."""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Mapping
+from typing import Protocol
+
+import matplotlib
+
+matplotlib.use("Agg")  # headless: no display on servers
+
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+class Series(Protocol):
+    steps: list[int]
+    values: list[float]
+
+
+def render_metrics_png(series: Mapping[str, Series], *, title: str) -> bytes:
+    """Three stacked panels; a metric that was never recorded leaves its panel empty with a note."""
+    fig, (ax_reward, ax_kl, ax_len) = plt.subplots(3, 1, figsize=(7, 8), sharex=True)
+    fig.suptitle(title)
+    reward, std = series.get("reward/mean"), series.get("reward/std")
+    if reward is not None and reward.steps:
+        ax_reward.plot(reward.steps, reward.values, label="reward mean")
+        if std is not None and std.steps == reward.steps:
+            low = [m - s for m, s in zip(reward.values, std.values, strict=True)]
+            high = [m + s for m, s in zip(reward.values, std.values, strict=True)]
+            ax_reward.fill_between(reward.steps, low, high, alpha=0.25, label="± std")
+        ax_reward.legend(loc="best")
+    _line(ax_reward, None, "reward")
+    _line(ax_kl, series.get("kl"), "KL to reference")
+    _line(ax_len, series.get("completion_length/mean"), "completion length (tokens)")
+    ax_len.set_xlabel("step")
+    fig.tight_layout()
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=100)
+    plt.close(fig)
+    return buffer.getvalue()
+
+
+def _line(ax: plt.Axes, data: Series | None, label: str) -> None:
+    ax.set_ylabel(label)
+    ax.grid(alpha=0.3)
+    if data is not None and data.steps:
+        ax.plot(data.steps, data.values)
+    elif not ax.lines:
+        ax.text(0.5, 0.5, "not recorded", ha="center", va="center", transform=ax.transAxes, alpha=0.5)
