@@ -11,7 +11,10 @@ Two layers, both needed:
 ``allow_private=True`` (the development default) permits loopback, private, link-local and CGNAT targets so
 a reward server on the laptop works; multicast, the unspecified address and cloud metadata addresses stay
 refused in every mode because no reward server lives there. In production (``allow_private=False``) only
-``https`` is accepted.
+the TLS schemes are accepted: ``https`` (webhooks) and ``grpcs`` (the gRPC reward protocol, ``grpo.v1.RewardService``);
+development also accepts ``http`` and ``grpc`` (plaintext). A gRPC URL names a server only
+(``grpcs://host[:port]``, default ports 443 for grpcs and 80 for grpc): the method is fixed by the protocol, so
+a path, query or fragment is refused rather than silently ignored.
 """
 
 from __future__ import annotations
@@ -44,7 +47,10 @@ _NAT64_LOCAL = ipaddress.ip_network("64:ff9b:1::/48")
 # Anything a libc inet_aton could read as an IPv4 address: decimal, octal, hex, 1 to 4 parts.
 _INET_ATON_SHAPE = re.compile(r"^(0x[0-9a-f]*|[0-9]+)(\.(0x[0-9a-f]*|[0-9]+)){0,3}\.?$", re.IGNORECASE)
 _HOST_LABEL = re.compile(r"^(?!-)[a-z0-9-]{1,63}(?<!-)$")
-_DEFAULT_PORTS = {"http": 80, "https": 443}
+_DEFAULT_PORTS = {"http": 80, "https": 443, "grpc": 80, "grpcs": 443}
+_TLS_SCHEMES = ("https", "grpcs")
+_ALL_SCHEMES = ("http", "https", "grpc", "grpcs")
+GRPC_SCHEMES = frozenset({"grpc", "grpcs"})
 
 
 class UrlRejected(ValidationFailed):
@@ -55,7 +61,7 @@ def check_url_syntax(url: str, *, allow_private: bool, require_https: bool | Non
     """Static checks at registration: scheme, credentials, literal addresses. Returns the normalised URL.
 
     Raises UrlRejected naming the problem. (Full DNS-resolving checks happen at call time too.)
-    `require_https` defaults to ``not allow_private``: production accepts https only.
+    `require_https` (TLS required) defaults to ``not allow_private``: production accepts https and grpcs only.
     """
     if require_https is None:
         require_https = not allow_private
@@ -66,7 +72,7 @@ def check_url_syntax(url: str, *, allow_private: bool, require_https: bool | Non
         )
     parts = urlsplit(url)
     scheme = parts.scheme.lower()
-    allowed = ("https",) if require_https else ("http", "https")
+    allowed = _TLS_SCHEMES if require_https else _ALL_SCHEMES
     if scheme not in allowed:
         raise UrlRejected(
             f"url scheme {parts.scheme!r} is not allowed (allowed: {', '.join(allowed)})",
@@ -83,7 +89,20 @@ def check_url_syntax(url: str, *, allow_private: bool, require_https: bool | Non
         raise UrlRejected("url has no host", details={"url": url})
     host = _normalise_host(raw_host, allow_private=allow_private)
     netloc = host if port is None or port == _DEFAULT_PORTS[scheme] else f"{host}:{port}"
+    if scheme in GRPC_SCHEMES:
+        if parts.path not in ("", "/") or parts.query or parts.fragment:
+            raise UrlRejected(
+                "a grpc(s) url names a server only (grpcs://host:port): the method is always "
+                "/grpo.v1.RewardService/Score, so a path, query or fragment is not allowed",
+                details={"url": url},
+            )
+        return urlunsplit((scheme, netloc, "", "", ""))
     return urlunsplit((scheme, netloc, parts.path or "/", parts.query, ""))
+
+
+def is_grpc_url(url: str) -> bool:
+    """Whether `url` names a gRPC reward endpoint (grpc:// or grpcs://)."""
+    return urlsplit(url).scheme.lower() in GRPC_SCHEMES
 
 
 def host_and_port(url: str) -> tuple[str, int]:

@@ -1,162 +1,56 @@
 """`RemoteRewardSource`: a `RewardSource` that scores completions by calling a user's HTTP endpoint.
 
-Per call (one training step): look up the cache, send each distinct uncached completion once, in batches of
-at most `max_batch_size` that keep groups together, with up to `max_concurrency` requests in flight. Each
-request is signed (Standard Webhooks), retried on transient failures with exponential backoff and full
-jitter, and validated strictly. A circuit breaker turns an endpoint that stays down into
-`RewardUnavailable`, which pauses the job instead of failing it.
+The batching, concurrency, retries, circuit breaker and cache are shared with the gRPC transport
+(`worker.reward_client.source.EndpointRewardSource`); this module is the HTTP wire: a JSON body signed with
+Standard Webhooks headers, POSTed through `PinnedResolutionTransport` (SSRF-checked, pinned to the validated
+address, no redirects), the answer classified by `EndpointCaller`.
 """
 
 from __future__ import annotations
 
-import asyncio
-import functools
-import inspect
 import logging
-from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 
 import httpx
-from tenacity import (
-    AsyncRetrying,
-    RetryCallState,
-    retry_if_exception_type,
-    stop_after_attempt,
-    wait_random_exponential,
-)
 
-from service.kit.urlpolicy import Resolver
-from worker.grpo.reward_types import RewardInput, RewardUnavailable
-from worker.reward_client.batching import make_batches
-from worker.reward_client.breaker import CircuitBreaker
-from worker.reward_client.cache import RewardCache, cache_key
+from service.kit.urlpolicy import Resolver, is_grpc_url
 from worker.reward_client.config import RemoteRewardConfig
-from worker.reward_client.endpoint import EndpointCaller, TransientFailure
+from worker.reward_client.endpoint import EndpointCaller
 from worker.reward_client.protocol import RewardItem, RewardRequest, encode_request
-from worker.reward_client.signing import load_secret, new_message_id
+from worker.reward_client.signing import load_secret
+from worker.reward_client.source import EndpointRewardSource, OnRetry, Pending, RetryEvent, SourceStats
 from worker.reward_client.transport import PinnedResolutionTransport
+
+__all__ = ["RemoteRewardSource", "RetryEvent", "SourceStats"]
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class RetryEvent:
-    """Passed to `on_retry` before each backoff sleep; the worker records it as a job event."""
-
-    source: str
-    url: str
-    message_id: str  # the webhook-id, stable across the attempts of one request
-    attempt: int  # the attempt that failed, 1-based
-    reason: str  # "HTTP 503", "timed out (ReadTimeout)", ...
-    wait_s: float  # the sleep before the next attempt
-    batch_size: int
-
-
-OnRetry = Callable[[RetryEvent], Awaitable[None] | None]
-
-
-@dataclass
-class SourceStats:
-    """Counters for metrics and tests."""
-
-    requests: int = 0  # requests that got rewards back (attempts that succeeded)
-    attempts: int = 0  # every POST started
-    retries: int = 0
-    items_sent: int = 0
-    cache_hits: int = 0  # items answered from earlier steps
-    deduplicated: int = 0  # items identical to another item of the same call
-
-
-@dataclass
-class _Pending:
-    key: bytes
-    index: int  # position in the step's item list; doubles as the request item id
-    item: RewardInput
-
-
-class RemoteRewardSource:
-    """Implements `worker.grpo.reward_types.RewardSource` for one remote endpoint within one job."""
+class RemoteRewardSource(EndpointRewardSource[httpx.AsyncClient]):
+    """Implements `worker.grpo.reward_types.RewardSource` for one HTTP(S) endpoint within one job."""
 
     def __init__(
         self, config: RemoteRewardConfig, *, on_retry: OnRetry | None = None, resolver: Resolver | None = None
     ) -> None:
-        self.config = config
-        self.name = config.source_name
-        self.stats = SourceStats()
-        self._on_retry = on_retry
-        self._resolver = resolver
-        self._caller = EndpointCaller(
-            source=self.name,
+        if is_grpc_url(config.url):
+            raise ValueError(f"{config.url!r} is a gRPC endpoint: use GrpcRewardSource (or build_remote_source)")
+        caller = EndpointCaller(
+            source=config.source_name,
             url=config.url,
             signer=load_secret(config.secret.get_secret_value()),
             headers=dict(config.headers),
             max_bytes=config.max_response_bytes,
         )
-        self._breaker = CircuitBreaker(
-            threshold=config.breaker_threshold, reset_after_s=config.breaker_reset_s
-        )
-        self._cache = RewardCache(config.cache_max_entries)
-        # The HTTP client and the semaphore belong to one event loop; rebuilt if called from another.
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._client: httpx.AsyncClient | None = None
-        self._semaphore = asyncio.Semaphore(config.max_concurrency)
+        super().__init__(config, where=caller.where, on_retry=on_retry)
+        self._caller = caller
+        self._resolver = resolver
         if config.allow_private:
             logger.warning(
                 "reward endpoint %s may resolve to loopback/private addresses (allow_private: development mode)",
                 self.name,
             )
 
-    async def __call__(self, items: Sequence[RewardInput], *, step: int) -> list[float | None]:
-        results: list[float | None] = [None] * len(items)
-        waiting: dict[bytes, list[int]] = {}  # cache key -> positions that take its reward
-        to_send: list[_Pending] = []
-        for index, item in enumerate(items):
-            key = cache_key(item.prompt, item.completion, item.extras)
-            found, value = self._cache.get(key)
-            if found:
-                self.stats.cache_hits += 1
-                results[index] = value
-            elif key in waiting:
-                self.stats.deduplicated += 1
-                waiting[key].append(index)
-            else:
-                waiting[key] = [index]
-                to_send.append(_Pending(key, index, item))
-        if not to_send:
-            return results
-        batches = make_batches(
-            to_send, max_batch_size=self.config.max_batch_size, key=lambda p: p.item.group_id
-        )
-        answers = await self._send_all(batches, step)
-        for batch, rewards in zip(batches, answers, strict=True):
-            for pending, reward in zip(batch, rewards, strict=True):
-                self._cache.put(pending.key, reward)
-                for index in waiting[pending.key]:
-                    results[index] = reward
-        return results
-
-    async def aclose(self) -> None:
-        if self._client is not None:
-            await self._client.aclose()
-            self._client = None
-
-    # -- one step ---------------------------------------------------------------------------------------
-
-    async def _send_all(self, batches: list[list[_Pending]], step: int) -> list[list[float | None]]:
-        """Send every batch concurrently (bounded); on the first error cancel the rest and raise it."""
-        client = self._client_for_this_loop()
-        tasks = [asyncio.ensure_future(self._send_batch(client, batch, step)) for batch in batches]
-        try:
-            return list(await asyncio.gather(*tasks))
-        except BaseException:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            raise
-
-    async def _send_batch(
-        self, client: httpx.AsyncClient, batch: list[_Pending], step: int
-    ) -> list[float | None]:
+    def _encode(self, batch: Sequence[Pending], step: int) -> bytes:
         request = RewardRequest(
             job_id=self.config.job_id,
             step=step,
@@ -171,107 +65,26 @@ class RemoteRewardSource:
                 for p in batch
             ],
         )
-        body = encode_request(request)
-        async with self._semaphore:
-            rewards = await self._call_with_retries(client, body, expected=len(batch))
-        self.stats.items_sent += len(batch)
-        return rewards
+        return encode_request(request)
 
-    async def _call_with_retries(
-        self, client: httpx.AsyncClient, body: bytes, *, expected: int
+    async def _attempt(
+        self, conn: httpx.AsyncClient, *, msg_id: str, body: bytes, expected: int, budget_s: float
     ) -> list[float | None]:
-        cfg = self.config
-        if not self._breaker.allow():
-            raise RewardUnavailable(
-                self.name,
-                f"{self._caller.where}: circuit open after {self._breaker.consecutive_failures} consecutive "
-                f"failed calls; not calling for {cfg.breaker_reset_s:g} s",
-            )
-        trial = self._breaker.is_open  # half-open: this call decides, with a single attempt
-        msg_id = new_message_id()
-        budget = cfg.connect_timeout_s + cfg.timeout_s
-        retrying = AsyncRetrying(
-            stop=stop_after_attempt(1 if trial else cfg.max_attempts),
-            wait=self._wait,
-            retry=retry_if_exception_type(TransientFailure),
-            before_sleep=functools.partial(self._before_sleep, msg_id=msg_id, batch_size=expected),
-            reraise=True,
-        )
-        try:
-            async for attempt in retrying:
-                with attempt:
-                    if attempt.retry_state.attempt_number > 1 and self._breaker.is_open and not trial:
-                        # Another request of this step opened the circuit: stop hammering the endpoint.
-                        raise RewardUnavailable(
-                            self.name, f"{self._caller.where}: circuit opened by another request"
-                        )
-                    self.stats.attempts += 1
-                    rewards = await self._caller.attempt(
-                        client, msg_id=msg_id, body=body, expected=expected, budget_s=budget
-                    )
-        except TransientFailure as exc:
-            self._breaker.record_failure()
-            raise RewardUnavailable(
-                self.name,
-                f"{self._caller.where}: {exc.reason} (gave up after {retrying.statistics['attempt_number']} attempts)",
-            ) from exc
-        except RewardUnavailable:
-            self._breaker.record_failure()
-            raise
-        self._breaker.record_success()
-        self.stats.requests += 1
-        return rewards
+        return await self._caller.attempt(conn, msg_id=msg_id, body=body, expected=expected, budget_s=budget_s)
 
-    def _wait(self, state: RetryCallState) -> float:
-        """Retry-After when the endpoint sent one (if not too long), else full-jitter exponential backoff."""
-        exc = state.outcome.exception() if state.outcome else None
-        if isinstance(exc, TransientFailure) and exc.retry_after is not None:
-            if exc.retry_after > self.config.max_retry_after_s:
-                raise RewardUnavailable(
-                    self.name,
-                    f"{self._caller.where}: {exc.reason} asks to retry after {exc.retry_after:g} s "
-                    f"(more than max_retry_after_s={self.config.max_retry_after_s:g})",
-                )
-            return exc.retry_after
-        backoff = wait_random_exponential(
-            multiplier=self.config.backoff_base_s, max=self.config.backoff_max_s
+    def _connect(self) -> httpx.AsyncClient:
+        return httpx.AsyncClient(
+            transport=PinnedResolutionTransport(
+                allow_private=self.config.allow_private,
+                resolver=self._resolver,
+                limits=httpx.Limits(max_connections=self.config.max_concurrency),
+            ),
+            timeout=httpx.Timeout(
+                self.config.timeout_s, connect=self.config.connect_timeout_s, pool=self.config.timeout_s
+            ),
+            follow_redirects=False,
+            trust_env=False,
         )
-        return float(backoff(state))
 
-    async def _before_sleep(self, state: RetryCallState, *, msg_id: str, batch_size: int) -> None:
-        self.stats.retries += 1
-        exc = state.outcome.exception() if state.outcome else None
-        if self._on_retry is None:
-            return
-        event = RetryEvent(
-            source=self.name,
-            url=self._caller.where,
-            message_id=msg_id,
-            attempt=state.attempt_number,
-            reason=exc.reason if isinstance(exc, TransientFailure) else repr(exc),
-            wait_s=state.upcoming_sleep,
-            batch_size=batch_size,
-        )
-        result = self._on_retry(event)
-        if inspect.isawaitable(result):
-            await result
-
-    def _client_for_this_loop(self) -> httpx.AsyncClient:
-        loop = asyncio.get_running_loop()
-        if self._client is None or self._loop is not loop:
-            # A client from a previous (closed) loop cannot be used or closed here; drop it.
-            self._loop = loop
-            self._semaphore = asyncio.Semaphore(self.config.max_concurrency)
-            self._client = httpx.AsyncClient(
-                transport=PinnedResolutionTransport(
-                    allow_private=self.config.allow_private,
-                    resolver=self._resolver,
-                    limits=httpx.Limits(max_connections=self.config.max_concurrency),
-                ),
-                timeout=httpx.Timeout(
-                    self.config.timeout_s, connect=self.config.connect_timeout_s, pool=self.config.timeout_s
-                ),
-                follow_redirects=False,
-                trust_env=False,
-            )
-        return self._client
+    async def _disconnect(self, conn: httpx.AsyncClient) -> None:
+        await conn.aclose()

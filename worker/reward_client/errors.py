@@ -9,6 +9,7 @@ from __future__ import annotations
 from worker.grpo.reward_types import RewardError, RewardUnavailable
 
 __all__ = [
+    "RewardEndpointGrpcError",
     "RewardEndpointHTTPError",
     "RewardEndpointInvalidResponse",
     "RewardEndpointRefused",
@@ -37,3 +38,13 @@ class RewardEndpointRefused(RewardError):
     """The SSRF policy refused the endpoint's address at call time (see `service.kit.urlpolicy`)."""
 
     code = "reward_endpoint_url_rejected"
+
+
+class RewardEndpointGrpcError(RewardError):
+    """A gRPC endpoint answered a status that retrying will not fix (INVALID_ARGUMENT, UNAUTHENTICATED...)."""
+
+    code = "reward_endpoint_grpc_error"
+
+    def __init__(self, source: str, message: str, *, status: str) -> None:
+        super().__init__(source, message)
+        self.status = status  # the grpc.StatusCode name, e.g. "PERMISSION_DENIED"

@@ -80,6 +80,15 @@ def parse_response(body: bytes, *, expected: int) -> list[float | None]:
         raise ResponseInvalid(f"response is not valid JSON ({exc}); body starts {excerpt!r}") from exc
     if not isinstance(data, dict) or "rewards" not in data:
         raise ResponseInvalid(f'response must be a JSON object with a "rewards" list, got {_shape(data)}')
+    return check_rewards(data, expected=expected)
+
+
+def check_rewards(data: dict[str, Any], *, expected: int) -> list[float | None]:
+    """Validate a decoded ``{"rewards": [...]}`` for a request of `expected` items (any transport).
+
+    Each value must be a finite number or None, and there must be exactly `expected` of them.
+    Raises ResponseInvalid naming the first offending value.
+    """
     try:
         rewards = RewardResponse.model_validate(data).rewards
     except ValidationError as exc:

@@ -3,10 +3,14 @@
 ``webhook-id`` stays the same across retries of one request (so servers can deduplicate);
 ``webhook-timestamp`` and ``webhook-signature`` are recomputed per attempt so a long backoff never
 pushes a retry outside the receiver's 5-minute tolerance.
+
+gRPC endpoints get the same three values as call metadata; the signed content is the base64 of the
+serialised ``ScoreRequest`` (the HMAC input must be text), see `grpc_signed_content` and reward.proto.
 """
 
 from __future__ import annotations
 
+import base64
 import uuid
 from datetime import UTC, datetime
 
@@ -39,3 +43,8 @@ def sign_headers(signer: Webhook, msg_id: str, body: bytes, *, now: datetime | N
         "webhook-timestamp": str(int(timestamp.timestamp())),
         "webhook-signature": signer.sign(msg_id, timestamp, body.decode()),
     }
+
+
+def grpc_signed_content(serialized_request: bytes) -> bytes:
+    """What is signed for a gRPC call: base64 of the exact serialised request bytes (reward.proto)."""
+    return base64.b64encode(serialized_request)

@@ -1,7 +1,7 @@
 """`test_endpoint`: call an endpoint once, now, for ``POST /v1/reward-functions/{id}/test``.
 
-Same signing, SSRF policy and validation as a training job, but a single attempt (no retries) so the
-caller sees the precise error at once, and no cache.
+Same transport (HTTP or gRPC, by the URL's scheme), signing, SSRF policy and validation as a training
+job, but a single attempt (no retries) so the caller sees the precise error at once, and no cache.
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from collections.abc import Sequence
 
 from service.kit.urlpolicy import Resolver
 from worker.grpo.reward_types import RewardInput
-from worker.reward_client.client import RemoteRewardSource
 from worker.reward_client.config import RemoteRewardConfig
+from worker.reward_client.factory import build_remote_source
 from worker.reward_client.protocol import RewardItem
 
 
@@ -21,7 +21,7 @@ async def test_endpoint(
 ) -> tuple[list[float | None], float]:
     """(rewards, latency_ms) for `items`; raises the RewardError subclass that a job would have hit."""
     single = config.model_copy(update={"max_attempts": 1, "cache_max_entries": 0, "breaker_threshold": 1})
-    source = RemoteRewardSource(single, resolver=resolver)
+    source = build_remote_source(single, resolver=resolver)  # HTTP or gRPC, by the URL's scheme
     inputs = [
         RewardInput(
             prompt=item.prompt,
