@@ -358,7 +358,8 @@ class JobRunner:
 
     def _build_rewards(self, claim: Claim, context: JobContext) -> CompositeReward:
         from worker.grpo.rewards import build_reward_sources
-        from worker.reward_client import RemoteRewardConfig, RemoteRewardSource
+        from worker.reward_client import RemoteRewardConfig, build_remote_source
+        from worker.reward_client.source import EndpointRewardSource
 
         async def on_retry(event: RetryEvent) -> None:
             import asyncio
@@ -371,7 +372,7 @@ class JobRunner:
             except LeaseLost:
                 log.info("job %s: retry event refused (lease lost)", claim.job_id)
 
-        def remote(spec: RemoteRewardSpec) -> RemoteRewardSource:
+        def remote(spec: RemoteRewardSpec) -> EndpointRewardSource[Any]:
             row = context.reward_functions[spec.reward_function_id]
             config = RemoteRewardConfig.model_validate({
                 "reward_function_id": row.id, "url": row.url, "secret": row.signing_secret,
@@ -379,7 +380,7 @@ class JobRunner:
                 "max_concurrency": row.max_concurrency, "headers": {str(k): str(v) for k, v in row.headers.items()},
                 "allow_private": bool(self.settings.allow_private_reward_urls),
             })
-            return RemoteRewardSource(config, on_retry=on_retry)
+            return build_remote_source(config, on_retry=on_retry)  # gRPC for grpc(s):// URLs, else HTTP
 
         device = "cpu" if context.queue == "cpu" else _default_device()
         return build_reward_sources(context.spec.rewards, remote=remote, device=device)
