@@ -129,3 +129,21 @@ class TestDuplicateDelivery:
             )
         finally:
             second.stop()
+
+
+class TestEmbeddedDefault:
+    def test_grpo_serve_alone_runs_a_job_on_sqlite_and_the_sql_broker(self) -> None:
+        data_dir = private_tmp("grpo-embedded-")
+        stack = Stack(database_url=f"sqlite:///{data_dir}/grpo.db", broker_url=f"sqla+sqlite:///{data_dir}/broker.db",
+                      data_dir=data_dir)
+        try:
+            api_proc = stack.start_api(worker=True)
+            wait_for(lambda: " ready." in api_proc.log(), timeout=90, what="the embedded worker")
+            api = stack.make_client()
+            dataset = api.upload_dataset(PROMPTS)
+            job_id = api.submit(tiny_spec(dataset, max_steps=3, checkpoint_every=3))
+            job = api.wait_status(job_id, {"succeeded"}, timeout=240)
+            assert job["attempt"] == 1 and api.metric_steps(job_id) == [1, 2, 3], stack.logs()
+            assert [c["step"] for c in api.checkpoints(job_id)] == [3]
+        finally:
+            stack.stop_all()
