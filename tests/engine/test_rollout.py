@@ -147,9 +147,13 @@ class TestHelpers:
     def test_completion_mask_after_eos_by_hand(self) -> None:
         eos = 2
         ids = torch.tensor([[5, 2, 7, 2], [5, 6, 7, 8], [2, 0, 0, 0], [5, 6, 7, 2]])
-        mask, truncated = completion_mask_after_eos(ids, eos)
+        mask, truncated = completion_mask_after_eos(ids, [eos])
         assert mask.tolist() == [[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0], [1, 1, 1, 1]]
         assert truncated.tolist() == [False, True, False, False]
+        # Several EOS ids (e.g. <|im_end|> and <|endoftext|>): the first of any ends the completion.
+        mask, truncated = completion_mask_after_eos(ids, [eos, 7])
+        assert mask.tolist() == [[1, 1, 0, 0], [1, 1, 1, 0], [1, 0, 0, 0], [1, 1, 1, 0]]
+        assert truncated.tolist() == [False, False, False, False]
 
     def test_prompts_are_truncated_from_the_left(self, tokenizer: PreTrainedTokenizerBase) -> None:
         ids, mask = tokenize_prompts(tokenizer, ["abcdefgh", "xy"], max_prompt_length=4)

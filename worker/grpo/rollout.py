@@ -88,11 +88,23 @@ def _pad_token_id(tokenizer: PreTrainedTokenizerBase) -> int:
     return int(pad_id)
 
 
-def _generation_config(config: GRPOConfig, tokenizer: PreTrainedTokenizerBase) -> GenerationConfig:
+def eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """The tokenizer's EOS plus any the model's generation config lists (chat models often have two)."""
+    if tokenizer.eos_token_id is None:
+        raise ValueError("tokenizer has no EOS token: completions could never end")
+    ids = [int(tokenizer.eos_token_id)]
+    model_eos = model.generation_config.eos_token_id if model.generation_config is not None else None
+    extra = [model_eos] if isinstance(model_eos, int) else list(model_eos or [])
+    return ids + [int(i) for i in extra if int(i) not in ids]
+
+
+def _generation_config(
+    config: GRPOConfig, tokenizer: PreTrainedTokenizerBase, eos_ids: list[int]
+) -> GenerationConfig:
     """A complete GenerationConfig, so the model's own generation defaults (e.g. top_k=50) never leak in."""
     common = {
         "max_new_tokens": config.max_completion_length,
-        "eos_token_id": tokenizer.eos_token_id,
+        "eos_token_id": eos_ids,
         "pad_token_id": _pad_token_id(tokenizer),
         "bos_token_id": tokenizer.bos_token_id,
         "use_cache": True,
@@ -116,12 +128,12 @@ def _generation_config(config: GRPOConfig, tokenizer: PreTrainedTokenizerBase) -
     )
 
 
-def completion_mask_after_eos(completion_ids: Tensor, eos_token_id: int) -> tuple[Tensor, Tensor]:
+def completion_mask_after_eos(completion_ids: Tensor, eos_token_ids: list[int]) -> tuple[Tensor, Tensor]:
     """(N, C) ids -> mask (N, C) int64 covering tokens up to and including the first EOS, and truncation (N,) bool.
 
     A row without EOS keeps every token and is flagged as truncated.
     """
-    is_eos = completion_ids == eos_token_id  # (N, C)
+    is_eos = torch.isin(completion_ids, torch.tensor(eos_token_ids, device=completion_ids.device))  # (N, C)
     has_eos = is_eos.any(dim=1)  # (N,)
     length = completion_ids.shape[1]
     # argmax on int finds the first True; rows without EOS use the full length.
@@ -148,8 +160,7 @@ def generate_rollout(
     The model is put in eval mode for generation (no dropout) and restored afterwards. All
     returned tensors live on the model's device.
     """
-    if tokenizer.eos_token_id is None:
-        raise ValueError("tokenizer has no EOS token: completions could never end")
+    eos_ids = eos_token_ids(model, tokenizer)
     group = config.num_generations
     device = model.device
     prompt_ids, prompt_mask = tokenize_prompts(tokenizer, prompts, config.max_prompt_length)
@@ -158,7 +169,7 @@ def generate_rollout(
         # (num_prompts * G, P): each prompt's G rows are contiguous.
         prompt_ids = prompt_ids.repeat_interleave(group, dim=0)
         prompt_mask = prompt_mask.repeat_interleave(group, dim=0)
-    generation_config = _generation_config(config, tokenizer)
+    generation_config = _generation_config(config, tokenizer, eos_ids)
 
     was_training = model.training
     model.eval()
@@ -181,7 +192,7 @@ def generate_rollout(
         prompt_mask = prompt_mask.repeat_interleave(group, dim=0)
     prompt_length = prompt_ids.shape[1]
     completion_ids = sequences[:, prompt_length:]  # (N, C')
-    completion_mask, is_truncated = completion_mask_after_eos(completion_ids, int(tokenizer.eos_token_id))
+    completion_mask, is_truncated = completion_mask_after_eos(completion_ids, eos_ids)
     # Whatever generate() put after the first EOS (pad, or beam leftovers) becomes pad.
     completion_ids = completion_ids.masked_fill(completion_mask == 0, _pad_token_id(tokenizer))
     texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
