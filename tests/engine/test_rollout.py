@@ -147,7 +147,7 @@ class TestHelpers:
     def test_completion_mask_after_eos_by_hand(self) -> None:
         eos = 2
         ids = torch.tensor([[5, 2, 7, 2], [5, 6, 7, 8], [2, 0, 0, 0], [5, 6, 7, 2]])
-        mask, truncated = completion_mask_after_eos(ids, [eos])
+        mask, truncated = completion_mask_after_eos(ids, eos)
         assert mask.tolist() == [[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0], [1, 1, 1, 1]]
         assert truncated.tolist() == [False, True, False, False]
         # Several EOS ids (e.g. <|im_end|> and <|endoftext|>): the first of any ends the completion.

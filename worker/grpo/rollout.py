@@ -6,6 +6,7 @@ never tokenised again (a decode/encode round trip is not the identity for most t
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -128,12 +129,15 @@ def _generation_config(
     )
 
 
-def completion_mask_after_eos(completion_ids: Tensor, eos_token_ids: list[int]) -> tuple[Tensor, Tensor]:
+def completion_mask_after_eos(
+    completion_ids: Tensor, eos_token_ids: int | Sequence[int]
+) -> tuple[Tensor, Tensor]:
     """(N, C) ids -> mask (N, C) int64 covering tokens up to and including the first EOS, and truncation (N,) bool.
 
     A row without EOS keeps every token and is flagged as truncated.
     """
-    is_eos = torch.isin(completion_ids, torch.tensor(eos_token_ids, device=completion_ids.device))  # (N, C)
+    eos_ids = [eos_token_ids] if isinstance(eos_token_ids, int) else list(eos_token_ids)
+    is_eos = torch.isin(completion_ids, torch.tensor(eos_ids, device=completion_ids.device))  # (N, C)
     has_eos = is_eos.any(dim=1)  # (N,)
     length = completion_ids.shape[1]
     # argmax on int finds the first True; rows without EOS use the full length.
