@@ -13,8 +13,11 @@ from service.checkpoints.endpoints import router as checkpoints_router
 from service.datasets.endpoints import router as datasets_router
 from service.jobs.endpoints import router as jobs_router
 from service.kit.errors import DomainError
+from service.observability.endpoints import router as metrics_router
+from service.observability.middleware import PrometheusMiddleware
 from service.ops.endpoints import router as ops_router
 from service.rewards.endpoints import router as rewards_router
+from service.webhooks.endpoints import router as webhooks_router
 
 ERROR_SCHEMA: dict[str, Any] = {
     "type": "object",
@@ -73,4 +76,7 @@ def create_app() -> FastAPI:
     app.include_router(rewards_router, prefix="/v1")
     app.include_router(jobs_router, prefix="/v1")
     app.include_router(checkpoints_router, prefix="/v1")
+    app.include_router(webhooks_router, prefix="/v1")
+    app.include_router(metrics_router)
+    app.add_middleware(PrometheusMiddleware)
     return app

@@ -8,5 +8,14 @@ from service.jobs import models as jobs_models
 from service.kit.db import Base
 from service.rewards import models as rewards_models
 from service.tenants import models as tenants_models
+from service.webhooks import models as webhooks_models
 
-__all__ = ["Base", "checkpoints_models", "datasets_models", "jobs_models", "rewards_models", "tenants_models"]
+__all__ = [
+    "Base",
+    "checkpoints_models",
+    "datasets_models",
+    "jobs_models",
+    "rewards_models",
+    "tenants_models",
+    "webhooks_models",
+]

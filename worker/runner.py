@@ -48,8 +48,10 @@ from service.jobs.schemas import SampleIn
 from service.jobs.states import JobStatus
 from service.kit.config import Settings, get_settings
 from service.kit.db import session_scope
+from service.observability.logs import job_context
 from service.rewards.models import RewardFunction
 from service.storage import Storage, checkpoint_key, checkpoint_prefix, get_storage
+from worker import metrics as worker_metrics
 from worker import reporting
 from worker.grpo.reward_types import RewardError, RewardUnavailable
 from worker.grpo.spec import JobSpec, RemoteRewardSpec
@@ -125,7 +127,7 @@ class JobRunner:
                  self.job_id, claim.attempt, self.worker_id, claim.resume_step)
         workdir = Path(self.settings.data_dir) / "work" / self.job_id / f"attempt-{claim.attempt}"
         try:
-            with Heartbeat(claim) as heartbeat:
+            with Heartbeat(claim) as heartbeat, job_context(self.job_id, claim.attempt):
                 return self._run_claimed(claim, heartbeat, workdir).value
         except LeaseLost:
             log.warning("job %s: attempt %d lost the job to a newer attempt; stopped", self.job_id, claim.attempt)
@@ -143,9 +145,11 @@ class JobRunner:
         except LeaseLost:
             raise
         except RewardUnavailable as exc:
+            worker_metrics.reward_error(exc.source, exc.code)
             reporting.record_event(claim, "reward_endpoint_unavailable", str(exc), {"source": exc.source})
             return reporting.finish(claim, JobStatus.paused, reason=f"reward endpoint unavailable: {exc.reason}")
         except RewardError as exc:
+            worker_metrics.reward_error(exc.source, exc.code)
             return self._fail(claim, exc.code, str(exc))
         except JobFailure as exc:
             return self._fail(claim, exc.code, exc.message)
@@ -330,6 +334,7 @@ class JobRunner:
 
     def _on_metrics(self, claim: Claim, step: int, metrics: Mapping[str, float], samples: list[dict[str, Any]]) -> None:
         self._step_metrics = {step: dict(metrics)}
+        worker_metrics.observe_step(metrics)
         logged = [
             SampleIn(prompt=str(s["prompt"]), completion=str(s["completion"]), reward=_finite_or_none(s.get("reward")),
                      rewards={k: _finite_or_none(v) for k, v in dict(s.get("rewards", {})).items()})
@@ -364,6 +369,7 @@ class JobRunner:
         async def on_retry(event: RetryEvent) -> None:
             import asyncio
 
+            worker_metrics.reward_retry(event.source, event.reason)
             message = f"{event.source}: attempt {event.attempt} failed ({event.reason}); retrying in {event.wait_s:.2f}s"
             data = {"source": event.source, "attempt": event.attempt, "reason": event.reason,
                     "wait_s": event.wait_s, "message_id": event.message_id, "batch_size": event.batch_size}

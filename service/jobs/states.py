@@ -37,6 +37,10 @@ from service.jobs.models import Job, JobEvent
 from service.kit.db import utcnow
 from service.kit.errors import IllegalTransition
 
+# Imported for its side effect: it registers the webhook outbox listener on JobEvent inserts, and every
+# process that writes job events imports this module.
+from service.webhooks import outbox as _webhook_outbox  # noqa: F401
+
 
 class JobStatus(StrEnum):
     queued = "queued"

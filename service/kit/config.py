@@ -40,6 +40,18 @@ class Settings(BaseSettings):
         3600, ge=60, description="Redis: seconds a delivered, unacknowledged task stays hidden before redelivery."
     )
     log_json: bool = Field(False, description="Structured JSON logs.")
+    worker_metrics_port: int = Field(
+        0, ge=0, le=65535, description="Port of the worker's Prometheus /metrics server (0 = off)."
+    )
+    webhook_max_attempts: int = Field(10, ge=1, description="Delivery attempts per webhook event before giving up.")
+    webhook_timeout_s: float = Field(10.0, gt=0, le=120, description="Timeout of one webhook delivery request.")
+    webhook_backoff_s: float = Field(
+        5.0, gt=0, description="First retry delay of a failed webhook delivery; doubles per attempt (plus jitter)."
+    )
+    webhook_backoff_max_s: float = Field(3600.0, gt=0, description="Longest delay between webhook retries.")
+    webhook_poll_interval_s: float = Field(
+        1.0, gt=0, description="How often the API process looks for due webhook deliveries."
+    )
 
     @model_validator(mode="after")
     def _defaults_from_data_dir(self) -> Settings:

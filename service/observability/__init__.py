@@ -1,0 +1,1 @@
+"""Operations signals: Prometheus metrics for the API, structured (JSON) logs with job context."""

@@ -1,0 +1,82 @@
+"""Webhook routes (thin): parse, call the domain service, render."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Query, Response
+
+from service.kit.deps import SessionDep
+from service.kit.openapi import error_responses
+from service.tenants.auth import CurrentTenant
+from service.webhooks import service
+from service.webhooks.schemas import (
+    DeliveryList,
+    DeliveryOut,
+    WebhookCreate,
+    WebhookList,
+    WebhookOut,
+    WebhookWithSecret,
+)
+
+router = APIRouter(tags=["webhooks"])
+
+Limit = Annotated[int, Query(ge=1, le=100, description="Page size.")]
+
+
+@router.post(
+    "/webhooks",
+    status_code=201,
+    response_model=WebhookWithSecret,
+    summary="Register a webhook",
+    responses=error_responses(401, 422),
+)
+def create_webhook(body: WebhookCreate, session: SessionDep, tenant: CurrentTenant) -> WebhookWithSecret:
+    """The URL receives every job lifecycle event of this tenant, signed with Standard Webhooks.
+
+    The response carries `secret`, shown only here. Events: job.queued, job.running,
+    job.checkpoint_saved, job.eval_completed, job.paused, job.succeeded, job.failed, job.cancelled.
+    A URL refused by the SSRF policy is a 422 `url_rejected`.
+    """
+    return WebhookWithSecret.from_row(service.create_webhook(session, tenant.tenant_id, body))
+
+
+@router.get("/webhooks", response_model=WebhookList, summary="List webhooks, newest first",
+            responses=error_responses(401, 422))
+def list_webhooks(
+    session: SessionDep,
+    tenant: CurrentTenant,
+    limit: Limit = 20,
+    after: Annotated[str | None, Query(max_length=64, description="`next_after` of the previous page.")] = None,
+) -> WebhookList:
+    rows, has_more = service.list_webhooks(session, tenant.tenant_id, limit=limit, after=after)
+    return WebhookList(data=[WebhookOut.from_row(r) for r in rows], has_more=has_more,
+                       next_after=rows[-1].id if has_more and rows else None)
+
+
+@router.get("/webhooks/{webhook_id}", response_model=WebhookOut, summary="Get a webhook",
+            responses=error_responses(401, 404))
+def get_webhook(webhook_id: str, session: SessionDep, tenant: CurrentTenant) -> WebhookOut:
+    return WebhookOut.from_row(service.get_webhook(session, tenant.tenant_id, webhook_id))
+
+
+@router.delete("/webhooks/{webhook_id}", status_code=204, response_class=Response, summary="Delete a webhook",
+               responses=error_responses(401, 404))
+def delete_webhook(webhook_id: str, session: SessionDep, tenant: CurrentTenant) -> Response:
+    """Stops all deliveries to it, including pending retries."""
+    service.delete_webhook(session, tenant.tenant_id, webhook_id)
+    return Response(status_code=204)
+
+
+@router.get("/webhooks/{webhook_id}/deliveries", response_model=DeliveryList,
+            summary="A webhook's deliveries, newest first", responses=error_responses(401, 404, 422))
+def list_deliveries(
+    webhook_id: str,
+    session: SessionDep,
+    tenant: CurrentTenant,
+    limit: Limit = 20,
+    after: Annotated[int | None, Query(ge=0, description="`next_after` of the previous page.")] = None,
+) -> DeliveryList:
+    rows, has_more = service.list_deliveries(session, tenant.tenant_id, webhook_id, limit=limit, after=after)
+    return DeliveryList(data=[DeliveryOut.from_row(r) for r in rows], has_more=has_more,
+                        next_after=rows[-1].id if has_more and rows else None)
