@@ -11,6 +11,7 @@ the same domain rows the same way.
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Mapping
 from datetime import datetime
@@ -31,11 +32,18 @@ from service.grpc.gen.grpo.v1 import (
     job_spec_pb2,
     jobs_pb2,
     reward_functions_pb2,
+    reward_pb2,
 )
 from service.jobs.schemas import EventOut, JobOut, SampleOut
 from service.jobs.states import JobStatus
 from service.kit.errors import ValidationFailed
-from service.rewards.schemas import RewardFunctionCreate, RewardFunctionOut
+from service.rewards.schemas import (
+    RewardFunctionCreate,
+    RewardFunctionOut,
+    RewardTestItem,
+    RewardTestRequest,
+    RewardTestResult,
+)
 from worker.grpo.spec import JobSpec
 
 # Hyperparameters whose `None` means something other than "default": proto flag -> GRPOConfig field.
@@ -329,4 +337,42 @@ def reward_function_to_proto(row: RewardFunctionOut) -> reward_functions_pb2.Rew
         headers=row.headers,
         created_at=timestamp(row.created_at),
         updated_at=timestamp(row.updated_at),
+    )
+
+
+def reward_test_items_from_proto(message: reward_functions_pb2.TestRewardFunctionRequest) -> list[RewardTestItem]:
+    """The REST dry-run items from the samples; metadata values are JSON-decoded; errors name the field."""
+    items: list[dict[str, Any]] = []
+    for index, sample in enumerate(message.samples):
+        metadata: dict[str, Any] = {}
+        for key, raw in sample.metadata_json.items():
+            try:
+                metadata[key] = json.loads(raw)
+            except ValueError as exc:
+                field = f"samples.{index}.metadata_json.{key}"
+                raise ValidationFailed(
+                    f"{field}: not valid JSON ({exc})", details=[{"field": field, "message": str(exc)}]
+                ) from exc
+        items.append(
+            {"prompt": sample.prompt, "completion": sample.completion, "metadata": metadata, "group_id": sample.group_id}
+        )
+    try:
+        return RewardTestRequest.model_validate({"items": items}).items
+    except ValidationError as exc:
+        raise _as_samples(from_validation_error(exc)) from exc
+
+
+def _as_samples(exc: ValidationFailed) -> ValidationFailed:
+    """REST calls the list `items`, the RPC `samples`: name the RPC's field in the error."""
+    details = [
+        {**d, "field": "samples" + str(d["field"]).removeprefix("items")} if isinstance(d, dict) else d
+        for d in (exc.details or [])
+    ]
+    return ValidationFailed("samples" + exc.message.removeprefix("items"), details=details)
+
+
+def reward_test_result_to_proto(result: RewardTestResult) -> reward_functions_pb2.TestRewardFunctionResponse:
+    return reward_functions_pb2.TestRewardFunctionResponse(
+        latency_ms=result.latency_ms,
+        rewards=[reward_pb2.Reward() if r is None else reward_pb2.Reward(value=r) for r in result.rewards],
     )

@@ -7,12 +7,14 @@ from typing import Annotated
 from fastapi import APIRouter, Query, Response
 
 from service.kit.deps import SessionDep
-from service.rewards import service
+from service.rewards import dry_run, service
 from service.rewards.schemas import (
     RewardFunctionCreate,
     RewardFunctionList,
     RewardFunctionOut,
     RewardFunctionWithSecret,
+    RewardTestRequest,
+    RewardTestResult,
 )
 from service.tenants.auth import CurrentTenant
 
@@ -26,7 +28,12 @@ After = Annotated[str | None, Query(max_length=64, description="`next_after` of 
     "/reward-functions",
     status_code=201,
     response_model=RewardFunctionWithSecret,
-    responses={422: {"description": "Invalid field, or URL refused by the policy (`url_rejected`)."}},
+    responses={
+        422: {
+            "description": "Invalid field, or URL refused by the policy (`url_rejected`; in production the host "
+            "must resolve to public addresses only)."
+        }
+    },
 )
 def create_reward_function(
     body: RewardFunctionCreate, session: SessionDep, tenant: CurrentTenant
@@ -72,3 +79,23 @@ def rotate_secret(
     return RewardFunctionWithSecret.from_row(
         service.rotate_secret(session, tenant.tenant_id, reward_function_id)
     )
+
+
+@router.post(
+    "/reward-functions/{reward_function_id}/test",
+    response_model=RewardTestResult,
+    responses={
+        422: {
+            "description": "The endpoint answered but not usably, with the code a job would fail with: "
+            "`reward_endpoint_invalid_response`, `reward_endpoint_http_error`, `reward_endpoint_grpc_error`, "
+            "`reward_endpoint_url_rejected`; or an invalid body."
+        },
+        502: {"description": "`reward_endpoint_unavailable`: no answer (refused, timed out, 5xx)."},
+    },
+)
+def test_reward_function(
+    reward_function_id: str, body: RewardTestRequest, session: SessionDep, tenant: CurrentTenant
+) -> RewardTestResult:
+    """Call the endpoint now with sample items, exactly as a training job would (signed, SSRF-checked,
+    validated) but with one attempt per request, and return its rewards and the latency."""
+    return dry_run.test_reward_function(session, tenant.tenant_id, reward_function_id, body.items)

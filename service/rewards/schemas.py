@@ -6,9 +6,11 @@ import re
 from datetime import datetime
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from service.kit.urlpolicy import is_grpc_url
 from service.rewards.models import RewardFunction
+from worker.reward_client.grpc_source import metadata_problem
 
 # Headers the worker sets itself (Standard Webhooks signature, body framing) or that change routing or
 # connection handling: a user value would break signing or smuggle requests. `Authorization` is allowed:
@@ -59,7 +61,9 @@ class RewardFunctionCreate(BaseModel):
     url: str = Field(
         min_length=1,
         max_length=2048,
-        description="http(s) endpoint receiving signed batches; https only in production, no credentials.",
+        description="Endpoint receiving signed batches: an http(s) webhook URL, or grpc(s)://host:port for the "
+        "grpo.v1.RewardService protocol. https/grpcs only in production (and the host must resolve to public "
+        "addresses only); no credentials.",
     )
     timeout_s: float = Field(10.0, gt=0, le=300, allow_inf_nan=False, description="Per-request timeout.")
     max_batch_size: int = Field(64, ge=1, le=4096, description="Most samples sent in one request.")
@@ -88,6 +92,16 @@ class RewardFunctionCreate(BaseModel):
             if len(value) > 4096 or any(ch in value for ch in "\r\n\x00"):
                 raise ValueError(f"header {name!r} value is longer than 4096 or contains CR, LF or NUL")
         return headers
+
+    @model_validator(mode="after")
+    def _grpc_headers_are_metadata(self) -> RewardFunctionCreate:
+        # A gRPC endpoint receives the headers as call metadata, which allows fewer names and values.
+        if is_grpc_url(self.url):
+            for name, value in self.headers.items():
+                problem = metadata_problem(name, value)
+                if problem is not None:
+                    raise ValueError(f"headers: {problem} (the url is a gRPC endpoint)")
+        return self
 
 
 def redact_headers(headers: dict[str, str]) -> dict[str, str]:
@@ -144,21 +158,38 @@ class RewardFunctionList(BaseModel):
     next_after: str | None = Field(description="Pass as `after` to get the next (older) page.")
 
 
+# --- dry run (POST /v1/reward-functions/{id}/test) -------------------------------------------------------
+
+MAX_TEST_ITEMS = 64
+
+
 class RewardTestItem(BaseModel):
-    """One completion to score in a dry run (the same fields the endpoint receives during training)."""
+    """One sample completion, as a job would send it."""
 
     model_config = ConfigDict(extra="forbid")
-    prompt: str
-    completion: str
-    metadata: dict[str, Any] = Field(default_factory=dict, description="Dataset columns other than the prompt.")
-    group_id: int = 0
+
+    prompt: str = Field(max_length=100_000, description="The prompt (as rendered for the model).")
+    completion: str = Field(max_length=100_000, description="The completion to score.")
+    metadata: dict[str, Any] = Field(default_factory=dict, description="The dataset row's other columns.")
+    group_id: int = Field(0, ge=0, le=2**31 - 1, description="Completions of the same prompt share a group id.")
 
 
 class RewardTestRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    items: list[RewardTestItem] = Field(min_length=1, max_length=64)
+    model_config = ConfigDict(
+        extra="forbid",
+        json_schema_extra={
+            "examples": [{"items": [{"prompt": "2+2=", "completion": "4", "metadata": {"answer": "4"}}]}]
+        },
+    )
+
+    items: list[RewardTestItem] = Field(
+        min_length=1,
+        max_length=MAX_TEST_ITEMS,
+        description=f"1 to {MAX_TEST_ITEMS} samples, sent as a job would (signed, batched by max_batch_size; "
+        "job_id 'test', step 0), one attempt per request.",
+    )
 
 
 class RewardTestResult(BaseModel):
     rewards: list[float | None] = Field(description="One per item, in order; null where the endpoint abstained.")
-    latency_ms: float = Field(description="Wall time of the signed call, retries excluded.")
+    latency_ms: float = Field(description="Wall time of the one signed call (no retries), name resolution included.")

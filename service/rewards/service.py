@@ -7,9 +7,11 @@ Deletion is soft: jobs already submitted with a function keep calling it (`get_f
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import secrets
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
+from typing import Any, TypeVar
 
 from sqlalchemy.orm import Session
 
@@ -17,10 +19,39 @@ from service.kit.config import get_settings
 from service.kit.db import utcnow
 from service.kit.errors import NotFound
 from service.kit.ids import new_id
-from service.kit.urlpolicy import check_url_syntax
+from service.kit.urlpolicy import Resolver, check_url, check_url_syntax
 from service.rewards import repository
 from service.rewards.models import RewardFunction
 from service.rewards.schemas import RewardFunctionCreate
+
+T = TypeVar("T")
+
+
+def run_blocking(coroutine: Coroutine[Any, Any, T]) -> T:
+    """Run `coroutine` to completion from sync domain code (REST threadpool, gRPC `in_session` thread).
+
+    Those threads have no event loop, so a private one is made and closed; from a thread that is running a
+    loop this would deadlock it, hence the explicit refusal.
+    """
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coroutine)
+    coroutine.close()
+    raise RuntimeError("sync domain functions must not be called on an event loop thread (use a worker thread)")
+
+
+def check_registration_url(url: str, *, allow_private: bool, resolver: Resolver | None = None) -> str:
+    """The SSRF policy at registration; returns the normalised URL or raises UrlRejected.
+
+    Production (`allow_private=False`): the static rules, then the host is resolved and every A/AAAA answer
+    must be globally routable (`check_url`), so a name pointing at a private address is refused now rather
+    than at the first training step. Development: static rules only; the name of a local reward server need
+    not resolve yet. Every call resolves and checks again in both modes (`worker.reward_client`).
+    """
+    if allow_private:
+        return check_url_syntax(url, allow_private=True)
+    return run_blocking(check_url(url, allow_private=False, resolver=resolver))
 
 
 def new_signing_secret() -> str:
@@ -28,8 +59,11 @@ def new_signing_secret() -> str:
 
 
 def create_reward_function(session: Session, tenant_id: str, spec: RewardFunctionCreate) -> RewardFunction:
-    """Register an endpoint (URL checked against the SSRF policy's static rules). Raises UrlRejected."""
-    url = check_url_syntax(spec.url, allow_private=bool(get_settings().allow_private_reward_urls))
+    """Register an endpoint (URL checked against the SSRF policy, see `check_registration_url`).
+
+    Raises UrlRejected. The check runs before any SQL, so no transaction is open during the DNS lookup.
+    """
+    url = check_registration_url(spec.url, allow_private=bool(get_settings().allow_private_reward_urls))
     now = utcnow()
     row = RewardFunction(
         id=new_id("rf"),

@@ -9,21 +9,19 @@ from sqlalchemy.orm import Session
 
 from service.grpc.auth import current_tenant
 from service.grpc.calls import in_session
-from service.grpc.convert import reward_function_create_from_proto, reward_function_to_proto
+from service.grpc.convert import (
+    reward_function_create_from_proto,
+    reward_function_to_proto,
+    reward_test_items_from_proto,
+    reward_test_result_to_proto,
+)
 from service.grpc.gen.grpo.v1 import reward_functions_pb2 as pb
 from service.grpc.gen.grpo.v1 import reward_functions_pb2_grpc
 from service.grpc.paging import page_size
-from service.kit.errors import DomainError
-from service.rewards import service
+from service.rewards import dry_run, service
 from service.rewards.schemas import RewardFunctionOut, RewardFunctionWithSecret
 
 Context = grpc.aio.ServicerContext[Any, Any]
-
-
-class NotYetAvailable(DomainError):
-    code = "not_implemented"
-    http_status = 501
-    grpc_status = grpc.StatusCode.UNIMPLEMENTED
 
 
 class RewardFunctionServicer(reward_functions_pb2_grpc.RewardFunctionServiceServicer):
@@ -90,6 +88,10 @@ class RewardFunctionServicer(reward_functions_pb2_grpc.RewardFunctionServiceServ
     async def TestRewardFunction(
         self, request: pb.TestRewardFunctionRequest, context: Context
     ) -> pb.TestRewardFunctionResponse:
-        # Declared in the API, but the rewards domain has no "test call" operation yet (nor REST route);
-        # it lands with the remote-reward work and both transports will call it.
-        raise NotYetAvailable("TestRewardFunction is not available yet")
+        tenant = current_tenant()
+        items = reward_test_items_from_proto(request)
+        # The call blocks for up to the endpoint's timeout: in_session runs it on a worker thread.
+        result = await in_session(
+            lambda s: dry_run.test_reward_function(s, tenant.tenant_id, request.reward_function_id, items)
+        )
+        return reward_test_result_to_proto(result)

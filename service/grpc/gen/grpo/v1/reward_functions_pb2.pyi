@@ -8,6 +8,7 @@ from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from google.protobuf import timestamp_pb2 as _timestamp_pb2
 from google.protobuf.internal import containers as _containers
+from service.grpc.gen.grpo.v1 import reward_pb2 as _reward_pb2
 import builtins as _builtins
 import sys
 import typing as _typing
@@ -393,12 +394,12 @@ Global___RotateRewardFunctionSecretResponse: _TypeAlias = RotateRewardFunctionSe
 
 @_typing.final
 class TestSample(_message.Message):
-    """One sample completion for TestRewardFunction."""
+    """One sample completion for TestRewardFunction (REST: an item of POST /v1/reward-functions/{id}/test)."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
     @_typing.final
-    class ExtrasEntry(_message.Message):
+    class MetadataJsonEntry(_message.Message):
         DESCRIPTOR: _descriptor.Descriptor
 
         KEY_FIELD_NUMBER: _builtins.int
@@ -419,25 +420,29 @@ class TestSample(_message.Message):
 
     PROMPT_FIELD_NUMBER: _builtins.int
     COMPLETION_FIELD_NUMBER: _builtins.int
-    EXTRAS_FIELD_NUMBER: _builtins.int
+    METADATA_JSON_FIELD_NUMBER: _builtins.int
+    GROUP_ID_FIELD_NUMBER: _builtins.int
     prompt: _builtins.str
     """The prompt."""
     completion: _builtins.str
     """The completion to score."""
+    group_id: _builtins.int
+    """Completions of the same prompt share a group id (default 0)."""
     @_builtins.property
-    def extras(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
-        """Extra dataset columns, as JSON-compatible strings."""
+    def metadata_json(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """The dataset row's other columns, each value JSON-encoded (like ScoreItem.extras_json)."""
 
     def __init__(
         self,
         *,
         prompt: _builtins.str = ...,
         completion: _builtins.str = ...,
-        extras: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        metadata_json: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        group_id: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["completion", b"completion", "extras", b"extras", "prompt", b"prompt"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["completion", b"completion", "group_id", b"group_id", "metadata_json", b"metadata_json", "prompt", b"prompt"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -455,7 +460,7 @@ class TestRewardFunctionRequest(_message.Message):
     """Reward function id ("rf_...")."""
     @_builtins.property
     def samples(self) -> _containers.RepeatedCompositeFieldContainer[Global___TestSample]:
-        """Samples to score (1 or more)."""
+        """Samples to score (1 to 64), sent as a job would (signed, batched), job_id "test", step 0."""
 
     def __init__(
         self,
@@ -473,35 +478,31 @@ Global___TestRewardFunctionRequest: _TypeAlias = TestRewardFunctionRequest  # no
 
 @_typing.final
 class TestRewardFunctionResponse(_message.Message):
-    """Response of RewardFunctionService.TestRewardFunction."""
+    """Response of RewardFunctionService.TestRewardFunction. An endpoint that fails is a call error
+    with the job's error code in grpo-error-code: reward_endpoint_invalid_response,
+    reward_endpoint_http_error, reward_endpoint_grpc_error, reward_endpoint_url_rejected
+    (FAILED_PRECONDITION) or reward_endpoint_unavailable (UNAVAILABLE).
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
-    OK_FIELD_NUMBER: _builtins.int
-    REWARDS_FIELD_NUMBER: _builtins.int
     LATENCY_MS_FIELD_NUMBER: _builtins.int
-    ERROR_FIELD_NUMBER: _builtins.int
-    ok: _builtins.bool
-    """True when the endpoint answered a valid response."""
+    REWARDS_FIELD_NUMBER: _builtins.int
     latency_ms: _builtins.float
     """Round-trip time of the call in milliseconds."""
-    error: _builtins.str
-    """Why the call failed, when not ok (e.g. "reward_endpoint_unavailable: ...")."""
     @_builtins.property
-    def rewards(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
-        """One reward per sample (absent values are NaN) when ok."""
+    def rewards(self) -> _containers.RepeatedCompositeFieldContainer[_reward_pb2.Reward]:
+        """One reward per sample, in order; an unset value means the endpoint abstained."""
 
     def __init__(
         self,
         *,
-        ok: _builtins.bool = ...,
-        rewards: _abc.Iterable[_builtins.float] | None = ...,
         latency_ms: _builtins.float = ...,
-        error: _builtins.str = ...,
+        rewards: _abc.Iterable[_reward_pb2.Reward] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "latency_ms", b"latency_ms", "ok", b"ok", "rewards", b"rewards"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["latency_ms", b"latency_ms", "rewards", b"rewards"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
