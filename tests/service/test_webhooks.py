@@ -286,7 +286,8 @@ class TestDelivery:
         assert [len(r.retrying) for r in reports] == [1, 1, 0, 0]
         assert [len(r.failed) for r in reports] == [0, 0, 1, 0]
         (row,) = deliveries(job_id)
-        assert row.status == "failed" and row.attempts == 3 and row.last_error.startswith("HTTP 503")
+        assert row.status == "failed" and row.attempts == 3
+        assert row.last_error is not None and row.last_error.startswith("HTTP 503")
         assert len(receiver.requests) == 3
 
     def test_backoff_grows_and_is_capped(self) -> None:
