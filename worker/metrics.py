@@ -92,8 +92,11 @@ def prepare_multiprocess(data_dir: str) -> Path:
     return path
 
 
-def start_metrics_server(port: int, addr: str = "0.0.0.0") -> None:
-    """Serve /metrics (every child's series when in multiprocess mode) from a daemon thread."""
+def start_metrics_server(port: int, addr: str = "0.0.0.0") -> int:
+    """Serve /metrics (every child's series when in multiprocess mode) from a daemon thread.
+
+    Returns the bound port (`port=0` picks a free one).
+    """
     from prometheus_client import REGISTRY, CollectorRegistry, start_http_server
 
     registry = REGISTRY
@@ -102,8 +105,10 @@ def start_metrics_server(port: int, addr: str = "0.0.0.0") -> None:
 
         registry = CollectorRegistry()
         MultiProcessCollector(registry)
-    start_http_server(port, addr, registry=registry)
-    log.info("worker metrics on http://%s:%d/metrics", addr, port)
+    server, _thread = start_http_server(port, addr, registry=registry)
+    bound = int(server.server_address[1])
+    log.info("worker metrics on http://%s:%d/metrics", addr, bound)
+    return bound
 
 
 def mark_process_dead(pid: int) -> None:
