@@ -1,0 +1,216 @@
+"""`grpo train --config job.yaml`: run the engine locally on a JSONL file with built-in rewards.
+
+The YAML file is the job spec a user would submit to the service (`worker.grpo.spec.JobSpec`),
+where `train_dataset` / `eval_dataset` are JSONL paths relative to the YAML file, plus an optional
+`output_dir` (relative to the YAML file too). Re-running with the same output directory resumes
+from its newest checkpoint. Ctrl-C stops after the current step and saves a checkpoint.
+
+Exit codes: 0 done, 2 bad input (YAML, spec, dataset, checkpoint), 1 training failed, 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import math
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+from rich.table import Table
+
+from worker.grpo.checkpoint import CheckpointCorrupt, latest_checkpoint
+from worker.grpo.data import DatasetError, PromptRow, load_jsonl
+from worker.grpo.reward_types import RewardError
+from worker.grpo.spec import JobSpec
+
+EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
+
+
+class LocalJobError(Exception):
+    """Bad local input; the message says what and where."""
+
+
+@dataclass
+class LocalJob:
+    spec: JobSpec
+    output_dir: Path
+    train_rows: list[PromptRow]
+    eval_rows: list[PromptRow] | None
+
+
+def load_local_job(config_path: Path, output_dir: Path | None) -> LocalJob:
+    """Parse and validate the YAML spec and its datasets; raises LocalJobError naming the problem."""
+    try:
+        document = yaml.safe_load(config_path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise LocalJobError(f"cannot read {config_path}: {exc.strerror or exc}") from exc
+    except yaml.YAMLError as exc:
+        raise LocalJobError(f"{config_path} is not valid YAML: {exc}") from exc
+    if not isinstance(document, dict):
+        raise LocalJobError(
+            f"{config_path} must hold a mapping (the job spec), got {type(document).__name__}"
+        )
+    base = config_path.resolve().parent
+    yaml_output = document.pop("output_dir", None)
+    try:
+        spec = JobSpec.model_validate(document)
+    except ValidationError as exc:
+        raise LocalJobError(f"invalid job spec in {config_path}:\n{_describe(exc)}") from exc
+    if output_dir is None:
+        name = spec.name or config_path.stem
+        output_dir = base / str(yaml_output) if yaml_output else Path("runs") / name
+    try:
+        train_rows = load_jsonl(base / spec.train_dataset)
+        eval_rows = load_jsonl(base / spec.eval_dataset) if spec.eval_dataset else None
+    except DatasetError as exc:
+        raise LocalJobError(str(exc)) from exc
+    return LocalJob(spec, Path(output_dir), train_rows, eval_rows)
+
+
+def _describe(exc: ValidationError) -> str:
+    return "\n".join(
+        f"  {'.'.join(str(p) for p in err['loc']) or '(top level)'}: {err['msg']}" for err in exc.errors()
+    )
+
+
+@dataclass
+class _Progress:
+    """Per-step display state fed by the trainer's on_metrics hook."""
+
+    progress: Progress
+    task: Any
+    history: list[dict[str, float]] = field(default_factory=list)
+
+    def on_metrics(self, step: int, metrics: dict[str, float], samples: list[dict[str, Any]]) -> None:
+        self.history.append(metrics)
+        kl = metrics.get("kl")
+        self.progress.update(
+            self.task,
+            completed=step,
+            reward=f"{metrics['reward/mean']:.3f}",
+            kl="-" if kl is None else f"{kl:.4f}",
+        )
+        for sample in samples[:1]:
+            self.progress.console.print(
+                f"[dim]step {step} sample[/dim] {sample['prompt']!r} -> {sample['completion']!r} "
+                f"(reward {sample['reward']:.2f})"
+            )
+
+
+class _StopFlag:
+    """First Ctrl-C asks the trainer to stop after the current step; a second one aborts."""
+
+    def __init__(self) -> None:
+        self.requested = False
+
+    def __call__(self, signum: int, frame: FrameType | None) -> None:
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+
+    def should_stop(self) -> bool:
+        return self.requested
+
+
+def run_local(config_path: Path, output_dir: Path | None) -> int:
+    """Train the job described by `config_path`; returns the process exit code."""
+    console = Console()
+    try:
+        job = load_local_job(config_path, output_dir)
+    except LocalJobError as exc:
+        console.print(f"[bold red]error:[/bold red] {exc}", highlight=False)
+        return EXIT_BAD_INPUT
+    try:
+        return _train(job, console)
+    except (CheckpointCorrupt, LocalJobError) as exc:
+        console.print(f"[bold red]error:[/bold red] {exc}", highlight=False)
+        return EXIT_BAD_INPUT
+    except RewardError as exc:
+        console.print(f"[bold red]training failed:[/bold red] {exc}", highlight=False)
+        return EXIT_FAILED
+
+
+def _train(job: LocalJob, console: Console) -> int:
+    # Imported here: torch and transformers take seconds to import; bad input should fail fast.
+    import transformers
+
+    from worker.grpo.rewards import build_reward_sources
+    from worker.grpo.trainer import GRPOTrainer
+
+    transformers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity_error()
+    reward = build_reward_sources(job.spec.rewards)  # no remote client locally: remote specs are refused
+    config = job.spec.hyperparameters
+    resume = latest_checkpoint(job.output_dir)
+    if resume is not None:
+        console.print(f"resuming from {resume}")
+    stop = _StopFlag()
+    previous_handler = signal.signal(signal.SIGINT, stop)
+    columns = (
+        TextColumn("[bold]GRPO[/bold]"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("reward {task.fields[reward]}"),
+        TextColumn("KL {task.fields[kl]}"),
+        TimeElapsedColumn(),
+        TextColumn("ETA"),
+        TimeRemainingColumn(),
+    )
+    started = time.perf_counter()
+    try:
+        with Progress(*columns, console=console) as progress:
+            task = progress.add_task(
+                "train", total=config.total_steps(len(job.train_rows)), reward="-", kl="-"
+            )
+            display = _Progress(progress, task)
+            trainer = GRPOTrainer(
+                config,
+                base_model=job.spec.base_model,
+                train_rows=job.train_rows,
+                eval_rows=job.eval_rows,
+                reward=reward,
+                output_dir=job.output_dir,
+                model_cache_dir=job.output_dir / "base-models",
+                resume_from=resume,
+                on_metrics=display.on_metrics,
+                should_stop=stop.should_stop,
+                checkpoint_metadata={"job_name": job.spec.name or ""},
+            )
+            progress.update(task, completed=trainer.step)
+            result = trainer.train()
+    finally:
+        signal.signal(signal.SIGINT, previous_handler)
+    console.print(_summary(result.history, result.step, time.perf_counter() - started))
+    console.print(f"checkpoint: {result.last_checkpoint}", highlight=False, soft_wrap=True)
+    return EXIT_INTERRUPTED if result.stopped else EXIT_OK
+
+
+def _summary(history: list[dict[str, float]], step: int, seconds: float) -> Table:
+    table = Table(title="GRPO run summary", show_header=True)
+    table.add_column("metric")
+    table.add_column("first step", justify="right")
+    table.add_column("last step", justify="right")
+    for name in ("reward/mean", "kl", "completion_length/mean", "eval/reward/mean"):
+        values = [m[name] for m in history if name in m]
+        if values:
+            table.add_row(name, _fmt(values[0]), _fmt(values[-1]))
+    table.add_row("steps", "", str(step))
+    table.add_row("wall time", "", f"{seconds:.1f} s")
+    return table
+
+
+def _fmt(value: float) -> str:
+    return "nan" if math.isnan(value) else f"{value:.4f}"
