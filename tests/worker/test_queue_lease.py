@@ -169,3 +169,13 @@ class TestReaper:
         assert reap_once(queue, settings, now=later).resent == [job_id]
         assert not reap_once(queue, settings, now=later).resent
         assert queue.sent == [(job_id, _job(job_id).queue)]
+
+
+def test_worker_parent_and_api_never_import_torch() -> None:
+    """The Celery parent forks job children: it must not import torch (CUDA). Nor may the API."""
+    import subprocess
+    import sys
+
+    code = "import sys, worker.tasks, service.cli, service.app, worker.reaper; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
