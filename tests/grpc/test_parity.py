@@ -53,7 +53,17 @@ OPERATIONS: list[tuple[str, ModuleType, str, tuple[ModuleType, ...], str]] = [
     ("GET /v1/checkpoints/{checkpoint_id}/files/{path}", checkpoints_rest, "CheckpointService.DownloadCheckpoint", (checkpoints_grpc,), "service.manifest_entry"),
 ]
 # The tar archive is a REST convenience for browsers and curl; gRPC clients use DownloadCheckpoint.
-REST_ONLY = {"GET /v1/checkpoints/{checkpoint_id}/archive"}
+# The plot is a PNG for browsers (gRPC clients plot GetJobMetrics). Webhook registration is REST-only
+# for now (issue 6): it configures HTTP callbacks, which gRPC clients can register over REST too.
+REST_ONLY = {
+    "GET /v1/checkpoints/{checkpoint_id}/archive",
+    "GET /v1/jobs/{job_id}/plot.png",
+    "POST /v1/webhooks",
+    "GET /v1/webhooks",
+    "GET /v1/webhooks/{webhook_id}",
+    "DELETE /v1/webhooks/{webhook_id}",
+    "GET /v1/webhooks/{webhook_id}/deliveries",
+}
 # Declared in the API, waiting for its domain operation: UNIMPLEMENTED until then (none at the moment).
 GRPC_PENDING: set[str] = set()
 
