@@ -5,9 +5,11 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+import types
 from pathlib import Path
 
 import httpx
+import pytest
 from prometheus_client import REGISTRY
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -84,3 +86,37 @@ def test_reason_labels_stay_bounded() -> None:
     assert worker_metrics._reason_class("HTTP 503") == "HTTP 503"
     assert worker_metrics._reason_class("connection failed (ConnectError: [Errno 111] refused)") == "connection_failed"
     assert worker_metrics._reason_class("something unexpected: 0x1234") == "other"
+
+
+class _FakeCuda:
+    """Stands in for torch.cuda on this CPU-only machine (pure logic: which values go where)."""
+
+    @staticmethod
+    def is_available() -> bool:
+        return True
+
+    @staticmethod
+    def device_count() -> int:
+        return 2
+
+    @staticmethod
+    def memory_allocated(index: int) -> int:
+        return 1000 + index
+
+    @staticmethod
+    def memory_reserved(index: int) -> int:
+        return 2000 + index
+
+    @staticmethod
+    def max_memory_allocated(index: int) -> int:
+        return 3000 + index
+
+
+def test_gpu_memory_per_device_when_cuda_is_loaded(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(cuda=_FakeCuda()))
+    worker_metrics.observe_step({"time/step_s": 0.1})
+    for device in ("0", "1"):
+        offset = int(device)
+        for kind, base in (("allocated", 1000), ("reserved", 2000), ("max_allocated", 3000)):
+            value = REGISTRY.get_sample_value("grpo_worker_gpu_memory_bytes", {"device": device, "kind": kind})
+            assert value == base + offset
