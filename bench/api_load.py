@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import socket
@@ -32,12 +33,13 @@ import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import httpx
+import psutil
 from fastapi import FastAPI
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -116,17 +118,35 @@ async def _load(base_url: str, call: Call, *, connections: int, duration: float,
     )
 
 
-def run_load(name: str, base_url: str, call: Call, args: argparse.Namespace) -> Result:
+def server_cpu_seconds(pid: int) -> float:
+    """User + system CPU of a server process and its workers."""
+    process = psutil.Process(pid)
+    total = 0.0
+    for proc in [process, *process.children(recursive=True)]:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            times = proc.cpu_times()
+            total += times.user + times.system
+    return total
+
+
+def run_load(
+    name: str, base_url: str, call: Call, args: argparse.Namespace, server_pid: int
+) -> tuple[Result, float]:
+    """Load one endpoint; returns the result and the server's CPU milliseconds per request."""
+    cpu_before = server_cpu_seconds(server_pid)
     result = asyncio.run(
         _load(base_url, call, connections=args.connections, duration=args.duration, warmup=args.warmup)
     )
+    # Warm-up requests burn CPU too: spread the CPU over every request of the run, counted by rate.
+    total_requests = result.rps * (args.duration + args.warmup)
+    cpu_ms = 1000 * (server_cpu_seconds(server_pid) - cpu_before) / max(total_requests, 1)
     result.name = name
     print(
         f"  {name:<26} {result.rps:8.0f} req/s   p50 {result.p50_ms:6.1f} ms   p99 {result.p99_ms:6.1f} ms   "
-        f"errors {result.errors}",
+        f"errors {result.errors}   server CPU {cpu_ms:.2f} ms/req",
         flush=True,
     )
-    return result
+    return result, cpu_ms
 
 
 # --- servers --------------------------------------------------------------------------------------
@@ -142,7 +162,7 @@ def _free_port() -> int:
 @contextmanager
 def uvicorn_server(
     app: str, env: dict[str, str], args: argparse.Namespace, *, factory: bool = False
-) -> Iterator[str]:
+) -> Iterator[tuple[str, int]]:
     port = _free_port()
     command = [
         sys.executable, "-m", "uvicorn", app, "--host", "127.0.0.1", "--port", str(port),
@@ -167,7 +187,7 @@ def uvicorn_server(
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"{app} did not start")
             time.sleep(0.2)
-        yield base_url
+        yield base_url, proc.pid
     finally:
         proc.terminate()
         proc.wait(timeout=20)
@@ -240,16 +260,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--duration", type=float, default=10.0, help="Measured seconds per endpoint.")
+    parser.add_argument(
+        "--duration", type=float, default=10.0, help="Measured seconds per endpoint and round."
+    )
     parser.add_argument(
         "--warmup", type=float, default=2.0, help="Unmeasured seconds before each measurement."
+    )
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="Rounds of hello-world + API; medians are reported."
     )
     parser.add_argument("--connections", type=int, default=64)
     parser.add_argument("--workers", type=int, default=1, help="uvicorn worker processes (both apps).")
     parser.add_argument("--json", type=Path, help="Also write the results here.")
     args = parser.parse_args()
 
-    results: list[Result] = []
+    rows: dict[str, list[tuple[Result, float, float]]] = {}  # name -> [(result, ratio, cpu ms/req)]
     with throwaway_database() as database_url, tempfile.TemporaryDirectory() as data_dir:
         env = {
             "GRPO_DATABASE_URL": database_url,
@@ -260,32 +285,58 @@ def main() -> None:
         os.environ.update(env)
         key, dataset_id, job_id = seed(database_url)
         headers = {"Authorization": f"Bearer {key}"}
-        body = job_body(dataset_id)
+        calls = [
+            ("GET /v1/jobs/{id}", Call("GET", f"/v1/jobs/{job_id}", headers)),
+            ("GET /v1/jobs?limit=20", Call("GET", "/v1/jobs?limit=20", headers)),
+            ("POST /v1/jobs", Call("POST", "/v1/jobs", headers, job_body(dataset_id))),
+        ]
+        print(
+            f"uvicorn, {args.workers} worker(s) per app, {args.connections} connections, {os.cpu_count()} CPUs, "
+            f"{args.rounds} rounds of {args.duration:.0f} s",
+            flush=True,
+        )
+        with (
+            uvicorn_server("api_load:hello_app", {}, args) as (hello_url, hello_pid),
+            uvicorn_server("service.app:create_app", env, args, factory=True) as (api_url, api_pid),
+        ):
+            # Interleaved rounds: each ratio compares measurements taken under the same machine load.
+            for round_no in range(1, args.rounds + 1):
+                print(f"round {round_no}", flush=True)
+                hello, hello_cpu = run_load(
+                    "GET / (hello-world)", hello_url, Call("GET", "/"), args, hello_pid
+                )
+                rows.setdefault("GET / (hello-world)", []).append((hello, 1.0, hello_cpu))
+                for name, call in calls:
+                    result, cpu = run_load(name, api_url, call, args, api_pid)
+                    rows.setdefault(name, []).append((result, result.rps / hello.rps, cpu))
 
-        print(f"hello-world (uvicorn, {args.workers} worker(s), {args.connections} connections)", flush=True)
-        with uvicorn_server("api_load:hello_app", {}, args) as url:
-            hello = run_load("GET /", url, Call("GET", "/"), args)
-        print("API on PostgreSQL (same settings)", flush=True)
-        with uvicorn_server("service.app:create_app", env, args, factory=True) as url:
-            for name, call in [
-                ("GET /v1/jobs/{id}", Call("GET", f"/v1/jobs/{job_id}", headers)),
-                ("GET /v1/jobs?limit=20", Call("GET", "/v1/jobs?limit=20", headers)),
-                ("POST /v1/jobs", Call("POST", "/v1/jobs", headers, body)),
-            ]:
-                results.append(run_load(name, url, call, args))
-
-    print("\nratio to hello-world req/s", flush=True)
-    for result in results:
-        print(f"  {result.name:<26} {result.rps / hello.rps:6.2f}")
-    target = results[0]
-    verdict = target.rps >= 0.5 * hello.rps and target.p99_ms < 50 and all(r.errors == 0 for r in results)
+    print("\nmedians over rounds", flush=True)
     print(
-        f"\ntarget (GET /v1/jobs/{{id}} >= 0.5x hello-world, p99 < 50 ms, zero errors): {'met' if verdict else 'NOT met'}"
+        f"  {'endpoint':<26} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'errors':>7} {'ratio':>6} {'CPU ms/req':>11}"
+    )
+    summary = {}
+    for name, measured in rows.items():
+        med = {
+            "rps": statistics.median(r.rps for r, _, _ in measured),
+            "p50_ms": statistics.median(r.p50_ms for r, _, _ in measured),
+            "p99_ms": statistics.median(r.p99_ms for r, _, _ in measured),
+            "errors": sum(r.errors for r, _, _ in measured),
+            "ratio": statistics.median(ratio for _, ratio, _ in measured),
+            "server_cpu_ms_per_request": statistics.median(cpu for _, _, cpu in measured),
+        }
+        summary[name] = med
+        print(
+            f"  {name:<26} {med['rps']:8.0f} {med['p50_ms']:8.1f} {med['p99_ms']:8.1f} {med['errors']:7d} "
+            f"{med['ratio']:6.2f} {med['server_cpu_ms_per_request']:11.2f}"
+        )
+    target = summary["GET /v1/jobs/{id}"]
+    met = target["ratio"] >= 0.5 and target["p99_ms"] < 50 and all(m["errors"] == 0 for m in summary.values())
+    print(
+        f"\ntarget (GET /v1/jobs/{{id}} >= 0.5x hello-world, p99 < 50 ms, zero errors): {'met' if met else 'NOT met'}"
     )
     if args.json:
         payload = {
-            "hello": asdict(hello) | {"rps": hello.rps},
-            "api": [asdict(r) | {"rps": r.rps, "ratio": r.rps / hello.rps} for r in results],
+            "summary": summary,
             "connections": args.connections,
             "workers": args.workers,
             "cpus": os.cpu_count(),
