@@ -79,8 +79,10 @@ def _series() -> _Series:
 
 def prepare_multiprocess(data_dir: str) -> Path:
     """Use prometheus_client's multiprocess mode with a fresh directory for this worker (call before forking)."""
-    path = Path(data_dir).resolve() / "worker-metrics" / str(os.getpid())
+    root = Path(data_dir).resolve() / "worker-metrics"
+    path = root / str(os.getpid())
     shutil.rmtree(path, ignore_errors=True)  # files of a previous process with this pid would be summed in
+    _remove_dead_workers(root)
     path.mkdir(parents=True)
     os.environ[MULTIPROC_ENV] = str(path)
     if "prometheus_client" in sys.modules:
@@ -90,6 +92,21 @@ def prepare_multiprocess(data_dir: str) -> Path:
 
         values.ValueClass = values.get_value_class()
     return path
+
+
+def _remove_dead_workers(root: Path) -> None:
+    """Directories left by workers that exited without cleaning up (SIGKILL, os._exit)."""
+    if not root.is_dir():
+        return
+    for entry in root.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            os.kill(int(entry.name), 0)
+        except ProcessLookupError:
+            shutil.rmtree(entry, ignore_errors=True)
+        except PermissionError:
+            pass  # alive, another user's
 
 
 def start_metrics_server(port: int, addr: str = "0.0.0.0") -> int:
@@ -175,13 +192,27 @@ def _observe_gpu_memory(series: _Series) -> None:
         series.gpu_memory.labels(device, "max_allocated").set(torch.cuda.max_memory_allocated(index))
 
 
-def start_for_celery_worker(port: int, data_dir: str) -> None:
-    """`grpo worker` with a metrics port: multiprocess storage, the server, and child clean-up."""
+def start_for_celery_worker(port: int, data_dir: str, addr: str = "0.0.0.0") -> int:
+    """`grpo worker` with a metrics port: multiprocess storage, the server, and child clean-up.
+
+    Returns the bound port."""
+    import atexit
+
     from celery.signals import worker_process_shutdown
 
-    prepare_multiprocess(data_dir)
-    start_metrics_server(port)
+    directory = prepare_multiprocess(data_dir)
+    owner = os.getpid()
+
+    @atexit.register
+    def _remove_directory() -> None:
+        if os.getpid() == owner:  # forked children inherit atexit handlers; only the parent owns it
+            shutil.rmtree(directory, ignore_errors=True)
+
+    _series()  # the unlabelled series exist (at 0) before the first job reports
+    bound = start_metrics_server(port, addr)
 
     @worker_process_shutdown.connect(weak=False)
     def _child_exited(pid: int | None = None, **_kwargs: Any) -> None:
         mark_process_dead(pid or os.getpid())
+
+    return bound

@@ -22,8 +22,7 @@ SCRIPT = textwrap.dedent(
     import multiprocessing, sys
     from worker import metrics as wm
 
-    wm.prepare_multiprocess(sys.argv[1])
-    port = wm.start_metrics_server(0, "127.0.0.1")
+    port = wm.start_for_celery_worker(0, sys.argv[1], "127.0.0.1")
 
     def job() -> None:
         for step_s in (0.5, 1.5):
