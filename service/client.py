@@ -39,6 +39,7 @@ from service.rewards.schemas import (
     RewardFunctionWithSecret,
     RewardTestResult,
 )
+from service.webhooks.schemas import DeliveryList, WebhookList, WebhookOut, WebhookWithSecret
 from worker.grpo.spec import JobSpec
 
 T = TypeVar("T", bound=BaseModel)
@@ -180,6 +181,29 @@ class _calls:  # noqa: N801 - a namespace of request builders, one per endpoint
     def get_checkpoint(checkpoint_id: str) -> Call[CheckpointOut]:
         return Call("GET", f"/v1/checkpoints/{checkpoint_id}", CheckpointOut, idempotent=True)
 
+    @staticmethod
+    def create_webhook(url: str, description: str | None = None) -> Call[WebhookWithSecret]:
+        return Call("POST", "/v1/webhooks", WebhookWithSecret, json=_params(url=url, description=description))
+
+    @staticmethod
+    def list_webhooks(limit: int = 20, after: str | None = None) -> Call[WebhookList]:
+        return Call("GET", "/v1/webhooks", WebhookList, _params(limit=limit, after=after), idempotent=True)
+
+    @staticmethod
+    def get_webhook(webhook_id: str) -> Call[WebhookOut]:
+        return Call("GET", f"/v1/webhooks/{webhook_id}", WebhookOut, idempotent=True)
+
+    @staticmethod
+    def delete_webhook(webhook_id: str) -> Call[BaseModel]:
+        return Call("DELETE", f"/v1/webhooks/{webhook_id}", None)
+
+    @staticmethod
+    def list_webhook_deliveries(webhook_id: str, limit: int = 20, after: int | None = None) -> Call[DeliveryList]:
+        return Call(
+            "GET", f"/v1/webhooks/{webhook_id}/deliveries", DeliveryList, _params(limit=limit, after=after),
+            idempotent=True,
+        )
+
 
 def _raise_for_error(response: httpx.Response) -> None:
     if response.status_code < 400:
@@ -228,10 +252,17 @@ class GRPOClient:
     """Synchronous client. Base URL and key default to $GRPO_API_URL and $GRPO_API_KEY."""
 
     def __init__(
-        self, base_url: str | None = None, api_key: str | None = None, *, timeout: float = 30.0, retries: int = 4
+        self,
+        base_url: str | None = None,
+        api_key: str | None = None,
+        *,
+        timeout: float = 30.0,
+        retries: int = 4,
+        transport: httpx.BaseTransport | None = None,
     ) -> None:
+        """`transport` replaces httpx's network transport (tests, proxies, custom TLS)."""
         url, headers = _settings(base_url, api_key)
-        self._http = httpx.Client(base_url=url, headers=headers, timeout=timeout)
+        self._http = httpx.Client(base_url=url, headers=headers, timeout=timeout, transport=transport)
         self._retries = retries
 
     def close(self) -> None:
@@ -333,6 +364,12 @@ class GRPOClient:
     def list_job_samples(self, job_id: str, step: int | None = None, after: int | None = None) -> SampleList:
         return self._run(_calls.list_job_samples(job_id, step, after))
 
+    def get_job_plot(self, job_id: str) -> bytes:
+        """The training curves as PNG bytes (GET /v1/jobs/{id}/plot.png)."""
+        response = self._http.get(f"/v1/jobs/{job_id}/plot.png")
+        _raise_for_error(response)
+        return response.content
+
     def stream_job(self, job_id: str, last_event_id: int | None = None) -> Iterator[EventOut]:
         """Follow the job's Server-Sent Events until it ends, reconnecting from the last event seen."""
         last = last_event_id
@@ -389,15 +426,38 @@ class GRPOClient:
                     out.write(chunk)
         return dest
 
+    # --- webhooks
+    def create_webhook(self, url: str, description: str | None = None) -> WebhookWithSecret:
+        return self._run(_calls.create_webhook(url, description))
+
+    def list_webhooks(self, limit: int = 20, after: str | None = None) -> WebhookList:
+        return self._run(_calls.list_webhooks(limit, after))
+
+    def get_webhook(self, webhook_id: str) -> WebhookOut:
+        return self._run(_calls.get_webhook(webhook_id))
+
+    def delete_webhook(self, webhook_id: str) -> None:
+        self._run(_calls.delete_webhook(webhook_id))
+
+    def list_webhook_deliveries(self, webhook_id: str, limit: int = 20, after: int | None = None) -> DeliveryList:
+        return self._run(_calls.list_webhook_deliveries(webhook_id, limit, after))
+
 
 class AsyncGRPOClient:
     """Asynchronous client with the same API calls as GRPOClient (upload, streaming and single-file download included)."""
 
     def __init__(
-        self, base_url: str | None = None, api_key: str | None = None, *, timeout: float = 30.0, retries: int = 4
+        self,
+        base_url: str | None = None,
+        api_key: str | None = None,
+        *,
+        timeout: float = 30.0,
+        retries: int = 4,
+        transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
+        """`transport` replaces httpx's network transport (e.g. httpx.ASGITransport(app) in tests)."""
         url, headers = _settings(base_url, api_key)
-        self._http = httpx.AsyncClient(base_url=url, headers=headers, timeout=timeout)
+        self._http = httpx.AsyncClient(base_url=url, headers=headers, timeout=timeout, transport=transport)
         self._retries = retries
 
     async def aclose(self) -> None:
@@ -501,6 +561,11 @@ class AsyncGRPOClient:
     ) -> SampleList:
         return await self._run(_calls.list_job_samples(job_id, step, after))
 
+    async def get_job_plot(self, job_id: str) -> bytes:
+        response = await self._http.get(f"/v1/jobs/{job_id}/plot.png")
+        _raise_for_error(response)
+        return response.content
+
     async def stream_job(self, job_id: str, last_event_id: int | None = None) -> AsyncIterator[EventOut]:
         last = last_event_id
         while True:
@@ -538,3 +603,37 @@ class AsyncGRPOClient:
                 async for chunk in r.aiter_bytes(1 << 20):
                     out.write(chunk)
         return dest
+
+    async def download_checkpoint(self, checkpoint_id: str, dest_dir: str | Path) -> Path:
+        dest_dir = Path(dest_dir)
+        for item in (await self.get_checkpoint(checkpoint_id)).files:
+            await self.download_checkpoint_file(checkpoint_id, item.path, dest_dir / item.path)
+        return dest_dir
+
+    async def download_checkpoint_archive(self, checkpoint_id: str, dest: str | Path) -> Path:
+        dest = Path(dest)
+        async with self._http.stream("GET", f"/v1/checkpoints/{checkpoint_id}/archive", timeout=None) as r:
+            if r.status_code >= 400:
+                await r.aread()
+                _raise_for_error(r)
+            with dest.open("wb") as out:
+                async for chunk in r.aiter_bytes(1 << 20):
+                    out.write(chunk)
+        return dest
+
+    async def create_webhook(self, url: str, description: str | None = None) -> WebhookWithSecret:
+        return await self._run(_calls.create_webhook(url, description))
+
+    async def list_webhooks(self, limit: int = 20, after: str | None = None) -> WebhookList:
+        return await self._run(_calls.list_webhooks(limit, after))
+
+    async def get_webhook(self, webhook_id: str) -> WebhookOut:
+        return await self._run(_calls.get_webhook(webhook_id))
+
+    async def delete_webhook(self, webhook_id: str) -> None:
+        await self._run(_calls.delete_webhook(webhook_id))
+
+    async def list_webhook_deliveries(
+        self, webhook_id: str, limit: int = 20, after: int | None = None
+    ) -> DeliveryList:
+        return await self._run(_calls.list_webhook_deliveries(webhook_id, limit, after))
