@@ -122,6 +122,22 @@ class TestJobLikeRun:
         assert calls == [NAME]  # resolved once by the policy; the channel targets the IP, no second lookup
 
 
+    async def test_reordered_dns_answers_keep_the_existing_channel(self, server: GrpcRewardServer, secret: str) -> None:
+        # Round-robin DNS: later answers list another (validated) address first. The source keeps using the
+        # channel it has (only 127.0.0.1 listens here; switching to 127.0.0.2 would be refused).
+        answers = iter([["127.0.0.1"], ["127.0.0.2", "127.0.0.1"], ["127.0.0.2", "127.0.0.1"]])
+
+        async def round_robin(host: str, port: int) -> list[str]:
+            return next(answers)
+
+        config = make_config(f"grpc://{NAME}:{server.port}", secret, cache_max_entries=0, max_attempts=1)
+        source = GrpcRewardSource(config, resolver=round_robin)
+        for step in range(3):
+            assert await source(make_items(1, 2), step=step) == expected(make_items(1, 2))
+        await source.aclose()
+        assert server.received == 3
+
+
 class TestRetries:
     @pytest.mark.parametrize(
         "fault",

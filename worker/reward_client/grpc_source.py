@@ -147,10 +147,11 @@ async def call_unary(
 
 
 class PinnedChannels:
-    """Channels to the validated address of one endpoint, reused while DNS keeps answering that address.
+    """Channels to validated addresses of one endpoint, one per address, made on demand.
 
-    Each `get()` resolves the host and checks every answer before a byte is sent; a changed (still valid)
-    first answer gets a new channel and the previous one is closed.
+    Each `get()` resolves the host and checks every answer before a byte is sent, then uses the channel of
+    the first answer that already has one (round-robin DNS reorders answers; switching channels on every
+    call would close connections under calls in flight), else opens one to the first answer.
     """
 
     def __init__(
@@ -168,22 +169,19 @@ class PinnedChannels:
         self._resolver = resolver
         self._root_certificates = root_certificates
         self._max_response_bytes = max_response_bytes
-        self._pinned: str | None = None
-        self._channel: grpc.Channel | None = None
+        self._channels: dict[str, grpc.Channel] = {}  # target ("ipv4:1.2.3.4:443") -> channel
 
     async def get(self) -> grpc.Channel:
         """A channel to a validated address of the host; raises UrlRejected if any answer is refused."""
         addresses = await resolve_and_check(
             self.host, self.port, allow_private=self._allow_private, resolver=self._resolver
         )
-        ip = addresses[0]
-        target = f"ipv4:{ip}:{self.port}" if ip.version == 4 else f"ipv6:[{ip}]:{self.port}"
-        if self._channel is None or self._pinned != target:
-            old = self._channel
-            self._channel, self._pinned = self._open(target), target
-            if old is not None:
-                old.close()
-        return self._channel
+        targets = [f"ipv4:{ip}:{self.port}" if ip.version == 4 else f"ipv6:[{ip}]:{self.port}" for ip in addresses]
+        for target in targets:
+            if target in self._channels:
+                return self._channels[target]
+        channel = self._channels[targets[0]] = self._open(targets[0])
+        return channel
 
     def _open(self, target: str) -> grpc.Channel:
         name = self.host if ":" not in self.host else f"[{self.host}]"
@@ -203,8 +201,8 @@ class PinnedChannels:
         return grpc.secure_channel(target, credentials, options=options)
 
     def close(self) -> None:
-        if self._channel is not None:
-            channel, self._channel, self._pinned = self._channel, None, None
+        channels, self._channels = list(self._channels.values()), {}
+        for channel in channels:
             channel.close()
 
 
@@ -213,6 +211,8 @@ class GrpcRewardSource(EndpointRewardSource[PinnedChannels]):
 
     `root_certificates` (PEM) replaces gRPC's default trust roots for grpcs (a private CA; tests).
     """
+
+    connection_survives_loops = True  # grpcio's thread-based channels are not bound to an event loop
 
     def __init__(
         self,

@@ -81,6 +81,9 @@ ConnT = TypeVar("ConnT")  # the transport's connection object (an httpx client, 
 class EndpointRewardSource(ABC, Generic[ConnT]):
     """Implements `worker.grpo.reward_types.RewardSource` for one remote endpoint within one job."""
 
+    # Whether the connection may be reused from another event loop (else it is rebuilt, see below).
+    connection_survives_loops = False
+
     def __init__(self, config: RemoteRewardConfig, *, where: str, on_retry: OnRetry | None = None) -> None:
         self.config = config
         self.name = config.source_name
@@ -248,9 +251,12 @@ class EndpointRewardSource(ABC, Generic[ConnT]):
 
     def _conn_for_this_loop(self) -> ConnT:
         loop = asyncio.get_running_loop()
-        if self._conn is None or self._loop is not loop:
-            # A connection from a previous (closed) loop cannot be used or closed here; drop it.
+        if self._loop is not loop:
             self._loop = loop
             self._semaphore = asyncio.Semaphore(self.config.max_concurrency)
+            if not self.connection_survives_loops:
+                # A loop-bound connection from a previous (closed) loop cannot be used or closed here.
+                self._conn = None
+        if self._conn is None:
             self._conn = self._connect()
         return self._conn

@@ -6,7 +6,11 @@ URL). It carries what the HTTP webhook body carries, with the same batching, tim
 retries. Every call is signed like the webhooks (Standard Webhooks): metadata `webhook-id`,
 `webhook-timestamp` and `webhook-signature` ("v1,<base64 HMAC-SHA256>"), where the signed
 content is "<webhook-id>.<webhook-timestamp>.<base64 of the serialized ScoreRequest>".
-The endpoint must verify the signature with the function's signing secret.
+The endpoint must verify the signature with the function's signing secret (Python helper:
+worker/grpc_reward_server.py). Statuses: UNAVAILABLE, DEADLINE_EXCEEDED and RESOURCE_EXHAUSTED
+are retried with backoff (trailing metadata `grpc-retry-pushback-ms` sets the delay, like HTTP
+Retry-After); any other error status fails the job (reward_endpoint_grpc_error), and so does an
+answer with the wrong number of rewards or a NaN/infinite value.
 """
 
 from collections import abc as _abc
