@@ -41,13 +41,21 @@ def score(request: RewardRequest) -> list[float | None]:
     return rewards
 
 
+VOWELS = frozenset("aeiou")
+
+
 def score_repeat_letter(request: RewardRequest) -> list[float | None]:
-    """The demo's dense task: the share of completion characters equal to the row's ``answer`` letter."""
+    """The demo's dense task: per completion character, 1.0 for the row's ``answer`` vowel, 0.2 for another
+    vowel, 0 otherwise, averaged. Partial credit gives a tiny random model a gradient from the first step."""
     rewards: list[float | None] = []
     for item in request.items:
         letter = str(item.metadata.get("answer", ""))
         text = item.completion
-        rewards.append(None if not letter else (sum(ch == letter for ch in text) / len(text) if text else 0.0))
+        if not letter:
+            rewards.append(None)
+            continue
+        credit = [1.0 if ch == letter else 0.2 if ch in VOWELS else 0.0 for ch in text]
+        rewards.append(sum(credit) / len(credit) if credit else 0.0)
     return rewards
 
 

@@ -31,7 +31,7 @@ from service.plots import render_metrics_png
 
 console = Console()
 PYTHON = sys.executable
-DEMO_LETTERS = "abcdefgh"
+DEMO_LETTERS = "aeiou"
 
 
 def demo(
@@ -39,7 +39,7 @@ def demo(
     model: str = typer.Option(
         "builtin:tiny", "--model", help="Base model: builtin:tiny, a Hugging Face id or a local path."
     ),
-    steps: int = typer.Option(30, "--steps", help="Training steps."),
+    steps: int = typer.Option(40, "--steps", help="Training steps."),
 ) -> None:
     """Run the main job end to end on embedded defaults and print the outcome."""
     shutil.rmtree(out, ignore_errors=True)
@@ -112,6 +112,17 @@ def _wait_http(url: str, process: subprocess.Popen[bytes], log: Path, timeout: f
     raise DemoFailed(f"{url} not ready after {timeout:.0f}s; see {log}")
 
 
+def _wait_started(
+    client: GRPOClient, job_id: str, serve: subprocess.Popen[bytes], log: Path, timeout: float = 180
+) -> None:
+    """Fail fast (instead of waiting forever) when no worker picks the job up."""
+    deadline = time.monotonic() + timeout
+    while client.get_job(job_id).status == "queued":
+        if serve.poll() is not None or time.monotonic() > deadline:
+            raise DemoFailed(f"no worker started {job_id} within {timeout:.0f}s; see {log}")
+        time.sleep(0.5)
+
+
 def write_demo_dataset(path: Path, rows: int = 64, seed: int = 0) -> Path:
     """'Repeat the letter' prompts: the remote reward is the share of completion characters equal to `answer`."""
     rng = random.Random(seed)
@@ -172,18 +183,20 @@ def _run(stack: ExitStack, out: Path, env: dict[str, str], model: str, steps: in
                 "max_steps": steps,
                 "num_generations": 8,
                 "prompts_per_step": 4,
-                "max_completion_length": 8,
+                "max_completion_length": 4,
                 "learning_rate": 3e-3,
                 "lr_scheduler": "constant",
-                "beta": 0.0,
+                "beta": 0.04,
                 "temperature": 1.0,
                 "checkpoint_every": max(1, steps // 2),
+                "save_total_limit": 2,
                 "log_completions_every": 5,
                 "seed": 0,
             },
         }
     )
     console.print(f"{job.id} queued")
+    _wait_started(client, job.id, serve, serve_log)
     outcome = follow(client, job)
     if outcome != 0:
         events = client.list_job_events(job.id).data
@@ -200,8 +213,9 @@ def _run(stack: ExitStack, out: Path, env: dict[str, str], model: str, steps: in
     _stage("7/8 load it with from_pretrained and generate")
     from worker.grpo.sample import generate_text  # torch only here, never in the API process
 
-    prompt = "Repeat the letter c: "
-    console.print(f"{prompt!r} -> {generate_text(checkpoint_dir, prompt, max_new_tokens=8)!r}")
+    for letter in "aeo":
+        prompt = f"Repeat the letter {letter}: "
+        console.print(f"{prompt!r} -> {generate_text(checkpoint_dir, prompt, max_new_tokens=4)!r}")
 
     _stage("8/8 reward curve")
     series = client.get_job_metrics(job.id).series
