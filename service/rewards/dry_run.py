@@ -63,7 +63,7 @@ def endpoint_config(session: Session, tenant_id: str, rf_id: str) -> RemoteRewar
         return RemoteRewardConfig(
             reward_function_id=row.id,
             url=row.url,
-            secret=row.signing_secret,  # type: ignore[arg-type]  # pydantic wraps it in SecretStr
+            secret=row.signing_secret,  # pydantic wraps it in SecretStr
             job_id=TEST_JOB_ID,
             timeout_s=row.timeout_s,
             max_batch_size=row.max_batch_size,
