@@ -11,26 +11,34 @@ A "step" is one generation batch. With num_iterations = mu > 1 it makes mu optim
 (each pass over the batch is one update, as in PPO); with mu = 1 (the default) one update, the
 old log-probs are the detached current ones and no extra forward pass runs (as in TRL).
 
-Model plumbing (loading, LoRA, reference, optimiser, scheduler) lives in `worker.grpo.modeling`;
-checkpoint files in `worker.grpo.checkpoint`.
+Model plumbing (loading, LoRA, reference, optimiser, scheduler) lives in `worker.grpo.modeling`,
+the step's data containers and metric helpers in `worker.grpo.batch`, checkpoint files in
+`worker.grpo.checkpoint`.
 """
 
 from __future__ import annotations
 
-import asyncio
 import math
-import threading
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from worker.grpo.advantages import group_advantages
+from worker.grpo.batch import (
+    EventLoopThread,
+    Scored,
+    StepBatch,
+    batch_metrics,
+    reward_inputs,
+    sample_records,
+    select_groups,
+)
 from worker.grpo.checkpoint import capture_rng_state, load_checkpoint, restore_rng_state, save_checkpoint
 from worker.grpo.config import GRPOConfig
 from worker.grpo.data import PromptRow, PromptSampler
@@ -41,17 +49,14 @@ from worker.grpo.modeling import (
     build_model_bundle,
     greedy_generate,
     iter_chunks,
-    merge_groups,
     seed_everything,
 )
-from worker.grpo.reward_types import RewardInput
 from worker.grpo.rewards import CompositeReward, RewardResult
 from worker.grpo.rollout import Rollout, generate_rollout, render_prompt
 
 MetricsHook = Callable[[int, dict[str, float], list[dict[str, Any]]], None]
 CheckpointHook = Callable[[int, Path, dict[str, Any]], None]
 StopHook = Callable[[], bool]
-T = TypeVar("T")
 
 
 @dataclass
@@ -62,47 +67,6 @@ class TrainResult:
     stopped: bool  # should_stop() ended the run early
     last_checkpoint: Path | None
     history: list[dict[str, float]] = field(default_factory=list)  # metrics of every step, in order
-
-
-@dataclass
-class Scored:
-    """A rollout and its rewards. Rows are grouped: group g is rows g*G .. g*G + G - 1."""
-
-    rollout: Rollout
-    rows: list[PromptRow]  # one per group
-    prompts: list[str]  # rendered prompt, one per group
-    rewards: Tensor  # (N,) float32, NaN where every source abstained
-    per_source: dict[str, list[float | None]]
-    group_std: Tensor  # (num_groups,)
-
-
-@dataclass
-class StepBatch:
-    """Everything the optimisation phase needs."""
-
-    scored: Scored
-    advantages: Tensor  # (N,)
-    loss_mask: Tensor  # (N, C) tokens that count in the loss
-    old_logps: Tensor | None  # (N, C), None when mu == 1 (on-policy)
-    ref_logps: Tensor | None  # (N, C), None when beta == 0
-    generated: list[Scored]  # every group generated this step (for reward metrics)
-
-
-class _EventLoopThread:
-    """An asyncio loop on a daemon thread: reward scoring runs there while torch works here."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, name="grpo-rewards", daemon=True)
-        self._thread.start()
-
-    def submit(self, coro: Coroutine[Any, Any, T]) -> Future[T]:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop)
-
-    def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(timeout=10)
-        self.loop.close()
 
 
 class GRPOTrainer:
@@ -160,7 +124,7 @@ class GRPOTrainer:
 
     def train(self) -> TrainResult:
         """Run until total_steps (or should_stop()); saves a checkpoint at the end either way."""
-        runner = _EventLoopThread()
+        runner = EventLoopThread()
         stopped = False
         try:
             while self.step < self.total_steps:
@@ -174,7 +138,7 @@ class GRPOTrainer:
             self._save()
         return TrainResult(self.step, stopped, self.last_checkpoint, list(self.history))
 
-    def _run_step(self, runner: _EventLoopThread) -> None:
+    def _run_step(self, runner: EventLoopThread) -> None:
         step = self.step + 1
         started = time.perf_counter()
         timings: dict[str, float] = {}
@@ -189,12 +153,16 @@ class GRPOTrainer:
 
         # ===== 3. metrics, samples, eval, checkpoint
         timings["time/step_s"] = time.perf_counter() - started
-        metrics = {**self._batch_metrics(batch), **train_stats, **timings}
+        metrics = {**batch_metrics(batch), **train_stats, **timings}
         generated_tokens = sum(int(s.rollout.completion_mask.sum()) for s in batch.generated)
         metrics["tokens_per_s"] = generated_tokens / max(timings["time/step_s"], 1e-9)
         if self.config.eval_every and self.eval_rows and step % self.config.eval_every == 0:
             metrics.update(self._evaluate(step, runner))
-        samples = self._samples(step, batch) if step % self.config.log_completions_every == 0 else []
+        samples = (
+            sample_records(step, batch, self.config.log_completions_count)
+            if step % self.config.log_completions_every == 0
+            else []
+        )
         self.step = step
         self.history.append(metrics)
         if self.on_metrics is not None:
@@ -204,14 +172,19 @@ class GRPOTrainer:
 
     # --- 1. rollout ----------------------------------------------------------------------------
 
-    def _rollout_phase(self, step: int, runner: _EventLoopThread, timings: dict[str, float]) -> StepBatch:
+    def _rollout_phase(self, step: int, runner: EventLoopThread, timings: dict[str, float]) -> StepBatch:
         timings["time/generate_s"] = 0.0
         timings["time/reward_s"] = 0.0
         first = self._generate(step, 0, self.config.prompts_per_step, timings)
         if self.config.dynamic_sampling:
             scored = self._score(first, step, runner, timings).result()
             generated = self._refill(scored, step, runner, timings)
-            final, in_loss = self._select_groups(generated)
+            final, in_loss = select_groups(
+                generated,
+                self.config.prompts_per_step,
+                self.config.num_generations,
+                self.models.tokenizer.pad_token_id,
+            )
             old_logps, ref_logps = self._frozen_logps(final.rollout)
         else:
             # Rewards do not depend on the old/reference log-probs: compute them while scoring runs.
@@ -250,11 +223,11 @@ class GRPOTrainer:
         self,
         generated: tuple[Rollout, list[PromptRow], list[str]],
         step: int,
-        runner: _EventLoopThread,
+        runner: EventLoopThread,
         timings: dict[str, float],
     ) -> Future[Scored]:
         rollout, rows, prompts = generated
-        items = self._reward_inputs(rollout, rows, prompts)
+        items = reward_inputs(rollout, rows, prompts)
         group_size = self.config.num_generations
 
         async def score() -> Scored:
@@ -267,26 +240,8 @@ class GRPOTrainer:
 
         return runner.submit(score())
 
-    def _reward_inputs(
-        self, rollout: Rollout, rows: list[PromptRow], prompts: list[str]
-    ) -> list[RewardInput]:
-        group_size = rollout.group_size
-        lengths = rollout.completion_lengths.tolist()
-        ids = rollout.completion_ids.tolist()
-        return [
-            RewardInput(
-                prompt=prompts[i // group_size],
-                completion=rollout.completion_texts[i],
-                completion_ids=ids[i][: lengths[i]],
-                extras=dict(rows[i // group_size].extras),
-                group_id=i // group_size,
-                index=i,
-            )
-            for i in range(len(rollout.completion_texts))
-        ]
-
     def _refill(
-        self, first: Scored, step: int, runner: _EventLoopThread, timings: dict[str, float]
+        self, first: Scored, step: int, runner: EventLoopThread, timings: dict[str, float]
     ) -> list[Scored]:
         """DAPO dynamic sampling: generate more groups until prompts_per_step have reward spread (bounded)."""
         generated = [first]
@@ -298,31 +253,6 @@ class GRPOTrainer:
             more = self._generate(step, round_index, missing, timings)
             generated.append(self._score(more, step, runner, timings).result())
         return generated
-
-    def _select_groups(self, generated: list[Scored]) -> tuple[Scored, Tensor]:
-        """prompts_per_step groups, those with spread first; zero-spread fillers are excluded from the loss."""
-        useful = [(s, g) for s in generated for g in range(len(s.rows)) if s.group_std[g] > 0]
-        flat = [(s, g) for s in generated for g in range(len(s.rows)) if not s.group_std[g] > 0]
-        chosen = (useful + flat)[: self.config.prompts_per_step]
-        in_loss = torch.tensor([bool(s.group_std[g] > 0) for s, g in chosen])  # (num_groups,)
-        pad_id = int(self.models.tokenizer.pad_token_id)
-        rollout = merge_groups([(s.rollout, g) for s, g in chosen], pad_id)
-        group_size = self.config.num_generations
-        rewards = torch.cat([s.rewards[g * group_size : (g + 1) * group_size] for s, g in chosen])
-        per_source = {
-            name: [v for s, g in chosen for v in s.per_source[name][g * group_size : (g + 1) * group_size]]
-            for name in generated[0].per_source
-        }
-        group_std = torch.stack([s.group_std[g] for s, g in chosen])
-        selected = Scored(
-            rollout,
-            [s.rows[g] for s, g in chosen],
-            [s.prompts[g] for s, g in chosen],
-            rewards,
-            per_source,
-            group_std,
-        )
-        return selected, in_loss
 
     def _loss_mask(self, rollout: Rollout, in_loss: Tensor) -> Tensor:
         mask = rollout.completion_mask.clone()  # (N, C)
@@ -445,53 +375,12 @@ class GRPOTrainer:
 
     # --- 3. metrics, samples, eval, checkpoint -------------------------------------------------
 
-    def _batch_metrics(self, batch: StepBatch) -> dict[str, float]:
-        """Reward statistics over every completion generated this step; shape statistics of the trained batch."""
-        rewards = torch.cat([s.rewards for s in batch.generated])
-        finite = rewards[~rewards.isnan()]
-        group_std = torch.cat([s.group_std for s in batch.generated])
-        rollout = batch.scored.rollout
-        lengths = rollout.completion_lengths.float()
-        loss_rows = batch.loss_mask.sum(dim=1) > 0
-        metrics = {
-            "reward/mean": float(finite.mean()) if finite.numel() else math.nan,
-            "reward/std": float(finite.std(correction=0)) if finite.numel() else math.nan,
-            "frac_zero_std_groups": float((group_std == 0).float().mean()),
-            "advantage/abs_mean": float(batch.advantages[loss_rows.to(batch.advantages.device)].abs().mean())
-            if bool(loss_rows.any())
-            else 0.0,
-            "completion_length/mean": float(lengths.mean()),
-            "completion_length/min": float(lengths.min()),
-            "completion_length/max": float(lengths.max()),
-            "truncated_fraction": float(rollout.is_truncated.float().mean()),
-        }
-        for name in batch.generated[0].per_source:
-            values = [v for s in batch.generated for v in s.per_source[name] if v is not None]
-            metrics[f"reward/{name}/mean"] = sum(values) / len(values) if values else math.nan
-        return metrics
-
-    def _samples(self, step: int, batch: StepBatch) -> list[dict[str, Any]]:
-        scored = batch.scored
-        count = min(self.config.log_completions_count, len(scored.rollout.completion_texts))
-        group_size = self.config.num_generations
-        return [
-            {
-                "step": step,
-                "group": i // group_size,
-                "prompt": scored.prompts[i // group_size],
-                "completion": scored.rollout.completion_texts[i],
-                "reward": float(scored.rewards[i]),
-                "advantage": float(batch.advantages[i]),
-            }
-            for i in range(count)
-        ]
-
-    def _evaluate(self, step: int, runner: _EventLoopThread) -> dict[str, float]:
+    def _evaluate(self, step: int, runner: EventLoopThread) -> dict[str, float]:
         """Greedy completion of the first eval_samples eval prompts; reports the mean reward."""
         rows = self.eval_rows[: self.config.eval_samples]
         prompts = [render_prompt(self.models.tokenizer, row.prompt) for row in rows]
         rollout = greedy_generate(self.models.policy, self.models.tokenizer, prompts, self.config)
-        items = self._reward_inputs(rollout, rows, prompts)
+        items = reward_inputs(rollout, rows, prompts)
         result = runner.submit(self.reward.score(items, step=step)).result()
         finite = [v for v in result.total if not math.isnan(v)]
         metrics = {"eval/reward/mean": sum(finite) / len(finite) if finite else math.nan}

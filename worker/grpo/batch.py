@@ -1,0 +1,154 @@
+"""The data of one GRPO step between phases, and the pure functions over it.
+
+Kept apart from the trainer so `worker.grpo.trainer` reads as the loop itself: these are the
+containers (`Scored`, `StepBatch`), the background event loop that scores rewards, and the
+helpers that build reward inputs, pick groups for dynamic sampling and compute step metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import threading
+from collections.abc import Coroutine
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch
+from torch import Tensor
+
+from worker.grpo.data import PromptRow
+from worker.grpo.modeling import merge_groups
+from worker.grpo.reward_types import RewardInput
+from worker.grpo.rollout import Rollout
+
+T = TypeVar("T")
+
+
+@dataclass
+class Scored:
+    """A rollout and its rewards. Rows are grouped: group g is rows g*G .. g*G + G - 1."""
+
+    rollout: Rollout
+    rows: list[PromptRow]  # one per group
+    prompts: list[str]  # rendered prompt, one per group
+    rewards: Tensor  # (N,) float32, NaN where every source abstained
+    per_source: dict[str, list[float | None]]
+    group_std: Tensor  # (num_groups,)
+
+
+@dataclass
+class StepBatch:
+    """Everything the optimisation phase needs."""
+
+    scored: Scored
+    advantages: Tensor  # (N,)
+    loss_mask: Tensor  # (N, C) tokens that count in the loss
+    old_logps: Tensor | None  # (N, C), None when mu == 1 (on-policy)
+    ref_logps: Tensor | None  # (N, C), None when beta == 0
+    generated: list[Scored]  # every group generated this step (for reward metrics)
+
+
+class EventLoopThread:
+    """An asyncio loop on a daemon thread: reward scoring runs there while torch works here."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="grpo-rewards", daemon=True)
+        self._thread.start()
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> Future[T]:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=10)
+        self.loop.close()
+
+
+def reward_inputs(rollout: Rollout, rows: list[PromptRow], prompts: list[str]) -> list[RewardInput]:
+    group_size = rollout.group_size
+    lengths = rollout.completion_lengths.tolist()
+    ids = rollout.completion_ids.tolist()
+    return [
+        RewardInput(
+            prompt=prompts[i // group_size],
+            completion=rollout.completion_texts[i],
+            completion_ids=ids[i][: lengths[i]],
+            extras=dict(rows[i // group_size].extras),
+            group_id=i // group_size,
+            index=i,
+        )
+        for i in range(len(rollout.completion_texts))
+    ]
+
+
+def select_groups(
+    generated: list[Scored], num_groups: int, group_size: int, pad_id: int
+) -> tuple[Scored, Tensor]:
+    """`num_groups` groups, those with spread first; zero-spread fillers are excluded from the loss."""
+    useful = [(s, g) for s in generated for g in range(len(s.rows)) if s.group_std[g] > 0]
+    flat = [(s, g) for s in generated for g in range(len(s.rows)) if not s.group_std[g] > 0]
+    chosen = (useful + flat)[:num_groups]
+    in_loss = torch.tensor([bool(s.group_std[g] > 0) for s, g in chosen])  # (num_groups,)
+    rollout = merge_groups([(s.rollout, g) for s, g in chosen], pad_id)
+    rewards = torch.cat([s.rewards[g * group_size : (g + 1) * group_size] for s, g in chosen])
+    per_source = {
+        name: [v for s, g in chosen for v in s.per_source[name][g * group_size : (g + 1) * group_size]]
+        for name in generated[0].per_source
+    }
+    group_std = torch.stack([s.group_std[g] for s, g in chosen])
+    selected = Scored(
+        rollout,
+        [s.rows[g] for s, g in chosen],
+        [s.prompts[g] for s, g in chosen],
+        rewards,
+        per_source,
+        group_std,
+    )
+    return selected, in_loss
+
+
+def batch_metrics(batch: StepBatch) -> dict[str, float]:
+    """Reward statistics over every completion generated this step; shape statistics of the trained batch."""
+    rewards = torch.cat([s.rewards for s in batch.generated])
+    finite = rewards[~rewards.isnan()]
+    group_std = torch.cat([s.group_std for s in batch.generated])
+    rollout = batch.scored.rollout
+    lengths = rollout.completion_lengths.float()
+    loss_rows = batch.loss_mask.sum(dim=1) > 0
+    metrics = {
+        "reward/mean": float(finite.mean()) if finite.numel() else math.nan,
+        "reward/std": float(finite.std(correction=0)) if finite.numel() else math.nan,
+        "frac_zero_std_groups": float((group_std == 0).float().mean()),
+        "advantage/abs_mean": float(batch.advantages[loss_rows.to(batch.advantages.device)].abs().mean())
+        if bool(loss_rows.any())
+        else 0.0,
+        "completion_length/mean": float(lengths.mean()),
+        "completion_length/min": float(lengths.min()),
+        "completion_length/max": float(lengths.max()),
+        "truncated_fraction": float(rollout.is_truncated.float().mean()),
+    }
+    for name in batch.generated[0].per_source:
+        values = [v for s in batch.generated for v in s.per_source[name] if v is not None]
+        metrics[f"reward/{name}/mean"] = sum(values) / len(values) if values else math.nan
+    return metrics
+
+
+def sample_records(step: int, batch: StepBatch, count: int) -> list[dict[str, Any]]:
+    """The first `count` completions of the trained batch, for display and storage."""
+    scored = batch.scored
+    count = min(count, len(scored.rollout.completion_texts))
+    group_size = scored.rollout.group_size
+    return [
+        {
+            "step": step,
+            "group": i // group_size,
+            "prompt": scored.prompts[i // group_size],
+            "completion": scored.rollout.completion_texts[i],
+            "reward": float(scored.rewards[i]),
+            "advantage": float(batch.advantages[i]),
+        }
+        for i in range(count)
+    ]
