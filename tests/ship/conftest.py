@@ -15,9 +15,14 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
+import typer.main
+from typer.core import TyperGroup
+
+from service.cli import app as cli_app
 
 REPO = Path(__file__).resolve().parents[2]
 PYTHON = sys.executable
@@ -122,3 +127,18 @@ def wait_http_ok(url: str, live: Live, *, timeout: float) -> None:
             pass
         time.sleep(0.25)
     raise AssertionError(f"{url} not ready after {timeout:.0f}s:\n{live.log()[-4000:]}")
+
+
+def resolve(words: list[str]) -> tuple[list[str], Any, list[str]]:
+    """Split `grpo <sub> [<sub>...] <args>` into the subcommand path, its click command and its arguments."""
+    assert words[0] == "grpo", words
+    # typer's (vendored) click command tree; groups are TyperGroup, leaves have `make_context`.
+    command: Any = typer.main.get_command(cli_app)
+    path: list[str] = []
+    rest = words[1:]
+    while isinstance(command, TyperGroup) and rest and not rest[0].startswith("-"):
+        sub = command.commands.get(rest[0])
+        assert sub is not None, f"`grpo {' '.join(path + rest[:1])}`: no such subcommand"
+        command, path, rest = sub, [*path, rest[0]], rest[1:]
+    assert not isinstance(command, TyperGroup), f"`grpo {' '.join(path)}` is a group, not a command"
+    return path, command, rest

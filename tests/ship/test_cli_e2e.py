@@ -83,7 +83,9 @@ def test_cli_upload_register_create_watch_download(tmp_path: Path, processes: Pr
     # then start the reward server with the secret shown once
     reward_port = free_port()
     with ThreadPoolExecutor(2) as pool:
-        upload = pool.submit(cli_json, cli_env, "datasets", "upload", str(write_dataset(tmp_path / "letters.jsonl")))
+        upload = pool.submit(
+            cli_json, cli_env, "datasets", "upload", str(write_dataset(tmp_path / "letters.jsonl"))
+        )
         register = pool.submit(
             cli_json, cli_env, "rewards", "register", "repeat-letter", f"http://127.0.0.1:{reward_port}/score"
         )

@@ -48,7 +48,7 @@ def _walk(routes: Iterable[Any], prefix: str) -> Iterator[tuple[str, str]]:
     """
     for route in routes:
         if isinstance(route, APIRoute):
-            for method in sorted(route.methods - {"HEAD"}):
+            for method in sorted((route.methods or set()) - {"HEAD"}):
                 yield method, prefix + route.path
         elif (router := getattr(route, "original_router", None)) is not None:
             yield from _walk(router.routes, prefix + route.include_context.prefix)
@@ -69,7 +69,11 @@ def _builder_calls(name: str) -> list[Call[Any]]:
     if name == "job_action":
         return [builder("{job_id}", action) for action in JOB_ACTIONS]
     params = inspect.signature(builder).parameters.values()
-    args = [f"{{{p.name}}}" for p in params if p.default is inspect.Parameter.empty and p.kind is p.POSITIONAL_OR_KEYWORD]
+    args = [
+        f"{{{p.name}}}"
+        for p in params
+        if p.default is inspect.Parameter.empty and p.kind is p.POSITIONAL_OR_KEYWORD
+    ]
     return [builder(*args)]
 
 
@@ -104,7 +108,9 @@ class TestRouteCoverage:
         routes = v1_routes(create_app())
         for name in BUILDERS:
             for call in _builder_calls(name):
-                assert (call.method, _template(call.path)) in routes, f"_calls.{name}: {call.method} {call.path}"
+                assert (call.method, _template(call.path)) in routes, (
+                    f"_calls.{name}: {call.method} {call.path}"
+                )
 
     @pytest.mark.parametrize("client_class", [GRPOClient, AsyncGRPOClient])
     def test_client_covers_every_v1_route(self, client_class: type) -> None:

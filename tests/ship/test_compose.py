@@ -18,13 +18,10 @@ from typing import Any
 from urllib.parse import urlparse
 
 import pytest
-import typer.main
 import yaml
-from typer.core import TyperGroup
 
-from service.cli import app as cli_app
 from service.kit.config import Settings
-from tests.ship.conftest import REPO, clean_env, describe, run_cli
+from tests.ship.conftest import REPO, clean_env, describe, resolve, run_cli
 
 COMPOSE = REPO / "docker-compose.yml"
 DOCKERFILE = REPO / "Dockerfile"
@@ -51,21 +48,6 @@ def grpo_commands() -> dict[str, list[str]]:
     }
     commands["Dockerfile:CMD"] = dockerfile_cmd()
     return commands
-
-
-def resolve(words: list[str]) -> tuple[list[str], Any, list[str]]:
-    """Split `grpo <sub> [<sub>...] <args>` into the subcommand path, its click command and its arguments."""
-    assert words[0] == "grpo", words
-    # typer's (vendored) click command tree; groups are TyperGroup, leaves have `make_context`.
-    command: Any = typer.main.get_command(cli_app)
-    path: list[str] = []
-    rest = words[1:]
-    while isinstance(command, TyperGroup) and rest and not rest[0].startswith("-"):
-        sub = command.commands.get(rest[0])
-        assert sub is not None, f"`grpo {' '.join(path + rest[:1])}`: no such subcommand"
-        command, path, rest = sub, [*path, rest[0]], rest[1:]
-    assert not isinstance(command, TyperGroup), f"`grpo {' '.join(path)}` is a group, not a command"
-    return path, command, rest
 
 
 def help_text(path: list[str]) -> str:
@@ -120,7 +102,10 @@ class TestComposeFile:
 
     def test_docker_compose_config(self) -> None:
         docker = shutil.which("docker")
-        if docker is None or subprocess.run([docker, "compose", "version"], capture_output=True).returncode != 0:
+        if (
+            docker is None
+            or subprocess.run([docker, "compose", "version"], capture_output=True).returncode != 0
+        ):
             pytest.skip("no `docker compose` client here (the file is still parsed by the other tests)")
         done = subprocess.run(
             [docker, "compose", "-f", str(COMPOSE), "config", "-q"], cwd=REPO, capture_output=True, text=True
@@ -133,9 +118,10 @@ class TestGrpoCommandsExist:
         """Each command resolves to a subcommand and its arguments parse (names, types, choices)."""
         for where, words in grpo_commands().items():
             path, command, rest = resolve(words)
+            # click's usage errors; typer vendors its own click, which exports no public base class to catch.
             try:
                 command.make_context(f"grpo {' '.join(path)}", list(rest))
-            except Exception as exc:  # click's usage errors (typer vendors its own click: no public base class)
+            except Exception as exc:
                 raise AssertionError(f"{where}: `{shlex.join(words)}`: {exc}") from exc
 
     def test_options_appear_in_help(self) -> None:
@@ -170,7 +156,7 @@ def final_stage() -> list[tuple[str, str]]:
     instructions = dockerfile_instructions()
     starts = [i for i, (keyword, _) in enumerate(instructions) if keyword == "FROM"]
     assert starts, "no FROM"
-    return instructions[starts[-1]:]
+    return instructions[starts[-1] :]
 
 
 def dockerfile_cmd() -> list[str]:
