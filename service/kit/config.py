@@ -39,6 +39,14 @@ class Settings(BaseSettings):
     broker_visibility_timeout: int = Field(
         3600, ge=60, description="Redis: seconds a delivered, unacknowledged task stays hidden before redelivery."
     )
+    auth_cache_seconds: float = Field(
+        5.0,
+        ge=0,
+        le=300,
+        description="Seconds an authenticated API key is remembered in-process (0 = look it up on every "
+        "request). Also the longest delay before a revoked key is refused by a process that did not revoke it "
+        "(other uvicorn workers, the gRPC server, keys revoked directly in the database).",
+    )
     log_json: bool = Field(False, description="Structured JSON logs.")
     worker_metrics_port: int = Field(
         0, ge=0, le=65535, description="Port of the worker's Prometheus /metrics server (0 = off)."

@@ -7,6 +7,7 @@ durable (enqueueing a Celery task) is registered with `on_commit` and dropped on
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
@@ -16,6 +17,7 @@ from typing import Any
 
 from sqlalchemy import DateTime, Engine, MetaData, create_engine, event
 from sqlalchemy.engine import make_url
+from sqlalchemy.exc import DisconnectionError
 from sqlalchemy.orm import DeclarativeBase, Session, sessionmaker
 from sqlalchemy.types import TypeDecorator
 
@@ -53,6 +55,10 @@ def utcnow() -> datetime:
     return datetime.now(UTC)
 
 
+PING_AFTER_IDLE_SECONDS = 1.0
+RECYCLE_SECONDS = 1800
+
+
 def make_engine(url: str) -> Engine:
     parsed = make_url(url)
     if parsed.get_backend_name() == "sqlite":
@@ -69,7 +75,35 @@ def make_engine(url: str) -> Engine:
             cursor.close()
 
         return engine
-    return create_engine(url, pool_pre_ping=True, pool_size=20, max_overflow=20)
+    # No pool_pre_ping (one more round trip on every checkout, on every request): connections
+    # that sat idle are pinged instead (a database restart is survived as before), busy ones are not; LIFO
+    # keeps the busy ones few and hot, and a disconnect seen mid-request makes the pool replace every
+    # connection opened before it. pool_recycle retires connections that idle proxies may have dropped.
+    engine = create_engine(
+        url, pool_size=20, max_overflow=20, pool_use_lifo=True, pool_recycle=RECYCLE_SECONDS
+    )
+    _ping_after_idle(engine)
+    return engine
+
+
+def _ping_after_idle(engine: Engine) -> None:
+    """Ping a pooled connection at checkout if it sat idle for PING_AFTER_IDLE_SECONDS or more. A failed ping
+    raises DisconnectionError, on which the pool discards the connection and checks out (or opens) another:
+    the pool's documented retry, so no request sees a connection that died while it was idle."""
+
+    @event.listens_for(engine, "checkin")
+    def _checked_in(_dbapi_conn: Any, record: Any) -> None:
+        record.info["idle_since"] = time.monotonic()
+
+    @event.listens_for(engine, "checkout")
+    def _checked_out(dbapi_conn: Any, record: Any, _proxy: Any) -> None:
+        idle_since = record.info.pop("idle_since", None)
+        if idle_since is None or time.monotonic() - idle_since < PING_AFTER_IDLE_SECONDS:
+            return  # new, or in use moments ago
+        try:
+            engine.dialect.do_ping(dbapi_conn)
+        except Exception as exc:  # any failure: the connection is unusable, get another
+            raise DisconnectionError(f"pooled connection failed its ping: {exc}") from exc
 
 
 @lru_cache

@@ -18,6 +18,10 @@ def get_tenant_by_name(session: Session, name: str) -> Tenant | None:
     return session.scalars(select(Tenant).where(Tenant.name == name)).one_or_none()
 
 
+def get_api_key(session: Session, tenant_id: str, key_id: str) -> ApiKey | None:
+    return session.scalars(select(ApiKey).where(ApiKey.id == key_id, ApiKey.tenant_id == tenant_id)).one_or_none()
+
+
 def active_keys_with_prefix(session: Session, prefix: str) -> Sequence[tuple[ApiKey, Tenant]]:
     """Unrevoked keys sharing a lookup prefix, with their tenant (one query)."""
     rows = session.execute(

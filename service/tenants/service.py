@@ -12,6 +12,7 @@ import secrets
 
 from sqlalchemy.orm import Session
 
+from service.kit.db import on_commit, utcnow
 from service.kit.errors import Conflict, NotFound, ValidationFailed
 from service.kit.ids import new_id
 from service.tenants import repository
@@ -62,3 +63,22 @@ def create_api_key(session: Session, tenant: Tenant) -> tuple[ApiKey, str]:
     key = ApiKey(id=new_id("key"), tenant_id=tenant.id, prefix=prefix, key_hash=hash_key(token))
     repository.add(session, key)
     return key, token
+
+
+def revoke_api_key(session: Session, tenant_id: str, key_id: str) -> ApiKey:
+    """Revoke one of a tenant's keys (idempotent). Raises NotFound for unknown or other tenants' keys.
+
+    This process forgets the key as soon as the revocation commits; other processes refuse it once their
+    cached entry expires (GRPO_AUTH_CACHE_SECONDS).
+    """
+    key = repository.get_api_key(session, tenant_id, key_id)
+    if key is None:
+        raise NotFound("api key", key_id)
+    if key.revoked_at is None:
+        key.revoked_at = utcnow()
+        session.flush()
+    # Imported here: auth imports this module for hash_key/lookup_prefix.
+    from service.tenants.auth import KEY_CACHE
+
+    on_commit(session, lambda: KEY_CACHE.forget_key_id(key_id))
+    return key

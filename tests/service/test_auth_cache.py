@@ -1,0 +1,159 @@
+"""The in-process cache of authenticated API keys: hits skip the database, revocation in this process is
+immediate, elsewhere it waits at most GRPO_AUTH_CACHE_SECONDS, 0 disables it, and the cache is bounded."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+from sqlalchemy import event
+
+from service.kit import db as kit_db
+from service.kit.config import Settings, get_settings
+from service.kit.db import session_scope, utcnow
+from service.kit.errors import NotFound, Unauthenticated
+from service.tenants import service as tenants
+from service.tenants.auth import KEY_CACHE, authenticate
+from service.tenants.keycache import KeyCache
+from service.tenants.models import ApiKey
+from tests.service.factories import TenantHeaders
+
+
+@pytest.fixture(autouse=True)
+def _empty_cache() -> Iterator[None]:
+    KEY_CACHE.clear()
+    yield
+    KEY_CACHE.clear()
+
+
+@pytest.fixture
+def statements(settings: Settings) -> Iterator[list[str]]:
+    """Every SQL statement the service's engine sends while the test runs."""
+    sent: list[str] = []
+    engine = kit_db.get_engine()
+
+    def record(_conn: Any, _cursor: Any, statement: str, *_args: Any) -> None:
+        sent.append(statement)
+
+    event.listen(engine, "before_cursor_execute", record)
+    yield sent
+    event.remove(engine, "before_cursor_execute", record)
+
+
+def _set_ttl(monkeypatch: pytest.MonkeyPatch, seconds: float) -> None:
+    monkeypatch.setenv("GRPO_AUTH_CACHE_SECONDS", str(seconds))
+    get_settings.cache_clear()
+
+
+def _revoke_in_database(tenant_id: str) -> None:
+    """What another process (another uvicorn worker, a script) revoking the key looks like to this one."""
+    with session_scope() as session:
+        session.query(ApiKey).filter_by(tenant_id=tenant_id).update({"revoked_at": utcnow()})
+
+
+class TestCache:
+    def test_second_authentication_sends_no_sql(self, tenant_a: TenantHeaders, statements: list[str]) -> None:
+        with session_scope() as session:
+            assert authenticate(session, tenant_a.api_key).tenant_id == tenant_a.tenant_id
+        looked_up = len(statements)
+        assert any("api_keys" in s for s in statements)
+        with session_scope() as session:
+            assert authenticate(session, tenant_a.api_key).tenant_id == tenant_a.tenant_id
+        assert len(statements) == looked_up
+
+    def test_get_job_with_a_cached_key_is_one_query(
+        self, client: TestClient, tenant_a: TenantHeaders, statements: list[str]
+    ) -> None:
+        missing = client.get("/v1/jobs/job_nope", headers=tenant_a)  # authenticates (and caches)
+        assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
+        statements.clear()
+        assert client.get("/v1/jobs/job_nope", headers=tenant_a).status_code == 404
+        selects = [s for s in statements if s.lstrip().upper().startswith("SELECT")]
+        assert len(selects) == 1 and "jobs" in selects[0] and "api_keys" not in selects[0], statements
+
+    def test_wrong_keys_are_never_cached(self, tenant_a: TenantHeaders) -> None:
+        wrong = tenant_a.api_key[:-4] + ("AAAA" if not tenant_a.api_key.endswith("AAAA") else "BBBB")
+        for _ in range(2):
+            with session_scope() as session, pytest.raises(Unauthenticated):
+                authenticate(session, wrong)
+        assert len(KEY_CACHE) == 0
+
+
+class TestRevocation:
+    def test_revoked_in_this_process_is_refused_at_once(self, client: TestClient, tenant_a: TenantHeaders) -> None:
+        assert client.get("/v1/jobs", headers=tenant_a).status_code == 200  # cached now
+        with session_scope() as session:
+            key_id = session.query(ApiKey).filter_by(tenant_id=tenant_a.tenant_id).one().id
+            tenants.revoke_api_key(session, tenant_a.tenant_id, key_id)
+        response = client.get("/v1/jobs", headers=tenant_a)
+        assert response.status_code == 401 and response.json()["error"]["code"] == "unauthenticated"
+
+    def test_rolled_back_revocation_keeps_the_key(self, client: TestClient, tenant_a: TenantHeaders) -> None:
+        assert client.get("/v1/jobs", headers=tenant_a).status_code == 200
+        with pytest.raises(RuntimeError), session_scope() as session:
+            key_id = session.query(ApiKey).filter_by(tenant_id=tenant_a.tenant_id).one().id
+            tenants.revoke_api_key(session, tenant_a.tenant_id, key_id)
+            raise RuntimeError("abort")
+        KEY_CACHE.clear()  # a database lookup must find the key still active
+        assert client.get("/v1/jobs", headers=tenant_a).status_code == 200
+
+    def test_other_tenants_key_is_not_found(self, tenant_a: TenantHeaders, tenant_b: TenantHeaders) -> None:
+        with session_scope() as session:
+            key_id = session.query(ApiKey).filter_by(tenant_id=tenant_a.tenant_id).one().id
+            with pytest.raises(NotFound):
+                tenants.revoke_api_key(session, tenant_b.tenant_id, key_id)
+
+    def test_revoked_elsewhere_is_refused_after_the_ttl(
+        self, client: TestClient, tenant_a: TenantHeaders, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        _set_ttl(monkeypatch, 0.5)
+        assert client.get("/v1/jobs", headers=tenant_a).status_code == 200
+        _revoke_in_database(tenant_a.tenant_id)
+        # The documented delay: still accepted from the cache...
+        assert client.get("/v1/jobs", headers=tenant_a).status_code == 200
+        time.sleep(0.6)
+        # ...and refused once the entry expired.
+        assert client.get("/v1/jobs", headers=tenant_a).status_code == 401
+
+    def test_zero_disables_the_cache(
+        self, client: TestClient, tenant_a: TenantHeaders, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        _set_ttl(monkeypatch, 0)
+        assert client.get("/v1/jobs", headers=tenant_a).status_code == 200
+        assert len(KEY_CACHE) == 0
+        _revoke_in_database(tenant_a.tenant_id)
+        assert client.get("/v1/jobs", headers=tenant_a).status_code == 401
+
+
+@dataclass(frozen=True)
+class _Ctx:
+    api_key_id: str
+
+
+class TestKeyCacheUnit:
+    def test_bounded_evicting_the_oldest(self) -> None:
+        cache: KeyCache[_Ctx] = KeyCache(max_entries=3)
+        for i in range(5):
+            cache.put(f"h{i}", _Ctx(f"k{i}"), 60)
+        assert len(cache) == 3
+        assert cache.get("h0") is None and cache.get("h1") is None
+        assert cache.get("h4") == _Ctx("k4")
+
+    def test_entries_expire(self) -> None:
+        cache: KeyCache[_Ctx] = KeyCache()
+        cache.put("h", _Ctx("k"), 0.05)
+        assert cache.get("h") == _Ctx("k")
+        time.sleep(0.06)
+        assert cache.get("h") is None and len(cache) == 0
+
+    def test_forget_key_id_and_zero_ttl(self) -> None:
+        cache: KeyCache[_Ctx] = KeyCache()
+        cache.put("a", _Ctx("k1"), 60)
+        cache.put("b", _Ctx("k2"), 60)
+        cache.put("c", _Ctx("k3"), 0)  # ttl 0: not stored
+        cache.forget_key_id("k1")
+        assert cache.get("a") is None and cache.get("b") == _Ctx("k2") and cache.get("c") is None
