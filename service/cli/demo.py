@@ -27,7 +27,6 @@ from rich.console import Console
 
 from service.cli.jobs import follow
 from service.client import APIError, GRPOClient
-from service.plots import render_metrics_png
 
 console = Console()
 PYTHON = sys.executable
@@ -218,6 +217,8 @@ def _run(stack: ExitStack, out: Path, env: dict[str, str], model: str, steps: in
         console.print(f"{prompt!r} -> {generate_text(checkpoint_dir, prompt, max_new_tokens=4)!r}")
 
     _stage("8/8 reward curve")
+    from service.plots import render_metrics_png  # matplotlib is slow to import: only when needed
+
     series = client.get_job_metrics(job.id).series
     png = out / "reward_curve.png"
     png.write_bytes(render_metrics_png(series, title=f"{job.id} (demo)"))

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
-from alembic import command
-from alembic.config import Config
 
 from service.kit.config import get_settings
+
+if TYPE_CHECKING:
+    from alembic.config import Config
 
 # alembic.ini sits at the repository root (the package is installed editable, as in the Makefile).
 ALEMBIC_INI = Path(__file__).resolve().parents[2] / "alembic.ini"
@@ -16,6 +18,8 @@ ALEMBIC_INI = Path(__file__).resolve().parents[2] / "alembic.ini"
 
 def alembic_config(database_url: str | None = None) -> Config:
     """An Alembic config for `database_url` (default: the service settings' URL)."""
+    from alembic.config import Config  # imported here: alembic is slow to import and most commands never need it
+
     config = Config(str(ALEMBIC_INI))
     # Passed as an attribute, not `sqlalchemy.url`, so a '%' in a password needs no ini escaping.
     config.attributes["database_url"] = database_url or get_settings().database_url
@@ -25,6 +29,8 @@ def alembic_config(database_url: str | None = None) -> Config:
 
 def upgrade_head(database_url: str | None = None) -> None:
     """Apply every migration up to `head` (idempotent: a migrated database is left as is)."""
+    from alembic import command
+
     command.upgrade(alembic_config(database_url), "head")
 
 
