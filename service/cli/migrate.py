@@ -18,7 +18,8 @@ ALEMBIC_INI = Path(__file__).resolve().parents[2] / "alembic.ini"
 
 def alembic_config(database_url: str | None = None) -> Config:
     """An Alembic config for `database_url` (default: the service settings' URL)."""
-    from alembic.config import Config  # imported here: alembic is slow to import and most commands never need it
+    # Imported here: alembic is slow to import and most commands never need it.
+    from alembic.config import Config
 
     config = Config(str(ALEMBIC_INI))
     # Passed as an attribute, not `sqlalchemy.url`, so a '%' in a password needs no ini escaping.
