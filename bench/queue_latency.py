@@ -32,6 +32,9 @@ from tests.worker.procs import ApiClient, Stack, private_tmp, wait_for  # noqa: 
 
 POSTGRES_ADMIN = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 REDIS_URL = "redis://127.0.0.1:6379/15"
+# After a job the worker's child exits and a fresh one is forked (worker_max_tasks_per_child=1); on a busy
+# machine that takes a few seconds, and a job submitted meanwhile waits for it. Measure an idle worker.
+IDLE_WAIT_S = 3.0
 
 
 def measure(stack: Stack, api: ApiClient, samples: int) -> list[float]:
@@ -48,7 +51,7 @@ def measure(stack: Stack, api: ApiClient, samples: int) -> list[float]:
         if index > 0:  # the first job pays for the first connection and the model build
             latencies.append(latency)
         print(f"  job {index:2d}: submit -> running {latency * 1000:7.1f} ms{'  (warm-up)' if index == 0 else ''}")
-        time.sleep(0.5)  # the worker's next child is forked and idle
+        time.sleep(IDLE_WAIT_S)
     return latencies
 
 

@@ -12,12 +12,17 @@ from __future__ import annotations
 
 import logging
 
-from worker.celery_app import RUN_JOB_TASK, app
-
 # Imported here, in the Celery parent, so every forked child starts with it loaded (seconds saved between
 # pickup and claim). It is torch-free: torch loads inside JobRunner.run(), in the child
 # (tests/worker/test_queue_lease.py checks that importing this module never imports torch).
+from sqlalchemy.orm import configure_mappers
+
+from worker.celery_app import RUN_JOB_TASK, app
 from worker.runner import JobRunner
+
+# Mapper configuration is per process and costs a noticeable fraction of a second; done once here, it is
+# inherited by every child. (No database connection is opened in the parent: connections must not cross fork.)
+configure_mappers()
 
 log = logging.getLogger(__name__)
 
