@@ -39,17 +39,26 @@ def model_and_tokenizer(tiny_path: Path) -> tuple[Any, Any]:
     return AutoModelForCausalLM.from_pretrained(tiny_path), AutoTokenizer.from_pretrained(tiny_path)
 
 
-def _save(output_dir: Path, step: int, model: Any, tokenizer: Any, **kwargs: Any) -> tuple[Path, dict[str, Any]]:
+def _save(
+    output_dir: Path, step: int, model: Any, tokenizer: Any, **kwargs: Any
+) -> tuple[Path, dict[str, Any]]:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     state = {"optimizer": optimizer.state_dict(), "rng": capture_rng_state(), "sampler": {"epoch": 1}}
     return save_checkpoint(
-        output_dir, step=step, model=model, tokenizer=tokenizer, config=GRPOConfig.model_validate({"max_steps": 10}),
-        trainer_state=state, **kwargs,
+        output_dir,
+        step=step,
+        model=model,
+        tokenizer=tokenizer,
+        config=GRPOConfig.model_validate({"max_steps": 10}),
+        trainer_state=state,
+        **kwargs,
     )
 
 
 class TestSave:
-    def test_layout_and_manifest_cover_every_file(self, tmp_path: Path, model_and_tokenizer: tuple[Any, Any]) -> None:
+    def test_layout_and_manifest_cover_every_file(
+        self, tmp_path: Path, model_and_tokenizer: tuple[Any, Any]
+    ) -> None:
         path, manifest = _save(tmp_path, 3, *model_and_tokenizer)
         assert path == tmp_path / "checkpoint-3"
         files = {p.relative_to(path).as_posix() for p in path.rglob("*") if p.is_file()} - {MANIFEST_NAME}
@@ -60,7 +69,9 @@ class TestSave:
         assert json.loads((path / MANIFEST_NAME).read_text()) == manifest
         assert [p.name for p in tmp_path.iterdir()] == ["checkpoint-3"]  # no temporary directory left
 
-    def test_saved_weights_load_back_identically(self, tmp_path: Path, model_and_tokenizer: tuple[Any, Any]) -> None:
+    def test_saved_weights_load_back_identically(
+        self, tmp_path: Path, model_and_tokenizer: tuple[Any, Any]
+    ) -> None:
         model, tokenizer = model_and_tokenizer
         path, _ = _save(tmp_path, 1, model, tokenizer)
         reloaded = AutoModelForCausalLM.from_pretrained(path)
@@ -73,12 +84,16 @@ class TestSave:
 
         model, tokenizer = model_and_tokenizer
         lora = LoraConfig.model_validate({"r": 4, "alpha": 8})
-        peft_model = get_peft_model(model, PeftLoraConfig(r=lora.r, lora_alpha=lora.alpha, target_modules="all-linear"))
+        peft_model = get_peft_model(
+            model, PeftLoraConfig(r=lora.r, lora_alpha=lora.alpha, target_modules="all-linear")
+        )
         path, manifest = _save(tmp_path, 1, peft_model, tokenizer)
         assert "adapter_model.safetensors" in manifest["files"]
         assert "model.safetensors" not in manifest["files"]
 
-    def test_failed_save_leaves_nothing_visible(self, tmp_path: Path, model_and_tokenizer: tuple[Any, Any]) -> None:
+    def test_failed_save_leaves_nothing_visible(
+        self, tmp_path: Path, model_and_tokenizer: tuple[Any, Any]
+    ) -> None:
         model, _ = model_and_tokenizer
 
         class BrokenTokenizer:
@@ -95,7 +110,9 @@ class TestSave:
             _save(tmp_path, step, *model_and_tokenizer, save_total_limit=2)
         assert [p.name for p in list_checkpoints(tmp_path)] == ["checkpoint-6", "checkpoint-10"]
 
-    def test_saving_the_same_step_again_replaces_it(self, tmp_path: Path, model_and_tokenizer: tuple[Any, Any]) -> None:
+    def test_saving_the_same_step_again_replaces_it(
+        self, tmp_path: Path, model_and_tokenizer: tuple[Any, Any]
+    ) -> None:
         _save(tmp_path, 5, *model_and_tokenizer)
         path, _ = _save(tmp_path, 5, *model_and_tokenizer)
         verify_manifest(path)

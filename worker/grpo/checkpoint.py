@@ -66,7 +66,9 @@ def list_checkpoints(output_dir: Path) -> list[Path]:
     """Complete checkpoint directories under ``output_dir``, oldest step first."""
     if not output_dir.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in output_dir.iterdir() if (m := _DIR_PATTERN.match(p.name)) and p.is_dir()]
+    found = [
+        (int(m.group(1)), p) for p in output_dir.iterdir() if (m := _DIR_PATTERN.match(p.name)) and p.is_dir()
+    ]
     return [path for _, path in sorted(found)]
 
 
@@ -85,8 +87,13 @@ def capture_rng_state() -> dict[str, Any]:
     kind, keys, pos, has_gauss, cached = cast(tuple[str, np.ndarray, int, int, float], np.random.get_state())
     state: dict[str, Any] = {
         "python": {"version": version, "state": list(mt_state), "gauss": gauss},
-        "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
-                  "has_gauss": int(has_gauss), "cached": float(cached)},
+        "numpy": {
+            "kind": kind,
+            "keys": torch.from_numpy(keys.astype(np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached": float(cached),
+        },
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available():
@@ -99,8 +106,13 @@ def restore_rng_state(state: dict[str, Any]) -> None:
     random.setstate((python["version"], tuple(python["state"]), python["gauss"]))
     numpy_state = state["numpy"]
     np.random.set_state(
-        (numpy_state["kind"], numpy_state["keys"].numpy().astype(np.uint32), numpy_state["pos"],
-         numpy_state["has_gauss"], numpy_state["cached"])
+        (
+            numpy_state["kind"],
+            numpy_state["keys"].numpy().astype(np.uint32),
+            numpy_state["pos"],
+            numpy_state["has_gauss"],
+            numpy_state["cached"],
+        )
     )
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
@@ -157,7 +169,9 @@ def _verify_file(directory: Path, name: str, expected: dict[str, Any]) -> None:
         raise CheckpointCorrupt(directory, f"file {name} is missing")
     size = path.stat().st_size
     if size != expected["size"]:
-        raise CheckpointCorrupt(directory, f"file {name} has {size} bytes, the manifest says {expected['size']}")
+        raise CheckpointCorrupt(
+            directory, f"file {name} has {size} bytes, the manifest says {expected['size']}"
+        )
     if _sha256(path) != expected["sha256"]:
         raise CheckpointCorrupt(directory, f"file {name} does not match its sha256 in {MANIFEST_NAME}")
 
@@ -228,7 +242,9 @@ def _move_into_place(tmp: Path, final: Path) -> None:
         os.close(dir_fd)
 
 
-def prune_checkpoints(output_dir: Path, save_total_limit: int | None, *, keep: Path | None = None) -> list[Path]:
+def prune_checkpoints(
+    output_dir: Path, save_total_limit: int | None, *, keep: Path | None = None
+) -> list[Path]:
     """Delete the oldest checkpoints beyond ``save_total_limit`` (never ``keep``); returns the deleted."""
     if save_total_limit is None:
         return []

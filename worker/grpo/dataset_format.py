@@ -149,7 +149,9 @@ class JsonlValidator:
             self.summary.errors.append(issue)
 
 
-def validate_jsonl_lines(lines: Iterable[bytes | str], *, max_errors: int = MAX_REPORTED_ERRORS) -> DatasetSummary:
+def validate_jsonl_lines(
+    lines: Iterable[bytes | str], *, max_errors: int = MAX_REPORTED_ERRORS
+) -> DatasetSummary:
     """Validate a whole JSONL stream (an open binary file iterates by line)."""
     validator = JsonlValidator(max_errors=max_errors)
     for raw in lines:
