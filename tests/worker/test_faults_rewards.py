@@ -1,0 +1,137 @@
+"""Reward endpoint faults as the job sees them (issue 4, acceptance 5), through real processes: `grpo serve`
+with its embedded worker, a real signed reward server on loopback with injected faults.
+
+- 500s and timeouts are retried: the job succeeds and the retries are job events;
+- a permanent 400 fails the job with a clear code; an invalid response fails it with
+  `reward_endpoint_invalid_response`; metrics and events recorded before stay;
+- an endpoint that stays down pauses the job (`reward_endpoint_unavailable`); after it recovers,
+  `POST /resume` finishes the job from its last checkpoint.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from tests.worker.conftest import PROMPTS, tiny_spec
+from tests.worker.procs import ApiClient, Stack, private_tmp, wait_for
+from tests.worker.reward_servers import Fault, RewardServer, new_secret, running
+from worker.reward_server import RewardRequest
+
+pytestmark = [pytest.mark.slow]
+
+
+class Switchboard:
+    """The reward server's fault plan, switchable by the test while jobs run."""
+
+    def __init__(self) -> None:
+        self.mode = "ok"
+
+    def __call__(self, number: int, request: RewardRequest) -> Fault | None:
+        if self.mode == "flaky":  # about 30% 500s, some timeouts (the function's timeout is 1 s)
+            if number % 3 == 1:
+                return Fault(status=500)
+            if number % 7 == 3:
+                return Fault(delay_s=1.5)
+        if self.mode == "bad_request":
+            return Fault(status=400, body=b'{"error": "unknown field"}')
+        if self.mode == "wrong_length":
+            return Fault(body=b'{"rewards": [1.0]}')
+        if self.mode == "down":
+            return Fault(status=503)
+        return None
+
+
+@pytest.fixture(scope="module")
+def plan() -> Switchboard:
+    return Switchboard()
+
+
+@pytest.fixture(scope="module")
+def reward_server(plan: Switchboard) -> Iterator[RewardServer]:
+    with running(RewardServer(new_secret(), faults=plan)) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def stack() -> Iterator[Stack]:
+    data_dir = private_tmp("grpo-reward-faults-")
+    stack = Stack(database_url=f"sqlite:///{data_dir}/grpo.db", broker_url=f"sqla+sqlite:///{data_dir}/broker.db",
+                  data_dir=data_dir)
+    try:
+        api_proc = stack.start_api(worker=True)
+        wait_for(lambda: " ready." in api_proc.log(), timeout=90, what="the embedded worker")
+        yield stack
+    finally:
+        stack.stop_all()
+
+
+@pytest.fixture(scope="module")
+def api(stack: Stack) -> ApiClient:
+    return stack.make_client()
+
+
+@pytest.fixture(scope="module")
+def judge(api: ApiClient, reward_server: RewardServer) -> str:
+    """The reward server registered as a reward function (1 s timeout); its id."""
+    registered = api.http.post("/v1/reward-functions", json={
+        "name": "judge", "url": reward_server.url, "timeout_s": 1.0, "max_batch_size": 4, "max_concurrency": 2,
+    })
+    assert registered.status_code == 201, registered.text
+    reward_server.secret = registered.json()["signing_secret"]
+    return str(registered.json()["id"])
+
+
+def _spec(api: ApiClient, judge: str, **hyper: Any) -> dict[str, Any]:
+    spec = tiny_spec(api.upload_dataset(PROMPTS), **hyper)
+    spec["rewards"] = [{"type": "remote", "reward_function_id": judge}]
+    return spec
+
+
+def test_flaky_endpoint_is_retried_and_the_job_succeeds(api: ApiClient, judge: str, plan: Switchboard,
+                                                        reward_server: RewardServer) -> None:
+    plan.mode = "flaky"
+    try:
+        job_id = api.submit(_spec(api, judge, max_steps=3))
+        job = api.wait_status(job_id, {"succeeded", "failed", "paused"}, timeout=300)
+    finally:
+        plan.mode = "ok"
+    assert job["status"] == "succeeded", job
+    retries = [e for e in api.events(job_id) if e["type"] == "reward_retry"]
+    assert retries and any("500" in e["message"] for e in retries)
+    assert reward_server.rejected == []  # every request carried a valid signature
+
+
+@pytest.mark.parametrize(("mode", "code"), [("bad_request", "reward_endpoint_http_error"),
+                                            ("wrong_length", "reward_endpoint_invalid_response")])
+def test_permanent_errors_fail_the_job_and_keep_its_history(api: ApiClient, judge: str, plan: Switchboard, mode: str,
+                                                            code: str) -> None:
+    job_id = api.submit(_spec(api, judge, max_steps=50, checkpoint_every=1))
+    api.wait_step(job_id, 1)
+    plan.mode = mode
+    try:
+        job = api.wait_status(job_id, {"failed"}, timeout=180)
+    finally:
+        plan.mode = "ok"
+    assert job["error"]["code"] == code
+    assert "remote:" in job["error"]["message"]  # names the endpoint
+    assert api.metric_steps(job_id)[0] == 1 and api.checkpoints(job_id)
+
+
+def test_endpoint_down_pauses_then_resume_finishes(api: ApiClient, judge: str, plan: Switchboard) -> None:
+    job_id = api.submit(_spec(api, judge, max_steps=4, checkpoint_every=1))
+    api.wait_step(job_id, 1)
+    plan.mode = "down"
+    try:
+        paused = api.wait_status(job_id, {"paused"}, timeout=240)
+    finally:
+        plan.mode = "ok"
+    assert any(e["type"] == "reward_endpoint_unavailable" for e in api.events(job_id))
+    stopped_at = paused["progress"]["step"]
+    api.post(f"/v1/jobs/{job_id}/resume")
+    done = api.wait_status(job_id, {"succeeded"}, timeout=240)
+    assert done["attempt"] == 2
+    assert api.metric_steps(job_id) == [1, 2, 3, 4]
+    assert stopped_at >= 1
