@@ -17,11 +17,12 @@ from tests.engine.trainer_helpers import (
     trainer_kwargs,
     word_rows,
 )
+from worker.grpo.batch import loss_mask_for
 from worker.grpo.checkpoint import verify_manifest
 from worker.grpo.data import PromptRow
 from worker.grpo.logprobs import completion_logprobs
 from worker.grpo.rewards import CompositeReward, FunctionSource
-from worker.grpo.rollout import generate_rollout
+from worker.grpo.rollout import Rollout, generate_rollout
 from worker.grpo.trainer import GRPOTrainer
 
 EXPECTED_METRICS = {
@@ -218,3 +219,84 @@ class TestDynamicSampling:
         # The trained batch holds only prompts whose completions disagree (enough live ones exist).
         assert {s["prompt"].split()[0] for s in samples} == {"live"}
         assert result.history[0]["advantage/abs_mean"] > 0
+
+
+class TestGradientAccumulation:
+    @pytest.mark.filterwarnings("ignore:Seems like `optimizer.step\\(\\)` has been overridden")
+    @pytest.mark.parametrize("loss_type", ["dapo", "grpo", "dr_grpo"])
+    def test_mini_batches_give_the_same_update_as_one_batch(
+        self, tmp_path: Path, models_dir: Path, loss_type: str
+    ) -> None:
+        """dapo divides by the whole step's tokens; grpo/dr_grpo average equal-sized mini-batches."""
+        grads = []
+        for mini_batch_size in (None, 2):
+            trainer = GRPOTrainer(
+                small_config(max_steps=1, loss_type=loss_type, mini_batch_size=mini_batch_size),
+                train_rows=word_rows(),
+                reward=spread_reward(),
+                **trainer_kwargs(tmp_path / str(mini_batch_size), models_dir),
+            )
+            grads.append(_capture_gradients(trainer))
+            trainer.train()
+        assert grads[0] and grads[0].keys() == grads[1].keys()
+        for name, value in grads[0].items():
+            torch.testing.assert_close(grads[1][name], value, atol=1e-6, rtol=1e-4, msg=str(name))
+
+
+def _capture_gradients(trainer: GRPOTrainer) -> dict[int, torch.Tensor]:
+    """Record every parameter's (clipped) gradient when the optimiser steps (comparing weights after
+    Adam's first step would amplify float noise in near-zero gradients)."""
+    captured: dict[int, torch.Tensor] = {}
+    optimizer = trainer.models.optimizer
+    original_step = optimizer.step
+
+    def step(*args: Any, **kwargs: Any) -> Any:
+        for index, param in enumerate(trainer.models.trainable_parameters):
+            assert param.grad is not None
+            captured[index] = param.grad.detach().clone()
+        return original_step(*args, **kwargs)
+
+    optimizer.step = step  # type: ignore[method-assign]
+    return captured
+
+
+class TestModelOptions:
+    def test_gradient_checkpointing_runs_and_trains(self, tmp_path: Path, models_dir: Path) -> None:
+        trainer = GRPOTrainer(
+            small_config(max_steps=1, gradient_checkpointing=True),
+            train_rows=word_rows(),
+            reward=spread_reward(),
+            **trainer_kwargs(tmp_path, models_dir),
+        )
+        before = _snapshot(trainer.models.policy)
+        trainer.train()
+        assert all(not torch.equal(p, before[n]) for n, p in trainer.models.policy.named_parameters())
+
+    def test_bfloat16_weights(self, tmp_path: Path, models_dir: Path) -> None:
+        trainer = GRPOTrainer(
+            small_config(max_steps=1, dtype="bfloat16", beta=0.04),
+            train_rows=word_rows(),
+            reward=spread_reward(),
+            **trainer_kwargs(tmp_path, models_dir),
+        )
+        assert next(trainer.models.policy.parameters()).dtype == torch.bfloat16
+        metrics = trainer.train().history[0]
+        assert math.isfinite(metrics["loss"]) and math.isfinite(metrics["kl"])
+
+
+def test_loss_mask_drops_truncated_completions_and_excluded_groups() -> None:
+    rollout = Rollout(
+        prompt_ids=torch.zeros((4, 1), dtype=torch.long),
+        prompt_mask=torch.ones((4, 1), dtype=torch.long),
+        completion_ids=torch.zeros((4, 3), dtype=torch.long),
+        completion_mask=torch.tensor([[1, 1, 0], [1, 1, 1], [1, 0, 0], [1, 1, 1]]),
+        is_truncated=torch.tensor([False, True, False, True]),
+        completion_texts=["", "", "", ""],
+        group_size=2,
+    )
+    both_groups = torch.tensor([True, True])
+    assert torch.equal(loss_mask_for(rollout, both_groups, mask_truncated=False), rollout.completion_mask)
+    expected = torch.tensor([[1, 1, 0], [0, 0, 0], [1, 0, 0], [0, 0, 0]])
+    assert torch.equal(loss_mask_for(rollout, both_groups, mask_truncated=True), expected)
+    first_only = loss_mask_for(rollout, torch.tensor([True, False]), mask_truncated=False)
+    assert torch.equal(first_only, torch.tensor([[1, 1, 0], [1, 1, 1], [0, 0, 0], [0, 0, 0]]))

@@ -110,6 +110,16 @@ def select_groups(
     return selected, in_loss
 
 
+def loss_mask_for(rollout: Rollout, in_loss: Tensor, *, mask_truncated: bool) -> Tensor:
+    """(N, C) tokens that count in the loss: the completion mask, minus truncated completions when
+    `mask_truncated` (DAPO's overlong filtering), minus groups excluded by dynamic sampling (`in_loss`, per group)."""
+    mask = rollout.completion_mask.clone()  # (N, C)
+    if mask_truncated:
+        mask = mask * (~rollout.is_truncated).unsqueeze(1).to(mask.dtype)
+    keep = in_loss.repeat_interleave(rollout.group_size).to(mask.device)  # (N,)
+    return mask * keep.unsqueeze(1).to(mask.dtype)
+
+
 def batch_metrics(batch: StepBatch) -> dict[str, float]:
     """Reward statistics over every completion generated this step; shape statistics of the trained batch."""
     rewards = torch.cat([s.rewards for s in batch.generated])

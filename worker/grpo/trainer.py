@@ -35,6 +35,7 @@ from worker.grpo.batch import (
     Scored,
     StepBatch,
     batch_metrics,
+    loss_mask_for,
     reward_inputs,
     sample_records,
     select_groups,
@@ -199,7 +200,9 @@ class GRPOTrainer:
             std=self.config.advantage_std,
             eps=self.config.advantage_eps,
         )  # (N,)
-        loss_mask = self._loss_mask(final.rollout, in_loss)
+        loss_mask = loss_mask_for(
+            final.rollout, in_loss, mask_truncated=self.config.mask_truncated_completions
+        )
         advantages = advantages.to(loss_mask.device) * in_loss.repeat_interleave(
             self.config.num_generations
         ).to(loss_mask.device)
@@ -253,13 +256,6 @@ class GRPOTrainer:
             more = self._generate(step, round_index, missing, timings)
             generated.append(self._score(more, step, runner, timings).result())
         return generated
-
-    def _loss_mask(self, rollout: Rollout, in_loss: Tensor) -> Tensor:
-        mask = rollout.completion_mask.clone()  # (N, C)
-        if self.config.mask_truncated_completions:
-            mask = mask * (~rollout.is_truncated).unsqueeze(1).to(mask.dtype)
-        keep = in_loss.repeat_interleave(self.config.num_generations).to(mask.device)  # (N,)
-        return mask * keep.unsqueeze(1).to(mask.dtype)
 
     @torch.no_grad()
     def _frozen_logps(self, rollout: Rollout) -> tuple[Tensor | None, Tensor | None]:
