@@ -5,16 +5,31 @@ Runs, in one go:
   tenant, an API key, a dataset and one job), broker `memory://` so POSTs pay the real enqueue call
   without filling a shared Redis;
 - a bare FastAPI hello-world app under the same uvicorn settings;
-and loads both with the same async generator (aiohttp, 64 connections, closed loop: each connection
-sends its next request when the previous answer arrives). Not httpx: its connection pool collapses
-at 64 connections (hello-world measured 58 req/s with httpx vs 912 with aiohttp on the same box),
-which would measure the client instead of the servers. Prints req/s, p50/p99 latency and errors
-for `GET /v1/jobs/{id}`, `GET /v1/jobs?limit=20`, `POST /v1/jobs`, and each one's ratio to the
-hello-world req/s.
+and loads both with the same async generator (aiohttp, at most 64 connections). Not httpx: its
+connection pool collapses at 64 connections (hello-world measured 58 req/s with httpx vs 912 with
+aiohttp on the same box), which would measure the client instead of the servers.
 
-    .venv/bin/python bench/api_load.py [--duration 10] [--connections 64] [--json out.json]
+Two modes, both in every round (rounds interleave the apps, so each comparison is made under the same
+machine load):
+- closed loop (throughput): 64 connections, each sends its next request when the previous answer
+  arrives. Prints req/s, p50/p99, errors for `GET /v1/jobs/{id}`, `GET /v1/jobs?limit=20`,
+  `POST /v1/jobs` and each one's ratio to the hello-world req/s. Its latencies are not a latency
+  measurement: with 64 requests always in flight, latency = 64 / throughput (Little's law), so a p99
+  under 50 ms would need more than 1280 req/s.
+- open loop (latency): requests arrive at a fixed rate whether or not earlier ones were answered, at
+  each of `--open-fractions` (default 0.5 and 0.1) of the hello-world closed-loop req/s of the same
+  round, the same rate for hello-world and `GET /v1/jobs/{id}`. 0.5 is the acceptance target's rate
+  (half of hello-world's throughput with p99 < 50 ms); 0.1 shows the latency of a lightly loaded API.
+  Latency runs from each request's scheduled send time, so queueing in the client counts too (no
+  coordinated omission).
 
-Both servers and the load generator share this machine's cores: read the ratio, not the absolutes.
+`--baseline DIR` also measures the API from another source tree (e.g. `git worktree add /tmp/base HEAD~1`)
+on the same database in the same rounds: before/after figures from one run. Each API server is started
+for its turn in a round and stopped after it, so at most one of them holds database connections.
+
+    .venv/bin/python bench/api_load.py [--duration 10] [--rounds 3] [--open-fractions 0.5 0.1] [--baseline DIR]
+
+Both servers and the load generator share this machine's cores: read the ratios, not the absolutes.
 """
 
 from __future__ import annotations
@@ -118,6 +133,73 @@ async def _load(base_url: str, call: Call, *, connections: int, duration: float,
     )
 
 
+async def _open_load(
+    base_url: str, call: Call, *, rate: float, connections: int, duration: float, warmup: float
+) -> Result:
+    """Fixed arrival rate; each latency is measured from the request's scheduled send time."""
+    latencies: list[float] = []
+    errors = 0
+    connector = aiohttp.TCPConnector(limit=connections)
+    timeout = aiohttp.ClientTimeout(total=30)
+    async with aiohttp.ClientSession(base_url=base_url, connector=connector, timeout=timeout) as session:
+        start = time.perf_counter()
+        measure_from = start + warmup
+        stop = measure_from + duration
+
+        async def one(scheduled: float) -> None:
+            nonlocal errors
+            try:
+                async with session.request(
+                    call.method, call.path, headers=call.headers, json=call.json
+                ) as resp:
+                    await resp.read()
+                    ok = resp.status < 400
+            except (TimeoutError, aiohttp.ClientError):
+                ok = False
+            if scheduled >= measure_from:
+                latencies.append(time.perf_counter() - scheduled)
+                errors += not ok
+
+        tasks: list[asyncio.Task[None]] = []
+        n = 0
+        while (scheduled := start + n / rate) < stop:
+            if (delay := scheduled - time.perf_counter()) > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(one(scheduled)))
+            n += 1
+        await asyncio.gather(*tasks)
+        elapsed = time.perf_counter() - measure_from
+    latencies.sort()
+    return Result(
+        name="",
+        requests=len(latencies),
+        errors=errors,
+        seconds=elapsed,
+        p50_ms=1000 * statistics.median(latencies),
+        p99_ms=1000 * latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))],
+    )
+
+
+def run_open_load(name: str, base_url: str, call: Call, rate: float, args: argparse.Namespace) -> Result:
+    result = asyncio.run(
+        _open_load(
+            base_url,
+            call,
+            rate=rate,
+            connections=args.connections,
+            duration=args.duration,
+            warmup=args.warmup,
+        )
+    )
+    result.name = name
+    print(
+        f"  {name:<34} offered {rate:6.0f} req/s   done {result.rps:6.0f} req/s   p50 {result.p50_ms:6.1f} ms   "
+        f"p99 {result.p99_ms:6.1f} ms   errors {result.errors}",
+        flush=True,
+    )
+    return result
+
+
 def server_cpu_seconds(pid: int) -> float:
     """User + system CPU of a server process and its workers."""
     process = psutil.Process(pid)
@@ -142,7 +224,7 @@ def run_load(
     cpu_ms = 1000 * (server_cpu_seconds(server_pid) - cpu_before) / max(total_requests, 1)
     result.name = name
     print(
-        f"  {name:<26} {result.rps:8.0f} req/s   p50 {result.p50_ms:6.1f} ms   p99 {result.p99_ms:6.1f} ms   "
+        f"  {name:<34} {result.rps:8.0f} req/s   p50 {result.p50_ms:6.1f} ms   p99 {result.p99_ms:6.1f} ms   "
         f"errors {result.errors}   server CPU {cpu_ms:.2f} ms/req",
         flush=True,
     )
@@ -161,17 +243,18 @@ def _free_port() -> int:
 
 @contextmanager
 def uvicorn_server(
-    app: str, env: dict[str, str], args: argparse.Namespace, *, factory: bool = False
+    app: str, env: dict[str, str], args: argparse.Namespace, *, factory: bool = False, source: Path = ROOT
 ) -> Iterator[tuple[str, int]]:
+    """Serve `app` from the source tree `source` (its working directory comes first on sys.path)."""
     port = _free_port()
     command = [
         sys.executable, "-m", "uvicorn", app, "--host", "127.0.0.1", "--port", str(port),
         "--workers", str(args.workers), "--log-level", "warning", "--no-access-log",
-        "--app-dir", str(ROOT / "bench"),
+        "--app-dir", str(source / "bench"),
     ]  # fmt: skip
     if factory:
         command.append("--factory")
-    proc = subprocess.Popen(command, cwd=ROOT, env={**os.environ, **env})
+    proc = subprocess.Popen(command, cwd=source, env={**os.environ, **env})
     base_url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 60
@@ -256,12 +339,17 @@ def job_body(dataset_id: str) -> dict[str, Any]:
 # --- main -----------------------------------------------------------------------------------------
 
 
-def main() -> None:
+HELLO = "GET / (hello-world)"
+TARGET = "GET /v1/jobs/{id}"
+BASELINE = " [baseline]"
+
+
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument(
-        "--duration", type=float, default=10.0, help="Measured seconds per endpoint and round."
+        "--duration", type=float, default=10.0, help="Measured seconds per endpoint, mode and round."
     )
     parser.add_argument(
         "--warmup", type=float, default=2.0, help="Unmeasured seconds before each measurement."
@@ -271,10 +359,86 @@ def main() -> None:
     )
     parser.add_argument("--connections", type=int, default=64)
     parser.add_argument("--workers", type=int, default=1, help="uvicorn worker processes (both apps).")
+    parser.add_argument(
+        "--open-fractions",
+        type=float,
+        nargs="*",
+        default=[0.5, 0.1],
+        help="Open-loop arrival rates as fractions of the round's hello-world closed-loop req/s (none = skip).",
+    )
+    parser.add_argument(
+        "--baseline", type=Path, help="Another source tree of the API to measure in the same rounds."
+    )
     parser.add_argument("--json", type=Path, help="Also write the results here.")
-    args = parser.parse_args()
+    return parser.parse_args()
 
-    rows: dict[str, list[tuple[Result, float, float]]] = {}  # name -> [(result, ratio, cpu ms/req)]
+
+def _median_row(measured: list[tuple[Result, float, float]]) -> dict[str, float]:
+    return {
+        "rps": statistics.median(r.rps for r, _, _ in measured),
+        "p50_ms": statistics.median(r.p50_ms for r, _, _ in measured),
+        "p99_ms": statistics.median(r.p99_ms for r, _, _ in measured),
+        "errors": sum(r.errors for r, _, _ in measured),
+        # closed loop: req/s / hello-world req/s; open loop: the offered rate
+        "ratio_or_rate": statistics.median(x for _, x, _ in measured),
+        "server_cpu_ms_per_request": statistics.median(cpu for _, _, cpu in measured),
+    }
+
+
+def print_summary(
+    closed: dict[str, list[tuple[Result, float, float]]], opened: dict[str, list[tuple[Result, float, float]]]
+) -> tuple[dict[str, dict[str, float]], dict[str, dict[str, float]]]:
+    print("\nclosed loop (throughput; latency here is 64 connections / throughput), medians over rounds")
+    print(
+        f"  {'endpoint':<34} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'errors':>7} {'ratio':>6} {'CPU ms/req':>11}"
+    )
+    closed_summary = {name: _median_row(measured) for name, measured in closed.items()}
+    for name, med in closed_summary.items():
+        print(
+            f"  {name:<34} {med['rps']:8.0f} {med['p50_ms']:8.1f} {med['p99_ms']:8.1f} {med['errors']:7.0f} "
+            f"{med['ratio_or_rate']:6.2f} {med['server_cpu_ms_per_request']:11.2f}"
+        )
+    open_summary = {name: _median_row(measured) for name, measured in opened.items()}
+    if open_summary:
+        print("\nopen loop (latency at a fixed arrival rate, the same for every app), medians over rounds")
+        print(f"  {'endpoint':<34} {'offered':>8} {'done/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'errors':>7}")
+        for name, med in open_summary.items():
+            print(
+                f"  {name:<34} {med['ratio_or_rate']:8.0f} {med['rps']:8.0f} {med['p50_ms']:8.1f} "
+                f"{med['p99_ms']:8.1f} {med['errors']:7.0f}"
+            )
+    return closed_summary, open_summary
+
+
+def open_name(endpoint: str, fraction: float) -> str:
+    return f"{endpoint} @ {fraction:g}x"
+
+
+def print_target(
+    closed: dict[str, dict[str, float]], opened: dict[str, dict[str, float]], suffix: str
+) -> None:
+    ratio = closed[TARGET + suffix]["ratio_or_rate"]
+    # This API's rows (and hello-world's): the baseline's errors do not count against the current tree.
+    errors = sum(
+        m["errors"]
+        for name, m in [*closed.items(), *opened.items()]
+        if name.startswith(HELLO) or (BASELINE in name) == (suffix == BASELINE)
+    )
+    line = f"\ntarget{suffix} (GET /v1/jobs/{{id}}): closed-loop ratio {ratio:.2f} (>= 0.5: {'met' if ratio >= 0.5 else 'NOT met'})"
+    at_half = open_name(TARGET + suffix, 0.5)
+    if at_half in opened:
+        p99 = opened[at_half]["p99_ms"]
+        rate = opened[at_half]["ratio_or_rate"]
+        line += (
+            f", open-loop p99 {p99:.1f} ms at {rate:.0f} req/s (< 50 ms: {'met' if p99 < 50 else 'NOT met'})"
+        )
+    print(line + f", errors {errors:.0f}")
+
+
+def main() -> None:
+    args = parse_args()
+    closed: dict[str, list[tuple[Result, float, float]]] = {}  # name -> [(result, ratio, cpu ms/req)]
+    opened: dict[str, list[tuple[Result, float, float]]] = {}  # name -> [(result, offered rate, 0)]
     with throwaway_database() as database_url, tempfile.TemporaryDirectory() as data_dir:
         env = {
             "GRPO_DATABASE_URL": database_url,
@@ -286,57 +450,51 @@ def main() -> None:
         key, dataset_id, job_id = seed(database_url)
         headers = {"Authorization": f"Bearer {key}"}
         calls = [
-            ("GET /v1/jobs/{id}", Call("GET", f"/v1/jobs/{job_id}", headers)),
+            (TARGET, Call("GET", f"/v1/jobs/{job_id}", headers)),
             ("GET /v1/jobs?limit=20", Call("GET", "/v1/jobs?limit=20", headers)),
             ("POST /v1/jobs", Call("POST", "/v1/jobs", headers, job_body(dataset_id))),
         ]
         print(
             f"uvicorn, {args.workers} worker(s) per app, {args.connections} connections, {os.cpu_count()} CPUs, "
-            f"{args.rounds} rounds of {args.duration:.0f} s",
+            f"{args.rounds} rounds of {args.duration:.0f} s per measurement, open loop at "
+            f"{args.open_fractions} x hello-world req/s",
             flush=True,
         )
-        with (
-            uvicorn_server("api_load:hello_app", {}, args) as (hello_url, hello_pid),
-            uvicorn_server("service.app:create_app", env, args, factory=True) as (api_url, api_pid),
-        ):
+        apis = [("", ROOT)] + ([(BASELINE, args.baseline.resolve())] if args.baseline else [])
+        with uvicorn_server("api_load:hello_app", {}, args) as (hello_url, hello_pid):
             # Interleaved rounds: each ratio compares measurements taken under the same machine load.
             for round_no in range(1, args.rounds + 1):
                 print(f"round {round_no}", flush=True)
-                hello, hello_cpu = run_load(
-                    "GET / (hello-world)", hello_url, Call("GET", "/"), args, hello_pid
-                )
-                rows.setdefault("GET / (hello-world)", []).append((hello, 1.0, hello_cpu))
-                for name, call in calls:
-                    result, cpu = run_load(name, api_url, call, args, api_pid)
-                    rows.setdefault(name, []).append((result, result.rps / hello.rps, cpu))
+                hello, hello_cpu = run_load(HELLO, hello_url, Call("GET", "/"), args, hello_pid)
+                closed.setdefault(HELLO, []).append((hello, 1.0, hello_cpu))
+                rates = [(fraction, fraction * hello.rps) for fraction in args.open_fractions]
+                for fraction, rate in rates:
+                    name = open_name(HELLO, fraction)
+                    opened.setdefault(name, []).append(
+                        (run_open_load(name, hello_url, Call("GET", "/"), rate, args), rate, 0.0)
+                    )
+                for suffix, source in apis:
+                    with uvicorn_server("service.app:create_app", env, args, factory=True, source=source) as (
+                        api_url,
+                        api_pid,
+                    ):
+                        for name, call in calls:
+                            result, cpu = run_load(name + suffix, api_url, call, args, api_pid)
+                            closed.setdefault(name + suffix, []).append((result, result.rps / hello.rps, cpu))
+                        for fraction, rate in rates:
+                            name = open_name(TARGET + suffix, fraction)
+                            result = run_open_load(name, api_url, calls[0][1], rate, args)
+                            opened.setdefault(name, []).append((result, rate, 0.0))
 
-    print("\nmedians over rounds", flush=True)
-    print(
-        f"  {'endpoint':<26} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'errors':>7} {'ratio':>6} {'CPU ms/req':>11}"
-    )
-    summary = {}
-    for name, measured in rows.items():
-        med = {
-            "rps": statistics.median(r.rps for r, _, _ in measured),
-            "p50_ms": statistics.median(r.p50_ms for r, _, _ in measured),
-            "p99_ms": statistics.median(r.p99_ms for r, _, _ in measured),
-            "errors": sum(r.errors for r, _, _ in measured),
-            "ratio": statistics.median(ratio for _, ratio, _ in measured),
-            "server_cpu_ms_per_request": statistics.median(cpu for _, _, cpu in measured),
-        }
-        summary[name] = med
-        print(
-            f"  {name:<26} {med['rps']:8.0f} {med['p50_ms']:8.1f} {med['p99_ms']:8.1f} {med['errors']:7d} "
-            f"{med['ratio']:6.2f} {med['server_cpu_ms_per_request']:11.2f}"
-        )
-    target = summary["GET /v1/jobs/{id}"]
-    met = target["ratio"] >= 0.5 and target["p99_ms"] < 50 and all(m["errors"] == 0 for m in summary.values())
-    print(
-        f"\ntarget (GET /v1/jobs/{{id}} >= 0.5x hello-world, p99 < 50 ms, zero errors): {'met' if met else 'NOT met'}"
-    )
+    closed_summary, open_summary = print_summary(closed, opened)
+    print_target(closed_summary, open_summary, "")
+    if args.baseline:
+        print_target(closed_summary, open_summary, BASELINE)
     if args.json:
         payload = {
-            "summary": summary,
+            "closed_loop": closed_summary,
+            "open_loop": open_summary,
+            "open_fractions": args.open_fractions,
             "connections": args.connections,
             "workers": args.workers,
             "cpus": os.cpu_count(),

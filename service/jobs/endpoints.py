@@ -15,7 +15,7 @@ from service.jobs.idempotency import request_hash, run_idempotent
 from service.jobs.schemas import EventList, EventOut, JobList, JobOut, MetricsOut, SampleList, SampleOut
 from service.jobs.states import JobStatus
 from service.jobs.stream import job_event_stream, parse_last_event_id
-from service.kit.db import session_scope
+from service.kit.db import single_read_session
 from service.kit.deps import SessionDep
 from service.kit.openapi import error_responses
 from service.kit.queue import JobQueue, get_job_queue
@@ -121,7 +121,8 @@ async def get_job(job_id: str, tenant: CurrentTenant) -> Response:
 
 
 def _read_job(tenant_id: str, job_id: str) -> JobOut:
-    with session_scope() as session:
+    # One SELECT (the job row carries its latest metrics): autocommit spares the BEGIN/COMMIT round trips.
+    with single_read_session() as session:
         return JobOut.from_row(service.get_job(session, tenant_id, job_id))
 
 

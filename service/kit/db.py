@@ -140,6 +140,25 @@ def session_scope(engine: Engine | None = None) -> Iterator[Session]:
         session.close()
 
 
+@lru_cache
+def _autocommit_factory_for(engine: Engine) -> sessionmaker[Session]:
+    return sessionmaker(bind=engine.execution_options(isolation_level="AUTOCOMMIT"), expire_on_commit=False)
+
+
+@contextmanager
+def single_read_session(engine: Engine | None = None) -> Iterator[Session]:
+    """A session for ONE read-only statement, in autocommit mode: no BEGIN and COMMIT round trips.
+
+    One statement sees one consistent snapshot by itself, so this is equivalent to a transaction for it.
+    Not for writes, nor for several statements that must agree with each other: use `session_scope`.
+    """
+    session = _autocommit_factory_for(engine or get_engine())()
+    try:
+        yield session
+    finally:
+        session.close()
+
+
 def on_commit(session: Session, callback: Callable[[], None]) -> None:
     """Run `callback` after the session's current transaction commits; forget it on rollback."""
     session.info.setdefault("on_commit", []).append(callback)
