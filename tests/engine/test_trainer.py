@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import math
+import time
 from pathlib import Path
 from typing import Any
 
@@ -300,3 +302,39 @@ def test_loss_mask_drops_truncated_completions_and_excluded_groups() -> None:
     assert torch.equal(loss_mask_for(rollout, both_groups, mask_truncated=True), expected)
     first_only = loss_mask_for(rollout, torch.tensor([True, False]), mask_truncated=False)
     assert torch.equal(first_only, torch.tensor([[1, 1, 0], [1, 1, 1], [0, 0, 0], [0, 0, 0]]))
+
+
+class TestOverlap:
+    def test_reward_scoring_overlaps_the_reference_forward_pass(
+        self, tmp_path: Path, models_dir: Path
+    ) -> None:
+        events: dict[str, float] = {}
+
+        class SlowSource:
+            name = "slow"
+
+            async def __call__(self, items: Any, *, step: int) -> list[float | None]:
+                events["reward_start"] = time.perf_counter()
+                await asyncio.sleep(0.5)  # a remote endpoint taking its time
+                events["reward_end"] = time.perf_counter()
+                return [float(i % 3) for i in range(len(items))]
+
+        trainer = GRPOTrainer(
+            small_config(max_steps=1, beta=0.04),
+            train_rows=word_rows(),
+            reward=CompositeReward([(SlowSource(), 1.0)]),
+            **trainer_kwargs(tmp_path, models_dir),
+        )
+        reference_logps = trainer.models.reference_logps
+
+        def timed(*args: Any, **kwargs: Any) -> torch.Tensor:
+            events.setdefault("reference_start", time.perf_counter())
+            result = reference_logps(*args, **kwargs)
+            events["reference_end"] = time.perf_counter()
+            return result
+
+        trainer.models.reference_logps = timed  # type: ignore[method-assign]
+        metrics = trainer.train().history[0]
+        # The reference pass did not wait for the rewards: it finished while the source was still sleeping.
+        assert events["reference_end"] < events["reward_end"]
+        assert metrics["time/reward_s"] >= 0.5
