@@ -106,6 +106,7 @@ class Stack:
     queued_resend_seconds: int = 5
     procs: list[Proc] = field(default_factory=list)
     api_port: int = 0
+    grpc_port: int = 0  # 0 = no gRPC server
     _worker_count: int = 0
 
     @property
@@ -120,7 +121,7 @@ class Stack:
                 "GRPO_STORAGE_URL": str(self.data_dir / "storage"),
                 "GRPO_LEASE_SECONDS": str(self.lease_seconds),
                 "GRPO_QUEUED_RESEND_SECONDS": str(self.queued_resend_seconds),
-                "GRPO_GRPC_PORT": "0",
+                "GRPO_GRPC_PORT": str(self.grpc_port),
                 # Two shared CPU cores: one thread per process keeps tests from starving each other.
                 "OMP_NUM_THREADS": "1",
                 "MKL_NUM_THREADS": "1",
@@ -139,7 +140,7 @@ class Stack:
             "--port",
             str(self.api_port),
             "--grpc-port",
-            "0",
+            str(self.grpc_port),
             "--migrate",
             "--worker" if worker else "--no-worker",
         ]
