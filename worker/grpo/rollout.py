@@ -1,4 +1,10 @@
-"""Rollouts: G completions per prompt with `model.generate`, as token ids and masks for the loss.
+"""Rollouts: G completions per prompt, as token ids and masks for the loss.
+
+Sampling runs our own loop (prefill once, then one token per forward with a KV cache,
+temperature / top-k / top-p with a seeded torch.Generator, stop once every row has emitted EOS):
+`generate()` spends most of a small model's generation time in per-token Python machinery. Plain
+Llama models decode through `worker.grpo.fast_llama` (preallocated cache, fused projections);
+any other model through its own forward with a `DynamicCache`. Beam search stays on `generate()`.
 
 The loss trains on the sampled ids exactly; the decoded texts go to reward sources only and are
 never tokenised again (a decode/encode round trip is not the identity for most tokenizers).
@@ -8,11 +14,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
-from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import DynamicCache, GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
+from worker.grpo import fast_llama
 from worker.grpo.config import GRPOConfig
 
 
@@ -173,20 +181,18 @@ def generate_rollout(
         # (num_prompts * G, P): each prompt's G rows are contiguous.
         prompt_ids = prompt_ids.repeat_interleave(group, dim=0)
         prompt_mask = prompt_mask.repeat_interleave(group, dim=0)
-    generation_config = _generation_config(config, tokenizer, eos_ids)
-
     was_training = model.training
     model.eval()
     try:
-        with torch.random.fork_rng(devices=_cuda_devices(device), enabled=generator_seed is not None):
-            if generator_seed is not None:
-                torch.manual_seed(generator_seed)
-            # PreTrainedModel's stubs do not show GenerationMixin.generate to mypy.
-            sequences = model.generate(  # type: ignore[operator]
-                input_ids=prompt_ids,
-                attention_mask=prompt_mask,
-                generation_config=generation_config,
-            )  # (N, P + C') with C' <= max_completion_length
+        if config.generation == "sample":
+            generator = None
+            if generator_seed is not None:  # a private generator: the global RNG is left untouched
+                generator = torch.Generator(device=device).manual_seed(generator_seed)
+            completion_ids = sample_completions(
+                model, prompt_ids, prompt_mask, config, eos_ids, _pad_token_id(tokenizer), generator
+            )  # (N, C') with C' <= max_completion_length
+        else:
+            completion_ids = _beam_search(model, tokenizer, prompt_ids, prompt_mask, config, eos_ids)
     finally:
         model.train(was_training)
 
@@ -194,8 +200,6 @@ def generate_rollout(
         # Beam search returns the G sequences of each prompt contiguously; expand the prompt to match.
         prompt_ids = prompt_ids.repeat_interleave(group, dim=0)
         prompt_mask = prompt_mask.repeat_interleave(group, dim=0)
-    prompt_length = prompt_ids.shape[1]
-    completion_ids = sequences[:, prompt_length:]  # (N, C')
     completion_mask, is_truncated = completion_mask_after_eos(completion_ids, eos_ids)
     # Whatever generate() put after the first EOS (pad, or beam leftovers) becomes pad.
     completion_ids = completion_ids.masked_fill(completion_mask == 0, _pad_token_id(tokenizer))
@@ -211,6 +215,144 @@ def generate_rollout(
     )
 
 
-def _cuda_devices(device: torch.device) -> list[int]:
-    """fork_rng must also save/restore the CUDA generator of the model's device when there is one."""
-    return [device.index or 0] if device.type == "cuda" else []
+def _beam_search(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    prompt_ids: Tensor,
+    prompt_mask: Tensor,
+    config: GRPOConfig,
+    eos_ids: list[int],
+) -> Tensor:
+    """G beams per prompt through `generate()`; returns the (num_prompts * G, C') completion ids."""
+    # PreTrainedModel's stubs do not show GenerationMixin.generate to mypy.
+    sequences = model.generate(  # type: ignore[operator]
+        input_ids=prompt_ids,
+        attention_mask=prompt_mask,
+        generation_config=_generation_config(config, tokenizer, eos_ids),
+    )  # (N, P + C')
+    return sequences[:, prompt_ids.shape[1] :]
+
+
+# --- the sampling loop ---------------------------------------------------------------------------
+
+
+class _Decoder(Protocol):
+    def prefill(self, prompt_ids: Tensor) -> Tensor: ...  # (B, P) -> next-token logits (B, V)
+
+    def step(self, tokens: Tensor) -> Tensor: ...  # (B,) -> next-token logits (B, V)
+
+
+class _CacheDecoder:
+    """Any causal LM through its own forward and a DynamicCache (models fast_llama does not cover)."""
+
+    def __init__(self, model: Any, prompt_mask: Tensor, max_new_tokens: int) -> None:
+        self.model = model
+        batch = prompt_mask.shape[0]
+        # The attention mask grows by one visible column per token, as in generate().
+        self.mask = torch.cat([prompt_mask, prompt_mask.new_ones(batch, max_new_tokens)], dim=1)  # (B, P + C)
+        positions = prompt_mask.long().cumsum(-1) - 1
+        self.prompt_positions = positions.masked_fill(prompt_mask == 0, 1)  # generate()'s convention
+        self.next_position = positions[:, -1:] + 1  # (B, 1)
+        self.cache = DynamicCache(config=model.config)
+        self.length = prompt_mask.shape[1]
+
+    def prefill(self, prompt_ids: Tensor) -> Tensor:
+        return self._forward(prompt_ids, self.prompt_positions)
+
+    def step(self, tokens: Tensor) -> Tensor:
+        logits = self._forward(tokens[:, None], self.next_position, grow=True)
+        self.next_position = self.next_position + 1
+        return logits
+
+    def _forward(self, ids: Tensor, positions: Tensor, *, grow: bool = False) -> Tensor:
+        if grow:
+            self.length += 1
+        out = self.model(
+            input_ids=ids,
+            attention_mask=self.mask[:, : self.length],
+            position_ids=positions,
+            past_key_values=self.cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        return out.logits[:, -1]
+
+
+def _decoder(model: Any, prompt_mask: Tensor, max_new_tokens: int) -> _Decoder:
+    if fast_llama.supports(model):
+        return fast_llama.LlamaFunctional(model).decoder(prompt_mask, max_new_tokens)
+    return _CacheDecoder(model, prompt_mask, max_new_tokens)
+
+
+def filter_logits(logits: Tensor, *, temperature: float, top_k: int, top_p: float) -> Tensor:
+    """(B, V) logits -> tempered logits with everything outside top-k / the top-p nucleus at -inf.
+
+    Same order and rules as transformers' warpers: temperature, then top-k (0 = off), then top-p
+    (smallest set whose mass reaches top_p; the most likely token is always kept).
+    """
+    logits = logits.float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    if 0 < top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]  # (B, 1)
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1)  # ascending
+        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        drop_sorted = cumulative <= (1 - top_p)
+        drop_sorted[:, -1] = False
+        drop = drop_sorted.scatter(1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+def sample_tokens(logits: Tensor, generator: torch.Generator | None) -> Tensor:
+    """One token per row from softmax(logits) (B, V), by inverting the cumulative distribution.
+
+    One uniform draw per row; cheaper than torch.multinomial for small batches (no per-row
+    alias setup) and the same distribution. Tokens with zero probability (-inf) are never drawn.
+    """
+    weights = (logits - logits.amax(dim=-1, keepdim=True)).exp()  # (B, V) unnormalised
+    cdf = weights.cumsum(dim=-1)
+    draw = torch.rand(cdf.shape[0], 1, generator=generator, device=cdf.device, dtype=cdf.dtype)
+    tokens = torch.searchsorted(cdf, draw * cdf[:, -1:], right=True).squeeze(1)
+    return tokens.clamp(max=logits.shape[-1] - 1)  # draw * total can round up to total itself
+
+
+def sample_completions(
+    model: Any,
+    prompt_ids: Tensor,
+    prompt_mask: Tensor,
+    config: GRPOConfig,
+    eos_ids: list[int],
+    pad_id: int,
+    generator: torch.Generator | None,
+) -> Tensor:
+    """Sample up to max_completion_length tokens per row; (B, P) left-padded prompts -> (B, C') ids.
+
+    Rows that have emitted an EOS get `pad_id` from then on; the loop ends once every row has
+    (so C' may be shorter than max_completion_length), as generate() does.
+    """
+    max_new = config.max_completion_length
+    batch, device = prompt_ids.shape[0], prompt_ids.device
+    with torch.inference_mode():
+        decoder = _decoder(model, prompt_mask, max_new)
+        eos = torch.tensor(eos_ids, device=device)
+        out = torch.full((batch, max_new), pad_id, dtype=torch.long, device=device)
+        running = torch.ones(batch, dtype=torch.bool, device=device)
+        logits = decoder.prefill(prompt_ids)
+        produced = 0
+        for index in range(max_new):
+            filtered = filter_logits(
+                logits, temperature=config.temperature, top_k=config.top_k, top_p=config.top_p
+            )
+            tokens = sample_tokens(filtered, generator)  # (B,)
+            tokens = torch.where(running, tokens, pad_id)
+            out[:, index] = tokens
+            produced = index + 1
+            running &= ~torch.isin(tokens, eos)
+            if produced == max_new or not bool(running.any()):
+                break
+            logits = decoder.step(tokens)
+    # A normal tensor again: inference tensors cannot be saved for backward (the embedding would).
+    return out[:, :produced].clone()

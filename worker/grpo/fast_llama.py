@@ -1,0 +1,294 @@
+"""A lean functional forward of Llama-architecture models for the hot paths of a GRPO step.
+
+Why: on small models `transformers`' module-per-op forward (and `generate()`'s per-token
+machinery: DynamicCache concatenation, logits processors, stopping criteria) costs far more than
+the arithmetic. This module runs the same computation on the model's own parameters with fewer
+and fused ops: one q/k/v matmul and one gate/up matmul per layer (weights concatenated, so
+gradients still reach the original parameters), rotary embeddings as `x*cos + roll(x)*sin'`,
+`F.rms_norm`, and for generation a preallocated KV cache written in place.
+
+Only a plain `LlamaForCausalLM` (no peft wrapper, no gradient checkpointing, no dropout) takes
+this path; `supports(model)` says so and callers fall back to the `transformers` forward
+otherwise. Logits equal the `transformers` ones up to float rounding at every real (unmasked)
+position; padded positions attend to themselves only (they are never read).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+# Activation functions the fused MLP implements (config.hidden_act -> function).
+_ACTIVATIONS = {"silu": F.silu}
+
+
+def supports(model: Any) -> bool:
+    """True when `model` is a plain Llama causal LM this module reproduces exactly."""
+    from transformers import LlamaForCausalLM
+
+    if type(model) is not LlamaForCausalLM:  # peft wrappers and subclasses take the generic path
+        return False
+    config = model.config
+    # transformers 5 renamed gradient checkpointing (the old property warns).
+    checkpointing = getattr(model, "is_activation_checkpointing", None)
+    if checkpointing is None:
+        checkpointing = getattr(model, "is_gradient_checkpointing", False)
+    if checkpointing:
+        return False
+    if getattr(config, "pretraining_tp", 1) != 1 or config.hidden_act not in _ACTIVATIONS:
+        return False
+    # Attention dropout only matters in training mode; the functional path has none.
+    return not (model.training and float(getattr(config, "attention_dropout", 0.0) or 0.0) > 0)
+
+
+@dataclass
+class _Layer:
+    input_norm: Tensor
+    qkv_weight: Tensor  # (H*D + 2*KV*D, E): q, k, v stacked
+    qkv_bias: Tensor | None
+    o_weight: Tensor
+    o_bias: Tensor | None
+    post_norm: Tensor
+    gate_up_weight: Tensor  # (2*I, E): gate then up
+    gate_up_bias: Tensor | None
+    down_weight: Tensor
+    down_bias: Tensor | None
+
+
+def _cat_bias(*linears: Any) -> Tensor | None:
+    biases = [linear.bias for linear in linears]
+    return None if biases[0] is None else torch.cat(biases)
+
+
+class LlamaFunctional:
+    """The model's weights gathered for the functional forward. Build a fresh one after each
+    optimiser step that should be visible (concatenated weights are copies; under autograd the
+    concatenation is part of the graph, so gradients flow to the original parameters)."""
+
+    def __init__(self, model: Any) -> None:
+        config = model.config
+        self.model = model
+        self.num_heads = int(config.num_attention_heads)
+        self.num_kv_heads = int(config.num_key_value_heads or config.num_attention_heads)
+        self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // self.num_heads)
+        self.eps = float(config.rms_norm_eps)
+        self.act = _ACTIVATIONS[config.hidden_act]
+        self.intermediate = int(config.intermediate_size)
+        self.hidden = int(config.hidden_size)
+        core = model.model
+        self.embed = core.embed_tokens.weight
+        self.final_norm = core.norm.weight
+        self.lm_head = model.lm_head.weight
+        self.lm_head_bias = getattr(model.lm_head, "bias", None)
+        self.rotary = core.rotary_emb
+        self.layers = [self._layer(layer) for layer in core.layers]
+
+    def _layer(self, layer: Any) -> _Layer:
+        attn, mlp = layer.self_attn, layer.mlp
+        return _Layer(
+            input_norm=layer.input_layernorm.weight,
+            qkv_weight=torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]),
+            qkv_bias=_cat_bias(attn.q_proj, attn.k_proj, attn.v_proj),
+            o_weight=attn.o_proj.weight,
+            o_bias=attn.o_proj.bias,
+            post_norm=layer.post_attention_layernorm.weight,
+            gate_up_weight=torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),
+            gate_up_bias=_cat_bias(mlp.gate_proj, mlp.up_proj),
+            down_weight=mlp.down_proj.weight,
+            down_bias=mlp.down_proj.bias,
+        )
+
+    # --- building blocks ---------------------------------------------------------------------
+
+    def norm(self, x: Tensor, weight: Tensor) -> Tensor:
+        """LlamaRMSNorm: normalise in float32, cast back, then scale (same order as transformers)."""
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, (x.shape[-1],), weight, self.eps)
+        return weight * F.rms_norm(x.float(), (x.shape[-1],), None, self.eps).to(x.dtype)
+
+    def rotary_tables(self, position_ids: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """cos and signed sin (B, T, D) for `x*cos + roll(x, D/2)*sin_signed` (== rotate_half form)."""
+        probe = torch.empty(0, dtype=dtype, device=position_ids.device)
+        cos, sin = self.rotary(probe, position_ids)  # the model's own RoPE (any rope_type)
+        half = self.head_dim // 2
+        sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
+        return cos, sin
+
+    def qkv(self, layer: _Layer, h: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """(B, T, E) normalised input -> q (B, H, T, D), k and v (B, KV, T, D), RoPE applied."""
+        batch, length, _ = h.shape
+        heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
+        fused = F.linear(h, layer.qkv_weight, layer.qkv_bias)  # (B, T, (H + 2KV) * D)
+        fused = fused.view(batch, length, heads + 2 * kv_heads, dim).transpose(1, 2)  # (B, H+2KV, T, D)
+        qk = fused[:, : heads + kv_heads]
+        # One RoPE for q and k together; cos/sin (B, T, D) broadcast over heads.
+        qk = qk * cos.unsqueeze(1) + qk.roll(dim // 2, dims=-1) * sin.unsqueeze(1)
+        return qk[:, :heads], qk[:, heads:], fused[:, heads + kv_heads :]
+
+    def attention_out(self, layer: _Layer, attn: Tensor) -> Tensor:
+        """(B, H, T, D) -> (B, T, E) through o_proj."""
+        batch, _, length, _ = attn.shape
+        merged = attn.transpose(1, 2).reshape(batch, length, self.num_heads * self.head_dim)
+        return F.linear(merged, layer.o_weight, layer.o_bias)
+
+    def mlp(self, layer: _Layer, x: Tensor) -> Tensor:
+        gate_up = F.linear(self.norm(x, layer.post_norm), layer.gate_up_weight, layer.gate_up_bias)
+        gate, up = gate_up.split(self.intermediate, dim=-1)
+        return F.linear(self.act(gate) * up, layer.down_weight, layer.down_bias)
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        return F.linear(self.norm(hidden, self.final_norm), self.lm_head, self.lm_head_bias)
+
+    def _sdpa(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, enable_gqa=self.num_kv_heads != self.num_heads
+        )
+
+    # --- whole-sequence forward (log-probs, with or without grad) ------------------------------
+
+    def forward_logits(
+        self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, keep: slice
+    ) -> Tensor:
+        """Logits (B, K, V) at positions `keep` of a causal forward over (B, T) tokens."""
+        mask = causal_padding_mask(attention_mask)  # (B, 1, T, T) bool
+        cos, sin = self.rotary_tables(position_ids, self.embed.dtype)
+        x = F.embedding(input_ids, self.embed)  # (B, T, E)
+        for layer in self.layers:
+            q, k, v = self.qkv(layer, self.norm(x, layer.input_norm), cos, sin)
+            x = x + self.attention_out(layer, self._sdpa(q, k, v, mask))
+            x = x + self.mlp(layer, x)
+        return self.logits(x[:, keep])
+
+    # --- incremental decoding with a preallocated cache ----------------------------------------
+
+    def decoder(self, prompt_mask: Tensor, max_new_tokens: int) -> StaticDecoder:
+        return StaticDecoder(self, prompt_mask, max_new_tokens)
+
+
+def causal_padding_mask(attention_mask: Tensor) -> Tensor:
+    """(B, T) 0/1 -> (B, 1, T, T) bool: key j visible to query i when j <= i and j is real.
+
+    Every position also sees itself, so a padded query never has an empty row (which would give
+    NaN in softmax); padded positions' outputs are never read by real ones (they are masked keys).
+    """
+    length = attention_mask.shape[1]
+    causal = torch.ones(length, length, dtype=torch.bool, device=attention_mask.device).tril()
+    visible = causal & attention_mask.bool()[:, None, None, :]  # (B, 1, T, T)
+    return visible | torch.eye(length, dtype=torch.bool, device=attention_mask.device)
+
+
+class StaticDecoder:
+    """Prefill once, then one token per call, with K/V written into a preallocated (B, KV, S, D) cache.
+
+    Positions follow `generate()`: prompt positions count real tokens (left padding does not
+    shift them) and each new token takes the next position. Call under torch.inference_mode().
+    A decode step works on (B, E) matrices with weights transposed once up front (`x @ W^T` as a
+    plain contiguous mm is several times cheaper than `F.linear` at these sizes on CPU) and
+    attention as two batched matmuls over the cache (cheaper than SDPA's kernel for one query).
+    """
+
+    def __init__(self, net: LlamaFunctional, prompt_mask: Tensor, max_new_tokens: int) -> None:
+        self.net = net
+        batch, prompt_length = prompt_mask.shape
+        total = prompt_length + max_new_tokens
+        device, dtype = prompt_mask.device, net.embed.dtype
+        shape = (batch, net.num_kv_heads, total, net.head_dim)
+        self.keys = [torch.empty(shape, dtype=dtype, device=device) for _ in net.layers]
+        self.values = [torch.empty(shape, dtype=dtype, device=device) for _ in net.layers]
+        # Additive key mask over the whole horizon: prompt padding -inf, generated tokens visible.
+        bias = torch.zeros(batch, total, dtype=dtype, device=device)
+        bias[:, :prompt_length].masked_fill_(prompt_mask == 0, float("-inf"))
+        self.bias = bias.repeat_interleave(net.num_kv_heads, dim=0).unsqueeze(1)  # (B*KV, 1, S)
+        prompt_positions = (prompt_mask.long().cumsum(-1) - 1).clamp(min=0)  # (B, P)
+        last = prompt_positions[:, -1:]  # left padding: the last column is a real token
+        steps = torch.arange(1, max_new_tokens + 1, device=device)
+        positions = torch.cat([prompt_positions, last + steps], dim=1)  # (B, S)
+        self.cos, self.sin = net.rotary_tables(positions, dtype)
+        self.prompt_mask = prompt_mask
+        self.transposed = [_TransposedLayer.of(layer) for layer in net.layers]
+        self.head_t = net.lm_head.t().contiguous()
+        self.length = 0  # filled cache positions
+
+    def prefill(self, prompt_ids: Tensor) -> Tensor:
+        """(B, P) -> logits (B, V) of the next token."""
+        net, length = self.net, prompt_ids.shape[1]
+        mask = causal_padding_mask(self.prompt_mask)
+        cos, sin = self.cos[:, :length], self.sin[:, :length]
+        x = F.embedding(prompt_ids, net.embed)
+        for index, layer in enumerate(net.layers):
+            q, k, v = net.qkv(layer, net.norm(x, layer.input_norm), cos, sin)
+            self.keys[index][:, :, :length] = k
+            self.values[index][:, :, :length] = v
+            x = x + net.attention_out(layer, net._sdpa(q, k, v, mask))
+            x = x + net.mlp(layer, x)
+        self.length = length
+        return self._logits(x[:, -1])
+
+    def step(self, tokens: Tensor) -> Tensor:
+        """(B,) tokens just sampled -> logits (B, V) of the next one."""
+        net, position = self.net, self.length
+        end = position + 1
+        batch = tokens.shape[0]
+        heads, kv_heads, dim = net.num_heads, net.num_kv_heads, net.head_dim
+        cos, sin = self.cos[:, position : position + 1], self.sin[:, position : position + 1]  # (B, 1, D)
+        bias = self.bias[..., :end]  # (B*KV, 1, end)
+        scale = dim**-0.5
+        x = F.embedding(tokens, net.embed)  # (B, E)
+        for index, (layer, t) in enumerate(zip(net.layers, self.transposed, strict=True)):
+            fused = _mm(net.norm(x, layer.input_norm), t.qkv, t.qkv_bias).view(batch, -1, dim)
+            qk = fused[:, : heads + kv_heads]  # (B, H+KV, D)
+            qk = qk * cos + qk.roll(dim // 2, dims=-1) * sin
+            self.keys[index][:, :, position] = qk[:, heads:]
+            self.values[index][:, :, position] = fused[:, heads + kv_heads :]
+            # Heads of one KV group are adjacent: (B*KV, groups, D) queries against (B*KV, end, D) keys.
+            q = qk[:, :heads].reshape(batch * kv_heads, heads // kv_heads, dim)
+            keys = self.keys[index][:, :, :end].reshape(batch * kv_heads, end, dim)
+            values = self.values[index][:, :, :end].reshape(batch * kv_heads, end, dim)
+            probs = torch.baddbmm(bias, q, keys.transpose(1, 2), alpha=scale).softmax(dim=-1)
+            attn = torch.bmm(probs, values).view(batch, heads * dim)
+            x = x + _mm(attn, t.o, t.o_bias)
+            gate_up = _mm(net.norm(x, layer.post_norm), t.gate_up, t.gate_up_bias)
+            gate, up = gate_up.split(net.intermediate, dim=-1)
+            x = x + _mm(net.act(gate) * up, t.down, t.down_bias)
+        self.length = end
+        return self._logits(x)
+
+    def _logits(self, hidden: Tensor) -> Tensor:
+        """(B, E) last hidden states -> (B, V) logits."""
+        return _mm(self.net.norm(hidden, self.net.final_norm), self.head_t, self.net.lm_head_bias)
+
+
+@dataclass
+class _TransposedLayer:
+    """A layer's matrices as contiguous (in, out) copies for `x @ W^T` as a plain mm."""
+
+    qkv: Tensor
+    qkv_bias: Tensor | None
+    o: Tensor
+    o_bias: Tensor | None
+    gate_up: Tensor
+    gate_up_bias: Tensor | None
+    down: Tensor
+    down_bias: Tensor | None
+
+    @classmethod
+    def of(cls, layer: _Layer) -> _TransposedLayer:
+        return cls(
+            layer.qkv_weight.t().contiguous(),
+            layer.qkv_bias,
+            layer.o_weight.t().contiguous(),
+            layer.o_bias,
+            layer.gate_up_weight.t().contiguous(),
+            layer.gate_up_bias,
+            layer.down_weight.t().contiguous(),
+            layer.down_bias,
+        )
+
+
+def _mm(x: Tensor, weight_t: Tensor, bias: Tensor | None) -> Tensor:
+    """(B, in) @ (in, out) [+ bias]."""
+    return torch.mm(x, weight_t) if bias is None else torch.addmm(bias, x, weight_t)
