@@ -47,6 +47,11 @@ def checkpoint_key(job_id: str, checkpoint_id: str, relative_path: str) -> str:
     return validate_key(f"{checkpoint_prefix(job_id, checkpoint_id)}/{relative_path}")
 
 
+def tensorboard_key(job_id: str, relative_path: str) -> str:
+    """A TensorBoard event file of a job, stored next to its checkpoints."""
+    return validate_key(f"checkpoints/{job_id}/tensorboard/{relative_path}")
+
+
 class Storage:
     """Blob operations on keys relative to one root URL."""
 

@@ -50,7 +50,7 @@ from service.kit.config import Settings, get_settings
 from service.kit.db import session_scope
 from service.observability.logs import job_context
 from service.rewards.models import RewardFunction
-from service.storage import Storage, checkpoint_key, checkpoint_prefix, get_storage
+from service.storage import Storage, checkpoint_key, checkpoint_prefix, get_storage, tensorboard_key
 from worker import metrics as worker_metrics
 from worker import reporting
 from worker.grpo.reward_types import RewardError, RewardUnavailable
@@ -70,6 +70,7 @@ if TYPE_CHECKING:
     from worker.grpo.data import PromptRow
     from worker.grpo.rewards import CompositeReward
     from worker.reward_client import RetryEvent
+    from worker.tensorboard import TensorBoardLog
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +114,7 @@ class JobRunner:
         self.worker_id = worker_id or default_worker_id()
         self.storage: Storage = get_storage()
         self._step_metrics: dict[int, dict[str, float]] = {}
+        self._tensorboard: TensorBoardLog | None = None
 
     # --- entry point ---------------------------------------------------------------------------
 
@@ -185,6 +187,11 @@ class JobRunner:
 
         from worker.grpo.trainer import GRPOTrainer  # torch is imported here, in the job's process
 
+        if self.settings.tensorboard:
+            from worker.tensorboard import TensorBoardLog
+
+            self._tensorboard = TensorBoardLog(workdir / "tensorboard", f"attempt-{claim.attempt}")
+
         def should_stop() -> bool:
             return self._should_stop(claim, heartbeat)
 
@@ -204,7 +211,11 @@ class JobRunner:
             checkpoint_metadata={"job_id": self.job_id, "attempt": claim.attempt},
         )
         reporting.set_total_steps(claim, trainer.total_steps)
-        return trainer.train()
+        try:
+            return trainer.train()
+        finally:
+            if self._tensorboard is not None:
+                self._tensorboard.close()
 
     def _load_context(self, claim: Claim) -> JobContext:
         with session_scope() as session:
@@ -325,6 +336,9 @@ class JobRunner:
         except BaseException:
             self.storage.delete(checkpoint_prefix(claim.job_id, checkpoint_id))
             raise
+        if self._tensorboard is not None:
+            for relative in self._tensorboard.files():
+                self._upload(self._tensorboard.root / relative, tensorboard_key(claim.job_id, relative.as_posix()))
 
     def _upload(self, path: Path, key: str) -> None:
         with path.open("rb") as handle:
@@ -335,6 +349,8 @@ class JobRunner:
     def _on_metrics(self, claim: Claim, step: int, metrics: Mapping[str, float], samples: list[dict[str, Any]]) -> None:
         self._step_metrics = {step: dict(metrics)}
         worker_metrics.observe_step(metrics)
+        if self._tensorboard is not None:
+            self._tensorboard.write(step, metrics)
         logged = [
             SampleIn(prompt=str(s["prompt"]), completion=str(s["completion"]), reward=_finite_or_none(s.get("reward")),
                      rewards={k: _finite_or_none(v) for k, v in dict(s.get("rewards", {})).items()})

@@ -48,6 +48,11 @@ class Settings(BaseSettings):
         "(other uvicorn workers, the gRPC server, keys revoked directly in the database).",
     )
     log_json: bool = Field(False, description="Structured JSON logs.")
+    tensorboard: bool = Field(
+        False,
+        description="Workers also write TensorBoard event files (per-step metrics), uploaded next to the job's "
+        "checkpoints at checkpoints/<job_id>/tensorboard/attempt-<n>/ in storage.",
+    )
     worker_metrics_port: int = Field(
         0, ge=0, le=65535, description="Port of the worker's Prometheus /metrics server (0 = off)."
     )
