@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import typer
 
 from service.cli import admin, checkpoints, datasets, demo, jobs, migrate, rewards, serve, train, worker
@@ -20,4 +22,7 @@ app.command("demo")(demo.demo)
 
 
 def main() -> None:
+    # Before torch is imported anywhere (workers, `grpo train`): OpenMP's default spin-waiting burns 5-20x the
+    # CPU of the work itself when cores are shared (measured in bench/README.md). Users can still override it.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     app()
