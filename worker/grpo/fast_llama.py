@@ -81,6 +81,8 @@ class LlamaFunctional:
         self.hidden = int(config.hidden_size)
         core = model.model
         self.embed = core.embed_tokens.weight
+        # nn.Embedding's padding_idx: that row gets no gradient (a sampled pad token is a real input).
+        self.padding_idx = core.embed_tokens.padding_idx
         self.final_norm = core.norm.weight
         self.lm_head = model.lm_head.weight
         self.lm_head_bias = getattr(model.lm_head, "bias", None)
@@ -103,6 +105,9 @@ class LlamaFunctional:
         )
 
     # --- building blocks ---------------------------------------------------------------------
+
+    def embed_ids(self, ids: Tensor) -> Tensor:
+        return F.embedding(ids, self.embed, self.padding_idx)
 
     def norm(self, x: Tensor, weight: Tensor) -> Tensor:
         """LlamaRMSNorm: normalise in float32, cast back, then scale (same order as transformers)."""
@@ -156,12 +161,66 @@ class LlamaFunctional:
         """Logits (B, K, V) at positions `keep` of a causal forward over (B, T) tokens."""
         mask = causal_padding_mask(attention_mask)  # (B, 1, T, T) bool
         cos, sin = self.rotary_tables(position_ids, self.embed.dtype)
-        x = F.embedding(input_ids, self.embed)  # (B, T, E)
+        x = self.embed_ids(input_ids)  # (B, T, E)
         for layer in self.layers:
             q, k, v = self.qkv(layer, self.norm(x, layer.input_norm), cos, sin)
             x = x + self.attention_out(layer, self._sdpa(q, k, v, mask))
             x = x + self.mlp(layer, x)
         return self.logits(x[:, keep])
+
+    def completion_logits(
+        self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, completion_length: int
+    ) -> Tensor:
+        """Logits (N, C, V) predicting the last C tokens of (N, P + C) rows.
+
+        GRPO rows come in groups that share a prompt: consecutive rows with identical prompt
+        ids and mask run the prompt positions once per group and expand its keys/values (the
+        prompt's states do not depend on what follows it, so this is the same function, and its
+        gradient sums over the group). Saves (G - 1) / G of the prompt's share of the compute.
+        """
+        prompt_length = input_ids.shape[1] - completion_length
+        keys = torch.cat([input_ids[:, :prompt_length], attention_mask[:, :prompt_length]], dim=1)
+        _, counts = torch.unique_consecutive(keys, dim=0, return_counts=True)
+        if counts.shape[0] == input_ids.shape[0]:  # nothing shared
+            total = input_ids.shape[1]
+            return self.forward_logits(
+                input_ids, attention_mask, position_ids, slice(prompt_length - 1, total - 1)
+            )
+        firsts = torch.cumsum(counts, 0) - counts  # first row of each group
+        return self._shared_prompt_logits(
+            input_ids, attention_mask, position_ids, prompt_length, firsts, counts
+        )
+
+    def _shared_prompt_logits(
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor,
+        position_ids: Tensor,
+        prompt_length: int,
+        firsts: Tensor,
+        counts: Tensor,
+    ) -> Tensor:
+        p = prompt_length
+        full_mask = causal_padding_mask(attention_mask)  # (N, 1, T, T)
+        prompt_mask = full_mask[firsts, :, :p, :p]  # (n, 1, P, P)
+        completion_mask = full_mask[:, :, p:, :]  # (N, 1, C, T)
+        cos, sin = self.rotary_tables(position_ids, self.embed.dtype)  # (N, T, D)
+        prompt_cos, prompt_sin = cos[firsts, :p], sin[firsts, :p]
+        completion_cos, completion_sin = cos[:, p:], sin[:, p:]
+        xp = self.embed_ids(input_ids[firsts, :p])  # (n, P, E)
+        xc = self.embed_ids(input_ids[:, p:])  # (N, C, E)
+        for layer in self.layers:
+            qp, kp, vp = self.qkv(layer, self.norm(xp, layer.input_norm), prompt_cos, prompt_sin)
+            qc, kc, vc = self.qkv(layer, self.norm(xc, layer.input_norm), completion_cos, completion_sin)
+            keys = torch.cat([kp.repeat_interleave(counts, dim=0), kc], dim=2)  # (N, KV, T, D)
+            values = torch.cat([vp.repeat_interleave(counts, dim=0), vc], dim=2)
+            xp = xp + self.attention_out(layer, self._sdpa(qp, kp, vp, prompt_mask))
+            xc = xc + self.attention_out(layer, self._sdpa(qc, keys, values, completion_mask))
+            xp = xp + self.mlp(layer, xp)
+            xc = xc + self.mlp(layer, xc)
+        # Position P-1 (the prompt's last token) predicts the first completion token.
+        hidden = torch.cat([xp[:, -1:].repeat_interleave(counts, dim=0), xc[:, :-1]], dim=1)  # (N, C, E)
+        return self.logits(hidden)
 
     # --- incremental decoding with a preallocated cache ----------------------------------------
 
@@ -218,7 +277,7 @@ class StaticDecoder:
         net, length = self.net, prompt_ids.shape[1]
         mask = causal_padding_mask(self.prompt_mask)
         cos, sin = self.cos[:, :length], self.sin[:, :length]
-        x = F.embedding(prompt_ids, net.embed)
+        x = net.embed_ids(prompt_ids)
         for index, layer in enumerate(net.layers):
             q, k, v = net.qkv(layer, net.norm(x, layer.input_norm), cos, sin)
             self.keys[index][:, :, :length] = k
@@ -237,7 +296,7 @@ class StaticDecoder:
         cos, sin = self.cos[:, position : position + 1], self.sin[:, position : position + 1]  # (B, 1, D)
         bias = self.bias[..., :end]  # (B*KV, 1, end)
         scale = dim**-0.5
-        x = F.embedding(tokens, net.embed)  # (B, E)
+        x = net.embed_ids(tokens)  # (B, E)
         for index, (layer, t) in enumerate(zip(net.layers, self.transposed, strict=True)):
             fused = _mm(net.norm(x, layer.input_norm), t.qkv, t.qkv_bias).view(batch, -1, dim)
             qk = fused[:, : heads + kv_heads]  # (B, H+KV, D)
