@@ -200,26 +200,46 @@ class LlamaFunctional:
         firsts: Tensor,
         counts: Tensor,
     ) -> Tensor:
+        """Prompt rows (one per group, n x P) and completion rows (N x C) stacked into one (R, E)
+        matrix, so norms, projections and MLPs run once over both; only attention is split."""
         p = prompt_length
+        groups, rows, completion = firsts.shape[0], input_ids.shape[0], input_ids.shape[1] - p
+        heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
         full_mask = causal_padding_mask(attention_mask)  # (N, 1, T, T)
         prompt_mask = full_mask[firsts, :, :p, :p]  # (n, 1, P, P)
         completion_mask = full_mask[:, :, p:, :]  # (N, 1, C, T)
         cos, sin = self.rotary_tables(position_ids, self.embed.dtype)  # (N, T, D)
-        prompt_cos, prompt_sin = cos[firsts, :p], sin[firsts, :p]
-        completion_cos, completion_sin = cos[:, p:], sin[:, p:]
-        xp = self.embed_ids(input_ids[firsts, :p])  # (n, P, E)
-        xc = self.embed_ids(input_ids[:, p:])  # (N, C, E)
+        cos = torch.cat([cos[firsts, :p].reshape(-1, dim), cos[:, p:].reshape(-1, dim)]).unsqueeze(1)
+        sin = torch.cat([sin[firsts, :p].reshape(-1, dim), sin[:, p:].reshape(-1, dim)]).unsqueeze(1)
+        ids = torch.cat([input_ids[firsts, :p].reshape(-1), input_ids[:, p:].reshape(-1)])
+        x = self.embed_ids(ids)  # (R, E), R = n*P + N*C
+        split = groups * p
         for layer in self.layers:
-            qp, kp, vp = self.qkv(layer, self.norm(xp, layer.input_norm), prompt_cos, prompt_sin)
-            qc, kc, vc = self.qkv(layer, self.norm(xc, layer.input_norm), completion_cos, completion_sin)
-            keys = torch.cat([kp.repeat_interleave(counts, dim=0), kc], dim=2)  # (N, KV, T, D)
+            fused = F.linear(self.norm(x, layer.input_norm), layer.qkv_weight, layer.qkv_bias)
+            fused = fused.view(-1, heads + 2 * kv_heads, dim)  # (R, H+2KV, D)
+            qk = fused[:, : heads + kv_heads]
+            qk = qk * cos + qk.roll(dim // 2, dims=-1) * sin  # RoPE on q and k at once
+            v = fused[:, heads + kv_heads :]
+            qk_p = qk[:split].view(groups, p, -1, dim).transpose(1, 2)  # (n, H+KV, P, D)
+            qk_c = qk[split:].view(rows, completion, -1, dim).transpose(1, 2)  # (N, H+KV, C, D)
+            vp = v[:split].view(groups, p, -1, dim).transpose(1, 2)  # (n, KV, P, D)
+            vc = v[split:].view(rows, completion, -1, dim).transpose(1, 2)  # (N, KV, C, D)
+            kp = qk_p[:, heads:]
+            keys = torch.cat([kp.repeat_interleave(counts, dim=0), qk_c[:, heads:]], dim=2)  # (N, KV, T, D)
             values = torch.cat([vp.repeat_interleave(counts, dim=0), vc], dim=2)
-            xp = xp + self.attention_out(layer, self._sdpa(qp, kp, vp, prompt_mask))
-            xc = xc + self.attention_out(layer, self._sdpa(qc, keys, values, completion_mask))
-            xp = xp + self.mlp(layer, xp)
-            xc = xc + self.mlp(layer, xc)
+            attn_p = self._sdpa(qk_p[:, :heads], kp, vp, prompt_mask)  # (n, H, P, D)
+            attn_c = self._sdpa(qk_c[:, :heads], keys, values, completion_mask)  # (N, H, C, D)
+            attn = torch.cat(
+                [
+                    attn_p.transpose(1, 2).reshape(split, -1),
+                    attn_c.transpose(1, 2).reshape(rows * completion, -1),
+                ]
+            )  # (R, H*D)
+            x = x + F.linear(attn, layer.o_weight, layer.o_bias)
+            x = x + self.mlp(layer, x)
         # Position P-1 (the prompt's last token) predicts the first completion token.
-        hidden = torch.cat([xp[:, -1:].repeat_interleave(counts, dim=0), xc[:, :-1]], dim=1)  # (N, C, E)
+        last_prompt = x[:split].view(groups, p, -1)[:, -1:].repeat_interleave(counts, dim=0)  # (N, 1, E)
+        hidden = torch.cat([last_prompt, x[split:].view(rows, completion, -1)[:, :-1]], dim=1)  # (N, C, E)
         return self.logits(hidden)
 
     # --- incremental decoding with a preallocated cache ----------------------------------------
