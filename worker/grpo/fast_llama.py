@@ -293,19 +293,26 @@ class StaticDecoder:
         self.length = 0  # filled cache positions
 
     def prefill(self, prompt_ids: Tensor) -> Tensor:
-        """(B, P) -> logits (B, V) of the next token."""
+        """(B, P) -> logits (B, V) of the next token.
+
+        Consecutive identical prompts (a GRPO group) are run once and their keys/values copied
+        to every row of the group.
+        """
         net, length = self.net, prompt_ids.shape[1]
-        mask = causal_padding_mask(self.prompt_mask)
-        cos, sin = self.cos[:, :length], self.sin[:, :length]
-        x = net.embed_ids(prompt_ids)
+        unique = torch.cat([prompt_ids, self.prompt_mask], dim=1)
+        _, counts = torch.unique_consecutive(unique, dim=0, return_counts=True)
+        firsts = torch.cumsum(counts, 0) - counts  # (n,) first row of each group
+        mask = causal_padding_mask(self.prompt_mask[firsts])
+        cos, sin = self.cos[firsts, :length], self.sin[firsts, :length]
+        x = net.embed_ids(prompt_ids[firsts])  # (n, P, E)
         for index, layer in enumerate(net.layers):
             q, k, v = net.qkv(layer, net.norm(x, layer.input_norm), cos, sin)
-            self.keys[index][:, :, :length] = k
-            self.values[index][:, :, :length] = v
+            self.keys[index][:, :, :length] = k.repeat_interleave(counts, dim=0)
+            self.values[index][:, :, :length] = v.repeat_interleave(counts, dim=0)
             x = x + net.attention_out(layer, net._sdpa(q, k, v, mask))
             x = x + net.mlp(layer, x)
         self.length = length
-        return self._logits(x[:, -1])
+        return self._logits(x[:, -1]).repeat_interleave(counts, dim=0)
 
     def step(self, tokens: Tensor) -> Tensor:
         """(B,) tokens just sampled -> logits (B, V) of the next one."""
