@@ -65,7 +65,9 @@ def _buf() -> str | None:
     """A buf binary: $GRPO_BUF, `buf` on PATH, or proto/node_modules (npm @bufbuild/buf, pinned in proto/package.json)."""
     local = PROTO_ROOT / "node_modules" / ".bin" / "buf"
     if not local.exists() and shutil.which("npm"):
-        subprocess.run(["npm", "ci", "--no-audit", "--no-fund"], cwd=PROTO_ROOT, capture_output=True, timeout=300)
+        # `npm install`, not `npm ci`: npm 11 leaves other platforms' optional buf binaries out of the lock
+        # file and then refuses `ci`; the version is pinned exactly in package.json either way.
+        subprocess.run(["npm", "install", "--no-audit", "--no-fund"], cwd=PROTO_ROOT, capture_output=True, timeout=300)
     for candidate in (os.environ.get("GRPO_BUF"), shutil.which("buf"), str(local)):
         if candidate and Path(candidate).exists():
             return candidate
