@@ -265,9 +265,9 @@ class StaticDecoder:
 
     Positions follow `generate()`: prompt positions count real tokens (left padding does not
     shift them) and each new token takes the next position. Call under torch.inference_mode().
-    A decode step works on (B, E) matrices with weights transposed once up front (`x @ W^T` as a
-    plain contiguous mm is several times cheaper than `F.linear` at these sizes on CPU) and
-    attention as two batched matmuls over the cache (cheaper than SDPA's kernel for one query).
+    A decode step works on (B, E) matrices with weights prepared once per rollout for that
+    row count (`_DecodeLinear`) and attention as two batched matmuls over the cache (cheaper
+    than SDPA's kernel for a single query).
     """
 
     def __init__(self, net: LlamaFunctional, prompt_mask: Tensor, max_new_tokens: int) -> None:
@@ -288,8 +288,8 @@ class StaticDecoder:
         positions = torch.cat([prompt_positions, last + steps], dim=1)  # (B, S)
         self.cos, self.sin = net.rotary_tables(positions, dtype)
         self.prompt_mask = prompt_mask
-        self.transposed = [_TransposedLayer.of(layer) for layer in net.layers]
-        self.head_t = net.lm_head.t().contiguous()
+        self.linears = [_DecodeLayer.of(layer, batch) for layer in net.layers]
+        self.head = _DecodeLinear(net.lm_head, net.lm_head_bias, batch)
         self.length = 0  # filled cache positions
 
     def prefill(self, prompt_ids: Tensor) -> Tensor:
@@ -324,8 +324,8 @@ class StaticDecoder:
         bias = self.bias[..., :end]  # (B*KV, 1, end)
         scale = dim**-0.5
         x = net.embed_ids(tokens)  # (B, E)
-        for index, (layer, t) in enumerate(zip(net.layers, self.transposed, strict=True)):
-            fused = _mm(net.norm(x, layer.input_norm), t.qkv, t.qkv_bias).view(batch, -1, dim)
+        for index, (layer, t) in enumerate(zip(net.layers, self.linears, strict=True)):
+            fused = t.qkv(net.norm(x, layer.input_norm)).view(batch, -1, dim)
             qk = fused[:, : heads + kv_heads]  # (B, H+KV, D)
             qk = qk * cos + qk.roll(dim // 2, dims=-1) * sin
             self.keys[index][:, :, position] = qk[:, heads:]
@@ -336,45 +336,71 @@ class StaticDecoder:
             values = self.values[index][:, :, :end].reshape(batch * kv_heads, end, dim)
             probs = torch.baddbmm(bias, q, keys.transpose(1, 2), alpha=scale).softmax(dim=-1)
             attn = torch.bmm(probs, values).view(batch, heads * dim)
-            x = x + _mm(attn, t.o, t.o_bias)
-            gate_up = _mm(net.norm(x, layer.post_norm), t.gate_up, t.gate_up_bias)
+            x = x + t.o(attn)
+            gate_up = t.gate_up(net.norm(x, layer.post_norm))
             gate, up = gate_up.split(net.intermediate, dim=-1)
-            x = x + _mm(net.act(gate) * up, t.down, t.down_bias)
+            x = x + t.down(net.act(gate) * up)
         self.length = end
         return self._logits(x)
 
     def _logits(self, hidden: Tensor) -> Tensor:
         """(B, E) last hidden states -> (B, V) logits."""
-        return _mm(self.net.norm(hidden, self.net.final_norm), self.head_t, self.net.lm_head_bias)
+        return self.head(self.net.norm(hidden, self.net.final_norm))
+
+
+class _DecodeLinear:
+    """x @ W^T (+ b) for a fixed number of rows, in the cheapest form this build offers.
+
+    With MKL (CPU, float32) the weight is packed once for that row count (`_mkl_linear`, what
+    torch.compile's CPU backend uses for frozen linears): a small-M GEMM otherwise re-packs the
+    whole weight on every call. Elsewhere a contiguous transposed copy, since `mm` with a
+    contiguous (in, out) operand beats `F.linear`'s transposed view at these sizes.
+    """
+
+    def __init__(self, weight: Tensor, bias: Tensor | None, rows: int) -> None:
+        self.weight, self.bias, self.rows = weight, bias, rows
+        self.packed: Tensor | None = None
+        self.weight_t: Tensor | None = None
+        if _mkl_packing_available(weight):
+            self.packed = torch.ops.mkl._mkl_reorder_linear_weight(weight, rows)
+        else:
+            self.weight_t = weight.t().contiguous()
+
+    def __call__(self, x: Tensor) -> Tensor:
+        if self.packed is not None and x.shape[0] == self.rows:
+            return torch.ops.mkl._mkl_linear(x, self.packed, self.weight, self.bias, self.rows)  # type: ignore[no-any-return]
+        if self.weight_t is None:
+            self.weight_t = self.weight.t().contiguous()
+        out = torch.mm(x, self.weight_t)
+        return out if self.bias is None else out + self.bias
+
+
+# Below about this many weight elements packing measured slower than the plain mm (tiny preset).
+_PACK_MIN_ELEMENTS = 2**17
+
+
+def _mkl_packing_available(weight: Tensor) -> bool:
+    return (
+        weight.numel() >= _PACK_MIN_ELEMENTS
+        and weight.device.type == "cpu"
+        and weight.dtype == torch.float32
+        and torch.backends.mkl.is_available()
+        and hasattr(torch.ops.mkl, "_mkl_linear")
+    )
 
 
 @dataclass
-class _TransposedLayer:
-    """A layer's matrices as contiguous (in, out) copies for `x @ W^T` as a plain mm."""
-
-    qkv: Tensor
-    qkv_bias: Tensor | None
-    o: Tensor
-    o_bias: Tensor | None
-    gate_up: Tensor
-    gate_up_bias: Tensor | None
-    down: Tensor
-    down_bias: Tensor | None
+class _DecodeLayer:
+    qkv: _DecodeLinear
+    o: _DecodeLinear
+    gate_up: _DecodeLinear
+    down: _DecodeLinear
 
     @classmethod
-    def of(cls, layer: _Layer) -> _TransposedLayer:
+    def of(cls, layer: _Layer, rows: int) -> _DecodeLayer:
         return cls(
-            layer.qkv_weight.t().contiguous(),
-            layer.qkv_bias,
-            layer.o_weight.t().contiguous(),
-            layer.o_bias,
-            layer.gate_up_weight.t().contiguous(),
-            layer.gate_up_bias,
-            layer.down_weight.t().contiguous(),
-            layer.down_bias,
+            _DecodeLinear(layer.qkv_weight, layer.qkv_bias, rows),
+            _DecodeLinear(layer.o_weight, layer.o_bias, rows),
+            _DecodeLinear(layer.gate_up_weight, layer.gate_up_bias, rows),
+            _DecodeLinear(layer.down_weight, layer.down_bias, rows),
         )
-
-
-def _mm(x: Tensor, weight_t: Tensor, bias: Tensor | None) -> Tensor:
-    """(B, in) @ (in, out) [+ bias]."""
-    return torch.mm(x, weight_t) if bias is None else torch.addmm(bias, x, weight_t)
