@@ -288,8 +288,12 @@ class StaticDecoder:
         positions = torch.cat([prompt_positions, last + steps], dim=1)  # (B, S)
         self.cos, self.sin = net.rotary_tables(positions, dtype)
         self.prompt_mask = prompt_mask
-        self.linears = [_DecodeLayer.of(layer, batch) for layer in net.layers]
-        self.head = _DecodeLinear(net.lm_head, net.lm_head_bias, batch)
+        # float32: fold each RMSNorm weight into the matrix after it, so a norm is one row scale
+        # (same rounding class as LlamaRMSNorm; in lower precision its cast order would differ).
+        self.fold = dtype == torch.float32
+        self.linears = [_DecodeLayer.of(layer, batch, fold=self.fold) for layer in net.layers]
+        head = net.lm_head * net.final_norm if self.fold else net.lm_head
+        self.head = _DecodeLinear(head, net.lm_head_bias, batch)
         self.length = 0  # filled cache positions
 
     def prefill(self, prompt_ids: Tensor) -> Tensor:
@@ -325,7 +329,7 @@ class StaticDecoder:
         scale = dim**-0.5
         x = net.embed_ids(tokens)  # (B, E)
         for index, (layer, t) in enumerate(zip(net.layers, self.linears, strict=True)):
-            fused = t.qkv(net.norm(x, layer.input_norm)).view(batch, -1, dim)
+            fused = t.qkv(self._norm(x, layer.input_norm)).view(batch, -1, dim)
             qk = fused[:, : heads + kv_heads]  # (B, H+KV, D)
             qk = qk * cos + qk.roll(dim // 2, dims=-1) * sin
             self.keys[index][:, :, position] = qk[:, heads:]
@@ -337,7 +341,7 @@ class StaticDecoder:
             probs = torch.baddbmm(bias, q, keys.transpose(1, 2), alpha=scale).softmax(dim=-1)
             attn = torch.bmm(probs, values).view(batch, heads * dim)
             x = x + t.o(attn)
-            gate_up = t.gate_up(net.norm(x, layer.post_norm))
+            gate_up = t.gate_up(self._norm(x, layer.post_norm))
             gate, up = gate_up.split(net.intermediate, dim=-1)
             x = x + t.down(net.act(gate) * up)
         self.length = end
@@ -345,7 +349,13 @@ class StaticDecoder:
 
     def _logits(self, hidden: Tensor) -> Tensor:
         """(B, E) last hidden states -> (B, V) logits."""
-        return self.head(self.net.norm(hidden, self.net.final_norm))
+        return self.head(self._norm(hidden, self.net.final_norm))
+
+    def _norm(self, x: Tensor, weight: Tensor) -> Tensor:
+        """RMSNorm; with folded weights only the row scale x * rsqrt(mean(x^2) + eps) (4 tiny ops)."""
+        if not self.fold:
+            return self.net.norm(x, weight)
+        return x * (x * x).mean(dim=-1, keepdim=True).add_(self.net.eps).rsqrt_()
 
 
 class _DecodeLinear:
@@ -397,10 +407,14 @@ class _DecodeLayer:
     down: _DecodeLinear
 
     @classmethod
-    def of(cls, layer: _Layer, rows: int) -> _DecodeLayer:
+    def of(cls, layer: _Layer, rows: int, *, fold: bool) -> _DecodeLayer:
+        """With `fold`, the input/post-attention RMSNorm weights scale the columns of the
+        matrices that follow them: RMSNorm(x) @ W^T == (x * rstd(x)) @ (W * g)^T."""
+        qkv = layer.qkv_weight * layer.input_norm if fold else layer.qkv_weight
+        gate_up = layer.gate_up_weight * layer.post_norm if fold else layer.gate_up_weight
         return cls(
-            _DecodeLinear(layer.qkv_weight, layer.qkv_bias, rows),
+            _DecodeLinear(qkv, layer.qkv_bias, rows),
             _DecodeLinear(layer.o_weight, layer.o_bias, rows),
-            _DecodeLinear(layer.gate_up_weight, layer.gate_up_bias, rows),
+            _DecodeLinear(gate_up, layer.gate_up_bias, rows),
             _DecodeLinear(layer.down_weight, layer.down_bias, rows),
         )
