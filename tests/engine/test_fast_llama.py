@@ -1,0 +1,145 @@
+"""The functional Llama fast path reproduces the transformers module forward (logits, gradients,
+cached decoding) and the sampling loop reproduces generate()'s sampling rules."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
+from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
+
+from worker.grpo import fast_llama, rollout
+from worker.grpo.config import GRPOConfig
+from worker.grpo.logprobs import completion_logprobs
+
+P, C = 9, 11  # prompt and completion lengths of the hand-made batch
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_dir: Path) -> PreTrainedModel:
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+
+
+def grouped_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    """3 groups x 2 rows sharing prompts, left padding in one group, a completion ended early."""
+    gen = torch.Generator().manual_seed(0)
+    prompts = torch.randint(4, 100, (3, P), generator=gen).repeat_interleave(2, dim=0)
+    ids = torch.cat([prompts, torch.randint(4, 100, (6, C), generator=gen)], dim=1)
+    mask = torch.ones_like(ids)
+    mask[2:4, :3] = 0  # group 1: left padding
+    ids[2:4, :3] = 0
+    mask[5, P + 4 :] = 0  # row 5: EOS at completion position 3, pad after it
+    ids[5, P + 4 :] = 0
+    ids[1, P + 2] = 0  # a sampled pad id inside a completion is a real token
+    return ids, mask
+
+
+def reference_logits(model: PreTrainedModel, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, logits_to_keep=C + 1)
+    return out.logits[:, :-1]
+
+
+def test_supports_plain_llama_only(model: PreTrainedModel) -> None:
+    assert fast_llama.supports(model)
+    assert not fast_llama.supports(torch.nn.Linear(2, 2))
+
+
+def test_completion_logits_and_gradients_match_the_module_forward(model: PreTrainedModel) -> None:
+    ids, mask = grouped_batch()
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    real = mask[:, P - 1 : -1].bool()  # query positions that predict a completion token
+    model.zero_grad()
+    ours = fast_llama.LlamaFunctional(model).completion_logits(ids, mask, positions, C)
+    (ours.logsumexp(-1) * real).sum().backward()
+    ours_grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad()
+    theirs = reference_logits(model, ids, mask)
+    (theirs.logsumexp(-1) * real).sum().backward()
+    assert torch.allclose(ours[real], theirs[real], atol=1e-5)
+    for name, p in model.named_parameters():
+        assert torch.allclose(ours_grads[name], p.grad, atol=1e-5, rtol=1e-4), name
+    model.zero_grad()
+
+
+def test_no_shared_prompt_path_matches_too(model: PreTrainedModel) -> None:
+    ids, mask = grouped_batch()
+    ids, mask = ids[::2], mask[::2]  # one row per prompt: nothing to share
+    with torch.no_grad():
+        logps, _ = completion_logprobs(model, ids, mask, C, temperature=0.7)
+        fast = fast_llama.supports
+        try:
+            fast_llama.supports = lambda _model: False  # type: ignore[assignment]
+            expected, _ = completion_logprobs(model, ids, mask, C, temperature=0.7)
+        finally:
+            fast_llama.supports = fast  # type: ignore[assignment]
+    real = mask[:, P:].bool()
+    assert torch.allclose(logps[real], expected[real], atol=1e-5)
+
+
+def test_decoder_matches_the_module_with_a_dynamic_cache(model: PreTrainedModel) -> None:
+    ids, mask = grouped_batch()
+    prompt, prompt_mask = ids[:, :P], mask[:, :P]
+    hf_positions = (prompt_mask.cumsum(-1) - 1).masked_fill(prompt_mask == 0, 1)
+    with torch.inference_mode():
+        decoder = fast_llama.LlamaFunctional(model).decoder(prompt_mask, C)
+        cache = DynamicCache(config=model.config)
+        ours = decoder.prefill(prompt)
+        theirs = model(
+            input_ids=prompt,
+            attention_mask=prompt_mask,
+            position_ids=hf_positions,
+            past_key_values=cache,
+        ).logits[:, -1]
+        assert torch.allclose(ours, theirs, atol=1e-5)
+        attention = prompt_mask
+        for t in range(4):
+            token = ids[:, P + t]
+            attention = torch.cat([attention, torch.ones(6, 1, dtype=torch.long)], dim=1)
+            ours = decoder.step(token)
+            theirs = model(
+                input_ids=token[:, None],
+                attention_mask=attention,
+                position_ids=hf_positions[:, -1:] + t + 1,
+                past_key_values=cache,
+            ).logits[:, -1]
+            assert torch.allclose(ours, theirs, atol=1e-5), t
+
+
+def test_fast_and_generic_decoders_sample_the_same_tokens(model: PreTrainedModel) -> None:
+    ids, mask = grouped_batch()
+    config = GRPOConfig.model_validate(
+        {"max_steps": 1, "num_generations": 2, "max_completion_length": 12, "top_k": 20, "top_p": 0.9}
+    )
+
+    def sample() -> torch.Tensor:
+        generator = torch.Generator().manual_seed(7)
+        return rollout.sample_completions(model, ids[:, :P], mask[:, :P], config, [2], 0, generator)
+
+    fast = sample()
+    original = fast_llama.supports
+    try:
+        fast_llama.supports = lambda _model: False  # type: ignore[assignment]
+        generic = sample()
+    finally:
+        fast_llama.supports = original  # type: ignore[assignment]
+    assert torch.equal(fast, generic)
+    assert not fast.is_inference()  # usable as input of a forward that saves it for backward
+
+
+def test_filter_logits_matches_transformers_warpers() -> None:
+    logits = torch.randn(5, 50, generator=torch.Generator().manual_seed(1))
+    ours = rollout.filter_logits(logits, temperature=0.5, top_k=10, top_p=0.8)
+    theirs = TopPLogitsWarper(0.8)(None, TopKLogitsWarper(10)(None, logits / 0.5))
+    assert torch.equal(ours.isinf(), theirs.isinf())
+    assert torch.allclose(ours[~ours.isinf()], theirs[~theirs.isinf()])
+
+
+def test_sample_tokens_follows_the_distribution_and_skips_masked_tokens() -> None:
+    logits = torch.log(torch.tensor([[0.1, 0.0, 0.6, 0.3]])).repeat(20000, 1)
+    tokens = rollout.sample_tokens(logits, torch.Generator().manual_seed(3))
+    freq = torch.bincount(tokens, minlength=4).float() / tokens.numel()
+    assert freq[1] == 0
+    assert torch.allclose(freq, torch.tensor([0.1, 0.0, 0.6, 0.3]), atol=0.015)
