@@ -42,6 +42,11 @@ def reference_logits(model: PreTrainedModel, ids: torch.Tensor, mask: torch.Tens
     return out.logits[:, :-1]
 
 
+def _grad(parameter: torch.nn.Parameter) -> torch.Tensor:
+    assert parameter.grad is not None
+    return parameter.grad.clone()
+
+
 def test_supports_plain_llama_only(model: PreTrainedModel) -> None:
     assert fast_llama.supports(model)
     assert not fast_llama.supports(torch.nn.Linear(2, 2))
@@ -54,13 +59,13 @@ def test_completion_logits_and_gradients_match_the_module_forward(model: PreTrai
     model.zero_grad()
     ours = fast_llama.LlamaFunctional(model).completion_logits(ids, mask, positions, C)
     (ours.logsumexp(-1) * real).sum().backward()
-    ours_grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    ours_grads = {name: _grad(p) for name, p in model.named_parameters()}
     model.zero_grad()
     theirs = reference_logits(model, ids, mask)
     (theirs.logsumexp(-1) * real).sum().backward()
     assert torch.allclose(ours[real], theirs[real], atol=1e-5)
     for name, p in model.named_parameters():
-        assert torch.allclose(ours_grads[name], p.grad, atol=1e-5, rtol=1e-4), name
+        assert torch.allclose(ours_grads[name], _grad(p), atol=1e-5, rtol=1e-4), name
     model.zero_grad()
 
 
