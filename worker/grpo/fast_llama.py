@@ -291,8 +291,12 @@ class StaticDecoder:
         # float32: fold each RMSNorm weight into the matrix after it, so a norm is one row scale
         # (same rounding class as LlamaRMSNorm; in lower precision its cast order would differ).
         self.fold = dtype == torch.float32
-        self.linears = [_DecodeLayer.of(layer, batch, fold=self.fold) for layer in net.layers]
-        head = net.lm_head * net.final_norm if self.fold else net.lm_head
+        # Folded norm weights also carry sqrt(E): rsqrt(mean(x^2) + eps) = sqrt(E) * rsqrt(sum(x^2) + E*eps).
+        norm_gain = net.hidden**0.5 if self.fold else 1.0
+        self.linears = [
+            _DecodeLayer.of(layer, net, batch, fold=self.fold, norm_gain=norm_gain) for layer in net.layers
+        ]
+        head = net.lm_head * (net.final_norm * norm_gain) if self.fold else net.lm_head
         self.head = _DecodeLinear(head, net.lm_head_bias, batch)
         self.length = 0  # filled cache positions
 
@@ -326,7 +330,6 @@ class StaticDecoder:
         heads, kv_heads, dim = net.num_heads, net.num_kv_heads, net.head_dim
         cos, sin = self.cos[:, position : position + 1], self.sin[:, position : position + 1]  # (B, 1, D)
         bias = self.bias[..., :end]  # (B*KV, 1, end)
-        scale = dim**-0.5
         x = net.embed_ids(tokens)  # (B, E)
         for index, (layer, t) in enumerate(zip(net.layers, self.linears, strict=True)):
             fused = t.qkv(self._norm(x, layer.input_norm)).view(batch, -1, dim)
@@ -338,7 +341,8 @@ class StaticDecoder:
             q = qk[:, :heads].reshape(batch * kv_heads, heads // kv_heads, dim)
             keys = self.keys[index][:, :, :end].reshape(batch * kv_heads, end, dim)
             values = self.values[index][:, :, :end].reshape(batch * kv_heads, end, dim)
-            probs = torch.baddbmm(bias, q, keys.transpose(1, 2), alpha=scale).softmax(dim=-1)
+            # 1/sqrt(D) is folded into the q rows of the qkv matrix (RoPE is linear).
+            probs = torch.bmm(q, keys.transpose(1, 2)).add_(bias).softmax(dim=-1)
             attn = torch.bmm(probs, values).view(batch, heads * dim)
             x = x + t.o(attn)
             gate_up = t.gate_up(self._norm(x, layer.post_norm))
@@ -355,7 +359,8 @@ class StaticDecoder:
         """RMSNorm; with folded weights only the row scale x * rsqrt(mean(x^2) + eps) (4 tiny ops)."""
         if not self.fold:
             return self.net.norm(x, weight)
-        return x * (x * x).mean(dim=-1, keepdim=True).add_(self.net.eps).rsqrt_()
+        sum_sq = (x * x).sum(dim=-1, keepdim=True)
+        return x * sum_sq.add_(self.net.hidden * self.net.eps).rsqrt_()  # sqrt(E) is in the weights
 
 
 class _DecodeLinear:
@@ -407,13 +412,25 @@ class _DecodeLayer:
     down: _DecodeLinear
 
     @classmethod
-    def of(cls, layer: _Layer, rows: int, *, fold: bool) -> _DecodeLayer:
-        """With `fold`, the input/post-attention RMSNorm weights scale the columns of the
-        matrices that follow them: RMSNorm(x) @ W^T == (x * rstd(x)) @ (W * g)^T."""
-        qkv = layer.qkv_weight * layer.input_norm if fold else layer.qkv_weight
-        gate_up = layer.gate_up_weight * layer.post_norm if fold else layer.gate_up_weight
+    def of(
+        cls, layer: _Layer, net: LlamaFunctional, rows: int, *, fold: bool, norm_gain: float
+    ) -> _DecodeLayer:
+        """The q rows of qkv carry the attention scale 1/sqrt(D). With `fold`, the RMSNorm weights
+        (times `norm_gain`) scale the columns of the matrices that follow them:
+        RMSNorm(x) @ W^T == (x * rstd(x)) @ (W * g)^T."""
+        q_rows = net.num_heads * net.head_dim
+        row_scale = torch.ones(
+            layer.qkv_weight.shape[0], dtype=layer.qkv_weight.dtype, device=layer.qkv_weight.device
+        )
+        row_scale[:q_rows] = net.head_dim**-0.5
+        qkv = layer.qkv_weight * row_scale[:, None]
+        qkv_bias = None if layer.qkv_bias is None else layer.qkv_bias * row_scale
+        gate_up = layer.gate_up_weight
+        if fold:
+            qkv = qkv * (layer.input_norm * norm_gain)
+            gate_up = gate_up * (layer.post_norm * norm_gain)
         return cls(
-            _DecodeLinear(qkv, layer.qkv_bias, rows),
+            _DecodeLinear(qkv, qkv_bias, rows),
             _DecodeLinear(layer.o_weight, layer.o_bias, rows),
             _DecodeLinear(gate_up, layer.gate_up_bias, rows),
             _DecodeLinear(layer.down_weight, layer.down_bias, rows),
