@@ -217,18 +217,22 @@ class LlamaFunctional:
         for layer in self.layers:
             fused = F.linear(self.norm(x, layer.input_norm), layer.qkv_weight, layer.qkv_bias)
             fused = fused.view(-1, heads + 2 * kv_heads, dim)  # (R, H+2KV, D)
-            qk = fused[:, : heads + kv_heads]
+            # split() rather than slicing: its backward is one cat, where each slice's backward
+            # would zero-fill and accumulate a full-size gradient.
+            qk, v = fused.split([heads + kv_heads, kv_heads], dim=1)
             qk = qk * cos + qk.roll(dim // 2, dims=-1) * sin  # RoPE on q and k at once
-            v = fused[:, heads + kv_heads :]
-            qk_p = qk[:split].view(groups, p, -1, dim).transpose(1, 2)  # (n, H+KV, P, D)
-            qk_c = qk[split:].view(rows, completion, -1, dim).transpose(1, 2)  # (N, H+KV, C, D)
-            vp = v[:split].view(groups, p, -1, dim).transpose(1, 2)  # (n, KV, P, D)
-            vc = v[split:].view(rows, completion, -1, dim).transpose(1, 2)  # (N, KV, C, D)
-            kp = qk_p[:, heads:]
-            keys = torch.cat([kp.repeat_interleave(counts, dim=0), qk_c[:, heads:]], dim=2)  # (N, KV, T, D)
+            qk_prompt, qk_completion = qk.split([split, qk.shape[0] - split])
+            v_prompt, v_completion = v.split([split, v.shape[0] - split])
+            qk_p = qk_prompt.view(groups, p, -1, dim).transpose(1, 2)  # (n, H+KV, P, D)
+            qk_c = qk_completion.view(rows, completion, -1, dim).transpose(1, 2)  # (N, H+KV, C, D)
+            vp = v_prompt.view(groups, p, -1, dim).transpose(1, 2)  # (n, KV, P, D)
+            vc = v_completion.view(rows, completion, -1, dim).transpose(1, 2)  # (N, KV, C, D)
+            qp, kp = qk_p.split([heads, kv_heads], dim=1)
+            qc, kc = qk_c.split([heads, kv_heads], dim=1)
+            keys = torch.cat([kp.repeat_interleave(counts, dim=0), kc], dim=2)  # (N, KV, T, D)
             values = torch.cat([vp.repeat_interleave(counts, dim=0), vc], dim=2)
-            attn_p = self._sdpa(qk_p[:, :heads], kp, vp, prompt_mask)  # (n, H, P, D)
-            attn_c = self._sdpa(qk_c[:, :heads], keys, values, completion_mask)  # (N, H, C, D)
+            attn_p = self._sdpa(qp, kp, vp, prompt_mask)  # (n, H, P, D)
+            attn_c = self._sdpa(qc, keys, values, completion_mask)  # (N, H, C, D)
             attn = torch.cat(
                 [
                     attn_p.transpose(1, 2).reshape(split, -1),
@@ -238,8 +242,9 @@ class LlamaFunctional:
             x = x + F.linear(attn, layer.o_weight, layer.o_bias)
             x = x + self.mlp(layer, x)
         # Position P-1 (the prompt's last token) predicts the first completion token.
-        last_prompt = x[:split].view(groups, p, -1)[:, -1:].repeat_interleave(counts, dim=0)  # (N, 1, E)
-        hidden = torch.cat([last_prompt, x[split:].view(rows, completion, -1)[:, :-1]], dim=1)  # (N, C, E)
+        x_prompt, x_completion = x.split([split, x.shape[0] - split])
+        last_prompt = x_prompt.view(groups, p, -1)[:, -1:].repeat_interleave(counts, dim=0)  # (N, 1, E)
+        hidden = torch.cat([last_prompt, x_completion.view(rows, completion, -1)[:, :-1]], dim=1)  # (N, C, E)
         return self.logits(hidden)
 
     # --- incremental decoding with a preallocated cache ----------------------------------------
