@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import logging
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -27,6 +29,7 @@ import typer
 from service.kit.config import Settings, get_settings
 
 log = logging.getLogger("grpo.serve")
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
 WORKER_STOP_TIMEOUT_S = 30.0
 
 
@@ -116,12 +119,19 @@ def _embedded_worker(queues: list[str], *, enabled: bool) -> Iterator[None]:
         return
     # A fresh interpreter (not a fork of this process): same environment, so the same settings.
     command = [sys.executable, "-c", "from service.cli import main; main()", "worker", "--queues", ",".join(queues)]
-    process = subprocess.Popen(command)
+    process = subprocess.Popen(command, preexec_fn=_die_with_parent if sys.platform == "linux" else None)
     log.info("embedded worker started (pid %d, queues %s)", process.pid, ",".join(queues))
     try:
         yield
     finally:
         _stop(process)
+
+
+def _die_with_parent() -> None:
+    """In the embedded worker, before exec (Linux): SIGQUIT, Celery's cold shutdown, when `grpo serve` dies,
+    even by SIGKILL, so no orphaned worker keeps polling. Its running job's lease then expires and resumes."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGQUIT)
 
 
 def _stop(process: subprocess.Popen[bytes]) -> None:

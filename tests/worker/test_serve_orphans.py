@@ -1,0 +1,53 @@
+"""`grpo serve --worker` killed outright (SIGKILL) takes its embedded worker with it: no orphan keeps polling."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.worker.procs import Stack, private_tmp, wait_for
+
+pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="parent-death signal is Linux-only")
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                found.append(int(entry.name))
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def test_sigkilled_serve_takes_its_embedded_worker_down() -> None:
+    data_dir = private_tmp("grpo-orphan-")
+    stack = Stack(database_url=f"sqlite:///{data_dir}/grpo.db", broker_url="", data_dir=data_dir)
+    workers: list[int] = []
+    try:
+        serve = stack.start_api(worker=True)
+        wait_for(lambda: _children(serve.popen.pid) or None, timeout=60, what="the embedded worker")
+        workers = _children(serve.popen.pid)
+        os.kill(serve.popen.pid, signal.SIGKILL)
+        serve.popen.wait(timeout=10)
+        wait_for(lambda: not any(_alive(pid) for pid in workers) or None, timeout=60, what="the worker to exit")
+    finally:
+        stack.stop_all()
+        for pid in workers:  # never leave an orphan behind, even when the assertion failed
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
