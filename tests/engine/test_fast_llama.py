@@ -52,7 +52,13 @@ def test_supports_plain_llama_only(model: PreTrainedModel) -> None:
     assert not fast_llama.supports(torch.nn.Linear(2, 2))
 
 
-def test_completion_logits_and_gradients_match_the_module_forward(model: PreTrainedModel) -> None:
+@pytest.mark.parametrize("skip_masked", [True, False])
+def test_completion_logits_and_gradients_match_the_module_forward(
+    model: PreTrainedModel, skip_masked: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the masked completion positions left out of the stacked rows (row 5's tail is 10 % of the
+    completion positions) and with every position kept."""
+    monkeypatch.setattr(fast_llama, "_MIN_SKIPPED_SHARE", 0.05 if skip_masked else 1.01)
     ids, mask = grouped_batch()
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     real = mask[:, P - 1 : -1].bool()  # query positions that predict a completion token
@@ -148,3 +154,89 @@ def test_sample_tokens_follows_the_distribution_and_skips_masked_tokens() -> Non
     freq = torch.bincount(tokens, minlength=4).float() / tokens.numel()
     assert freq[1] == 0
     assert torch.allclose(freq, torch.tensor([0.1, 0.0, 0.6, 0.3]), atol=0.015)
+
+
+def _variant(dtype: torch.dtype) -> PreTrainedModel:
+    """Grouped-query attention with q/k/v/o biases, in `dtype`: the permuted-RoPE rows and biases."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(3)
+    config = LlamaConfig(
+        vocab_size=100,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        attention_bias=True,
+        max_position_embeddings=64,
+        initializer_range=0.25,  # peaked attention: a RoPE or q/k row mistake moves the logits visibly
+    )
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("bias"):
+                parameter.normal_(0, 0.5)  # non-zero biases, so a misplaced bias row shows
+    return model.to(dtype)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "rtol"), [(torch.float32, 1e-5), (torch.float64, 1e-10), (torch.bfloat16, 0.1)]
+)
+def test_gqa_with_biases_matches_in_every_dtype(dtype: torch.dtype, rtol: float) -> None:
+    model = _variant(dtype)
+
+    def close(ours: torch.Tensor, theirs: torch.Tensor) -> bool:
+        """Equal up to `rtol` of the logits' scale (bfloat16 drifts by up to ~5 % over a few decode steps)."""
+        ours, theirs = ours.double(), theirs.double()
+        return bool((ours - theirs).abs().max() <= rtol * theirs.abs().max())
+
+    assert fast_llama.supports(model)
+    ids, mask = grouped_batch()
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    real = mask[:, P - 1 : -1].bool()
+    with torch.no_grad():
+        ours = fast_llama.LlamaFunctional(model).completion_logits(ids, mask, positions, C)
+        theirs = reference_logits(model, ids, mask)
+    assert close(ours[real], theirs[real])
+    prompt, prompt_mask = ids[:, :P], mask[:, :P]
+    hf_positions = (prompt_mask.cumsum(-1) - 1).masked_fill(prompt_mask == 0, 1)
+    with torch.inference_mode():
+        decoder = fast_llama.LlamaFunctional(model).decoder(prompt_mask, C)
+        cache = DynamicCache(config=model.config)
+        ours = decoder.prefill(prompt)
+        theirs = model(
+            input_ids=prompt, attention_mask=prompt_mask, position_ids=hf_positions, past_key_values=cache
+        ).logits[:, -1]
+        assert close(ours, theirs)
+        attention = prompt_mask
+        for t in range(3):
+            token = ids[:, P + t]
+            attention = torch.cat([attention, torch.ones(6, 1, dtype=torch.long)], dim=1)
+            ours = decoder.step(token)
+            theirs = model(
+                input_ids=token[:, None],
+                attention_mask=attention,
+                position_ids=hf_positions[:, -1:] + t + 1,
+                past_key_values=cache,
+            ).logits[:, -1]
+            assert close(ours, theirs), t
+
+
+def test_passive_openmp_decodes_small_models_on_one_thread(
+    model: PreTrainedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    net = fast_llama.LlamaFunctional(model)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+        assert fast_llama.decode_threads(net, 32) == 1
+        assert fast_llama.decode_threads(net, 10_000) == 2  # large matmuls: both threads pay off
+        monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+        assert fast_llama.decode_threads(net, 32) == 2
+        with fast_llama.intra_op_threads(1):
+            assert torch.get_num_threads() == 1
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(previous)

@@ -4,8 +4,10 @@ Why: on small models `transformers`' module-per-op forward (and `generate()`'s p
 machinery: DynamicCache concatenation, logits processors, stopping criteria) costs far more than
 the arithmetic. This module runs the same computation on the model's own parameters with fewer
 and fused ops: one q/k/v matmul and one gate/up matmul per layer (weights concatenated, so
-gradients still reach the original parameters), rotary embeddings as `x*cos + roll(x)*sin'`,
-`F.rms_norm`, and for generation a preallocated KV cache written in place.
+gradients still reach the original parameters), rotary embeddings as one complex multiply (the q and
+k rows of each head are permuted so that RoPE's (i, i + D/2) pairs sit side by side: attention scores
+are unchanged, since q and k share the permutation), `F.rms_norm`, and for generation a preallocated KV
+cache written in place.
 
 Only a plain `LlamaForCausalLM` (no peft wrapper, no gradient checkpointing, no dropout) takes
 this path; `supports(model)` says so and callers fall back to the `transformers` forward
@@ -15,6 +17,9 @@ position; padded positions attend to themselves only (they are never read).
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -86,15 +91,24 @@ class LlamaFunctional:
         self.final_norm = core.norm.weight
         self.lm_head = model.lm_head.weight
         self.lm_head_bias = getattr(model.lm_head, "bias", None)
-        self.rotary = core.rotary_emb
+        self.rotary_emb = core.rotary_emb
         self.layers = [self._layer(layer) for layer in core.layers]
 
     def _layer(self, layer: Any) -> _Layer:
         attn, mlp = layer.self_attn, layer.mlp
+        # q and k rows in RoPE-pair order (see rope_pair_order); v keeps the model's order.
+        q_order = rope_pair_order(self.num_heads, self.head_dim, attn.q_proj.weight.device)
+        k_order = rope_pair_order(self.num_kv_heads, self.head_dim, attn.k_proj.weight.device)
+        bias = _cat_bias(attn.q_proj, attn.k_proj, attn.v_proj)
+        if bias is not None:
+            q_size, k_size = q_order.numel(), k_order.numel()
+            bias = torch.cat([bias[q_order], bias[q_size + k_order], bias[q_size + k_size :]])
         return _Layer(
             input_norm=layer.input_layernorm.weight,
-            qkv_weight=torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]),
-            qkv_bias=_cat_bias(attn.q_proj, attn.k_proj, attn.v_proj),
+            qkv_weight=torch.cat(
+                [attn.q_proj.weight[q_order], attn.k_proj.weight[k_order], attn.v_proj.weight]
+            ),
+            qkv_bias=bias,
             o_weight=attn.o_proj.weight,
             o_bias=attn.o_proj.bias,
             post_norm=layer.post_attention_layernorm.weight,
@@ -115,23 +129,21 @@ class LlamaFunctional:
             return F.rms_norm(x, (x.shape[-1],), weight, self.eps)
         return weight * F.rms_norm(x.float(), (x.shape[-1],), None, self.eps).to(x.dtype)
 
-    def rotary_tables(self, position_ids: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        """cos and signed sin (B, T, D) for `x*cos + roll(x, D/2)*sin_signed` (== rotate_half form)."""
+    def rotary(self, position_ids: Tensor, dtype: torch.dtype) -> Rotary:
+        """The model's own RoPE (any rope_type) at `position_ids` (B, T), for pair-ordered q/k rows."""
         probe = torch.empty(0, dtype=dtype, device=position_ids.device)
-        cos, sin = self.rotary(probe, position_ids)  # the model's own RoPE (any rope_type)
+        cos, sin = self.rotary_emb(probe, position_ids)  # (B, T, D): the D/2 frequencies twice
         half = self.head_dim // 2
-        sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
-        return cos, sin
+        return Rotary.of(cos[..., :half], sin[..., :half])
 
-    def qkv(self, layer: _Layer, h: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def qkv(self, layer: _Layer, h: Tensor, rotary: Rotary) -> tuple[Tensor, Tensor, Tensor]:
         """(B, T, E) normalised input -> q (B, H, T, D), k and v (B, KV, T, D), RoPE applied."""
         batch, length, _ = h.shape
         heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
         fused = F.linear(h, layer.qkv_weight, layer.qkv_bias)  # (B, T, (H + 2KV) * D)
         fused = fused.view(batch, length, heads + 2 * kv_heads, dim).transpose(1, 2)  # (B, H+2KV, T, D)
-        qk = fused[:, : heads + kv_heads]
-        # One RoPE for q and k together; cos/sin (B, T, D) broadcast over heads.
-        qk = qk * cos.unsqueeze(1) + qk.roll(dim // 2, dims=-1) * sin.unsqueeze(1)
+        # One RoPE for q and k together; the (B, T) tables broadcast over heads.
+        qk = rotary.unsqueeze(1).apply(fused[:, : heads + kv_heads])
         return qk[:, :heads], qk[:, heads:], fused[:, heads + kv_heads :]
 
     def attention_out(self, layer: _Layer, attn: Tensor) -> Tensor:
@@ -160,10 +172,10 @@ class LlamaFunctional:
     ) -> Tensor:
         """Logits (B, K, V) at positions `keep` of a causal forward over (B, T) tokens."""
         mask = causal_padding_mask(attention_mask)  # (B, 1, T, T) bool
-        cos, sin = self.rotary_tables(position_ids, self.embed.dtype)
+        rotary = self.rotary(position_ids, self.embed.dtype)
         x = self.embed_ids(input_ids)  # (B, T, E)
         for layer in self.layers:
-            q, k, v = self.qkv(layer, self.norm(x, layer.input_norm), cos, sin)
+            q, k, v = self.qkv(layer, self.norm(x, layer.input_norm), rotary)
             x = x + self.attention_out(layer, self._sdpa(q, k, v, mask))
             x = x + self.mlp(layer, x)
         return self.logits(x[:, keep])
@@ -201,18 +213,27 @@ class LlamaFunctional:
         counts: Tensor,
     ) -> Tensor:
         """Prompt rows (one per group, n x P) and completion rows (N x C) stacked into one (R, E)
-        matrix, so norms, projections and MLPs run once over both; only attention is split."""
+        matrix, so norms, projections and MLPs run once over both; only attention is split.
+
+        Completion positions after a row's EOS (attention mask 0) are left out of the stacked
+        matrix when they are a noticeable share: no real position attends to them and no loss
+        reads their outputs, so only attention sees them, as zeros in the padded layout.
+        """
         p = prompt_length
         groups, rows, completion = firsts.shape[0], input_ids.shape[0], input_ids.shape[1] - p
         heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
         full_mask = causal_padding_mask(attention_mask)  # (N, 1, T, T)
         prompt_mask = full_mask[firsts, :, :p, :p]  # (n, 1, P, P)
         completion_mask = full_mask[:, :, p:, :]  # (N, 1, C, T)
-        cos, sin = self.rotary_tables(position_ids, self.embed.dtype)  # (N, T, D)
-        cos = torch.cat([cos[firsts, :p].reshape(-1, dim), cos[:, p:].reshape(-1, dim)]).unsqueeze(1)
-        sin = torch.cat([sin[firsts, :p].reshape(-1, dim), sin[:, p:].reshape(-1, dim)]).unsqueeze(1)
-        ids = torch.cat([input_ids[firsts, :p].reshape(-1), input_ids[:, p:].reshape(-1)])
-        x = self.embed_ids(ids)  # (R, E), R = n*P + N*C
+        kept = _kept_completion_positions(attention_mask[:, p:])  # (K,) flat indices into N*C, or None
+        completion_positions = position_ids[:, p:].reshape(-1)
+        completion_ids = input_ids[:, p:].reshape(-1)
+        if kept is not None:
+            completion_positions, completion_ids = completion_positions[kept], completion_ids[kept]
+        # (R, 1, D/2) tables in the stacked row order: each group's prompt once, then the completions.
+        stacked_positions = torch.cat([position_ids[firsts, :p].reshape(-1), completion_positions])
+        rotary = self.rotary(stacked_positions[None], self.embed.dtype).squeeze(0).unsqueeze(1)
+        x = self.embed_ids(torch.cat([input_ids[firsts, :p].reshape(-1), completion_ids]))  # (R, E)
         split = groups * p
         for layer in self.layers:
             fused = F.linear(self.norm(x, layer.input_norm), layer.qkv_weight, layer.qkv_bias)
@@ -220,29 +241,34 @@ class LlamaFunctional:
             # split() rather than slicing: its backward is one cat, where each slice's backward
             # would zero-fill and accumulate a full-size gradient.
             qk, v = fused.split([heads + kv_heads, kv_heads], dim=1)
-            qk = qk * cos + qk.roll(dim // 2, dims=-1) * sin  # RoPE on q and k at once
-            qk_prompt, qk_completion = qk.split([split, qk.shape[0] - split])
-            v_prompt, v_completion = v.split([split, v.shape[0] - split])
-            qk_p = qk_prompt.view(groups, p, -1, dim).transpose(1, 2)  # (n, H+KV, P, D)
-            qk_c = qk_completion.view(rows, completion, -1, dim).transpose(1, 2)  # (N, H+KV, C, D)
-            vp = v_prompt.view(groups, p, -1, dim).transpose(1, 2)  # (n, KV, P, D)
-            vc = v_completion.view(rows, completion, -1, dim).transpose(1, 2)  # (N, KV, C, D)
+            qk = rotary.apply(qk)  # RoPE on q and k at once
+            qkv_prompt, qkv_completion = torch.cat([qk, v], dim=1).split([split, qk.shape[0] - split])
+            if kept is not None:  # back to the padded (N*C) layout for attention
+                qkv_completion = _unpack(qkv_completion, kept, rows * completion)
+            qk_p, vp = (
+                qkv_prompt.view(groups, p, -1, dim).transpose(1, 2).split([heads + kv_heads, kv_heads], dim=1)
+            )  # (n, H+KV, P, D), (n, KV, P, D)
+            qk_c, vc = (
+                qkv_completion.view(rows, completion, -1, dim)
+                .transpose(1, 2)
+                .split([heads + kv_heads, kv_heads], dim=1)
+            )  # (N, H+KV, C, D), (N, KV, C, D)
             qp, kp = qk_p.split([heads, kv_heads], dim=1)
             qc, kc = qk_c.split([heads, kv_heads], dim=1)
             keys = torch.cat([kp.repeat_interleave(counts, dim=0), kc], dim=2)  # (N, KV, T, D)
             values = torch.cat([vp.repeat_interleave(counts, dim=0), vc], dim=2)
             attn_p = self._sdpa(qp, kp, vp, prompt_mask)  # (n, H, P, D)
             attn_c = self._sdpa(qc, keys, values, completion_mask)  # (N, H, C, D)
-            attn = torch.cat(
-                [
-                    attn_p.transpose(1, 2).reshape(split, -1),
-                    attn_c.transpose(1, 2).reshape(rows * completion, -1),
-                ]
-            )  # (R, H*D)
+            attn_c = attn_c.transpose(1, 2).reshape(rows * completion, -1)
+            if kept is not None:
+                attn_c = attn_c.index_select(0, kept)
+            attn = torch.cat([attn_p.transpose(1, 2).reshape(split, -1), attn_c])  # (R, H*D)
             x = x + F.linear(attn, layer.o_weight, layer.o_bias)
             x = x + self.mlp(layer, x)
         # Position P-1 (the prompt's last token) predicts the first completion token.
         x_prompt, x_completion = x.split([split, x.shape[0] - split])
+        if kept is not None:
+            x_completion = _unpack(x_completion, kept, rows * completion)
         last_prompt = x_prompt.view(groups, p, -1)[:, -1:].repeat_interleave(counts, dim=0)  # (N, 1, E)
         hidden = torch.cat([last_prompt, x_completion.view(rows, completion, -1)[:, :-1]], dim=1)  # (N, C, E)
         return self.logits(hidden)
@@ -251,6 +277,26 @@ class LlamaFunctional:
 
     def decoder(self, prompt_mask: Tensor, max_new_tokens: int) -> StaticDecoder:
         return StaticDecoder(self, prompt_mask, max_new_tokens)
+
+
+# Leaving masked completion positions out costs a scatter and a gather per layer: below this
+# share of the completion positions that costs more than it saves.
+_MIN_SKIPPED_SHARE = 0.05
+
+
+def _kept_completion_positions(completion_mask: Tensor) -> Tensor | None:
+    """Flat indices (into N*C) of the unmasked completion positions, or None to keep them all."""
+    flat = completion_mask.reshape(-1).bool()
+    skipped = flat.numel() - int(flat.sum())
+    if skipped < _MIN_SKIPPED_SHARE * flat.numel():
+        return None
+    return flat.nonzero().squeeze(1)
+
+
+def _unpack(kept_rows: Tensor, kept: Tensor, total: int) -> Tensor:
+    """(K, ...) rows -> (total, ...) with them at `kept` and zeros elsewhere (differentiable)."""
+    padded = kept_rows.new_zeros((total, *kept_rows.shape[1:]))
+    return padded.index_copy(0, kept, kept_rows)
 
 
 def causal_padding_mask(attention_mask: Tensor) -> Tensor:
@@ -269,10 +315,11 @@ class StaticDecoder:
     """Prefill once, then one token per call, with K/V written into a preallocated (B, KV, S, D) cache.
 
     Positions follow `generate()`: prompt positions count real tokens (left padding does not
-    shift them) and each new token takes the next position. Call under torch.inference_mode().
-    A decode step works on (B, E) matrices with weights prepared once per rollout for that
-    row count (`_DecodeLinear`) and attention as two batched matmuls over the cache (cheaper
-    than SDPA's kernel for a single query).
+    shift them) and each new token takes the next position. Call under torch.inference_mode(),
+    with `threads` intra-op threads (see `decode_threads`). A decode step works on (B, E)
+    matrices with weights prepared once per rollout for that row count (`_DecodeLinear`), RoPE
+    applied in place, the residual adds fused into the matmuls after attention and MLP, and
+    attention as two batched matmuls over the cache (cheaper than SDPA's kernel for one query).
     """
 
     def __init__(self, net: LlamaFunctional, prompt_mask: Tensor, max_new_tokens: int) -> None:
@@ -290,8 +337,7 @@ class StaticDecoder:
         prompt_positions = (prompt_mask.long().cumsum(-1) - 1).clamp(min=0)  # (B, P)
         last = prompt_positions[:, -1:]  # left padding: the last column is a real token
         steps = torch.arange(1, max_new_tokens + 1, device=device)
-        positions = torch.cat([prompt_positions, last + steps], dim=1)  # (B, S)
-        self.cos, self.sin = net.rotary_tables(positions, dtype)
+        self.rotary = net.rotary(torch.cat([prompt_positions, last + steps], dim=1), dtype)  # (B, S, D/2)
         self.prompt_mask = prompt_mask
         # float32: fold each RMSNorm weight into the matrix after it, so a norm is one row scale
         # (same rounding class as LlamaRMSNorm; in lower precision its cast order would differ).
@@ -303,6 +349,7 @@ class StaticDecoder:
         ]
         head = net.lm_head * (net.final_norm * norm_gain) if self.fold else net.lm_head
         self.head = _DecodeLinear(head, net.lm_head_bias, batch)
+        self.threads = decode_threads(net, batch)
         self.length = 0  # filled cache positions
 
     def prefill(self, prompt_ids: Tensor) -> Tensor:
@@ -316,10 +363,10 @@ class StaticDecoder:
         _, counts = torch.unique_consecutive(unique, dim=0, return_counts=True)
         firsts = torch.cumsum(counts, 0) - counts  # (n,) first row of each group
         mask = causal_padding_mask(self.prompt_mask[firsts])
-        cos, sin = self.cos[firsts, :length], self.sin[firsts, :length]
+        rotary = self.rotary.select(firsts, length)
         x = net.embed_ids(prompt_ids[firsts])  # (n, P, E)
         for index, layer in enumerate(net.layers):
-            q, k, v = net.qkv(layer, net.norm(x, layer.input_norm), cos, sin)
+            q, k, v = net.qkv(layer, net.norm(x, layer.input_norm), rotary)
             self.keys[index][:, :, :length] = k.repeat_interleave(counts, dim=0)
             self.values[index][:, :, :length] = v.repeat_interleave(counts, dim=0)
             x = x + net.attention_out(layer, net._sdpa(q, k, v, mask))
@@ -333,26 +380,24 @@ class StaticDecoder:
         end = position + 1
         batch = tokens.shape[0]
         heads, kv_heads, dim = net.num_heads, net.num_kv_heads, net.head_dim
-        cos, sin = self.cos[:, position : position + 1], self.sin[:, position : position + 1]  # (B, 1, D)
+        rotary = self.rotary.at(position)  # (B, 1, D/2): broadcasts over heads
         bias = self.bias[..., :end]  # (B*KV, 1, end)
         x = net.embed_ids(tokens)  # (B, E)
         for index, (layer, t) in enumerate(zip(net.layers, self.linears, strict=True)):
-            fused = t.qkv(self._norm(x, layer.input_norm)).view(batch, -1, dim)
-            qk = fused[:, : heads + kv_heads]  # (B, H+KV, D)
-            qk = qk * cos + qk.roll(dim // 2, dims=-1) * sin
-            self.keys[index][:, :, position] = qk[:, heads:]
+            fused = t.qkv(self._norm(x, layer.input_norm)).view(batch, heads + 2 * kv_heads, dim)
+            rotary.apply_(fused[:, : heads + kv_heads])  # q and k
+            self.keys[index][:, :, position] = fused[:, heads : heads + kv_heads]
             self.values[index][:, :, position] = fused[:, heads + kv_heads :]
             # Heads of one KV group are adjacent: (B*KV, groups, D) queries against (B*KV, end, D) keys.
-            q = qk[:, :heads].reshape(batch * kv_heads, heads // kv_heads, dim)
+            q = fused[:, :heads].reshape(batch * kv_heads, heads // kv_heads, dim)
             keys = self.keys[index][:, :, :end].reshape(batch * kv_heads, end, dim)
             values = self.values[index][:, :, :end].reshape(batch * kv_heads, end, dim)
             # 1/sqrt(D) is folded into the q rows of the qkv matrix (RoPE is linear).
-            probs = torch.bmm(q, keys.transpose(1, 2)).add_(bias).softmax(dim=-1)
+            probs = torch.baddbmm(bias, q, keys.transpose(1, 2)).softmax(dim=-1)
             attn = torch.bmm(probs, values).view(batch, heads * dim)
-            x = x + t.o(attn)
-            gate_up = t.gate_up(self._norm(x, layer.post_norm))
-            gate, up = gate_up.split(net.intermediate, dim=-1)
-            x = x + t.down(net.act(gate) * up)
+            x = t.o(attn, residual=x)
+            gate, up = t.gate_up(self._norm(x, layer.post_norm)).split(net.intermediate, dim=-1)
+            x = t.down(net.act(gate).mul_(up), residual=x)
         self.length = end
         return self._logits(x)
 
@@ -368,13 +413,47 @@ class StaticDecoder:
         return x * sum_sq.add_(self.net.hidden * self.net.eps).rsqrt_()  # sqrt(E) is in the weights
 
 
+# With OpenMP's passive waiting (what `grpo` processes run with, see service/cli), every parallel
+# region wakes the sleeping pool threads, which costs more than a second core saves on a decode
+# step's small matmuls. Measured on a 2-core EPYC (torch 2.13, 32 rows): one thread decodes the
+# tiny and small presets (largest decode matmul 3 and 17 MFLOP) 1.2-2.9x faster than two; two win on
+# medium (90 MFLOP). Spinning (the default policy) keeps the pool awake, and every thread helps.
+_PASSIVE_PARALLEL_MIN_FLOP = 2**25
+
+
+def decode_threads(net: LlamaFunctional, rows: int) -> int:
+    """Intra-op threads for decoding `rows` sequences with `net`: all of them, except one when the
+    OpenMP pool sleeps between ops (OMP_WAIT_POLICY=PASSIVE) and the largest matmul is small."""
+    threads = torch.get_num_threads()
+    passive = os.environ.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE"
+    if threads == 1 or not passive or net.embed.device.type != "cpu":
+        return threads
+    widest = max(layer.qkv_weight.shape[0] for layer in net.layers)
+    largest = 2 * rows * net.hidden * max(widest, 2 * net.intermediate)
+    return 1 if largest < _PASSIVE_PARALLEL_MIN_FLOP else threads
+
+
+@contextmanager
+def intra_op_threads(threads: int) -> Iterator[None]:
+    """Run the block with `threads` torch intra-op threads, then restore the previous count."""
+    previous = torch.get_num_threads()
+    if threads == previous:
+        yield
+        return
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
 class _DecodeLinear:
-    """x @ W^T (+ b) for a fixed number of rows, in the cheapest form this build offers.
+    """x @ W^T (+ b) (+ residual) for a fixed number of rows, in the cheapest form this build offers.
 
     With MKL (CPU, float32) the weight is packed once for that row count (`_mkl_linear`, what
     torch.compile's CPU backend uses for frozen linears): a small-M GEMM otherwise re-packs the
-    whole weight on every call. Elsewhere a contiguous transposed copy, since `mm` with a
-    contiguous (in, out) operand beats `F.linear`'s transposed view at these sizes.
+    whole weight on every call. Elsewhere a contiguous transposed copy, with the residual added by
+    the GEMM itself (`addmm`).
     """
 
     def __init__(self, weight: Tensor, bias: Tensor | None, rows: int) -> None:
@@ -386,13 +465,14 @@ class _DecodeLinear:
         else:
             self.weight_t = weight.t().contiguous()
 
-    def __call__(self, x: Tensor) -> Tensor:
+    def __call__(self, x: Tensor, *, residual: Tensor | None = None) -> Tensor:
         if self.packed is not None and x.shape[0] == self.rows:
-            return torch.ops.mkl._mkl_linear(x, self.packed, self.weight, self.bias, self.rows)  # type: ignore[no-any-return]
+            out: Tensor = torch.ops.mkl._mkl_linear(x, self.packed, self.weight, self.bias, self.rows)
+            return out if residual is None else out.add_(residual)
         if self.weight_t is None:
             self.weight_t = self.weight.t().contiguous()
-        out = torch.mm(x, self.weight_t)
-        return out if self.bias is None else out + self.bias
+        out = torch.mm(x, self.weight_t) if residual is None else torch.addmm(residual, x, self.weight_t)
+        return out if self.bias is None else out.add_(self.bias)
 
 
 # Below about this many weight elements packing measured slower than the plain mm (tiny preset).
@@ -440,3 +520,63 @@ class _DecodeLayer:
             _DecodeLinear(gate_up, layer.gate_up_bias, rows),
             _DecodeLinear(layer.down_weight, layer.down_bias, rows),
         )
+
+
+def rope_pair_order(heads: int, dim: int, device: torch.device) -> Tensor:
+    """Row order for q or k weights that puts RoPE's pairs side by side: within each head, features
+    (0, D/2, 1, D/2 + 1, ...). transformers rotates feature i with i + D/2 (`rotate_half`); adjacent
+    pairs make the rotation one complex multiply. q and k share the order, so q.k is unchanged."""
+    half = dim // 2
+    within = torch.stack([torch.arange(half), torch.arange(half) + half], dim=1).reshape(-1)
+    return (torch.arange(heads)[:, None] * dim + within).reshape(-1).to(device)
+
+
+@dataclass(frozen=True)
+class Rotary:
+    """RoPE cos/sin tables (..., D/2) for pair-ordered q/k features (see `rope_pair_order`).
+
+    float32/float64 rotate with one complex multiply per tensor; other dtypes (there is no complex
+    bfloat16) with the same rotation written out on the pairs.
+    """
+
+    cos: Tensor
+    sin: Tensor
+    cis: Tensor | None  # cos + i sin, when complex arithmetic is available for the dtype
+
+    @classmethod
+    def of(cls, cos: Tensor, sin: Tensor) -> Rotary:
+        complex_ok = cos.dtype in (torch.float32, torch.float64)
+        return cls(cos, sin, torch.complex(cos, sin) if complex_ok else None)
+
+    def _map(self, op: Callable[[Tensor], Tensor]) -> Rotary:
+        return Rotary(op(self.cos), op(self.sin), None if self.cis is None else op(self.cis))
+
+    def unsqueeze(self, dim: int) -> Rotary:
+        return self._map(lambda t: t.unsqueeze(dim))
+
+    def squeeze(self, dim: int) -> Rotary:
+        return self._map(lambda t: t.squeeze(dim))
+
+    def select(self, rows: Tensor, length: int) -> Rotary:
+        """Tables of `rows` for their first `length` positions: (n, length, D/2)."""
+        return self._map(lambda t: t[rows, :length])
+
+    def at(self, position: int) -> Rotary:
+        """Tables of one position for every row, broadcasting over heads: (B, 1, D/2)."""
+        return self._map(lambda t: t[:, position : position + 1])
+
+    def apply(self, x: Tensor) -> Tensor:
+        """Rotated copy of x (..., D); differentiable."""
+        pairs = x.unflatten(-1, (-1, 2))
+        if self.cis is not None:
+            return torch.view_as_real(torch.view_as_complex(pairs) * self.cis).flatten(-2)
+        even, odd = pairs.unbind(-1)
+        rotated = (even * self.cos - odd * self.sin, odd * self.cos + even * self.sin)
+        return torch.stack(rotated, dim=-1).flatten(-2)
+
+    def apply_(self, x: Tensor) -> None:
+        """Rotate x (..., D) in place (inference)."""
+        if self.cis is not None:
+            torch.view_as_complex(x.unflatten(-1, (-1, 2))).mul_(self.cis)
+        else:
+            x.copy_(self.apply(x))

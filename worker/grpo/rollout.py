@@ -237,6 +237,8 @@ def _beam_search(
 
 
 class _Decoder(Protocol):
+    threads: int  # torch intra-op threads to decode with
+
     def prefill(self, prompt_ids: Tensor) -> Tensor: ...  # (B, P) -> next-token logits (B, V)
 
     def step(self, tokens: Tensor) -> Tensor: ...  # (B,) -> next-token logits (B, V)
@@ -255,6 +257,7 @@ class _CacheDecoder:
         self.next_position = positions[:, -1:] + 1  # (B, 1)
         self.cache = DynamicCache(config=model.config)
         self.length = prompt_mask.shape[1]
+        self.threads = torch.get_num_threads()
 
     def prefill(self, prompt_ids: Tensor) -> Tensor:
         return self._forward(prompt_ids, self.prompt_positions)
@@ -337,22 +340,23 @@ def sample_completions(
     batch, device = prompt_ids.shape[0], prompt_ids.device
     with torch.inference_mode():
         decoder = _decoder(model, prompt_mask, max_new)
-        eos = torch.tensor(eos_ids, device=device)
-        out = torch.full((batch, max_new), pad_id, dtype=torch.long, device=device)
-        running = torch.ones(batch, dtype=torch.bool, device=device)
-        logits = decoder.prefill(prompt_ids)
-        produced = 0
-        for index in range(max_new):
-            filtered = filter_logits(
-                logits, temperature=config.temperature, top_k=config.top_k, top_p=config.top_p
-            )
-            tokens = sample_tokens(filtered, generator)  # (B,)
-            tokens = torch.where(running, tokens, pad_id)
-            out[:, index] = tokens
-            produced = index + 1
-            running &= ~torch.isin(tokens, eos)
-            if produced == max_new or not bool(running.any()):
-                break
-            logits = decoder.step(tokens)
+        with fast_llama.intra_op_threads(decoder.threads):
+            eos = torch.tensor(eos_ids, device=device)
+            out = torch.full((batch, max_new), pad_id, dtype=torch.long, device=device)
+            running = torch.ones(batch, dtype=torch.bool, device=device)
+            logits = decoder.prefill(prompt_ids)
+            produced = 0
+            for index in range(max_new):
+                filtered = filter_logits(
+                    logits, temperature=config.temperature, top_k=config.top_k, top_p=config.top_p
+                )
+                tokens = sample_tokens(filtered, generator)  # (B,)
+                tokens = torch.where(running, tokens, pad_id)
+                out[:, index] = tokens
+                produced = index + 1
+                running &= ~torch.isin(tokens, eos)
+                if produced == max_new or not bool(running.any()):
+                    break
+                logits = decoder.step(tokens)
     # A normal tensor again: inference tensors cannot be saved for backward (the embedding would).
     return out[:, :produced].clone()
