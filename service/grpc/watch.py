@@ -40,7 +40,7 @@ class _Poll:
 
 def _read(session: Session, tenant_id: str, job_id: str, next_step: int) -> _Poll:
     """One poll: job, then metrics from next_step, then checkpoints."""
-    job = JobOut.from_row(jobs_service.get_job(session, tenant_id, job_id))
+    job = jobs_service.read_job(session, tenant_id, job_id)
     metrics = jobs_service.get_metrics(session, tenant_id, job_id, names=None, since_step=next_step, limit=METRICS_PAGE)
     series = {name: (s.steps, s.values) for name, s in metrics.series.items()}
     checkpoints = [(c.id, c.step) for c in checkpoints_service.list_job_checkpoints(session, tenant_id, job_id)]

@@ -8,14 +8,13 @@ from fastapi import APIRouter, Body, Depends, Header, Query, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 from sqlalchemy.orm import Session
-from starlette.concurrency import run_in_threadpool
 
 from service.jobs import service
 from service.jobs.idempotency import request_hash, run_idempotent
 from service.jobs.schemas import EventList, EventOut, JobList, JobOut, MetricsOut, SampleList, SampleOut
 from service.jobs.states import JobStatus
 from service.jobs.stream import job_event_stream, parse_last_event_id
-from service.kit.db import single_read_session
+from service.kit.db import run_read, single_read_session
 from service.kit.deps import SessionDep
 from service.kit.openapi import error_responses
 from service.kit.queue import JobQueue, get_job_queue
@@ -115,15 +114,15 @@ def list_jobs(
 
 @router.get("/jobs/{job_id}", response_model=JobOut, summary="Get a job", responses=error_responses(401, 404))
 async def get_job(job_id: str, tenant: CurrentTenant) -> Response:
-    # The hottest route (clients poll it): async with one thread-pool hop for the whole database read,
-    # instead of a sync route whose session dependency adds two more (enter and exit).
-    return _json(await run_in_threadpool(_read_job, tenant.tenant_id, job_id))
+    # The hottest route (clients poll it): async with one hop to the small read pool for the whole database
+    # read, instead of a sync route whose session dependency adds two more (enter and exit).
+    return _json(await run_read(_read_job, tenant.tenant_id, job_id))
 
 
 def _read_job(tenant_id: str, job_id: str) -> JobOut:
     # One SELECT (the job row carries its latest metrics): autocommit spares the BEGIN/COMMIT round trips.
     with single_read_session() as session:
-        return JobOut.from_row(service.get_job(session, tenant_id, job_id))
+        return service.read_job(session, tenant_id, job_id)
 
 
 @router.post(
@@ -246,7 +245,7 @@ def stream_job(
     ] = None,
 ) -> StreamingResponse:
     after = parse_last_event_id(last_event_id)
-    service.get_job(session, tenant.tenant_id, job_id)  # 404 before the stream starts
+    service.read_job(session, tenant.tenant_id, job_id)  # 404 before the stream starts
     return StreamingResponse(
         job_event_stream(job_id, after, request.is_disconnected),
         media_type="text/event-stream",

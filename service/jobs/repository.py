@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from datetime import datetime
+from typing import Any
 
-from sqlalchemy import delete, exists, or_, select
+from sqlalchemy import Row, delete, exists, or_, select
 from sqlalchemy.orm import Session
 
 from service.checkpoints.models import Checkpoint
@@ -20,6 +21,22 @@ def get_job(session: Session, tenant_id: str, job_id: str, *, for_update: bool =
         # Row lock (PostgreSQL): serialises API transitions with the worker's writes to this job.
         stmt = stmt.with_for_update()
     return session.scalars(stmt).one_or_none()
+
+
+# Every column of `jobs`, named as the ORM attributes are (`metadata` is `metadata_`), so a plain row renders
+# like a Job entity does (JobOut.from_row).
+_JOB_COLUMNS = [
+    column.label("metadata_") if column.key == "metadata" else column for column in Job.__table__.c
+]
+
+
+def get_job_row(session: Session, tenant_id: str, job_id: str) -> Row[Any] | None:
+    """The job as a plain row, for reads that only render it: a Core statement on the session's connection
+    skips the ORM's entity construction, identity map and attribute instrumentation (the polled read path).
+    Always a fresh SELECT: nothing is cached."""
+    table = Job.__table__
+    stmt = select(*_JOB_COLUMNS).where(table.c.id == job_id, table.c.tenant_id == tenant_id)
+    return session.connection().execute(stmt).one_or_none()
 
 
 def get_job_any_tenant(session: Session, job_id: str, *, for_update: bool = False) -> Job | None:

@@ -7,6 +7,7 @@ from datetime import datetime
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+from sqlalchemy import Row
 
 from service.jobs.models import Job, JobEvent, JobSample
 from service.jobs.states import JobStatus
@@ -49,7 +50,8 @@ class JobOut(BaseModel):
     finished_at: datetime | None
 
     @classmethod
-    def from_row(cls, job: Job) -> JobOut:
+    def from_row(cls, job: Job | Row[Any]) -> JobOut:
+        """From a Job entity or a plain row of its columns under the same names (repository.get_job_row)."""
         error = None
         if job.error_code is not None:
             error = JobError(code=job.error_code, message=job.error_message or "")

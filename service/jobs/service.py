@@ -14,7 +14,7 @@ from sqlalchemy.orm import Session
 
 from service.jobs import repository
 from service.jobs.models import Job, JobEvent
-from service.jobs.schemas import MetricSeries, MetricsOut
+from service.jobs.schemas import JobOut, MetricSeries, MetricsOut
 from service.jobs.states import STATUS_EVENT, UNFINISHED, JobStatus, transition
 from service.kit.config import get_settings
 from service.kit.db import on_commit, utcnow
@@ -120,6 +120,15 @@ def get_job(session: Session, tenant_id: str, job_id: str, *, for_update: bool =
     if job is None:
         raise NotFound("job", job_id)
     return job
+
+
+def read_job(session: Session, tenant_id: str, job_id: str) -> JobOut:
+    """A job as the API renders it (REST GET /v1/jobs/{id}, gRPC GetJob and WatchJob): one SELECT, no ORM
+    entity. For state changes use `get_job`, which returns the entity (and can lock its row)."""
+    row = repository.get_job_row(session, tenant_id, job_id)
+    if row is None:
+        raise NotFound("job", job_id)
+    return JobOut.from_row(row)
 
 
 def list_jobs(

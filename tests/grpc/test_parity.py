@@ -38,7 +38,7 @@ OPERATIONS: list[tuple[str, ModuleType, str, tuple[ModuleType, ...], str]] = [
     ("POST /v1/reward-functions/{reward_function_id}/test", rewards_rest, "RewardFunctionService.TestRewardFunction", (rewards_grpc,), "dry_run.test_reward_function"),
     ("POST /v1/jobs", jobs_rest, "JobService.CreateJob", (jobs_grpc,), "service.create_job"),
     ("GET /v1/jobs", jobs_rest, "JobService.ListJobs", (jobs_grpc,), "service.list_jobs"),
-    ("GET /v1/jobs/{job_id}", jobs_rest, "JobService.GetJob", (jobs_grpc,), "service.get_job"),
+    ("GET /v1/jobs/{job_id}", jobs_rest, "JobService.GetJob", (jobs_grpc,), "service.read_job"),
     ("POST /v1/jobs/{job_id}/cancel", jobs_rest, "JobService.CancelJob", (jobs_grpc,), "service.cancel_job"),
     ("POST /v1/jobs/{job_id}/pause", jobs_rest, "JobService.PauseJob", (jobs_grpc,), "service.pause_job"),
     ("POST /v1/jobs/{job_id}/resume", jobs_rest, "JobService.ResumeJob", (jobs_grpc,), "service.resume_job"),
@@ -46,7 +46,7 @@ OPERATIONS: list[tuple[str, ModuleType, str, tuple[ModuleType, ...], str]] = [
     ("GET /v1/jobs/{job_id}/metrics", jobs_rest, "JobService.GetJobMetrics", (jobs_grpc,), "service.get_metrics"),
     ("GET /v1/jobs/{job_id}/samples", jobs_rest, "JobService.ListJobSamples", (jobs_grpc,), "service.list_samples"),
     # Following a job: SSE of event rows over REST, typed WatchJob over gRPC; both check ownership first.
-    ("GET /v1/jobs/{job_id}/stream", jobs_rest, "JobService.WatchJob", (jobs_grpc, watch), "service.get_job"),
+    ("GET /v1/jobs/{job_id}/stream", jobs_rest, "JobService.WatchJob", (jobs_grpc, watch), "service.read_job"),
     ("GET /v1/jobs/{job_id}/checkpoints", checkpoints_rest, "CheckpointService.ListCheckpoints", (checkpoints_grpc,), "service.list_job_checkpoints"),
     ("GET /v1/checkpoints/{checkpoint_id}", checkpoints_rest, "CheckpointService.GetCheckpoint", (checkpoints_grpc,), "service.get_checkpoint"),
     # Per-file Range download over REST; DownloadCheckpoint streams every (or the chosen) files with offsets.

@@ -7,6 +7,8 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
+from service.jobs.repository import get_job_any_tenant
+from service.jobs.schemas import JobOut
 from service.kit.db import session_scope
 from tests.service.factories import TenantHeaders
 from tests.service.jobs_support import (
@@ -14,6 +16,7 @@ from tests.service.jobs_support import (
     create_dataset,
     create_reward_function,
     job_spec,
+    load_job,
     make_dataset,
     recording_queue,
     start_job,
@@ -157,6 +160,32 @@ class TestGetJob:
         got = client.get(f"/v1/jobs/{created['id']}", headers=tenant_a)
         assert got.status_code == 200
         assert got.json() == created
+
+    def test_get_after_changes_returns_the_new_state(
+        self, client: TestClient, tenant_a: TenantHeaders
+    ) -> None:
+        # The read path renders a plain row (no ORM entity, nothing cached): every poll sees the latest
+        # commit, whether the API or the worker made it.
+        job_id = create(client, tenant_a)["id"]
+        assert client.get(f"/v1/jobs/{job_id}", headers=tenant_a).json()["status"] == "queued"
+        assert client.post(f"/v1/jobs/{job_id}/pause", headers=tenant_a).status_code == 200
+        assert client.get(f"/v1/jobs/{job_id}", headers=tenant_a).json()["status"] == "paused"
+        client.post(f"/v1/jobs/{job_id}/resume", headers=tenant_a)
+        start_job(job_id)
+        with session_scope() as session:  # what the worker writes while training, then on failure
+            job = get_job_any_tenant(session, job_id)
+            assert job is not None
+            job.current_step, job.latest_metrics = 7, {"reward/mean": 0.5, "kl": None}
+            job.error_code, job.error_message = "reward_endpoint_unavailable", "down"
+            job.metadata_ = {"team": "a"}
+        got = client.get(f"/v1/jobs/{job_id}", headers=tenant_a).json()
+        assert got["status"] == "running" and got["attempt"] == 1 and got["started_at"] is not None
+        assert got["progress"] == {"step": 7, "total_steps": got["progress"]["total_steps"]}
+        assert got["metrics"] == {"reward/mean": 0.5, "kl": None}
+        assert got["error"] == {"code": "reward_endpoint_unavailable", "message": "down"}
+        assert got["metadata"] == {"team": "a"}
+        # The same rendering as from the ORM entity the write paths return.
+        assert got == JobOut.from_row(load_job(job_id)).model_dump(mode="json")
 
 
 class TestControl:

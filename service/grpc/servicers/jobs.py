@@ -62,7 +62,7 @@ class JobServicer(jobs_pb2_grpc.JobServiceServicer):
 
     async def GetJob(self, request: jobs_pb2.GetJobRequest, context: Context) -> jobs_pb2.GetJobResponse:
         tenant = current_tenant()
-        job = await in_session(lambda s: JobOut.from_row(service.get_job(s, tenant.tenant_id, request.job_id)))
+        job = await in_session(lambda s: service.read_job(s, tenant.tenant_id, request.job_id))
         return jobs_pb2.GetJobResponse(job=job_to_proto(job))
 
     async def ListJobs(self, request: jobs_pb2.ListJobsRequest, context: Context) -> jobs_pb2.ListJobsResponse:
