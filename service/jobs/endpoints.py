@@ -98,17 +98,21 @@ def create_job(
 @router.get(
     "/jobs", response_model=JobList, summary="List jobs, newest first", responses=error_responses(401, 422)
 )
-def list_jobs(
+async def list_jobs(
     tenant: CurrentTenant,
-    session: SessionDep,
     status: Annotated[JobStatus | None, Query(description="Only jobs in this state.")] = None,
     limit: Annotated[int, Query(ge=1, le=100)] = 20,
     after: Annotated[
         str | None, Query(max_length=64, description="`next_after` of the previous page.")
     ] = None,
-) -> JobList:
-    rows, has_more = service.list_jobs(session, tenant.tenant_id, status=status, limit=limit, after=after)
-    data = [JobOut.from_row(job) for job in rows]
+) -> Response:
+    # Like get_job: one SELECT, so one hop to the read pool and an autocommit read.
+    return _json(await run_read(_list_jobs, tenant.tenant_id, status, limit, after))
+
+
+def _list_jobs(tenant_id: str, status: JobStatus | None, limit: int, after: str | None) -> JobList:
+    with single_read_session() as session:
+        data, has_more = service.list_jobs(session, tenant_id, status=status, limit=limit, after=after)
     return JobList(data=data, has_more=has_more, next_after=data[-1].id if has_more else None)
 
 

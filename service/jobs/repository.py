@@ -49,14 +49,16 @@ def get_job_any_tenant(session: Session, job_id: str, *, for_update: bool = Fals
 
 def list_jobs(
     session: Session, tenant_id: str, *, status: str | None, limit: int, before_id: str | None
-) -> Sequence[Job]:
-    """Newest first. Ids are time-sortable, so `id < before_id` is a stable cursor."""
-    stmt = select(Job).where(Job.tenant_id == tenant_id)
+) -> Sequence[Row[Any]]:
+    """Newest first, as plain rows (see get_job_row). Ids are time-sortable, so `id < before_id` is a stable
+    cursor."""
+    table = Job.__table__
+    stmt = select(*_JOB_COLUMNS).where(table.c.tenant_id == tenant_id)
     if status is not None:
-        stmt = stmt.where(Job.status == status)
+        stmt = stmt.where(table.c.status == status)
     if before_id is not None:
-        stmt = stmt.where(Job.id < before_id)
-    return session.scalars(stmt.order_by(Job.id.desc()).limit(limit)).all()
+        stmt = stmt.where(table.c.id < before_id)
+    return session.connection().execute(stmt.order_by(table.c.id.desc()).limit(limit)).all()
 
 
 def job_uses_dataset(session: Session, tenant_id: str, dataset_id: str, statuses: Sequence[str]) -> bool:

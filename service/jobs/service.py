@@ -133,12 +133,14 @@ def read_job(session: Session, tenant_id: str, job_id: str) -> JobOut:
 
 def list_jobs(
     session: Session, tenant_id: str, *, status: JobStatus | None, limit: int, after: str | None
-) -> tuple[Sequence[Job], bool]:
-    """Newest first; `after` is the id of the last job of the previous page. Returns (page, has_more)."""
+) -> tuple[list[JobOut], bool]:
+    """Newest first; `after` is the id of the last job of the previous page. Returns (page, has_more).
+
+    One SELECT of plain rows, rendered (no ORM entities), like `read_job`."""
     rows = repository.list_jobs(
         session, tenant_id, status=status.value if status else None, limit=limit + 1, before_id=after
     )
-    return rows[:limit], len(rows) > limit
+    return [JobOut.from_row(row) for row in rows[:limit]], len(rows) > limit
 
 
 def list_events(

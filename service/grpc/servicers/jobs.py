@@ -71,10 +71,9 @@ class JobServicer(jobs_pb2_grpc.JobServiceServicer):
         status = job_status(request.state)
 
         def work(s: Session) -> tuple[list[JobOut], bool]:
-            rows, has_more = service.list_jobs(
+            return service.list_jobs(
                 s, tenant.tenant_id, status=status, limit=limit, after=request.page_token or None
             )
-            return [JobOut.from_row(r) for r in rows], has_more
 
         jobs, has_more = await in_session(work)
         return jobs_pb2.ListJobsResponse(
