@@ -296,8 +296,11 @@ def throwaway_database() -> Iterator[str]:
         admin.dispose()
 
 
+LIST_LIMIT = 20
+
+
 def seed(database_url: str) -> tuple[str, str, str]:
-    """Migrate, then create a tenant, an API key, a dataset and one job. Returns (key, dataset id, job id)."""
+    """Migrate, then create a tenant, an API key, a dataset and 21 jobs. Returns (key, dataset id, a job id)."""
     from service.cli.migrate import upgrade_head
     from service.datasets.models import Dataset
     from service.jobs import service as jobs_service
@@ -320,10 +323,10 @@ def seed(database_url: str) -> tuple[str, str, str]:
         )  # fmt: skip
         session.add(dataset)
         session.flush()
-        job = jobs_service.create_job(
-            session, tenant.id, JobSpec.model_validate(job_body(dataset.id)), NoQueue()
-        )
-        return key, dataset.id, job.id
+        # A full first page for `GET /v1/jobs?limit=20` from the first round on (POSTs add more later).
+        spec = JobSpec.model_validate(job_body(dataset.id))
+        jobs = [jobs_service.create_job(session, tenant.id, spec, NoQueue()) for _ in range(LIST_LIMIT + 1)]
+        return key, dataset.id, jobs[0].id
 
 
 def job_body(dataset_id: str) -> dict[str, Any]:
@@ -451,7 +454,7 @@ def main() -> None:
         headers = {"Authorization": f"Bearer {key}"}
         calls = [
             (TARGET, Call("GET", f"/v1/jobs/{job_id}", headers)),
-            ("GET /v1/jobs?limit=20", Call("GET", "/v1/jobs?limit=20", headers)),
+            (f"GET /v1/jobs?limit={LIST_LIMIT}", Call("GET", f"/v1/jobs?limit={LIST_LIMIT}", headers)),
             ("POST /v1/jobs", Call("POST", "/v1/jobs", headers, job_body(dataset_id))),
         ]
         print(
