@@ -317,7 +317,7 @@ class StaticDecoder:
     Positions follow `generate()`: prompt positions count real tokens (left padding does not
     shift them) and each new token takes the next position. Call under torch.inference_mode(),
     with `threads` intra-op threads (see `decode_threads`). A decode step works on (B, E)
-    matrices with weights prepared once per rollout for that row count (`_DecodeLinear`), RoPE
+    matrices with weights prepared once per rollout (`_DecodeLinear`), RoPE
     applied in place, the residual adds fused into the matmuls after attention and MLP, and
     attention as two batched matmuls over the cache (cheaper than SDPA's kernel for one query).
     """
@@ -345,10 +345,10 @@ class StaticDecoder:
         # Folded norm weights also carry sqrt(E): rsqrt(mean(x^2) + eps) = sqrt(E) * rsqrt(sum(x^2) + E*eps).
         norm_gain = net.hidden**0.5 if self.fold else 1.0
         self.linears = [
-            _DecodeLayer.of(layer, net, batch, fold=self.fold, norm_gain=norm_gain) for layer in net.layers
+            _DecodeLayer.of(layer, net, fold=self.fold, norm_gain=norm_gain) for layer in net.layers
         ]
         head = net.lm_head * (net.final_norm * norm_gain) if self.fold else net.lm_head
-        self.head = _DecodeLinear(head, net.lm_head_bias, batch)
+        self.head = _DecodeLinear(head, net.lm_head_bias)
         self.threads = decode_threads(net, batch)
         self.length = 0  # filled cache positions
 
@@ -448,45 +448,20 @@ def intra_op_threads(threads: int) -> Iterator[None]:
 
 
 class _DecodeLinear:
-    """x @ W^T (+ b) (+ residual) for a fixed number of rows, in the cheapest form this build offers.
+    """x @ W^T (+ b) (+ residual) for the decode step's (B, in) rows.
 
-    With MKL (CPU, float32) the weight is packed once for that row count (`_mkl_linear`, what
-    torch.compile's CPU backend uses for frozen linears): a small-M GEMM otherwise re-packs the
-    whole weight on every call. Elsewhere a contiguous transposed copy, with the residual added by
-    the GEMM itself (`addmm`).
+    Holds a contiguous transposed copy of W, made once per rollout, so each call is one GEMM with
+    the residual added by the GEMM itself (`addmm`). MKL's packed weights (`_mkl_linear`) were
+    measured no faster here at these row counts, and packing cost ~0.5 ms per matrix per rollout.
     """
 
-    def __init__(self, weight: Tensor, bias: Tensor | None, rows: int) -> None:
-        self.weight, self.bias, self.rows = weight, bias, rows
-        self.packed: Tensor | None = None
-        self.weight_t: Tensor | None = None
-        if _mkl_packing_available(weight):
-            self.packed = torch.ops.mkl._mkl_reorder_linear_weight(weight, rows)
-        else:
-            self.weight_t = weight.t().contiguous()
+    def __init__(self, weight: Tensor, bias: Tensor | None) -> None:
+        self.weight_t = weight.t().contiguous()
+        self.bias = bias
 
     def __call__(self, x: Tensor, *, residual: Tensor | None = None) -> Tensor:
-        if self.packed is not None and x.shape[0] == self.rows:
-            out: Tensor = torch.ops.mkl._mkl_linear(x, self.packed, self.weight, self.bias, self.rows)
-            return out if residual is None else out.add_(residual)
-        if self.weight_t is None:
-            self.weight_t = self.weight.t().contiguous()
         out = torch.mm(x, self.weight_t) if residual is None else torch.addmm(residual, x, self.weight_t)
         return out if self.bias is None else out.add_(self.bias)
-
-
-# Below about this many weight elements packing measured slower than the plain mm (tiny preset).
-_PACK_MIN_ELEMENTS = 2**17
-
-
-def _mkl_packing_available(weight: Tensor) -> bool:
-    return (
-        weight.numel() >= _PACK_MIN_ELEMENTS
-        and weight.device.type == "cpu"
-        and weight.dtype == torch.float32
-        and torch.backends.mkl.is_available()
-        and hasattr(torch.ops.mkl, "_mkl_linear")
-    )
 
 
 @dataclass
@@ -497,9 +472,7 @@ class _DecodeLayer:
     down: _DecodeLinear
 
     @classmethod
-    def of(
-        cls, layer: _Layer, net: LlamaFunctional, rows: int, *, fold: bool, norm_gain: float
-    ) -> _DecodeLayer:
+    def of(cls, layer: _Layer, net: LlamaFunctional, *, fold: bool, norm_gain: float) -> _DecodeLayer:
         """The q rows of qkv carry the attention scale 1/sqrt(D). With `fold`, the RMSNorm weights
         (times `norm_gain`) scale the columns of the matrices that follow them:
         RMSNorm(x) @ W^T == (x * rstd(x)) @ (W * g)^T."""
@@ -515,10 +488,10 @@ class _DecodeLayer:
             qkv = qkv * (layer.input_norm * norm_gain)
             gate_up = gate_up * (layer.post_norm * norm_gain)
         return cls(
-            _DecodeLinear(qkv, qkv_bias, rows),
-            _DecodeLinear(layer.o_weight, layer.o_bias, rows),
-            _DecodeLinear(gate_up, layer.gate_up_bias, rows),
-            _DecodeLinear(layer.down_weight, layer.down_bias, rows),
+            _DecodeLinear(qkv, qkv_bias),
+            _DecodeLinear(layer.o_weight, layer.o_bias),
+            _DecodeLinear(gate_up, layer.gate_up_bias),
+            _DecodeLinear(layer.down_weight, layer.down_bias),
         )
 
 
