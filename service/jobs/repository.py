@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from datetime import datetime
+from functools import lru_cache
 from typing import Any
 
-from sqlalchemy import Row, delete, exists, or_, select
+from sqlalchemy import Integer, Row, Select, bindparam, delete, exists, or_, select
 from sqlalchemy.orm import Session
 
 from service.checkpoints.models import Checkpoint
@@ -30,13 +31,18 @@ _JOB_COLUMNS = [
 ]
 
 
+# Built once with bound parameters: building the statement and its cache key on every call cost about as much
+# as the rest of SQLAlchemy's work for this read. Only the statement is reused, never a result.
+_JOB_ROW = select(*_JOB_COLUMNS).where(
+    Job.__table__.c.id == bindparam("job_id"), Job.__table__.c.tenant_id == bindparam("tenant_id")
+)
+
+
 def get_job_row(session: Session, tenant_id: str, job_id: str) -> Row[Any] | None:
     """The job as a plain row, for reads that only render it: a Core statement on the session's connection
     skips the ORM's entity construction, identity map and attribute instrumentation (the polled read path).
     Always a fresh SELECT: nothing is cached."""
-    table = Job.__table__
-    stmt = select(*_JOB_COLUMNS).where(table.c.id == job_id, table.c.tenant_id == tenant_id)
-    return session.connection().execute(stmt).one_or_none()
+    return session.connection().execute(_JOB_ROW, {"job_id": job_id, "tenant_id": tenant_id}).one_or_none()
 
 
 def get_job_any_tenant(session: Session, job_id: str, *, for_update: bool = False) -> Job | None:
@@ -47,18 +53,26 @@ def get_job_any_tenant(session: Session, job_id: str, *, for_update: bool = Fals
     return session.scalars(stmt).one_or_none()
 
 
+@lru_cache(maxsize=4)
+def _job_page(by_status: bool, with_cursor: bool) -> Select[Any]:
+    """The list statement for one combination of filters, built once (see _JOB_ROW)."""
+    table = Job.__table__
+    stmt = select(*_JOB_COLUMNS).where(table.c.tenant_id == bindparam("tenant_id"))
+    if by_status:
+        stmt = stmt.where(table.c.status == bindparam("status"))
+    if with_cursor:
+        stmt = stmt.where(table.c.id < bindparam("before_id"))
+    return stmt.order_by(table.c.id.desc()).limit(bindparam("limit", type_=Integer))
+
+
 def list_jobs(
     session: Session, tenant_id: str, *, status: str | None, limit: int, before_id: str | None
 ) -> Sequence[Row[Any]]:
     """Newest first, as plain rows (see get_job_row). Ids are time-sortable, so `id < before_id` is a stable
     cursor."""
-    table = Job.__table__
-    stmt = select(*_JOB_COLUMNS).where(table.c.tenant_id == tenant_id)
-    if status is not None:
-        stmt = stmt.where(table.c.status == status)
-    if before_id is not None:
-        stmt = stmt.where(table.c.id < before_id)
-    return session.connection().execute(stmt.order_by(table.c.id.desc()).limit(limit)).all()
+    stmt = _job_page(status is not None, before_id is not None)
+    params = {"tenant_id": tenant_id, "status": status, "before_id": before_id, "limit": limit}
+    return session.connection().execute(stmt, params).all()
 
 
 def job_uses_dataset(session: Session, tenant_id: str, dataset_id: str, statuses: Sequence[str]) -> bool:
