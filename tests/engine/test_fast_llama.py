@@ -3,6 +3,7 @@ cached decoding) and the sampling loop reproduces generate()'s sampling rules.""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -40,6 +41,38 @@ def reference_logits(model: PreTrainedModel, ids: torch.Tensor, mask: torch.Tens
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     out = model(input_ids=ids, attention_mask=mask, position_ids=positions, logits_to_keep=C + 1)
     return out.logits[:, :-1]
+
+
+def assert_decoder_matches(
+    model: PreTrainedModel,
+    ids: torch.Tensor,
+    mask: torch.Tensor,
+    close: Callable[[torch.Tensor, torch.Tensor], bool],
+    steps: int = 4,
+) -> None:
+    """StaticDecoder's prefill and first `steps` decode steps give the module's logits (DynamicCache)."""
+    prompt, prompt_mask = ids[:, :P], mask[:, :P]
+    hf_positions = (prompt_mask.cumsum(-1) - 1).masked_fill(prompt_mask == 0, 1)
+    with torch.inference_mode():
+        decoder = fast_llama.LlamaFunctional(model).decoder(prompt_mask, C)
+        cache = DynamicCache(config=model.config)
+        ours = decoder.prefill(prompt)
+        theirs = model(
+            input_ids=prompt, attention_mask=prompt_mask, position_ids=hf_positions, past_key_values=cache
+        ).logits[:, -1]
+        assert close(ours, theirs)
+        attention = prompt_mask
+        for t in range(steps):
+            token = ids[:, P + t]
+            attention = torch.cat([attention, torch.ones(ids.shape[0], 1, dtype=torch.long)], dim=1)
+            ours = decoder.step(token)
+            theirs = model(
+                input_ids=token[:, None],
+                attention_mask=attention,
+                position_ids=hf_positions[:, -1:] + t + 1,
+                past_key_values=cache,
+            ).logits[:, -1]
+            assert close(ours, theirs), t
 
 
 def _grad(parameter: torch.nn.Parameter) -> torch.Tensor:
@@ -92,31 +125,7 @@ def test_no_shared_prompt_path_matches_too(model: PreTrainedModel) -> None:
 
 def test_decoder_matches_the_module_with_a_dynamic_cache(model: PreTrainedModel) -> None:
     ids, mask = grouped_batch()
-    prompt, prompt_mask = ids[:, :P], mask[:, :P]
-    hf_positions = (prompt_mask.cumsum(-1) - 1).masked_fill(prompt_mask == 0, 1)
-    with torch.inference_mode():
-        decoder = fast_llama.LlamaFunctional(model).decoder(prompt_mask, C)
-        cache = DynamicCache(config=model.config)
-        ours = decoder.prefill(prompt)
-        theirs = model(
-            input_ids=prompt,
-            attention_mask=prompt_mask,
-            position_ids=hf_positions,
-            past_key_values=cache,
-        ).logits[:, -1]
-        assert torch.allclose(ours, theirs, atol=1e-5)
-        attention = prompt_mask
-        for t in range(4):
-            token = ids[:, P + t]
-            attention = torch.cat([attention, torch.ones(6, 1, dtype=torch.long)], dim=1)
-            ours = decoder.step(token)
-            theirs = model(
-                input_ids=token[:, None],
-                attention_mask=attention,
-                position_ids=hf_positions[:, -1:] + t + 1,
-                past_key_values=cache,
-            ).logits[:, -1]
-            assert torch.allclose(ours, theirs, atol=1e-5), t
+    assert_decoder_matches(model, ids, mask, lambda ours, theirs: torch.allclose(ours, theirs, atol=1e-5))
 
 
 def test_fast_and_generic_decoders_sample_the_same_tokens(model: PreTrainedModel) -> None:
@@ -199,28 +208,7 @@ def test_gqa_with_biases_matches_in_every_dtype(dtype: torch.dtype, rtol: float)
         ours = fast_llama.LlamaFunctional(model).completion_logits(ids, mask, positions, C)
         theirs = reference_logits(model, ids, mask)
     assert close(ours[real], theirs[real])
-    prompt, prompt_mask = ids[:, :P], mask[:, :P]
-    hf_positions = (prompt_mask.cumsum(-1) - 1).masked_fill(prompt_mask == 0, 1)
-    with torch.inference_mode():
-        decoder = fast_llama.LlamaFunctional(model).decoder(prompt_mask, C)
-        cache = DynamicCache(config=model.config)
-        ours = decoder.prefill(prompt)
-        theirs = model(
-            input_ids=prompt, attention_mask=prompt_mask, position_ids=hf_positions, past_key_values=cache
-        ).logits[:, -1]
-        assert close(ours, theirs)
-        attention = prompt_mask
-        for t in range(3):
-            token = ids[:, P + t]
-            attention = torch.cat([attention, torch.ones(6, 1, dtype=torch.long)], dim=1)
-            ours = decoder.step(token)
-            theirs = model(
-                input_ids=token[:, None],
-                attention_mask=attention,
-                position_ids=hf_positions[:, -1:] + t + 1,
-                past_key_values=cache,
-            ).logits[:, -1]
-            assert close(ours, theirs), t
+    assert_decoder_matches(model, ids, mask, close)
 
 
 def test_passive_openmp_decodes_small_models_on_one_thread(
