@@ -17,6 +17,8 @@ import logging
 # (tests/worker/test_queue_lease.py checks that importing this module never imports torch).
 from sqlalchemy.orm import configure_mappers
 
+from service.kit.config import get_settings
+from service.kit.db import end_idle_transactions_after
 from worker.celery_app import RUN_JOB_TASK, app
 from worker.runner import JobRunner
 
@@ -30,6 +32,9 @@ log = logging.getLogger(__name__)
 @app.task(name=RUN_JOB_TASK, ignore_result=True, acks_late=True, reject_on_worker_lost=True)
 def run_job(job_id: str) -> str:
     """Run (or resume, or ignore as a duplicate) the job; returns the outcome for the worker log."""
+    # A worker frozen longer than its lease has lost the job anyway: its open transaction must not
+    # keep the job row locked against the reaper (db.end_idle_transactions_after).
+    end_idle_transactions_after(get_settings().lease_seconds)
     outcome = JobRunner(job_id).run()
     log.info("grpo.run_job %s -> %s", job_id, outcome)
     return outcome

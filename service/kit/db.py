@@ -63,7 +63,9 @@ PING_AFTER_IDLE_SECONDS = 1.0
 RECYCLE_SECONDS = 1800
 
 
-def make_engine(url: str) -> Engine:
+def make_engine(url: str, *, idle_transaction_timeout_s: float | None = None) -> Engine:
+    """An engine for `url`. With `idle_transaction_timeout_s` (PostgreSQL), the server ends a session that sits
+    idle inside a transaction that long, releasing its row locks (see `end_idle_transactions_after`)."""
     parsed = make_url(url)
     if parsed.get_backend_name() == "sqlite":
         if parsed.database and parsed.database != ":memory:":
@@ -83,8 +85,17 @@ def make_engine(url: str) -> Engine:
     # that sat idle are pinged instead (a database restart is survived as before), busy ones are not; LIFO
     # keeps the busy ones few and hot, and a disconnect seen mid-request makes the pool replace every
     # connection opened before it. pool_recycle retires connections that idle proxies may have dropped.
+    connect_args: dict[str, Any] = {}
+    if idle_transaction_timeout_s is not None and parsed.get_backend_name() == "postgresql":
+        timeout_ms = max(1, int(idle_transaction_timeout_s * 1000))
+        connect_args["options"] = f"-c idle_in_transaction_session_timeout={timeout_ms}"
     engine = create_engine(
-        url, pool_size=20, max_overflow=20, pool_use_lifo=True, pool_recycle=RECYCLE_SECONDS
+        url,
+        pool_size=20,
+        max_overflow=20,
+        pool_use_lifo=True,
+        pool_recycle=RECYCLE_SECONDS,
+        connect_args=connect_args,
     )
     _ping_after_idle(engine)
     return engine
@@ -111,14 +122,28 @@ def _ping_after_idle(engine: Engine) -> None:
 
 
 @lru_cache
-def _engine_for(url: str) -> Engine:
-    return make_engine(url)
+def _engine_for(url: str, idle_transaction_timeout_s: float | None) -> Engine:
+    return make_engine(url, idle_transaction_timeout_s=idle_transaction_timeout_s)
+
+
+# Set by job-running processes only (worker.tasks): API requests may legitimately keep a transaction open
+# around slow I/O, a worker's transactions are all short.
+_idle_transaction_timeout_s: float | None = None
+
+
+def end_idle_transactions_after(seconds: float) -> None:
+    """From now on this process's engine asks PostgreSQL to end any session left idle inside a transaction
+    for `seconds`. A worker frozen mid-transaction (SIGSTOP, a suspended VM, a debugger) would otherwise keep
+    its job row locked, and the reaper's take-back of that job would wait on the lock for as long as the
+    freeze lasts instead of handing the job to a new attempt once the lease runs out."""
+    global _idle_transaction_timeout_s
+    _idle_transaction_timeout_s = seconds
 
 
 def get_engine() -> Engine:
     from service.kit.config import get_settings
 
-    return _engine_for(get_settings().database_url)
+    return _engine_for(get_settings().database_url, _idle_transaction_timeout_s)
 
 
 @lru_cache
