@@ -79,7 +79,9 @@ class TestWorkerDeath:
         first = stack.start_worker()
         dataset = api.upload_dataset(PROMPTS)
         job_id = api.submit(tiny_spec(dataset, max_steps=8, checkpoint_every=2))
-        api.wait_step(job_id, 3)  # a checkpoint at step 2 exists and step 3 is recorded past it
+        api.wait_step(job_id, 3)
+        # Checkpoints register after their upload, which a fast step can outrun: kill once one is registered.
+        wait_for(lambda: api.checkpoints(job_id), timeout=120, what="a registered checkpoint")
         first.kill()  # SIGKILL the Celery parent and the child running the job
         second = stack.start_worker()
         try:
