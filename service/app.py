@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -12,7 +14,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from service.checkpoints.endpoints import router as checkpoints_router
 from service.datasets.endpoints import router as datasets_router
 from service.jobs.endpoints import router as jobs_router
+from service.kit.config import get_settings
 from service.kit.errors import DomainError
+from service.kit.reads import open_reads
 from service.observability.endpoints import router as metrics_router
 from service.observability.middleware import PrometheusMiddleware
 from service.ops.endpoints import router as ops_router
@@ -60,8 +64,23 @@ async def _http_error(_request: Request, exc: Exception) -> JSONResponse:
     return _error(exc.status_code, code, str(exc.detail), None)
 
 
+@asynccontextmanager
+async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
+    # Opened on the serving event loop, which the asyncio database pool of the hot reads is bound to.
+    settings = get_settings()
+    app.state.reads = await open_reads(
+        settings.database_url, async_reads=settings.db_async_reads, pool_size=settings.db_async_read_pool_size
+    )
+    try:
+        yield
+    finally:
+        await app.state.reads.close()
+        del app.state.reads
+
+
 def create_app() -> FastAPI:
     app = FastAPI(
+        lifespan=_lifespan,
         title="GRPO training service",
         version="0.1.0",
         description="Submit GRPO fine-tuning jobs, register remote reward endpoints, follow progress, "
@@ -71,10 +90,12 @@ def create_app() -> FastAPI:
     app.add_exception_handler(DomainError, _domain_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
+    # Routes are matched in order, one by one: the jobs routes, which clients poll, go first (no two
+    # routers' paths overlap, so the order changes nothing else).
+    app.include_router(jobs_router, prefix="/v1")
     app.include_router(ops_router)
     app.include_router(datasets_router, prefix="/v1")
     app.include_router(rewards_router, prefix="/v1")
-    app.include_router(jobs_router, prefix="/v1")
     app.include_router(checkpoints_router, prefix="/v1")
     app.include_router(webhooks_router, prefix="/v1")
     app.include_router(metrics_router)

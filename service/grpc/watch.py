@@ -1,8 +1,8 @@
 """WatchJob: a job's progress as a stream of messages, built by polling the same domain reads as REST.
 
-Order of one poll (one short transaction): the job first, then its metrics and checkpoints. The worker
+Order of one poll: the job first, then (one short transaction) its metrics and checkpoints. The worker
 commits a terminal state after the last step's metrics, so a poll that sees the terminal state also sees
-every metric; the stream then sends what is left and ends with the terminal Job.
+every metric when it reads them next; the stream then sends what is left and ends with the terminal Job.
 
 Guarantees: metrics go out in increasing step order, each step once, starting at `from_step`; a client
 that reconnects with from_step = last step received + 1 continues without gaps or duplicates. (A step
@@ -25,6 +25,7 @@ from service.grpc.gen.grpo.v1 import jobs_pb2
 from service.jobs import service as jobs_service
 from service.jobs.schemas import JobOut
 from service.jobs.states import TERMINAL
+from service.kit.reads import THREADED_READS
 
 POLL_INTERVAL_S = 0.5
 METRICS_PAGE = 10_000  # (step, name) points per read; a page never ends mid-step
@@ -38,9 +39,13 @@ class _Poll:
     checkpoints: list[tuple[str, int]] = field(default_factory=list)  # (id, step), by step
 
 
-def _read(session: Session, tenant_id: str, job_id: str, next_step: int) -> _Poll:
-    """One poll: job, then metrics from next_step, then checkpoints."""
-    job = jobs_service.read_job(session, tenant_id, job_id)
+async def _poll(tenant_id: str, job_id: str, next_step: int) -> _Poll:
+    """One poll: the job, then (one transaction) its metrics from next_step and its checkpoints."""
+    job = await jobs_service.read_job(THREADED_READS, tenant_id, job_id)
+    return await in_session(partial(_progress, job=job, tenant_id=tenant_id, job_id=job_id, next_step=next_step))
+
+
+def _progress(session: Session, job: JobOut, tenant_id: str, job_id: str, next_step: int) -> _Poll:
     metrics = jobs_service.get_metrics(session, tenant_id, job_id, names=None, since_step=next_step, limit=METRICS_PAGE)
     series = {name: (s.steps, s.values) for name, s in metrics.series.items()}
     checkpoints = [(c.id, c.step) for c in checkpoints_service.list_job_checkpoints(session, tenant_id, job_id)]
@@ -55,7 +60,7 @@ async def watch_job(
     sent_checkpoints: set[str] = set()
     last_job: jobs_pb2.Job | None = None
     while True:
-        poll = await in_session(partial(_read, tenant_id=tenant_id, job_id=job_id, next_step=next_step))
+        poll = await _poll(tenant_id, job_id, next_step)
         job = job_to_proto(poll.job)
         terminal = poll.job.status in TERMINAL
         if not terminal and (last_job is None or _changed(last_job, job)):

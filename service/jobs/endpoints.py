@@ -14,8 +14,7 @@ from service.jobs.idempotency import request_hash, run_idempotent
 from service.jobs.schemas import EventList, EventOut, JobList, JobOut, MetricsOut, SampleList, SampleOut
 from service.jobs.states import JobStatus
 from service.jobs.stream import job_event_stream, parse_last_event_id
-from service.kit.db import run_read, single_read_session
-from service.kit.deps import SessionDep
+from service.kit.deps import SessionDep, reads_of
 from service.kit.openapi import error_responses
 from service.kit.queue import JobQueue, get_job_queue
 from service.tenants.auth import CurrentTenant
@@ -99,6 +98,7 @@ def create_job(
     "/jobs", response_model=JobList, summary="List jobs, newest first", responses=error_responses(401, 422)
 )
 async def list_jobs(
+    request: Request,
     tenant: CurrentTenant,
     status: Annotated[JobStatus | None, Query(description="Only jobs in this state.")] = None,
     limit: Annotated[int, Query(ge=1, le=100)] = 20,
@@ -106,27 +106,17 @@ async def list_jobs(
         str | None, Query(max_length=64, description="`next_after` of the previous page.")
     ] = None,
 ) -> Response:
-    # Like get_job: one SELECT, so one hop to the read pool and an autocommit read.
-    return _json(await run_read(_list_jobs, tenant.tenant_id, status, limit, after))
-
-
-def _list_jobs(tenant_id: str, status: JobStatus | None, limit: int, after: str | None) -> JobList:
-    with single_read_session() as session:
-        data, has_more = service.list_jobs(session, tenant_id, status=status, limit=limit, after=after)
-    return JobList(data=data, has_more=has_more, next_after=data[-1].id if has_more else None)
+    data, has_more = await service.list_jobs(
+        reads_of(request), tenant.tenant_id, status=status, limit=limit, after=after
+    )
+    return _json(JobList(data=data, has_more=has_more, next_after=data[-1].id if has_more else None))
 
 
 @router.get("/jobs/{job_id}", response_model=JobOut, summary="Get a job", responses=error_responses(401, 404))
-async def get_job(job_id: str, tenant: CurrentTenant) -> Response:
-    # The hottest route (clients poll it): async with one hop to the small read pool for the whole database
-    # read, instead of a sync route whose session dependency adds two more (enter and exit).
-    return _json(await run_read(_read_job, tenant.tenant_id, job_id))
-
-
-def _read_job(tenant_id: str, job_id: str) -> JobOut:
-    # One SELECT (the job row carries its latest metrics): autocommit spares the BEGIN/COMMIT round trips.
-    with single_read_session() as session:
-        return service.read_job(session, tenant_id, job_id)
+async def get_job(job_id: str, request: Request, tenant: CurrentTenant) -> Response:
+    # The hottest route (clients poll it): async, and on PostgreSQL the read is awaited on the event loop
+    # with no thread hop (kit.reads).
+    return _json(await service.read_job(reads_of(request), tenant.tenant_id, job_id))
 
 
 @router.post(
@@ -239,17 +229,16 @@ def list_samples(
         **error_responses(401, 404, 422),
     },
 )
-def stream_job(
+async def stream_job(
     job_id: str,
     request: Request,
     tenant: CurrentTenant,
-    session: SessionDep,
     last_event_id: Annotated[
         str | None, Header(alias="Last-Event-ID", description="Resume after this event id.")
     ] = None,
 ) -> StreamingResponse:
     after = parse_last_event_id(last_event_id)
-    service.read_job(session, tenant.tenant_id, job_id)  # 404 before the stream starts
+    await service.read_job(reads_of(request), tenant.tenant_id, job_id)  # 404 before the stream starts
     return StreamingResponse(
         job_event_stream(job_id, after, request.is_disconnected),
         media_type="text/event-stream",

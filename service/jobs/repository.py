@@ -7,12 +7,13 @@ from datetime import datetime
 from functools import lru_cache
 from typing import Any
 
-from sqlalchemy import Integer, Row, Select, bindparam, delete, exists, or_, select
+from sqlalchemy import Integer, Select, bindparam, delete, exists, or_, select
 from sqlalchemy.orm import Session
 
 from service.checkpoints.models import Checkpoint
 from service.datasets.models import Dataset
 from service.jobs.models import IdempotencyKey, Job, JobEvent, JobMetric, JobSample
+from service.kit.reads import Reads, one_or_none
 from service.rewards.models import RewardFunction
 
 
@@ -38,11 +39,11 @@ _JOB_ROW = select(*_JOB_COLUMNS).where(
 )
 
 
-def get_job_row(session: Session, tenant_id: str, job_id: str) -> Row[Any] | None:
-    """The job as a plain row, for reads that only render it: a Core statement on the session's connection
-    skips the ORM's entity construction, identity map and attribute instrumentation (the polled read path).
-    Always a fresh SELECT: nothing is cached."""
-    return session.connection().execute(_JOB_ROW, {"job_id": job_id, "tenant_id": tenant_id}).one_or_none()
+async def get_job_row(reads: Reads, tenant_id: str, job_id: str) -> Any | None:
+    """The job as a plain row, for reads that only render it (the polled read path): a Core statement
+    skips the ORM's entity construction, identity map and attribute instrumentation, and `reads` runs it
+    without a thread hop on PostgreSQL (see kit.reads). Always a fresh SELECT: nothing is cached."""
+    return await one_or_none(reads, _JOB_ROW, {"job_id": job_id, "tenant_id": tenant_id})
 
 
 def get_job_any_tenant(session: Session, job_id: str, *, for_update: bool = False) -> Job | None:
@@ -65,14 +66,14 @@ def _job_page(by_status: bool, with_cursor: bool) -> Select[Any]:
     return stmt.order_by(table.c.id.desc()).limit(bindparam("limit", type_=Integer))
 
 
-def list_jobs(
-    session: Session, tenant_id: str, *, status: str | None, limit: int, before_id: str | None
-) -> Sequence[Row[Any]]:
+async def list_jobs(
+    reads: Reads, tenant_id: str, *, status: str | None, limit: int, before_id: str | None
+) -> Sequence[Any]:
     """Newest first, as plain rows (see get_job_row). Ids are time-sortable, so `id < before_id` is a stable
     cursor."""
     stmt = _job_page(status is not None, before_id is not None)
     params = {"tenant_id": tenant_id, "status": status, "before_id": before_id, "limit": limit}
-    return session.connection().execute(stmt, params).all()
+    return await reads.all(stmt, params)
 
 
 def job_uses_dataset(session: Session, tenant_id: str, dataset_id: str, statuses: Sequence[str]) -> bool:

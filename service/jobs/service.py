@@ -21,6 +21,7 @@ from service.kit.db import on_commit, utcnow
 from service.kit.errors import IllegalTransition, NotFound, ValidationFailed
 from service.kit.ids import new_id
 from service.kit.queue import JobQueue, send_job_logged
+from service.kit.reads import Reads
 from worker.grpo.spec import JobSpec, RemoteRewardSpec
 
 CHECKPOINT_MODEL_PREFIX = "checkpoint:"
@@ -122,23 +123,23 @@ def get_job(session: Session, tenant_id: str, job_id: str, *, for_update: bool =
     return job
 
 
-def read_job(session: Session, tenant_id: str, job_id: str) -> JobOut:
-    """A job as the API renders it (REST GET /v1/jobs/{id}, gRPC GetJob and WatchJob): one SELECT, no ORM
-    entity. For state changes use `get_job`, which returns the entity (and can lock its row)."""
-    row = repository.get_job_row(session, tenant_id, job_id)
+async def read_job(reads: Reads, tenant_id: str, job_id: str) -> JobOut:
+    """A job as the API renders it (REST GET /v1/jobs/{id} and its stream, gRPC GetJob and WatchJob): one
+    SELECT, no ORM entity. For state changes use `get_job`, which returns the entity (and can lock its row)."""
+    row = await repository.get_job_row(reads, tenant_id, job_id)
     if row is None:
         raise NotFound("job", job_id)
     return JobOut.from_row(row)
 
 
-def list_jobs(
-    session: Session, tenant_id: str, *, status: JobStatus | None, limit: int, after: str | None
+async def list_jobs(
+    reads: Reads, tenant_id: str, *, status: JobStatus | None, limit: int, after: str | None
 ) -> tuple[list[JobOut], bool]:
     """Newest first; `after` is the id of the last job of the previous page. Returns (page, has_more).
 
     One SELECT of plain rows, rendered (no ORM entities), like `read_job`."""
-    rows = repository.list_jobs(
-        session, tenant_id, status=status.value if status else None, limit=limit + 1, before_id=after
+    rows = await repository.list_jobs(
+        reads, tenant_id, status=status.value if status else None, limit=limit + 1, before_id=after
     )
     return [JobOut.from_row(row) for row in rows[:limit]], len(rows) > limit
 

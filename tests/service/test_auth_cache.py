@@ -44,6 +44,14 @@ def statements(settings: Settings) -> Iterator[list[str]]:
     event.remove(engine, "before_cursor_execute", record)
 
 
+@pytest.fixture
+def reads_through_sqlalchemy(settings: Settings, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The polled reads through SQLAlchemy on PostgreSQL too, where `statements` sees them (test_reads.py
+    covers the asyncpg path)."""
+    monkeypatch.setenv("GRPO_DB_ASYNC_READS", "false")
+    get_settings.cache_clear()
+
+
 def _set_ttl(monkeypatch: pytest.MonkeyPatch, seconds: float) -> None:
     monkeypatch.setenv("GRPO_AUTH_CACHE_SECONDS", str(seconds))
     get_settings.cache_clear()
@@ -66,7 +74,7 @@ class TestCache:
         assert len(statements) == looked_up
 
     def test_get_job_with_a_cached_key_is_one_query(
-        self, client: TestClient, tenant_a: TenantHeaders, statements: list[str]
+        self, reads_through_sqlalchemy: None, client: TestClient, tenant_a: TenantHeaders, statements: list[str]
     ) -> None:
         missing = client.get("/v1/jobs/job_nope", headers=tenant_a)  # authenticates (and caches)
         assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"

@@ -27,6 +27,7 @@ from service.jobs.idempotency import request_hash, run_idempotent
 from service.jobs.schemas import EventOut, JobOut, SampleOut
 from service.kit.errors import ValidationFailed
 from service.kit.queue import get_job_queue
+from service.kit.reads import THREADED_READS
 from worker.grpo.spec import JobSpec
 
 Context = grpc.aio.ServicerContext[Any, Any]
@@ -62,20 +63,16 @@ class JobServicer(jobs_pb2_grpc.JobServiceServicer):
 
     async def GetJob(self, request: jobs_pb2.GetJobRequest, context: Context) -> jobs_pb2.GetJobResponse:
         tenant = current_tenant()
-        job = await in_session(lambda s: service.read_job(s, tenant.tenant_id, request.job_id))
+        job = await service.read_job(THREADED_READS, tenant.tenant_id, request.job_id)
         return jobs_pb2.GetJobResponse(job=job_to_proto(job))
 
     async def ListJobs(self, request: jobs_pb2.ListJobsRequest, context: Context) -> jobs_pb2.ListJobsResponse:
         tenant = current_tenant()
         limit = page_size(request.page_size, 20, 100)
         status = job_status(request.state)
-
-        def work(s: Session) -> tuple[list[JobOut], bool]:
-            return service.list_jobs(
-                s, tenant.tenant_id, status=status, limit=limit, after=request.page_token or None
-            )
-
-        jobs, has_more = await in_session(work)
+        jobs, has_more = await service.list_jobs(
+            THREADED_READS, tenant.tenant_id, status=status, limit=limit, after=request.page_token or None
+        )
         return jobs_pb2.ListJobsResponse(
             jobs=[job_to_proto(j) for j in jobs], next_page_token=jobs[-1].id if has_more and jobs else ""
         )
