@@ -30,6 +30,7 @@ import torch
 from torch import Tensor
 
 from worker.grpo.advantages import group_advantages
+from worker.grpo.allocator import keep_freed_memory
 from worker.grpo.batch import (
     EventLoopThread,
     Scored,
@@ -103,6 +104,7 @@ class GRPOTrainer:
         self.checkpoint_metadata = checkpoint_metadata or {}
         self.total_steps = config.total_steps(len(train_rows))
         seed_everything(config.seed)
+        keep_freed_memory()  # each step reuses the last one's pages (no page faults per tensor)
         checkpoint = load_checkpoint(resume_from) if resume_from is not None else None
         cache_dir = model_cache_dir or self.output_dir / "models"
         self.models: ModelBundle = build_model_bundle(

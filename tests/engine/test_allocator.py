@@ -1,0 +1,33 @@
+"""keep_freed_memory: glibc's malloc thresholds are raised once per process."""
+
+from __future__ import annotations
+
+import platform
+import sys
+
+import pytest
+
+from worker.grpo import allocator
+
+
+def test_applies_the_thresholds_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[dict[int, int]] = []
+
+    def fake(settings: dict[int, int]) -> bool:
+        calls.append(settings)
+        return True
+
+    monkeypatch.setattr(allocator, "_applied", None)
+    monkeypatch.setattr(allocator, "_mallopt", fake)
+    assert allocator.keep_freed_memory()
+    assert allocator.keep_freed_memory()
+    assert calls == [{-3: allocator.MMAP_THRESHOLD, -1: allocator.TRIM_THRESHOLD}]
+
+
+@pytest.mark.skipif(
+    not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc", reason="glibc only"
+)
+def test_glibc_accepts_the_thresholds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """mallopt returns 1 for both (a threshold over glibc's cap would be refused and return 0)."""
+    monkeypatch.setattr(allocator, "_applied", None)
+    assert allocator.keep_freed_memory()
