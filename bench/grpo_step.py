@@ -191,6 +191,11 @@ def run_ours(model_dir: Path, data: Path, steps: int, record: RunRecord, work: P
 
 def child_main(args: argparse.Namespace) -> None:
     _limit_threads()
+    # Our trainer raises glibc's malloc thresholds for its process (worker.grpo.allocator); TRL's process gets
+    # the same setting, so that the comparison is between the engines, not the allocator configuration.
+    from worker.grpo.allocator import keep_freed_memory
+
+    keep_freed_memory()
     record = RunRecord(framework=args.child, preset=args.preset)
     runner = run_trl if args.child == "trl" else run_ours
     runner(Path(args.model_dir), Path(args.data), args.steps, record, Path(args.work))
