@@ -6,8 +6,8 @@ import hmac
 from dataclasses import dataclass
 from typing import Annotated
 
-from fastapi import Depends
-from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from fastapi import Depends, Request
+from fastapi.security import HTTPBearer
 from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
@@ -73,18 +73,26 @@ def _authenticate_in_own_session(bearer_token: str | None) -> TenantContext:
         return authenticate(session, bearer_token)
 
 
-_bearer = HTTPBearer(auto_error=False, description="An API key from `grpo admin create-key`.")
+class _BearerTenant(HTTPBearer):
+    """The HTTP bearer scheme, resolved to the caller's tenant in the same dependency.
+
+    Subclassing HTTPBearer keeps OpenAPI's security scheme (FastAPI documents any HTTPBearer dependency) while
+    routes resolve one dependency instead of a tenant dependency on top of HTTPBearer's: measured in-process
+    on the polled `GET /v1/jobs/{id}`, each dependency level costs about a tenth of the request's CPU.
+    Async so that a cached key costs no thread-pool hop; a miss authenticates in a short session of its own
+    (the database work stays off the event loop).
+    """
+
+    async def __call__(self, request: Request) -> TenantContext:  # type: ignore[override]
+        credentials = await super().__call__(request)
+        token = credentials.credentials if credentials else None
+        if (cached := cached_tenant(token)) is not None:
+            return cached
+        return await run_in_threadpool(_authenticate_in_own_session, token)
 
 
-async def current_tenant(
-    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
-) -> TenantContext:
-    """Async so that a cached key costs no thread-pool hop; a miss authenticates in a short session of its
-    own (the database work stays off the event loop)."""
-    token = credentials.credentials if credentials else None
-    if (cached := cached_tenant(token)) is not None:
-        return cached
-    return await run_in_threadpool(_authenticate_in_own_session, token)
-
+current_tenant = _BearerTenant(
+    auto_error=False, scheme_name="HTTPBearer", description="An API key from `grpo admin create-key`."
+)
 
 CurrentTenant = Annotated[TenantContext, Depends(current_tenant)]
