@@ -1,12 +1,14 @@
 """The grpc.aio server: domain servicers, health checking (grpc.health.v1) and reflection.
 
-`grpo serve` runs `serve_grpc(settings.grpc_port)` next to uvicorn on the same event loop; tests call
-`create_grpc_server(0)` and start it themselves.
+`grpo serve` runs `serve_grpc(settings.grpc_port)` next to uvicorn on the same event loop; tests use
+`running_grpc(0)`, or call `create_grpc_server(0)` and start it themselves.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -14,6 +16,8 @@ from grpc_reflection.v1alpha import reflection
 
 from service.grpc import servicers
 from service.grpc.interceptors import AuthInterceptor, ErrorInterceptor
+from service.kit.config import get_settings
+from service.kit.reads import THREADED_READS, Reads, open_reads
 
 log = logging.getLogger(__name__)
 
@@ -21,10 +25,13 @@ log = logging.getLogger(__name__)
 MAX_MESSAGE_BYTES = 8 * 1024 * 1024
 
 
-async def create_grpc_server(port: int, host: str = "127.0.0.1") -> tuple[grpc.aio.Server, int]:
+async def create_grpc_server(
+    port: int, host: str = "127.0.0.1", *, reads: Reads = THREADED_READS
+) -> tuple[grpc.aio.Server, int]:
     """A configured, not yet started server bound to host:port (0 = any free port) and the port it got.
 
-    Async because grpc.aio binds the server to the running event loop.
+    Async because grpc.aio binds the server to the running event loop. `reads` runs the polled job reads;
+    `running_grpc` opens the configured one (the asyncpg pool on PostgreSQL) and closes it with the server.
     """
     server = grpc.aio.server(
         # Outermost first: errors wraps auth so an invalid key is rendered as UNAUTHENTICATED.
@@ -34,7 +41,7 @@ async def create_grpc_server(port: int, host: str = "127.0.0.1") -> tuple[grpc.a
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
         ],
     )
-    service_names = servicers.register_all(server)
+    service_names = servicers.register_all(server, reads)
 
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -51,12 +58,27 @@ async def create_grpc_server(port: int, host: str = "127.0.0.1") -> tuple[grpc.a
     return server, bound
 
 
-async def serve_grpc(port: int, host: str = "127.0.0.1") -> None:
-    """Run the gRPC server until cancelled (then stop it with a short grace period)."""
-    server, bound = await create_grpc_server(port, host)
-    await server.start()
-    log.info("gRPC server listening on %s:%d", host, bound)
+@asynccontextmanager
+async def running_grpc(port: int, host: str = "127.0.0.1") -> AsyncIterator[tuple[grpc.aio.Server, int]]:
+    """A started server with the configured reads (see `service.app`'s lifespan); yields it and its port, then
+    stops it (short grace period) and closes the reads."""
+    settings = get_settings()
+    reads = await open_reads(
+        settings.database_url, async_reads=settings.db_async_reads, pool_size=settings.db_async_read_pool_size
+    )
     try:
-        await server.wait_for_termination()
+        server, bound = await create_grpc_server(port, host, reads=reads)
+        await server.start()
+        try:
+            yield server, bound
+        finally:
+            await server.stop(grace=5)
     finally:
-        await server.stop(grace=5)
+        await reads.close()
+
+
+async def serve_grpc(port: int, host: str = "127.0.0.1") -> None:
+    """Run the gRPC server until cancelled."""
+    async with running_grpc(port, host) as (server, bound):
+        log.info("gRPC server listening on %s:%d", host, bound)
+        await server.wait_for_termination()

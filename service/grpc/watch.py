@@ -25,7 +25,7 @@ from service.grpc.gen.grpo.v1 import jobs_pb2
 from service.jobs import service as jobs_service
 from service.jobs.schemas import JobOut
 from service.jobs.states import TERMINAL
-from service.kit.reads import THREADED_READS
+from service.kit.reads import Reads
 
 POLL_INTERVAL_S = 0.5
 METRICS_PAGE = 10_000  # (step, name) points per read; a page never ends mid-step
@@ -39,9 +39,9 @@ class _Poll:
     checkpoints: list[tuple[str, int]] = field(default_factory=list)  # (id, step), by step
 
 
-async def _poll(tenant_id: str, job_id: str, next_step: int) -> _Poll:
+async def _poll(reads: Reads, tenant_id: str, job_id: str, next_step: int) -> _Poll:
     """One poll: the job, then (one transaction) its metrics from next_step and its checkpoints."""
-    job = await jobs_service.read_job(THREADED_READS, tenant_id, job_id)
+    job = await jobs_service.read_job(reads, tenant_id, job_id)
     return await in_session(partial(_progress, job=job, tenant_id=tenant_id, job_id=job_id, next_step=next_step))
 
 
@@ -53,14 +53,14 @@ def _progress(session: Session, job: JobOut, tenant_id: str, job_id: str, next_s
 
 
 async def watch_job(
-    tenant_id: str, job_id: str, from_step: int, *, poll_interval_s: float = POLL_INTERVAL_S
+    reads: Reads, tenant_id: str, job_id: str, from_step: int, *, poll_interval_s: float = POLL_INTERVAL_S
 ) -> AsyncIterator[jobs_pb2.WatchJobResponse]:
     """The WatchJob stream for one job of `tenant_id` (NotFound before anything is sent otherwise)."""
     next_step = from_step
     sent_checkpoints: set[str] = set()
     last_job: jobs_pb2.Job | None = None
     while True:
-        poll = await _poll(tenant_id, job_id, next_step)
+        poll = await _poll(reads, tenant_id, job_id, next_step)
         job = job_to_proto(poll.job)
         terminal = poll.job.status in TERMINAL
         if not terminal and (last_job is None or _changed(last_job, job)):

@@ -13,7 +13,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from service.grpc.server import create_grpc_server
+from service.grpc.server import running_grpc
 from tests.service.conftest import (  # noqa: F401  (fixtures, used by name)
     _sqlite_template,
     app,
@@ -35,13 +35,9 @@ def db_url(_sqlite_template: Path, tmp_path: Path) -> str:  # noqa: F811
 
 @pytest.fixture
 async def grpc_port(settings: object) -> AsyncIterator[int]:  # noqa: F811
-    """A started server on a free loopback port, stopped after the test."""
-    server, port = await create_grpc_server(0)
-    await server.start()
-    try:
+    """A started server on a free loopback port (with the reads `grpo serve` would use), stopped after the test."""
+    async with running_grpc(0) as (_server, port):
         yield port
-    finally:
-        await server.stop(None)
 
 
 @pytest.fixture

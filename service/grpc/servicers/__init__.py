@@ -22,12 +22,15 @@ from service.grpc.servicers.checkpoints import CheckpointServicer
 from service.grpc.servicers.datasets import DatasetServicer
 from service.grpc.servicers.jobs import JobServicer
 from service.grpc.servicers.rewards import RewardFunctionServicer
+from service.kit.reads import THREADED_READS, Reads
 
 
-def register_all(server: grpc.aio.Server) -> tuple[str, ...]:
-    """Add every domain servicer to `server`; returns their full service names ("grpo.v1.JobService", ...)."""
+def register_all(server: grpc.aio.Server, reads: Reads = THREADED_READS) -> tuple[str, ...]:
+    """Add every domain servicer to `server`; returns their full service names ("grpo.v1.JobService", ...).
+
+    `reads` runs the polled job reads (kit.reads), as the REST app's lifespan does for its routes."""
     datasets_pb2_grpc.add_DatasetServiceServicer_to_server(DatasetServicer(), server)
-    jobs_pb2_grpc.add_JobServiceServicer_to_server(JobServicer(), server)
+    jobs_pb2_grpc.add_JobServiceServicer_to_server(JobServicer(reads), server)
     checkpoints_pb2_grpc.add_CheckpointServiceServicer_to_server(CheckpointServicer(), server)
     reward_functions_pb2_grpc.add_RewardFunctionServiceServicer_to_server(RewardFunctionServicer(), server)
     return (

@@ -27,7 +27,7 @@ from service.jobs.idempotency import request_hash, run_idempotent
 from service.jobs.schemas import EventOut, JobOut, SampleOut
 from service.kit.errors import ValidationFailed
 from service.kit.queue import get_job_queue
-from service.kit.reads import THREADED_READS
+from service.kit.reads import THREADED_READS, Reads
 from worker.grpo.spec import JobSpec
 
 Context = grpc.aio.ServicerContext[Any, Any]
@@ -51,6 +51,9 @@ def _create(session: Session, tenant_id: str, spec: JobSpec, key: str | None) ->
 
 
 class JobServicer(jobs_pb2_grpc.JobServiceServicer):
+    def __init__(self, reads: Reads = THREADED_READS) -> None:
+        self._reads = reads  # the polled reads (GetJob, ListJobs, WatchJob): see kit.reads
+
     async def CreateJob(self, request: jobs_pb2.CreateJobRequest, context: Context) -> jobs_pb2.CreateJobResponse:
         tenant = current_tenant()
         spec = job_spec_from_proto(request.spec)
@@ -63,7 +66,7 @@ class JobServicer(jobs_pb2_grpc.JobServiceServicer):
 
     async def GetJob(self, request: jobs_pb2.GetJobRequest, context: Context) -> jobs_pb2.GetJobResponse:
         tenant = current_tenant()
-        job = await service.read_job(THREADED_READS, tenant.tenant_id, request.job_id)
+        job = await service.read_job(self._reads, tenant.tenant_id, request.job_id)
         return jobs_pb2.GetJobResponse(job=job_to_proto(job))
 
     async def ListJobs(self, request: jobs_pb2.ListJobsRequest, context: Context) -> jobs_pb2.ListJobsResponse:
@@ -71,7 +74,7 @@ class JobServicer(jobs_pb2_grpc.JobServiceServicer):
         limit = page_size(request.page_size, 20, 100)
         status = job_status(request.state)
         jobs, has_more = await service.list_jobs(
-            THREADED_READS, tenant.tenant_id, status=status, limit=limit, after=request.page_token or None
+            self._reads, tenant.tenant_id, status=status, limit=limit, after=request.page_token or None
         )
         return jobs_pb2.ListJobsResponse(
             jobs=[job_to_proto(j) for j in jobs], next_page_token=jobs[-1].id if has_more and jobs else ""
@@ -158,5 +161,5 @@ class JobServicer(jobs_pb2_grpc.JobServiceServicer):
         self, request: jobs_pb2.WatchJobRequest, context: Context
     ) -> AsyncIterator[jobs_pb2.WatchJobResponse]:
         tenant = current_tenant()
-        async for message in watch_job(tenant.tenant_id, request.job_id, max(request.from_step, 0)):
+        async for message in watch_job(self._reads, tenant.tenant_id, request.job_id, max(request.from_step, 0)):
             yield message
