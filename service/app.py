@@ -67,10 +67,7 @@ async def _http_error(_request: Request, exc: Exception) -> JSONResponse:
 @asynccontextmanager
 async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     # Opened on the serving event loop, which the asyncio database pool of the hot reads is bound to.
-    settings = get_settings()
-    app.state.reads = await open_reads(
-        settings.database_url, async_reads=settings.db_async_reads, pool_size=settings.db_async_read_pool_size
-    )
+    app.state.reads = await open_reads(get_settings())
     try:
         yield
     finally:

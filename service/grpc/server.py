@@ -62,10 +62,7 @@ async def create_grpc_server(
 async def running_grpc(port: int, host: str = "127.0.0.1") -> AsyncIterator[tuple[grpc.aio.Server, int]]:
     """A started server with the configured reads (see `service.app`'s lifespan); yields it and its port, then
     stops it (short grace period) and closes the reads."""
-    settings = get_settings()
-    reads = await open_reads(
-        settings.database_url, async_reads=settings.db_async_reads, pool_size=settings.db_async_read_pool_size
-    )
+    reads = await open_reads(get_settings())
     try:
         server, bound = await create_grpc_server(port, host, reads=reads)
         await server.start()

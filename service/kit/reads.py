@@ -29,6 +29,7 @@ from sqlalchemy import Select
 from sqlalchemy.dialects.postgresql import asyncpg as pg_asyncpg
 from sqlalchemy.engine import make_url
 
+from service.kit.config import Settings
 from service.kit.db import run_read, single_read_session
 
 log = logging.getLogger(__name__)
@@ -186,8 +187,8 @@ class PostgresReads:
         await self._pool.close()
 
 
-async def open_reads(database_url: str, *, async_reads: bool, pool_size: int) -> Reads:
-    """`PostgresReads` for a PostgreSQL URL when `async_reads` is on, else the threaded SQLAlchemy path."""
-    if async_reads and make_url(database_url).get_backend_name() == "postgresql":
-        return await PostgresReads.open(database_url, max_size=pool_size)
+async def open_reads(settings: Settings) -> Reads:
+    """`PostgresReads` on PostgreSQL when GRPO_DB_ASYNC_READS is on, else the threaded SQLAlchemy path."""
+    if settings.db_async_reads and make_url(settings.database_url).get_backend_name() == "postgresql":
+        return await PostgresReads.open(settings.database_url, max_size=settings.db_async_read_pool_size)
     return THREADED_READS
