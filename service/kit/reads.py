@@ -28,13 +28,18 @@ import asyncpg
 from sqlalchemy import Select
 from sqlalchemy.dialects.postgresql import asyncpg as pg_asyncpg
 from sqlalchemy.engine import make_url
+from sqlalchemy.exc import OperationalError
 
 from service.kit.config import Settings
 from service.kit.db import run_read, single_read_session
+from service.kit.errors import ServiceUnavailable
 
 log = logging.getLogger(__name__)
 
 Params = Mapping[str, Any]
+
+# What a read answers (503 / UNAVAILABLE) when the database cannot serve it; the cause is logged, not shown.
+DATABASE_UNAVAILABLE = "the database is unavailable; retry shortly"
 
 
 class Reads(Protocol):
@@ -56,8 +61,14 @@ async def one_or_none(reads: Reads, stmt: Select[Any], params: Params) -> Any | 
 
 
 def _all_in_session(stmt: Select[Any], params: Params) -> Sequence[Any]:
-    with single_read_session() as session:
-        return session.connection().execute(stmt, dict(params)).all()
+    try:
+        with single_read_session() as session:
+            return session.connection().execute(stmt, dict(params)).all()
+    except (
+        OperationalError
+    ) as exc:  # unreachable, restarting, locked: the database's state, not the request's
+        log.warning("read failed: database unavailable (%s)", exc.orig)
+        raise ServiceUnavailable(DATABASE_UNAVAILABLE) from exc
 
 
 class ThreadedReads:
@@ -148,7 +159,8 @@ class PostgresReads:
     Bound to the event loop it was opened on (the app's, through its lifespan). The pool starts empty and
     connects on demand, so the API starts (and /readyz reports) while the database is still coming up. A
     statement that fails because its connection was lost is retried once, after every pooled connection
-    has been marked for replacement (after a server restart they are all dead).
+    has been marked for replacement (after a server restart they are all dead); if that fails too, the read
+    is answered ServiceUnavailable (503 / UNAVAILABLE), never an unhandled error.
     """
 
     def __init__(self, pool: asyncpg.Pool, max_size: int) -> None:
@@ -180,8 +192,12 @@ class PostgresReads:
                 return await self._pool.fetch(read.sql, *args)
             except _LOST_CONNECTION as exc:
                 log.warning("read failed on a pooled connection (%r); retrying once on a new one", exc)
-                await self._pool.expire_connections()
+            await self._pool.expire_connections()
+            try:
                 return await self._pool.fetch(read.sql, *args)
+            except _LOST_CONNECTION as exc:
+                log.warning("read failed again: database unavailable (%r)", exc)
+                raise ServiceUnavailable(DATABASE_UNAVAILABLE) from exc
 
     async def close(self) -> None:
         await self._pool.close()

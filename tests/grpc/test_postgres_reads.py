@@ -10,8 +10,9 @@ import pytest
 from sqlalchemy import create_engine, text
 
 from service.grpc.gen.grpo.v1 import jobs_pb2, jobs_pb2_grpc
+from service.grpc.server import create_grpc_server
 from service.kit.config import Settings
-from service.kit.reads import READS_APPLICATION_NAME
+from service.kit.reads import READS_APPLICATION_NAME, PostgresReads
 from tests.grpc.helpers import bearer
 from tests.grpc.test_watch_job import STEPS, _collect, _job, _steps, _work, fast_polling, queue  # noqa: F401
 from tests.service.conftest import _postgres_database, _truncate_all  # noqa: F401
@@ -36,7 +37,10 @@ def _read_pool_sessions(settings: Settings) -> int:
 
 
 async def test_get_list_and_watch_read_through_the_asyncpg_pool(
-    channel: grpc.aio.Channel, tenant_a: TenantHeaders, tenant_b: TenantHeaders, queue: RecordingQueue,  # noqa: F811
+    channel: grpc.aio.Channel,
+    tenant_a: TenantHeaders,
+    tenant_b: TenantHeaders,
+    queue: RecordingQueue,  # noqa: F811
     settings: Settings,
 ) -> None:
     stub = jobs_pb2_grpc.JobServiceStub(channel)
@@ -56,3 +60,23 @@ async def test_get_list_and_watch_read_through_the_asyncpg_pool(
     everything = await asyncio.wait_for(_collect(stub, tenant_a.api_key, job_id, from_step=0), timeout=10)
     assert _steps(everything) == list(range(1, STEPS + 1))
     assert everything[-1].job.state == jobs_pb2.JOB_STATE_SUCCEEDED
+
+
+async def test_an_unreachable_database_is_unavailable(
+    tenant_a: TenantHeaders,
+    queue: RecordingQueue,  # noqa: F811
+    settings: Settings,
+) -> None:
+    dead = await PostgresReads.open("postgresql+psycopg://postgres@127.0.0.1:1/nowhere", max_size=1)
+    server, port = await create_grpc_server(0, reads=dead)
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = jobs_pb2_grpc.JobServiceStub(channel)
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await stub.GetJob(jobs_pb2.GetJobRequest(job_id="job_x"), metadata=bearer(tenant_a.api_key))
+    finally:
+        await server.stop(None)
+        await dead.close()
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "database is unavailable" in (err.value.details() or "")

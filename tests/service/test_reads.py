@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Coroutine
+from functools import partial
 from typing import Any, TypeVar
 
 import pytest
@@ -18,7 +19,9 @@ from service.jobs.models import Job
 from service.jobs.states import JobStatus
 from service.kit.config import Settings
 from service.kit.db import session_scope
+from service.kit.errors import ServiceUnavailable
 from service.kit.reads import (
+    DATABASE_UNAVAILABLE,
     READS_APPLICATION_NAME,
     THREADED_READS,
     PostgresReads,
@@ -171,3 +174,44 @@ def test_async_reads_can_be_turned_off(monkeypatch: pytest.MonkeyPatch, settings
     app = create_app()
     with TestClient(app):
         assert app.state.reads is THREADED_READS
+
+
+DEAD_DATABASE = "postgresql+psycopg://postgres@127.0.0.1:1/nowhere"  # nothing listens on port 1
+
+
+@postgres_only
+def test_an_unreachable_database_is_a_503_not_a_500(
+    app: FastAPI, tenant_a: TenantHeaders, settings: Settings
+) -> None:
+    with TestClient(app) as client:
+        job_id = jobs_in_every_shape(client, tenant_a)[0]  # also caches the key: no auth query below
+        live = app.state.reads
+        app.state.reads = client.portal.call(partial(PostgresReads.open, DEAD_DATABASE, max_size=1))
+        try:
+            response = client.get(f"/v1/jobs/{job_id}", headers=tenant_a)
+            listing = client.get("/v1/jobs", headers=tenant_a)
+        finally:
+            client.portal.call(app.state.reads.close)
+            app.state.reads = live
+        assert client.get(f"/v1/jobs/{job_id}", headers=tenant_a).status_code == 200  # nothing else broke
+    for answer in (response, listing):
+        assert answer.status_code == 503
+        assert answer.json()["error"] == {
+            "code": "service_unavailable",
+            "message": DATABASE_UNAVAILABLE,
+            "details": None,
+        }
+
+
+def test_the_threaded_path_answers_unavailable_too(
+    settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SQLite and GRPO_DB_ASYNC_READS=false read through SQLAlchemy: a database it cannot reach is the same 503."""
+    from service.kit import db as kit_db
+    from service.kit.config import get_settings
+
+    monkeypatch.setenv("GRPO_DATABASE_URL", DEAD_DATABASE)
+    get_settings.cache_clear()
+    kit_db._engine_for.cache_clear()
+    with pytest.raises(ServiceUnavailable, match="database is unavailable"):
+        asyncio.run(THREADED_READS.all(select(Job.id), {}))
