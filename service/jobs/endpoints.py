@@ -95,7 +95,10 @@ def create_job(
 
 
 @router.get(
-    "/jobs", response_model=JobList, summary="List jobs, newest first", responses=error_responses(401, 422)
+    "/jobs",
+    response_model=JobList,
+    summary="List jobs, newest first",
+    responses=error_responses(401, 422, 503),
 )
 async def list_jobs(
     request: Request,
@@ -112,7 +115,9 @@ async def list_jobs(
     return _json(JobList(data=data, has_more=has_more, next_after=data[-1].id if has_more else None))
 
 
-@router.get("/jobs/{job_id}", response_model=JobOut, summary="Get a job", responses=error_responses(401, 404))
+@router.get(
+    "/jobs/{job_id}", response_model=JobOut, summary="Get a job", responses=error_responses(401, 404, 503)
+)
 async def get_job(job_id: str, request: Request, tenant: CurrentTenant) -> Response:
     # The hottest route (clients poll it): async, and on PostgreSQL the read is awaited on the event loop
     # with no thread hop (kit.reads).

@@ -5,8 +5,8 @@ worker thread and SQLAlchemy's execution machinery (session, pool events, result
 26 column descriptions on every call) cost about three times what the rest of the request costs. On
 PostgreSQL, `PostgresReads` runs the same SQLAlchemy Core statement, compiled once to SQL, on an asyncpg
 pool: no thread, no session (asyncpg rather than psycopg's own asyncio mode: measured here, a read costs
-about 40 % less CPU). Everywhere else (SQLite, or an app run without its lifespan)
-`ThreadedReads` runs it on the small read thread pool through a SQLAlchemy session, as before.
+about 40 % less CPU). Everywhere else (SQLite, GRPO_DB_ASYNC_READS=false, or an app run without its
+lifespan) `ThreadedReads` runs it on the small read thread pool through a SQLAlchemy session, as before.
 
 Statements stay defined once, as Core selects in the repositories, whichever class runs them; rows are
 read by attribute under the statement's column labels on both. Only single SELECTs belong here (each runs
@@ -64,9 +64,8 @@ def _all_in_session(stmt: Select[Any], params: Params) -> Sequence[Any]:
     try:
         with single_read_session() as session:
             return session.connection().execute(stmt, dict(params)).all()
-    except (
-        OperationalError
-    ) as exc:  # unreachable, restarting, locked: the database's state, not the request's
+    except OperationalError as exc:
+        # Unreachable, restarting, locked: the database's state, not the request's.
         log.warning("read failed: database unavailable (%s)", exc.orig)
         raise ServiceUnavailable(DATABASE_UNAVAILABLE) from exc
 
