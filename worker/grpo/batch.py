@@ -46,8 +46,17 @@ class StepBatch:
     advantages: Tensor  # (N,)
     loss_mask: Tensor  # (N, C) tokens that count in the loss
     old_logps: Tensor | None  # (N, C), None when mu == 1 (on-policy)
-    ref_logps: Tensor | None  # (N, C), None when beta == 0
+    reference: Future[Tensor] | None  # (N, C) reference log-probs, None when beta == 0; may still be running
     generated: list[Scored]  # every group generated this step (for reward metrics)
+
+    @property
+    def reference_pending(self) -> bool:
+        return self.reference is not None and not self.reference.done()
+
+    @property
+    def ref_logps(self) -> Tensor | None:
+        """The reference log-probs, waiting for them if the side thread is still computing them."""
+        return None if self.reference is None else self.reference.result()
 
 
 class EventLoopThread:

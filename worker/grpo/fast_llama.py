@@ -18,8 +18,7 @@ position; padded positions attend to themselves only (they are never read).
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -275,8 +274,11 @@ class LlamaFunctional:
 
     # --- incremental decoding with a preallocated cache ----------------------------------------
 
-    def decoder(self, prompt_mask: Tensor, max_new_tokens: int) -> StaticDecoder:
-        return StaticDecoder(self, prompt_mask, max_new_tokens)
+    def decoder(
+        self, prompt_mask: Tensor, max_new_tokens: int, weights: DecodeWeights | None = None
+    ) -> StaticDecoder:
+        """A decoder for these rows; decoders of one rollout's lanes share `weights`."""
+        return StaticDecoder(self, prompt_mask, max_new_tokens, weights or DecodeWeights.of(self))
 
 
 # Leaving masked completion positions out costs a scatter and a gather per layer: below this
@@ -322,7 +324,9 @@ class StaticDecoder:
     attention as two batched matmuls over the cache (cheaper than SDPA's kernel for one query).
     """
 
-    def __init__(self, net: LlamaFunctional, prompt_mask: Tensor, max_new_tokens: int) -> None:
+    def __init__(
+        self, net: LlamaFunctional, prompt_mask: Tensor, max_new_tokens: int, weights: DecodeWeights
+    ) -> None:
         self.net = net
         batch, prompt_length = prompt_mask.shape
         total = prompt_length + max_new_tokens
@@ -339,16 +343,7 @@ class StaticDecoder:
         steps = torch.arange(1, max_new_tokens + 1, device=device)
         self.rotary = net.rotary(torch.cat([prompt_positions, last + steps], dim=1), dtype)  # (B, S, D/2)
         self.prompt_mask = prompt_mask
-        # float32: fold each RMSNorm weight into the matrix after it, so a norm is one row scale
-        # (same rounding class as LlamaRMSNorm; in lower precision its cast order would differ).
-        self.fold = dtype == torch.float32
-        # Folded norm weights also carry sqrt(E): rsqrt(mean(x^2) + eps) = sqrt(E) * rsqrt(sum(x^2) + E*eps).
-        norm_gain = net.hidden**0.5 if self.fold else 1.0
-        self.linears = [
-            _DecodeLayer.of(layer, net, fold=self.fold, norm_gain=norm_gain) for layer in net.layers
-        ]
-        head = net.lm_head * (net.final_norm * norm_gain) if self.fold else net.lm_head
-        self.head = _DecodeLinear(head, net.lm_head_bias)
+        self.fold, self.linears, self.head = weights.fold, weights.layers, weights.head
         self.threads = decode_threads(net, batch)
         self.length = 0  # filled cache positions
 
@@ -413,12 +408,44 @@ class StaticDecoder:
         return x * sum_sq.add_(self.net.hidden * self.net.eps).rsqrt_()  # sqrt(E) is in the weights
 
 
+@dataclass
+class DecodeWeights:
+    """The decode step's matrices, prepared once per rollout (shared by its lanes, read only)."""
+
+    fold: bool  # RMSNorm weights folded into the matrices after them
+    layers: list[_DecodeLayer]
+    head: _DecodeLinear
+
+    @classmethod
+    def of(cls, net: LlamaFunctional) -> DecodeWeights:
+        # float32: fold each RMSNorm weight into the matrix after it, so a norm is one row scale
+        # (same rounding class as LlamaRMSNorm; in lower precision its cast order would differ).
+        fold = net.embed.dtype == torch.float32
+        # Folded norm weights also carry sqrt(E): rsqrt(mean(x^2) + eps) = sqrt(E) * rsqrt(sum(x^2) + E*eps).
+        norm_gain = net.hidden**0.5 if fold else 1.0
+        layers = [_DecodeLayer.of(layer, net, fold=fold, norm_gain=norm_gain) for layer in net.layers]
+        head = net.lm_head * (net.final_norm * norm_gain) if fold else net.lm_head
+        return cls(fold, layers, _DecodeLinear(head, net.lm_head_bias))
+
+
 # With OpenMP's passive waiting (what `grpo` processes run with, see service/cli), every parallel
 # region wakes the sleeping pool threads, which costs more than a second core saves on a decode
 # step's small matmuls. Measured on a 2-core EPYC (torch 2.13, 32 rows): one thread decodes the
 # tiny and small presets (largest decode matmul 3 and 17 MFLOP) 1.2-2.9x faster than two; two win on
 # medium (90 MFLOP). Spinning (the default policy) keeps the pool awake, and every thread helps.
 _PASSIVE_PARALLEL_MIN_FLOP = 2**25
+
+
+# Two lanes (half the rows each, one thread each, on two cores) pay when each lane's largest decode
+# matmul is at least this: below it the GIL hand-offs between the lanes (a futex wake per op) cost
+# more than the second core saves. Measured as above: the small preset (8.4 MFLOP per lane of 16
+# rows) decodes 1.15x faster in two lanes than on one thread; tiny (2.1 MFLOP) 1.7x slower.
+_LANE_MIN_FLOP = 2**22
+
+
+def _largest_matmul_flop(net: LlamaFunctional, rows: int) -> int:
+    widest = max(layer.qkv_weight.shape[0] for layer in net.layers)
+    return 2 * rows * net.hidden * max(widest, 2 * net.intermediate)
 
 
 def decode_threads(net: LlamaFunctional, rows: int) -> int:
@@ -428,23 +455,16 @@ def decode_threads(net: LlamaFunctional, rows: int) -> int:
     passive = os.environ.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE"
     if threads == 1 or not passive or net.embed.device.type != "cpu":
         return threads
-    widest = max(layer.qkv_weight.shape[0] for layer in net.layers)
-    largest = 2 * rows * net.hidden * max(widest, 2 * net.intermediate)
-    return 1 if largest < _PASSIVE_PARALLEL_MIN_FLOP else threads
+    return 1 if _largest_matmul_flop(net, rows) < _PASSIVE_PARALLEL_MIN_FLOP else threads
 
 
-@contextmanager
-def intra_op_threads(threads: int) -> Iterator[None]:
-    """Run the block with `threads` torch intra-op threads, then restore the previous count."""
-    previous = torch.get_num_threads()
-    if threads == previous:
-        yield
-        return
-    torch.set_num_threads(threads)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)
+def decode_lanes(net: LlamaFunctional, rows: int) -> int:
+    """2 when `rows` should be decoded as two halves side by side (each on one thread and its own
+    core): decoding would otherwise run on one thread of several, and half the rows still make
+    matmuls worth a core. Else 1."""
+    if rows < 2 or torch.get_num_threads() < 2 or decode_threads(net, rows) != 1:
+        return 1
+    return 2 if _largest_matmul_flop(net, rows // 2) >= _LANE_MIN_FLOP else 1
 
 
 class _DecodeLinear:

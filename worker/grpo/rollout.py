@@ -14,14 +14,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Protocol
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 from transformers import DynamicCache, GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from worker.grpo import fast_llama
 from worker.grpo.config import GRPOConfig
+from worker.grpo.cpu_threads import SideThread, intra_op_threads
 
 
 def render_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str | list[dict[str, str]]) -> str:
@@ -163,12 +166,14 @@ def generate_rollout(
     config: GRPOConfig,
     *,
     generator_seed: int | None = None,
+    side: SideThread | None = None,
 ) -> Rollout:
     """Generate G = config.num_generations completions for each already-rendered prompt.
 
     Sampling mode repeats each prompt G times (contiguous rows) and samples with temperature,
     top_p and top_k; beam mode runs beam search with G beams and returns all G. With
     `generator_seed` the sampling is reproducible and the global RNG state is left as it was.
+    `side`, a second CPU lane, lets small models decode half the rows beside the caller.
     The model is put in eval mode for generation (no dropout) and restored afterwards. All
     returned tensors live on the model's device.
     """
@@ -189,7 +194,7 @@ def generate_rollout(
             if generator_seed is not None:  # a private generator: the global RNG is left untouched
                 generator = torch.Generator(device=device).manual_seed(generator_seed)
             completion_ids = sample_completions(
-                model, prompt_ids, prompt_mask, config, eos_ids, _pad_token_id(tokenizer), generator
+                model, prompt_ids, prompt_mask, config, eos_ids, _pad_token_id(tokenizer), generator, side
             )  # (N, C') with C' <= max_completion_length
         else:
             completion_ids = _beam_search(model, tokenizer, prompt_ids, prompt_mask, config, eos_ids)
@@ -281,10 +286,20 @@ class _CacheDecoder:
         return out.logits[:, -1]
 
 
-def _decoder(model: Any, prompt_mask: Tensor, max_new_tokens: int) -> _Decoder:
-    if fast_llama.supports(model):
-        return fast_llama.LlamaFunctional(model).decoder(prompt_mask, max_new_tokens)
-    return _CacheDecoder(model, prompt_mask, max_new_tokens)
+def _lanes(
+    model: Any, prompt_mask: Tensor, max_new_tokens: int, *, parallel: bool
+) -> list[tuple[slice, _Decoder]]:
+    """Decoders, each with the rows it decodes. Two (halves of the batch, decoded side by side)
+    only for plain Llama models whose decoding would otherwise leave a core idle; else one."""
+    if not fast_llama.supports(model):
+        return [(slice(None), _CacheDecoder(model, prompt_mask, max_new_tokens))]
+    net = fast_llama.LlamaFunctional(model)
+    rows = prompt_mask.shape[0]
+    if not parallel or fast_llama.decode_lanes(net, rows) == 1:
+        return [(slice(None), net.decoder(prompt_mask, max_new_tokens))]
+    weights = fast_llama.DecodeWeights.of(net)
+    halves = [slice(0, rows // 2), slice(rows // 2, rows)]
+    return [(half, net.decoder(prompt_mask[half], max_new_tokens, weights)) for half in halves]
 
 
 def filter_logits(logits: Tensor, *, temperature: float, top_k: int, top_p: float) -> Tensor:
@@ -309,15 +324,16 @@ def filter_logits(logits: Tensor, *, temperature: float, top_k: int, top_p: floa
     return logits
 
 
-def sample_tokens(logits: Tensor, generator: torch.Generator | None) -> Tensor:
-    """One token per row from softmax(logits) (B, V), by inverting the cumulative distribution.
+def sample_tokens(logits: Tensor, draws: Tensor) -> Tensor:
+    """One token per row from softmax(logits) (B, V), by inverting the cumulative distribution at
+    `draws` (B,), uniform in [0, 1).
 
-    One uniform draw per row; cheaper than torch.multinomial for small batches (no per-row
-    alias setup) and the same distribution. Tokens with zero probability (-inf) are never drawn.
+    Cheaper than torch.multinomial for small batches (no per-row alias setup) and the same
+    distribution. Tokens with zero probability (-inf) are never drawn.
     """
     weights = (logits - logits.amax(dim=-1, keepdim=True)).exp()  # (B, V) unnormalised
     cdf = weights.cumsum(dim=-1)
-    draw = torch.rand(cdf.shape[0], 1, generator=generator, device=cdf.device, dtype=cdf.dtype)
+    draw = draws.to(cdf.dtype).unsqueeze(1)  # (B, 1)
     tokens = torch.searchsorted(cdf, draw * cdf[:, -1:], right=True).squeeze(1)
     return tokens.clamp(max=logits.shape[-1] - 1)  # draw * total can round up to total itself
 
@@ -330,33 +346,61 @@ def sample_completions(
     eos_ids: list[int],
     pad_id: int,
     generator: torch.Generator | None,
+    side: SideThread | None = None,
 ) -> Tensor:
     """Sample up to max_completion_length tokens per row; (B, P) left-padded prompts -> (B, C') ids.
 
-    Rows that have emitted an EOS get `pad_id` from then on; the loop ends once every row has
-    (so C' may be shorter than max_completion_length), as generate() does.
+    Rows that have emitted an EOS get `pad_id` from then on; decoding ends once every row has
+    (so C' may be shorter than max_completion_length), as generate() does. With `side`, small
+    Llama models decode the two halves of the batch side by side (see fast_llama.decode_lanes).
     """
     max_new = config.max_completion_length
     batch, device = prompt_ids.shape[0], prompt_ids.device
+    # One uniform per (token, row), drawn up front: row r's t-th token inverts the CDF at
+    # draws[t, r] whichever lane decodes it, so lanes do not change what a seed samples.
+    draws = torch.rand(max_new, batch, generator=generator, device=device)  # (C, B)
     with torch.inference_mode():
-        decoder = _decoder(model, prompt_mask, max_new)
-        with fast_llama.intra_op_threads(decoder.threads):
-            eos = torch.tensor(eos_ids, device=device)
-            out = torch.full((batch, max_new), pad_id, dtype=torch.long, device=device)
-            running = torch.ones(batch, dtype=torch.bool, device=device)
-            logits = decoder.prefill(prompt_ids)
-            produced = 0
-            for index in range(max_new):
-                filtered = filter_logits(
-                    logits, temperature=config.temperature, top_k=config.top_k, top_p=config.top_p
-                )
-                tokens = sample_tokens(filtered, generator)  # (B,)
-                tokens = torch.where(running, tokens, pad_id)
-                out[:, index] = tokens
-                produced = index + 1
-                running &= ~torch.isin(tokens, eos)
-                if produced == max_new or not bool(running.any()):
-                    break
-                logits = decoder.step(tokens)
+        lanes = _lanes(model, prompt_mask, max_new, parallel=side is not None)
+
+    def run(lane: tuple[slice, _Decoder]) -> Tensor:
+        rows, decoder = lane
+        return _sample_lane(decoder, prompt_ids[rows], draws[:, rows], config, eos_ids, pad_id)
+
+    beside = [side.submit(partial(run, lane)) for lane in lanes[1:]] if side is not None else []
+    outputs = [run(lanes[0]), *(future.result() for future in beside)]
+    produced = max(out.shape[1] for out in outputs)
     # A normal tensor again: inference tensors cannot be saved for backward (the embedding would).
-    return out[:, :produced].clone()
+    return torch.cat([F.pad(out, (0, produced - out.shape[1]), value=pad_id) for out in outputs])
+
+
+def _sample_lane(
+    decoder: _Decoder,
+    prompt_ids: Tensor,
+    draws: Tensor,
+    config: GRPOConfig,
+    eos_ids: list[int],
+    pad_id: int,
+) -> Tensor:
+    """The sampling loop over one decoder's rows: (b, P) prompts and (C, b) draws -> (b, C') ids."""
+    max_new = config.max_completion_length
+    batch, device = prompt_ids.shape[0], prompt_ids.device
+    # inference_mode and the thread count are per thread: set here, where the lane runs.
+    with torch.inference_mode(), intra_op_threads(decoder.threads):
+        eos = torch.tensor(eos_ids, device=device)
+        out = torch.full((batch, max_new), pad_id, dtype=torch.long, device=device)
+        running = torch.ones(batch, dtype=torch.bool, device=device)
+        logits = decoder.prefill(prompt_ids)
+        produced = 0
+        for index in range(max_new):
+            filtered = filter_logits(
+                logits, temperature=config.temperature, top_k=config.top_k, top_p=config.top_p
+            )
+            tokens = sample_tokens(filtered, draws[index])  # (b,)
+            tokens = torch.where(running, tokens, pad_id)
+            out[:, index] = tokens
+            produced = index + 1
+            running &= ~torch.isin(tokens, eos)
+            if produced == max_new or not bool(running.any()):
+                break
+            logits = decoder.step(tokens)
+    return out[:, :produced]

@@ -22,7 +22,9 @@ import math
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +45,7 @@ from worker.grpo.batch import (
 )
 from worker.grpo.checkpoint import capture_rng_state, load_checkpoint, restore_rng_state, save_checkpoint
 from worker.grpo.config import GRPOConfig
+from worker.grpo.cpu_threads import SideThread, completed, intra_op_threads, side_thread_helps
 from worker.grpo.data import PromptRow, PromptSampler
 from worker.grpo.logprobs import completion_logprobs
 from worker.grpo.loss import grpo_loss
@@ -128,26 +131,36 @@ class GRPOTrainer:
     def train(self) -> TrainResult:
         """Run until total_steps (or should_stop()); saves a checkpoint at the end either way."""
         runner = EventLoopThread()
+        side = self._side_thread()
         stopped = False
         try:
             while self.step < self.total_steps:
                 if self.should_stop is not None and self.should_stop():
                     stopped = True
                     break
-                self._run_step(runner)
+                self._run_step(runner, side)
         finally:
             runner.close()
+            if side is not None:
+                side.close()
         if self.step > self._saved_step:
             self._save()
         return TrainResult(self.step, stopped, self.last_checkpoint, list(self.history))
 
-    def _run_step(self, runner: EventLoopThread) -> None:
+    def _side_thread(self) -> SideThread | None:
+        """A second CPU lane (see cpu_threads): half of a small model's decoding, and the reference
+        forward when the reference is a model of its own."""
+        if not side_thread_helps(self.models.policy.device):
+            return None
+        return SideThread()
+
+    def _run_step(self, runner: EventLoopThread, side: SideThread | None) -> None:
         step = self.step + 1
         started = time.perf_counter()
         timings: dict[str, float] = {}
 
         # ===== 1. rollout: sample prompts, generate G each, score (overlapped with frozen log-probs)
-        batch = self._rollout_phase(step, runner, timings)
+        batch = self._rollout_phase(step, runner, side, timings)
 
         # ===== 2. optimise: mu passes over mini-batches, one optimiser update per pass
         train_started = time.perf_counter()
@@ -175,24 +188,28 @@ class GRPOTrainer:
 
     # --- 1. rollout ----------------------------------------------------------------------------
 
-    def _rollout_phase(self, step: int, runner: EventLoopThread, timings: dict[str, float]) -> StepBatch:
+    def _rollout_phase(
+        self, step: int, runner: EventLoopThread, side: SideThread | None, timings: dict[str, float]
+    ) -> StepBatch:
         timings["time/generate_s"] = 0.0
         timings["time/reward_s"] = 0.0
-        first = self._generate(step, 0, self.config.prompts_per_step, timings)
+        first = self._generate(step, 0, self.config.prompts_per_step, side, timings)
         if self.config.dynamic_sampling:
             scored = self._score(first, step, runner, timings).result()
-            generated = self._refill(scored, step, runner, timings)
+            generated = self._refill(scored, step, runner, side, timings)
             final, in_loss = select_groups(
                 generated,
                 self.config.prompts_per_step,
                 self.config.num_generations,
                 self.models.tokenizer.pad_token_id,
             )
-            old_logps, ref_logps = self._frozen_logps(final.rollout)
+            reference = self._start_reference(final.rollout, side)
+            old_logps = self._old_logps(final.rollout, reference)
         else:
             # Rewards do not depend on the old/reference log-probs: compute them while scoring runs.
             pending = self._score(first, step, runner, timings)
-            old_logps, ref_logps = self._frozen_logps(first[0])
+            reference = self._start_reference(first[0], side)
+            old_logps = self._old_logps(first[0], reference)
             final = pending.result()
             generated, in_loss = [final], torch.ones(len(final.rows), dtype=torch.bool)
         advantages, _ = group_advantages(
@@ -208,10 +225,15 @@ class GRPOTrainer:
         advantages = advantages.to(loss_mask.device) * in_loss.repeat_interleave(
             self.config.num_generations
         ).to(loss_mask.device)
-        return StepBatch(final, advantages, loss_mask, old_logps, ref_logps, generated)
+        return StepBatch(final, advantages, loss_mask, old_logps, reference, generated)
 
     def _generate(
-        self, step: int, round_index: int, num_prompts: int, timings: dict[str, float]
+        self,
+        step: int,
+        round_index: int,
+        num_prompts: int,
+        side: SideThread | None,
+        timings: dict[str, float],
     ) -> tuple[Rollout, list[PromptRow], list[str]]:
         started = time.perf_counter()
         rows = [self.train_rows[i] for i in self.sampler.next_indices(num_prompts)]
@@ -219,7 +241,7 @@ class GRPOTrainer:
         # A seed per (run, step, round): sampling is reproducible across resumes whatever ran before.
         seed = (self.config.seed * 1_000_003 + step * 101 + round_index) % (2**63)
         rollout = generate_rollout(
-            self.models.policy, self.models.tokenizer, prompts, self.config, generator_seed=seed
+            self.models.policy, self.models.tokenizer, prompts, self.config, generator_seed=seed, side=side
         )
         timings["time/generate_s"] += time.perf_counter() - started
         return rollout, rows, prompts
@@ -246,7 +268,12 @@ class GRPOTrainer:
         return runner.submit(score())
 
     def _refill(
-        self, first: Scored, step: int, runner: EventLoopThread, timings: dict[str, float]
+        self,
+        first: Scored,
+        step: int,
+        runner: EventLoopThread,
+        side: SideThread | None,
+        timings: dict[str, float],
     ) -> list[Scored]:
         """DAPO dynamic sampling: generate more groups until prompts_per_step have reward spread (bounded)."""
         generated = [first]
@@ -255,30 +282,50 @@ class GRPOTrainer:
             missing = self.config.prompts_per_step - useful
             if missing <= 0:
                 break
-            more = self._generate(step, round_index, missing, timings)
+            more = self._generate(step, round_index, missing, side, timings)
             generated.append(self._score(more, step, runner, timings).result())
         return generated
 
+    def _start_reference(self, rollout: Rollout, side: SideThread | None) -> Future[Tensor] | None:
+        """Reference log-probs (N, C) when beta > 0. They need only the rollout, so with a side thread
+        they run beside whatever comes next here (scoring, the old log-probs, the policy's forward).
+        Not with LoRA: there the reference is the policy itself with its adapters off."""
+        if self.config.beta == 0:
+            return None
+        compute = partial(self._reference_logps, rollout)
+        if side is None or self.models.is_lora:
+            return completed(compute())
+        return side.submit(compute)
+
     @torch.no_grad()
-    def _frozen_logps(self, rollout: Rollout) -> tuple[Tensor | None, Tensor | None]:
-        """Old-policy (mu > 1) and reference (beta > 0) log-probs (N, C), mini-batch by mini-batch."""
-        need_old = self.config.num_iterations > 1
-        need_ref = self.config.beta > 0
-        if not (need_old or need_ref):
-            return None, None
-        old: list[Tensor] = []
-        ref: list[Tensor] = []
-        for rows in self._mini_batches(rollout.completion_ids.shape[0]):
-            ids, attention = rollout.input_ids[rows], rollout.attention_mask[rows]
-            if need_old:
-                old.append(self._logps(self.models.policy, ids, attention, rollout))
-            if need_ref:
-                ref.append(
-                    self.models.reference_logps(
-                        ids, attention, rollout.completion_ids.shape[1], temperature=self.config.temperature
-                    )
+    def _reference_logps(self, rollout: Rollout) -> Tensor:
+        completion_length = rollout.completion_ids.shape[1]
+        return torch.cat(
+            [
+                self.models.reference_logps(
+                    rollout.input_ids[rows],
+                    rollout.attention_mask[rows],
+                    completion_length,
+                    temperature=self.config.temperature,
                 )
-        return (torch.cat(old) if old else None), (torch.cat(ref) if ref else None)
+                for rows in self._mini_batches(rollout.completion_ids.shape[0])
+            ]
+        )
+
+    @torch.no_grad()
+    def _old_logps(self, rollout: Rollout, reference: Future[Tensor] | None) -> Tensor | None:
+        """Log-probs (N, C) of the policy before this step's updates, needed when mu > 1."""
+        if self.config.num_iterations == 1:
+            return None
+        with _own_core_while(reference):
+            return torch.cat(
+                [
+                    self._logps(
+                        self.models.policy, rollout.input_ids[rows], rollout.attention_mask[rows], rollout
+                    )
+                    for rows in self._mini_batches(rollout.completion_ids.shape[0])
+                ]
+            )
 
     def _logps(self, model: Any, ids: Tensor, attention: Tensor, rollout: Rollout) -> Tensor:
         logps, _ = completion_logprobs(
@@ -331,14 +378,15 @@ class GRPOTrainer:
         """Forward, loss and backward of one mini-batch; returns (loss value, stats, entropy sum/count)."""
         rollout = batch.scored.rollout
         completion_length = rollout.completion_ids.shape[1]
-        logps, entropy = completion_logprobs(
-            self.models.policy,
-            rollout.input_ids[rows],
-            rollout.attention_mask[rows],
-            completion_length,
-            temperature=self.config.temperature,
-            with_entropy=iteration == 0,
-        )  # (B, C)
+        with _own_core_while(batch.reference):
+            logps, entropy = completion_logprobs(
+                self.models.policy,
+                rollout.input_ids[rows],
+                rollout.attention_mask[rows],
+                completion_length,
+                temperature=self.config.temperature,
+                with_entropy=iteration == 0,
+            )  # (B, C)
         loss, stats = grpo_loss(
             logps,
             None if batch.old_logps is None else batch.old_logps[rows],
@@ -418,3 +466,10 @@ class GRPOTrainer:
         self.last_checkpoint = path
         self._saved_step = self.step
         restore_rng_state(state["rng"])  # last: building the models above may have drawn random numbers
+
+
+def _own_core_while(side_work: Future[Any] | None) -> AbstractContextManager[Any]:
+    """One intra-op thread here while the side thread still works, so that each has a core."""
+    if side_work is not None and not side_work.done():
+        return intra_op_threads(1)
+    return nullcontext()
