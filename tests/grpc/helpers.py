@@ -51,3 +51,21 @@ async def upload(
     stub = datasets_pb2_grpc.DatasetServiceStub(channel)
     reply = await stub.UploadDataset(upload_requests(data, name, chunk_size), metadata=bearer(api_key))
     return reply.dataset
+
+
+async def upload_ending_early(
+    channel: grpc.aio.Channel, api_key: str, data: bytes
+) -> tuple[grpc.StatusCode, str]:
+    """The server's status for an upload it must end before the client's end of stream (a size limit).
+
+    Sends the metadata and `data` as one chunk, then only waits. Any write that reaches a call the
+    server has already ended makes grpc.aio replace the server's status with its own INTERNAL
+    ("Internal error from Core"), so neither more chunks nor the end of stream are sent.
+    """
+    stub = datasets_pb2_grpc.DatasetServiceStub(channel)
+    call = stub.UploadDataset(metadata=bearer(api_key))
+    await call.write(
+        datasets_pb2.UploadDatasetRequest(metadata=datasets_pb2.UploadDatasetMetadata(name="big"))
+    )
+    await call.write(datasets_pb2.UploadDatasetRequest(chunk=data))
+    return await call.code(), await call.details() or ""

@@ -10,12 +10,23 @@ import pytest
 from fastapi.testclient import TestClient
 
 from service.grpc.gen.grpo.v1 import datasets_pb2, datasets_pb2_grpc
-from tests.grpc.helpers import bearer, error_code, error_details, error_field, upload, upload_requests
+from tests.grpc.helpers import (
+    bearer,
+    error_code,
+    error_details,
+    error_field,
+    upload,
+    upload_ending_early,
+    upload_requests,
+)
 from tests.service.factories import TenantHeaders
 
 
 def _jsonl(rows: int) -> bytes:
-    lines = [json.dumps({"prompt": f"What is {i} + {i}? Think it through carefully.", "answer": str(2 * i)}) for i in range(rows)]
+    lines = [
+        json.dumps({"prompt": f"What is {i} + {i}? Think it through carefully.", "answer": str(2 * i)})
+        for i in range(rows)
+    ]
     return ("\n".join(lines) + "\n").encode()
 
 
@@ -66,7 +77,9 @@ class TestUploadDataset:
         self, stub: datasets_pb2_grpc.DatasetServiceAsyncStub, tenant_a: TenantHeaders
     ) -> None:
         with pytest.raises(grpc.aio.AioRpcError) as err:
-            await stub.UploadDataset(upload_requests(b'{"prompt": "x"}\n', name="x" * 300), metadata=bearer(tenant_a.api_key))
+            await stub.UploadDataset(
+                upload_requests(b'{"prompt": "x"}\n', name="x" * 300), metadata=bearer(tenant_a.api_key)
+            )
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert error_field(err.value) == "name"
 
@@ -76,19 +89,24 @@ class TestUploadDataset:
         from service.kit.config import get_settings
 
         monkeypatch.setattr(get_settings(), "max_dataset_bytes", 1000)
-        with pytest.raises(grpc.aio.AioRpcError) as err:
-            await upload(channel, tenant_a.api_key, _jsonl(100), chunk_size=300)
-        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        code, details = await upload_ending_early(channel, tenant_a.api_key, _jsonl(100))
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED, details
+        assert "1000" in details, details
 
 
 class TestReadAndDelete:
     async def test_get_list_delete(
-        self, channel: grpc.aio.Channel, stub: datasets_pb2_grpc.DatasetServiceAsyncStub, tenant_a: TenantHeaders
+        self,
+        channel: grpc.aio.Channel,
+        stub: datasets_pb2_grpc.DatasetServiceAsyncStub,
+        tenant_a: TenantHeaders,
     ) -> None:
         auth = bearer(tenant_a.api_key)
         first = await upload(channel, tenant_a.api_key, _jsonl(3), name="one")
         second = await upload(channel, tenant_a.api_key, _jsonl(4), name="two")
-        got = (await stub.GetDataset(datasets_pb2.GetDatasetRequest(dataset_id=first.id), metadata=auth)).dataset
+        got = (
+            await stub.GetDataset(datasets_pb2.GetDatasetRequest(dataset_id=first.id), metadata=auth)
+        ).dataset
         assert got == first
 
         page1 = await stub.ListDatasets(datasets_pb2.ListDatasetsRequest(page_size=1), metadata=auth)
@@ -128,6 +146,8 @@ class TestReadAndDelete:
         self, stub: datasets_pb2_grpc.DatasetServiceAsyncStub, tenant_a: TenantHeaders
     ) -> None:
         with pytest.raises(grpc.aio.AioRpcError) as err:
-            await stub.ListDatasets(datasets_pb2.ListDatasetsRequest(page_size=101), metadata=bearer(tenant_a.api_key))
+            await stub.ListDatasets(
+                datasets_pb2.ListDatasetsRequest(page_size=101), metadata=bearer(tenant_a.api_key)
+            )
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert error_field(err.value) == "page_size"
