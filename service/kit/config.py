@@ -50,7 +50,7 @@ class Settings(BaseSettings):
     db_async_reads: bool = Field(
         True,
         description="PostgreSQL: the polled reads (GET /v1/jobs/{id}, GET /v1/jobs, the stream's first read) run on "
-        "an asyncio psycopg pool in the API's event loop instead of a thread (no effect on SQLite).",
+        "an asyncpg pool in the API's event loop instead of a thread (no effect on SQLite).",
     )
     db_async_read_pool_size: int = Field(
         10, ge=1, le=100, description="Most connections of that asyncio read pool, per API process."
