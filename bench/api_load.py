@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import json
 import os
 import socket
@@ -429,13 +430,18 @@ def print_target(
     closed: dict[str, dict[str, float]], opened: dict[str, dict[str, float]], suffix: str
 ) -> None:
     ratio = closed[TARGET + suffix]["ratio_or_rate"]
+    closed_p99 = closed[TARGET + suffix]["p99_ms"]
     # This API's rows (and hello-world's): the baseline's errors do not count against the current tree.
     errors = sum(
         m["errors"]
         for name, m in [*closed.items(), *opened.items()]
         if name.startswith(HELLO) or (BASELINE in name) == (suffix == BASELINE)
     )
-    line = f"\ntarget{suffix} (GET /v1/jobs/{{id}}): closed-loop ratio {ratio:.2f} (>= 0.5: {'met' if ratio >= 0.5 else 'NOT met'})"
+    line = (
+        f"\ntarget{suffix} (GET /v1/jobs/{{id}}): closed-loop ratio {ratio:.2f} (>= 0.5: "
+        f"{'met' if ratio >= 0.5 else 'NOT met'}) with p99 {closed_p99:.1f} ms (< 50 ms: "
+        f"{'met' if closed_p99 < 50 else 'NOT met'})"
+    )
     at_half = open_name(TARGET + suffix, 0.5)
     if at_half in opened:
         p99 = opened[at_half]["p99_ms"]
@@ -461,6 +467,12 @@ def main() -> None:
         }
         os.environ.update(env)
         key, dataset_id, job_id = seed(database_url)
+        # The load generator's own pauses count against whichever app it is loading: this process holds the
+        # service's modules (it seeded the database with them), ~150k objects, and each full collection of
+        # them stopped it ~100 ms, with no answer read and no request sent. Measured: hello-world's open-loop
+        # p99 at 1800 req/s was 24-41 ms with those pauses, 3 ms without. Frozen for every app alike.
+        gc.collect()
+        gc.freeze()
         headers = {"Authorization": f"Bearer {key}"}
         calls = [
             (TARGET, Call("GET", f"/v1/jobs/{job_id}", headers)),

@@ -16,6 +16,7 @@ from service.datasets.endpoints import router as datasets_router
 from service.jobs.endpoints import router as jobs_router
 from service.kit.config import get_settings
 from service.kit.errors import DomainError
+from service.kit.heap import startup_objects_frozen
 from service.kit.reads import open_reads
 from service.observability.endpoints import router as metrics_router
 from service.observability.middleware import PrometheusMiddleware
@@ -66,10 +67,12 @@ async def _http_error(_request: Request, exc: Exception) -> JSONResponse:
 
 @asynccontextmanager
 async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
+    settings = get_settings()
     # Opened on the serving event loop, which the asyncio database pool of the hot reads is bound to.
-    app.state.reads = await open_reads(get_settings())
+    app.state.reads = await open_reads(settings)
     try:
-        yield
+        with startup_objects_frozen(settings.gc_freeze):
+            yield
     finally:
         await app.state.reads.close()
         del app.state.reads

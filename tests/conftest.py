@@ -11,6 +11,10 @@ import pytest
 POSTGRES_ADMIN_URL = os.environ.get("GRPO_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 REDIS_URL = os.environ.get("GRPO_TEST_REDIS_URL", "redis://127.0.0.1:6379")
 
+# Every app lifespan would otherwise run a full collection of the test process's heap before freezing it
+# (~0.2 s with torch loaded, hundreds of times a run). tests/service/test_heap.py turns it on where it is tested.
+os.environ.setdefault("GRPO_GC_FREEZE", "false")
+
 
 def _reachable(host: str, port: int) -> bool:
     try:

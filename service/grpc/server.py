@@ -17,6 +17,7 @@ from grpc_reflection.v1alpha import reflection
 from service.grpc import servicers
 from service.grpc.interceptors import AuthInterceptor, ErrorInterceptor
 from service.kit.config import get_settings
+from service.kit.heap import startup_objects_frozen
 from service.kit.reads import THREADED_READS, Reads, open_reads
 
 log = logging.getLogger(__name__)
@@ -62,12 +63,14 @@ async def create_grpc_server(
 async def running_grpc(port: int, host: str = "127.0.0.1") -> AsyncIterator[tuple[grpc.aio.Server, int]]:
     """A started server with the configured reads (see `service.app`'s lifespan); yields it and its port, then
     stops it (short grace period) and closes the reads."""
-    reads = await open_reads(get_settings())
+    settings = get_settings()
+    reads = await open_reads(settings)
     try:
         server, bound = await create_grpc_server(port, host, reads=reads)
         await server.start()
         try:
-            yield server, bound
+            with startup_objects_frozen(settings.gc_freeze):  # see service.kit.heap
+                yield server, bound
         finally:
             await server.stop(grace=5)
     finally:
