@@ -1,4 +1,4 @@
-"""Who is calling: the bearer key from metadata, resolved with the same `authenticate()` as REST.
+"""Who is calling: the bearer key from metadata, resolved with the same `authenticate_on_loop()` as REST.
 
 The interceptor resolves the key once per call and binds the tenant to a ContextVar for the duration of
 that call; servicers read it with `current_tenant()`. (grpc.aio runs each call's handler in its own task,
@@ -7,13 +7,11 @@ so the binding cannot leak between calls.)
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
 from contextvars import ContextVar
 
-from service.kit.db import session_scope
-from service.tenants.auth import TenantContext, authenticate
+from service.tenants.auth import TenantContext, authenticate_on_loop
 
 _TENANT: ContextVar[TenantContext | None] = ContextVar("grpo_grpc_tenant", default=None)
 
@@ -35,15 +33,10 @@ def bearer_token(metadata: Iterable[tuple[str, str | bytes]] | None) -> str | No
     return token.strip() or None if scheme.lower() == "bearer" else None
 
 
-def _authenticate_sync(token: str | None) -> TenantContext:
-    with session_scope() as session:
-        return authenticate(session, token)
-
-
 @asynccontextmanager
 async def authenticated(token: str | None) -> AsyncIterator[TenantContext]:
     """Resolve `token` (raises Unauthenticated) and bind the tenant for the enclosed call."""
-    tenant = await asyncio.to_thread(_authenticate_sync, token)
+    tenant = await authenticate_on_loop(token)
     binding = _TENANT.set(tenant)
     try:
         yield tenant

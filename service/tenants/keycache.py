@@ -36,36 +36,59 @@ class KeyCache(Generic[T]):
         self._max_entries = max_entries
         self._entries: OrderedDict[str, tuple[float, T]] = OrderedDict()
         self._lock = threading.Lock()
+        self._forgets = 0  # bumped by every forget: see `generation`
 
     def get(self, key_hash: str) -> T | None:
+        entry = self.lookup(key_hash)
+        return entry[0] if entry is not None else None
+
+    def lookup(self, key_hash: str) -> tuple[T, float] | None:
+        """The cached value and the seconds it has left, or None when absent or expired."""
         entry = self._entries.get(key_hash)  # lock-free fast path: dict reads are atomic
         if entry is None:
             return None
         expires, value = entry
-        if time.monotonic() >= expires:
+        left = expires - time.monotonic()
+        if left <= 0:
             with self._lock:
                 if self._entries.get(key_hash) is entry:
                     del self._entries[key_hash]
             return None
-        return value
+        return value, left
 
-    def put(self, key_hash: str, value: T, ttl_seconds: float) -> None:
+    @property
+    def generation(self) -> int:
+        """Read before a database lookup and passed to `put`: a revocation that commits while the lookup runs
+        (after it read the key as active) then keeps its result out of the cache."""
+        return self._forgets
+
+    def put(self, key_hash: str, value: T, ttl_seconds: float, generation: int | None = None) -> None:
         if ttl_seconds <= 0:
             return
         with self._lock:
+            if generation is not None and generation != self._forgets:
+                return
             self._entries.pop(key_hash, None)
             self._entries[key_hash] = (time.monotonic() + ttl_seconds, value)
             while len(self._entries) > self._max_entries:
                 self._entries.popitem(last=False)
 
+    def forget(self, key_hash: str) -> None:
+        """Drop one entry (its key was found revoked)."""
+        with self._lock:
+            if self._entries.pop(key_hash, None) is not None:
+                self._forgets += 1
+
     def forget_key_id(self, api_key_id: str) -> None:
         """Drop every entry of one key (on revocation)."""
         with self._lock:
+            self._forgets += 1
             for key_hash in [h for h, (_, v) in self._entries.items() if v.api_key_id == api_key_id]:
                 del self._entries[key_hash]
 
     def clear(self) -> None:
         with self._lock:
+            self._forgets += 1
             self._entries.clear()
 
     def __len__(self) -> int:

@@ -3,6 +3,7 @@ immediate, elsewhere it waits at most GRPO_AUTH_CACHE_SECONDS, 0 disables it, an
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -17,7 +18,8 @@ from service.kit.config import Settings, get_settings
 from service.kit.db import session_scope, utcnow
 from service.kit.errors import NotFound, Unauthenticated
 from service.tenants import service as tenants
-from service.tenants.auth import KEY_CACHE, authenticate
+from service.tenants import auth
+from service.tenants.auth import KEY_CACHE, authenticate, authenticate_on_loop
 from service.tenants.keycache import KeyCache
 from service.tenants.models import ApiKey
 from tests.service.factories import TenantHeaders
@@ -137,6 +139,97 @@ class TestRevocation:
         assert client.get("/v1/jobs", headers=tenant_a).status_code == 401
 
 
+def _key_lookups(statements: list[str]) -> int:
+    return sum("api_keys" in s for s in statements)
+
+
+async def _lookups_settled() -> None:
+    """Wait for this loop's background key lookups to finish."""
+    for _ in range(500):
+        if not auth._LOOKUPS.get(asyncio.get_running_loop()):
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("a key lookup never finished")
+
+
+class TestOnTheLoop:
+    """`authenticate_on_loop`, what REST and gRPC call: one lookup per key at a time, refreshed before expiry."""
+
+    def test_concurrent_misses_of_one_key_share_one_lookup(
+        self, tenant_a: TenantHeaders, statements: list[str]
+    ) -> None:
+        async def many() -> list[str]:
+            tenants_seen = await asyncio.gather(*(authenticate_on_loop(tenant_a.api_key) for _ in range(20)))
+            return [t.tenant_id for t in tenants_seen]
+
+        assert asyncio.run(many()) == [tenant_a.tenant_id] * 20
+        assert _key_lookups(statements) == 1
+
+    def test_a_caller_that_goes_away_does_not_cancel_the_others_lookup(self, tenant_a: TenantHeaders) -> None:
+        async def one_cancelled() -> str:
+            leaving = asyncio.create_task(authenticate_on_loop(tenant_a.api_key))
+            staying = asyncio.create_task(authenticate_on_loop(tenant_a.api_key))
+            await asyncio.sleep(0)
+            leaving.cancel()
+            return (await staying).tenant_id
+
+        assert asyncio.run(one_cancelled()) == tenant_a.tenant_id
+
+    def test_a_key_in_use_is_refreshed_before_it_expires(
+        self, tenant_a: TenantHeaders, statements: list[str], monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        _set_ttl(monkeypatch, 2.0)
+
+        async def poll() -> tuple[int, float]:
+            await authenticate_on_loop(tenant_a.api_key)
+            first = _key_lookups(statements)
+            await asyncio.sleep(1.7)  # into the last fifth of the entry's two seconds
+            assert (await authenticate_on_loop(tenant_a.api_key)).tenant_id == tenant_a.tenant_id
+            await _lookups_settled()
+            entry = KEY_CACHE.lookup(auth.hash_key(tenant_a.api_key))
+            assert entry is not None
+            return _key_lookups(statements) - first, entry[1]
+
+        refreshes, seconds_left = asyncio.run(poll())
+        assert refreshes == 1
+        assert seconds_left > 1.0  # a fresh entry, not the old one's last 0.3 s
+
+    def test_a_refresh_that_finds_the_key_revoked_refuses_it_at_once(
+        self, tenant_a: TenantHeaders, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        _set_ttl(monkeypatch, 2.0)
+
+        async def revoked_meanwhile() -> None:
+            await authenticate_on_loop(tenant_a.api_key)
+            _revoke_in_database(tenant_a.tenant_id)
+            await asyncio.sleep(1.7)
+            await authenticate_on_loop(tenant_a.api_key)  # still inside the documented delay: accepted
+            await _lookups_settled()
+            with pytest.raises(Unauthenticated):  # before the entry's own expiry
+                await authenticate_on_loop(tenant_a.api_key)
+
+        asyncio.run(revoked_meanwhile())
+
+    def test_no_key_is_refused_without_a_lookup(self, settings: Settings, statements: list[str]) -> None:
+        with pytest.raises(Unauthenticated, match="missing API key"):
+            asyncio.run(authenticate_on_loop(None))
+        assert _key_lookups(statements) == 0
+
+
+@pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
+def test_an_unreachable_database_on_a_key_lookup_is_a_503(
+    tenant_a: TenantHeaders, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from service.app import create_app
+
+    monkeypatch.setenv("GRPO_DATABASE_URL", "postgresql+psycopg://postgres@127.0.0.1:1/nowhere?connect_timeout=2")
+    get_settings.cache_clear()
+    with TestClient(create_app()) as client:
+        response = client.get("/v1/jobs", headers=tenant_a)
+    assert response.status_code == 503, response.text
+    assert response.json()["error"]["code"] == "service_unavailable"
+
+
 @dataclass(frozen=True)
 class _Ctx:
     api_key_id: str
@@ -157,6 +250,15 @@ class TestKeyCacheUnit:
         assert cache.get("h") == _Ctx("k")
         time.sleep(0.06)
         assert cache.get("h") is None and len(cache) == 0
+
+    def test_a_revocation_during_a_lookup_keeps_its_result_out(self) -> None:
+        cache: KeyCache[_Ctx] = KeyCache()
+        generation = cache.generation  # read before the lookup's SELECT
+        cache.forget_key_id("k")  # the revocation commits meanwhile
+        cache.put("h", _Ctx("k"), 60, generation)
+        assert cache.get("h") is None
+        cache.put("h", _Ctx("k"), 60, cache.generation)
+        assert cache.get("h") == _Ctx("k")
 
     def test_forget_key_id_and_zero_ttl(self) -> None:
         cache: KeyCache[_Ctx] = KeyCache()
