@@ -44,7 +44,8 @@ class Settings(BaseSettings):
         ge=0,
         le=300,
         description="Seconds an authenticated API key is remembered in-process (0 = look it up on every "
-        "request). Also the longest delay before a revoked key is refused by a process that did not revoke it "
+        "request); a key in use is looked up again in the background shortly before that, one lookup per key at a "
+        "time. Also the longest delay before a revoked key is refused by a process that did not revoke it "
         "(other uvicorn workers, the gRPC server, keys revoked directly in the database).",
     )
     db_async_reads: bool = Field(

@@ -1,4 +1,4 @@
-"""Bearer-key authentication: `authenticate()` for any transport, `CurrentTenant` for FastAPI routes."""
+"""Bearer-key authentication: `authenticate_on_loop()` for any transport, `CurrentTenant` for FastAPI routes."""
 
 from __future__ import annotations
 
@@ -43,28 +43,9 @@ class TenantContext:
 KEY_CACHE: KeyCache[TenantContext] = KeyCache()
 
 
-def cached_tenant(bearer_token: str | None) -> TenantContext | None:
-    """The tenant of a key this process authenticated within GRPO_AUTH_CACHE_SECONDS, else None."""
-    if not bearer_token or get_settings().auth_cache_seconds <= 0:
-        return None
-    return KEY_CACHE.get(hash_key(bearer_token))
-
-
-def authenticate(session: Session, bearer_token: str | None) -> TenantContext:
-    """Resolve a presented API key to its tenant. Raises Unauthenticated (one message for every failure).
-
-    Served from the in-process key cache when the key was authenticated moments ago; misses and failures
-    always go to the database (failures are never cached).
-    """
-    if not bearer_token:
-        raise Unauthenticated(_MISSING_KEY)
-    if (cached := cached_tenant(bearer_token)) is not None:
-        return cached
-    return look_up_key(session, bearer_token)
-
-
 def look_up_key(session: Session, bearer_token: str) -> TenantContext:
-    """The database lookup behind `authenticate` (never the cache); a match is cached."""
+    """Resolve a presented API key to its tenant in the database (never the cache); a match is cached.
+    Raises Unauthenticated, with one message for every kind of failure (failures are never cached)."""
     generation = KEY_CACHE.generation
     presented = hash_key(bearer_token)
     prefix = lookup_prefix(bearer_token)
@@ -104,7 +85,8 @@ _LOOKUPS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[str, asyncio
 
 
 async def authenticate_on_loop(bearer_token: str | None) -> TenantContext:
-    """`authenticate` for async callers: a cached key answers without leaving the event loop, and a database
+    """The tenant of a presented API key (raises Unauthenticated). A key this process authenticated within
+    GRPO_AUTH_CACHE_SECONDS answers from the cache without leaving the event loop; otherwise the database
     lookup runs on a thread, one per key at a time.
 
     Why: every key's cache entry expires after GRPO_AUTH_CACHE_SECONDS. With each request looking the key up

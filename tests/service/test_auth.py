@@ -1,24 +1,28 @@
-"""API-key authentication: `authenticate()` directly and the 401s of the REST API."""
+"""API-key authentication: `authenticate_on_loop()` directly and the 401s of the REST API."""
 
 from __future__ import annotations
+
+import asyncio
 
 import pytest
 from fastapi.testclient import TestClient
 
 from service.kit.db import session_scope
 from service.kit.errors import Unauthenticated
-from service.tenants.auth import authenticate
+from service.tenants.auth import TenantContext, authenticate_on_loop
 from service.tenants.models import ApiKey
 from service.tenants.service import hash_key
 from tests.service.factories import TenantHeaders, auth_headers
 
 
+def _authenticate(token: str | None) -> TenantContext:
+    return asyncio.run(authenticate_on_loop(token))
+
+
 class TestAuthenticate:
     def test_valid_key_resolves_to_its_tenant(self, tenant_a: TenantHeaders, tenant_b: TenantHeaders) -> None:
-        with session_scope() as session:
-            ctx = authenticate(session, tenant_a.api_key)
-            assert ctx.tenant_id == tenant_a.tenant_id
-            assert authenticate(session, tenant_b.api_key).tenant_id == tenant_b.tenant_id
+        assert _authenticate(tenant_a.api_key).tenant_id == tenant_a.tenant_id
+        assert _authenticate(tenant_b.api_key).tenant_id == tenant_b.tenant_id
 
     def test_only_hash_and_prefix_are_stored(self, tenant_a: TenantHeaders) -> None:
         with session_scope() as session:
@@ -29,21 +33,21 @@ class TestAuthenticate:
 
     @pytest.mark.parametrize("token", [None, "", "grpo_sk_short", "Bearer x", "grpo_sk_" + "A" * 43])
     def test_bad_tokens_are_rejected(self, tenant_a: TenantHeaders, token: str | None) -> None:
-        with session_scope() as session, pytest.raises(Unauthenticated):
-            authenticate(session, token)
+        with pytest.raises(Unauthenticated):
+            _authenticate(token)
 
     def test_same_prefix_wrong_secret_is_rejected(self, tenant_a: TenantHeaders) -> None:
         tampered = tenant_a.api_key[:-4] + ("AAAA" if not tenant_a.api_key.endswith("AAAA") else "BBBB")
-        with session_scope() as session, pytest.raises(Unauthenticated):
-            authenticate(session, tampered)
+        with pytest.raises(Unauthenticated):
+            _authenticate(tampered)
 
     def test_revoked_key_is_rejected(self, tenant_a: TenantHeaders) -> None:
         from service.kit.db import utcnow
 
         with session_scope() as session:
             session.query(ApiKey).filter_by(tenant_id=tenant_a.tenant_id).update({"revoked_at": utcnow()})
-        with session_scope() as session, pytest.raises(Unauthenticated):
-            authenticate(session, tenant_a.api_key)
+        with pytest.raises(Unauthenticated):
+            _authenticate(tenant_a.api_key)
 
 
 class TestRest401:

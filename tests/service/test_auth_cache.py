@@ -17,9 +17,9 @@ from service.kit import db as kit_db
 from service.kit.config import Settings, get_settings
 from service.kit.db import session_scope, utcnow
 from service.kit.errors import NotFound, Unauthenticated
-from service.tenants import service as tenants
 from service.tenants import auth
-from service.tenants.auth import KEY_CACHE, authenticate, authenticate_on_loop
+from service.tenants import service as tenants
+from service.tenants.auth import KEY_CACHE, TenantContext, authenticate_on_loop
 from service.tenants.keycache import KeyCache
 from service.tenants.models import ApiKey
 from tests.service.factories import TenantHeaders
@@ -65,14 +65,16 @@ def _revoke_in_database(tenant_id: str) -> None:
         session.query(ApiKey).filter_by(tenant_id=tenant_id).update({"revoked_at": utcnow()})
 
 
+def _authenticate(token: str | None) -> TenantContext:
+    return asyncio.run(authenticate_on_loop(token))
+
+
 class TestCache:
     def test_second_authentication_sends_no_sql(self, tenant_a: TenantHeaders, statements: list[str]) -> None:
-        with session_scope() as session:
-            assert authenticate(session, tenant_a.api_key).tenant_id == tenant_a.tenant_id
+        assert _authenticate(tenant_a.api_key).tenant_id == tenant_a.tenant_id
         looked_up = len(statements)
         assert any("api_keys" in s for s in statements)
-        with session_scope() as session:
-            assert authenticate(session, tenant_a.api_key).tenant_id == tenant_a.tenant_id
+        assert _authenticate(tenant_a.api_key).tenant_id == tenant_a.tenant_id
         assert len(statements) == looked_up
 
     def test_get_job_with_a_cached_key_is_one_query(
@@ -88,8 +90,8 @@ class TestCache:
     def test_wrong_keys_are_never_cached(self, tenant_a: TenantHeaders) -> None:
         wrong = tenant_a.api_key[:-4] + ("AAAA" if not tenant_a.api_key.endswith("AAAA") else "BBBB")
         for _ in range(2):
-            with session_scope() as session, pytest.raises(Unauthenticated):
-                authenticate(session, wrong)
+            with pytest.raises(Unauthenticated):
+                _authenticate(wrong)
         assert len(KEY_CACHE) == 0
 
 
