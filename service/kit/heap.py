@@ -10,7 +10,8 @@ the same load the longest pause fell to 17 ms and the total time in full collect
 per 10 s.
 
 Objects that are frozen and later become cyclic garbage are not reclaimed while frozen; start-up objects are
-meant to live as long as the process, and `unfrozen` puts them back under the collector when the server stops.
+meant to live as long as the process, and leaving `startup_objects_frozen` (the server stopping) puts them back
+under the collector.
 """
 
 from __future__ import annotations
