@@ -65,6 +65,9 @@ class TestEndToEnd:
         assert model.num_parameters() > 0 and tokenizer("hi")["input_ids"]
 
 
+PAUSED_JOB_STEPS = 40
+
+
 class TestCancelAndPause:
     def test_cancel_running_within_one_step_and_queued_never_starts(
         self, api: ApiClient, stack: Stack
@@ -93,7 +96,9 @@ class TestCancelAndPause:
 
     def test_pause_within_one_step_then_resume_finishes(self, api: ApiClient, stack: Stack) -> None:
         dataset = api.upload_dataset(PROMPTS)
-        job_id = api.submit(tiny_spec(dataset, max_steps=6, checkpoint_every=50))
+        # Enough steps that the job cannot finish between the poll that sees step 1 and the pause request
+        # (with 6, a loaded machine let it succeed first: a step of this spec takes tens of milliseconds).
+        job_id = api.submit(tiny_spec(dataset, max_steps=PAUSED_JOB_STEPS, checkpoint_every=50))
         api.wait_step(job_id, 1)
         at_pause = api.post(f"/v1/jobs/{job_id}/pause")
         assert at_pause["pause_requested"] is True
@@ -106,7 +111,7 @@ class TestCancelAndPause:
         api.post(f"/v1/jobs/{job_id}/resume")
         done = api.wait_status(job_id, {"succeeded"}, timeout=240)
         assert done["attempt"] == 2
-        assert api.metric_steps(job_id) == list(range(1, 7))
+        assert api.metric_steps(job_id) == list(range(1, PAUSED_JOB_STEPS + 1))
 
 
 class TestDuplicateDelivery:
