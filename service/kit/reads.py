@@ -19,7 +19,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, Protocol
@@ -60,14 +61,20 @@ async def one_or_none(reads: Reads, stmt: Select[Any], params: Params) -> Any | 
 # --- any database: a SQLAlchemy session on the read thread pool -------------------------------------
 
 
-def _all_in_session(stmt: Select[Any], params: Params) -> Sequence[Any]:
+@contextmanager
+def unavailable_database_is_503(what: str) -> Iterator[None]:
+    """SQLAlchemy work inside answers ServiceUnavailable (503 / UNAVAILABLE) when the database cannot serve it:
+    unreachable, restarting, locked are the database's state, not the request's. The cause is logged."""
     try:
-        with single_read_session() as session:
-            return session.connection().execute(stmt, dict(params)).all()
+        yield
     except OperationalError as exc:
-        # Unreachable, restarting, locked: the database's state, not the request's.
-        log.warning("read failed: database unavailable (%s)", exc.orig)
+        log.warning("%s failed: database unavailable (%s)", what, exc.orig)
         raise ServiceUnavailable(DATABASE_UNAVAILABLE) from exc
+
+
+def _all_in_session(stmt: Select[Any], params: Params) -> Sequence[Any]:
+    with unavailable_database_is_503("read"), single_read_session() as session:
+        return session.connection().execute(stmt, dict(params)).all()
 
 
 class ThreadedReads:

@@ -12,13 +12,12 @@ from typing import Annotated, Any
 
 from fastapi import Depends, Request
 from fastapi.security import HTTPBearer
-from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session
 
 from service.kit.config import get_settings
 from service.kit.db import session_scope
 from service.kit.errors import ServiceUnavailable, Unauthenticated
-from service.kit.reads import DATABASE_UNAVAILABLE
+from service.kit.reads import unavailable_database_is_503
 from service.tenants import repository
 from service.tenants.keycache import KeyCache
 from service.tenants.service import hash_key, lookup_prefix
@@ -64,13 +63,8 @@ def look_up_key(session: Session, bearer_token: str) -> TenantContext:
 
 
 def _look_up_in_own_session(bearer_token: str) -> TenantContext:
-    try:
-        with session_scope() as session:
-            return look_up_key(session, bearer_token)
-    except OperationalError as exc:
-        # Unreachable or restarting: the database's state, not the caller's key (503 / UNAVAILABLE).
-        log.warning("API key lookup failed: database unavailable (%s)", exc.orig)
-        raise ServiceUnavailable(DATABASE_UNAVAILABLE) from exc
+    with unavailable_database_is_503("API key lookup"), session_scope() as session:
+        return look_up_key(session, bearer_token)
 
 
 # --- on the event loop (REST and gRPC) ----------------------------------------------------------------

@@ -16,7 +16,7 @@ from sqlalchemy import event
 from service.kit import db as kit_db
 from service.kit.config import Settings, get_settings
 from service.kit.db import session_scope, utcnow
-from service.kit.errors import NotFound, Unauthenticated
+from service.kit.errors import NotFound, ServiceUnavailable, Unauthenticated
 from service.tenants import auth
 from service.tenants import service as tenants
 from service.tenants.auth import KEY_CACHE, TenantContext, authenticate_on_loop
@@ -141,6 +141,9 @@ class TestRevocation:
         assert client.get("/v1/jobs", headers=tenant_a).status_code == 401
 
 
+DEAD_DATABASE = "postgresql+psycopg://postgres@127.0.0.1:1/nowhere?connect_timeout=2"  # nothing listens on port 1
+
+
 def _key_lookups(statements: list[str]) -> int:
     return sum("api_keys" in s for s in statements)
 
@@ -217,6 +220,26 @@ class TestOnTheLoop:
 
         asyncio.run(revoked_meanwhile())
 
+    def test_a_refresh_while_the_database_is_down_keeps_the_key_until_its_entry_expires(
+        self, tenant_a: TenantHeaders, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        _set_ttl(monkeypatch, 100)
+
+        async def outage() -> None:
+            tenant = await authenticate_on_loop(tenant_a.api_key)
+            monkeypatch.setenv("GRPO_DATABASE_URL", DEAD_DATABASE)
+            get_settings.cache_clear()
+            _near_its_end(tenant_a.api_key, tenant)
+            assert (await authenticate_on_loop(tenant_a.api_key)) == tenant  # its refresh fails in the background
+            await _lookups_settled()
+            # A database outage is not a revocation: the key still answers for the rest of its entry.
+            assert (await authenticate_on_loop(tenant_a.api_key)) == tenant
+            KEY_CACHE.clear()
+            with pytest.raises(ServiceUnavailable):  # and a miss now is a 503, not a 401 or a 500
+                await authenticate_on_loop(tenant_a.api_key)
+
+        asyncio.run(outage())
+
     def test_no_key_is_refused_without_a_lookup(self, settings: Settings, statements: list[str]) -> None:
         with pytest.raises(Unauthenticated, match="missing API key"):
             asyncio.run(authenticate_on_loop(None))
@@ -229,7 +252,7 @@ def test_an_unreachable_database_on_a_key_lookup_is_a_503(
 ) -> None:
     from service.app import create_app
 
-    monkeypatch.setenv("GRPO_DATABASE_URL", "postgresql+psycopg://postgres@127.0.0.1:1/nowhere?connect_timeout=2")
+    monkeypatch.setenv("GRPO_DATABASE_URL", DEAD_DATABASE)
     get_settings.cache_clear()
     with TestClient(create_app()) as client:
         response = client.get("/v1/jobs", headers=tenant_a)
