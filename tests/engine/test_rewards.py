@@ -4,16 +4,27 @@ from __future__ import annotations
 
 import asyncio
 import math
+import subprocess
+import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
+from pydantic import ValidationError
 
 from worker.grpo.reward_types import RewardError, RewardInput, RewardUnavailable
 from worker.grpo.rewards import CompositeReward, build_reward_sources, extract_boxed
-from worker.grpo.spec import BuiltinRewardSpec, ModelRewardSpec, RemoteRewardSpec, RewardSpec
+from worker.grpo.spec import (
+    MAX_PATTERN_LENGTH,
+    BuiltinRewardSpec,
+    ModelRewardSpec,
+    RemoteRewardSpec,
+    RewardSpec,
+)
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def make_items(completions: Sequence[str], **extras: Any) -> list[RewardInput]:
@@ -319,3 +330,45 @@ class TestRewardModel:
         values = await source(make_items(["x", "y"]), step=0)
         assert len(values) == 2
         assert threads and threads[0] != loop_thread
+
+
+class TestUserPatterns:
+    """regex_match runs user patterns on RE2: linear time, so no pattern can stall a worker."""
+
+    def test_catastrophic_pattern_scores_in_bounded_time(self) -> None:
+        # In a child process: a backtracking engine would hold the GIL for centuries, and the test with it.
+        script = (
+            "import asyncio, time\n"
+            "from tests.engine.test_rewards import score_one\n"
+            "start = time.monotonic()\n"
+            "scores = asyncio.run(score_one('regex_match', ['a' * 64, 'x' * 5000 + 'ZQ'], {'pattern': '(.|.)*ZQ'}))\n"
+            "assert scores == [0.0, 1.0], scores\n"
+            "print(time.monotonic() - start)\n"
+        )
+        done = subprocess.run(
+            [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, cwd=REPO
+        )
+        assert done.returncode == 0, done.stderr
+        assert float(done.stdout) < 5.0
+
+    @pytest.mark.parametrize(
+        ("pattern", "reason"),
+        [
+            (r"(a)\1", "invalid escape sequence"),  # backreference
+            (r"(?=a)b", "invalid perl operator"),  # lookahead
+            ("a{1000}{1000}", "bad repetition"),
+            ("(" * 3 + "a", "missing \\)"),
+        ],
+    )
+    def test_patterns_re2_cannot_run_are_refused_with_its_reason(self, pattern: str, reason: str) -> None:
+        with pytest.raises(ValidationError, match=reason):
+            BuiltinRewardSpec(name="regex_match", params={"pattern": pattern})
+
+    def test_pattern_length_is_capped(self) -> None:
+        BuiltinRewardSpec(name="regex_match", params={"pattern": "a" * MAX_PATTERN_LENGTH})
+        with pytest.raises(ValidationError, match="at most"):
+            BuiltinRewardSpec(name="regex_match", params={"pattern": "a" * (MAX_PATTERN_LENGTH + 1)})
+
+    def test_program_size_is_bounded(self) -> None:
+        with pytest.raises(ValidationError, match="pattern too large"):
+            BuiltinRewardSpec(name="regex_match", params={"pattern": r"\pL{1000}"})

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import math
 import numbers
-import re
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -29,6 +28,7 @@ from worker.grpo.spec import (
     RegexMatchParams,
     RemoteRewardSpec,
     RewardSpec,
+    compile_user_pattern,
 )
 
 __all__ = [
@@ -246,7 +246,7 @@ def _exact_match_source(name: str, params: ExactMatchParams) -> FunctionSource:
 
 
 def _regex_source(name: str, params: RegexMatchParams) -> FunctionSource:
-    pattern = re.compile(params.pattern)
+    pattern = compile_user_pattern(params.pattern)  # RE2: linear time, and it releases the GIL while matching
     match = pattern.fullmatch if params.fullmatch else pattern.search
 
     def score(item: RewardInput) -> float:
