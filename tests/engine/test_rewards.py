@@ -243,8 +243,15 @@ class TestBuildRewardSources:
             build_reward_sources([RemoteRewardSpec(reward_function_id="rf_9", weight=1.0)])
 
     def test_model_that_does_not_exist(self, tmp_path: Path) -> None:
-        with pytest.raises(RewardError, match="cannot load reward model"):
+        with pytest.raises(RewardError, match="the reward model could not be loaded") as info:
             build_reward_sources([ModelRewardSpec(model=str(tmp_path / "missing"), weight=1.0, batch_size=4)])
+        assert info.value.code == "model_load_failed"
+
+    @pytest.mark.parametrize("target", ["/etc/passwd", "/etc", "/proc/self"])
+    def test_load_errors_never_describe_the_workers_filesystem(self, target: str) -> None:
+        with pytest.raises(RewardError) as info:
+            build_reward_sources([ModelRewardSpec(model=target, weight=1.0)], model_paths={target: target})
+        assert str(info.value) == f"reward source 'model:{target}': the reward model could not be loaded"
 
 
 # --------------------------------------------------------------------------------------------------

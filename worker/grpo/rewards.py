@@ -14,7 +14,7 @@ import asyncio
 import math
 import numbers
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -287,10 +287,12 @@ def build_reward_sources(
     *,
     remote: Callable[[RemoteRewardSpec], RewardSource] | None = None,
     device: str = "cpu",
+    model_paths: Mapping[str, str] | None = None,
 ) -> CompositeReward:
     """Build the composite for a job's `rewards` list.
 
-    Built-ins and reward models are built here (models on `device`); remote specs are built by
+    Built-ins and reward models are built here (models on `device`, loaded from `model_paths[spec.model]`
+    when given: the service resolves checkpoint: and builtin: sources); remote specs are built by
     `remote`, the worker's client factory. A remote spec without one is a `RewardError`.
     """
     sources: list[tuple[RewardSource, float]] = []
@@ -302,9 +304,8 @@ def build_reward_sources(
             # Imported here so that rule-only and remote-only jobs never import torch.
             from worker.grpo.reward_model import RewardModelSource
 
-            source = RewardModelSource(
-                spec.model, batch_size=spec.batch_size, device=device, name=spec.source_name
-            )
+            path = (model_paths or {}).get(spec.model, spec.model)
+            source = RewardModelSource(path, batch_size=spec.batch_size, device=device, name=spec.source_name)
         elif isinstance(spec, RemoteRewardSpec):
             if remote is None:
                 raise RewardError(spec.source_name, "remote reward sources need a client, and none was given")

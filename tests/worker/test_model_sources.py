@@ -1,0 +1,156 @@
+"""The worker's model-source checks (worker.model_sources): the hub size cap before any download, the hub id
+that is also a local directory, and generic errors. No network: the hub API is a server on loopback."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from functools import partial
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from service.jobs.model_sources import ModelSourceKind, ModelSourcePolicy
+from worker.model_sources import (
+    ModelUnavailable,
+    check_hub_size,
+    check_source,
+    download_size,
+    hub_file_sizes,
+)
+
+GIB = 1024**3
+
+
+def policy(tmp_path: Path) -> ModelSourcePolicy:
+    return ModelSourcePolicy(None, (tmp_path / "data",), ("*",))
+
+
+class TestDownloadSize:
+    def test_counts_one_weight_format_and_the_top_level_config(self) -> None:
+        files = [
+            ("config.json", 1_000),
+            ("tokenizer.json", 2_000),
+            ("model-00001-of-00002.safetensors", 5 * GIB),
+            ("model-00002-of-00002.safetensors", 3 * GIB),
+            ("model.safetensors.index.json", 100),
+            ("pytorch_model.bin", 8 * GIB),  # another format of the same weights: not fetched
+            ("onnx/model.onnx", 8 * GIB),  # a subfolder: not fetched
+            ("README.md", 10),
+        ]
+        assert download_size(files) == 1_000 + 2_000 + 8 * GIB + 100
+
+    def test_falls_back_to_bin_weights(self) -> None:
+        assert download_size([("config.json", 10), ("pytorch_model.bin", 500)]) == 510
+
+    def test_unknown_size_of_a_fetched_file_is_unknown(self) -> None:
+        assert download_size([("config.json", 10), ("model.safetensors", None)]) is None
+
+
+class TestHubSizeCap:
+    def test_refused_over_the_cap_before_downloading(self) -> None:
+        listing = [("config.json", 10), ("model.safetensors", 2 * GIB)]
+        with pytest.raises(ModelUnavailable) as info:
+            check_hub_size("base_model", "org/big", GIB, hub_files=lambda _repo: listing)
+        assert info.value.code == "model_too_large"
+        assert info.value.message == "base_model: 'org/big' is larger than this service's limit of 1073741824 bytes"
+        check_hub_size("base_model", "org/big", 3 * GIB, hub_files=lambda _repo: listing)
+
+    def test_unknown_sizes_and_listing_failures_are_refusals(self) -> None:
+        with pytest.raises(ModelUnavailable) as info:
+            check_hub_size("base_model", "org/x", GIB, hub_files=lambda _repo: [("model.safetensors", None)])
+        assert info.value.code == "model_too_large"
+
+        def private(_repo: str) -> list[tuple[str, int | None]]:
+            raise PermissionError("401 Client Error for url https://huggingface.co/api/models/org/private")
+
+        with pytest.raises(ModelUnavailable) as info:
+            check_hub_size("rewards[0].model", "org/private", GIB, hub_files=private)
+        assert info.value.code == "model_load_failed"
+        assert "401" not in info.value.message and "huggingface.co" not in info.value.message
+
+    def test_offline_workers_skip_the_listing(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        from huggingface_hub import constants
+
+        monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+        check_hub_size("base_model", "org/any", 1)  # would need the network otherwise
+
+    def test_real_client_against_a_loopback_hub(self, fake_hub: str, monkeypatch: pytest.MonkeyPatch) -> None:
+        """huggingface_hub's own model_info request, answered on loopback: the cap applies to what it reports."""
+        from huggingface_hub import constants
+
+        monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)  # the "hub" is on loopback
+        files = partial(hub_file_sizes, endpoint=fake_hub)
+        assert sorted(files("org/big")) == [("config.json", 100), ("model.safetensors", 5 * GIB)]
+        with pytest.raises(ModelUnavailable) as info:
+            check_hub_size("base_model", "org/big", 4 * GIB, hub_files=files)
+        assert info.value.code == "model_too_large"
+        check_hub_size("base_model", "org/big", 6 * GIB, hub_files=files)
+        with pytest.raises(ModelUnavailable) as info:
+            check_hub_size("base_model", "org/missing", 6 * GIB, hub_files=files)
+        assert info.value.code == "model_load_failed"
+
+
+@pytest.fixture
+def fake_hub() -> Iterator[str]:
+    """GET /api/models/<org>/<name>[/revision/<rev>] -> a model_info body for org/big, 404 otherwise."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802
+            if not self.path.startswith("/api/models/org/big"):
+                self._send(404, {"error": "Repository not found"})
+                return
+            siblings = [
+                {"rfilename": "config.json", "size": 100},
+                {"rfilename": "model.safetensors", "size": 5 * GIB},
+            ]
+            self._send(200, {"id": "org/big", "modelId": "org/big", "sha": "0" * 40, "siblings": siblings})
+
+        def _send(self, status: int, body: dict[str, Any]) -> None:
+            data = json.dumps(body).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *_args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+class TestCheckSource:
+    def test_a_hub_id_that_names_a_local_directory_is_refused(
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        # With the default data_dir ./grpo-data, "grpo-data/storage" is hub-shaped and from_pretrained would
+        # read it from the worker's working directory.
+        (tmp_path / "grpo-data" / "storage").mkdir(parents=True)
+        monkeypatch.chdir(tmp_path)
+        with pytest.raises(ModelUnavailable) as info:
+            check_source("base_model", "grpo-data/storage", policy(tmp_path))
+        assert info.value.code == "model_load_failed"
+        assert check_source("base_model", "grpo-data/other", policy(tmp_path)).kind is ModelSourceKind.hub
+
+    def test_policy_refusals_keep_their_reason(self, tmp_path: Path) -> None:
+        with pytest.raises(ModelUnavailable) as info:
+            check_source("rewards[1].model", str(tmp_path / "data" / "x"), policy(tmp_path))
+        assert info.value.code == "model_source_refused"
+        assert info.value.message.startswith(f"rewards[1].model: '{tmp_path}/data/x' is not accepted: ")
+
+    def test_local_paths_come_back_resolved(self, tmp_path: Path) -> None:
+        (tmp_path / "models" / "m").mkdir(parents=True)
+        (tmp_path / "alias").symlink_to(tmp_path / "models")
+        source = check_source("base_model", f"{tmp_path}/alias/m", policy(tmp_path))
+        assert source.value == str(tmp_path / "models" / "m")
