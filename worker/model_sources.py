@@ -90,7 +90,9 @@ def download_size(files: Iterable[tuple[str, int | None]]) -> int | None:
     """Bytes `from_pretrained` would fetch: top-level config/tokenizer files plus one weight format
     (safetensors when present, else PyTorch .bin). None when a counted file's size is unknown."""
     top = [(name, size) for name, size in files if "/" not in name]
-    safetensors = [(n, s) for n, s in top if n.endswith(".safetensors") or n.endswith(".safetensors.index.json")]
+    safetensors = [
+        (n, s) for n, s in top if n.endswith(".safetensors") or n.endswith(".safetensors.index.json")
+    ]
     weights = safetensors or [(n, s) for n, s in top if n.endswith(".bin") or n.endswith(".bin.index.json")]
     counted = {*weights, *((n, s) for n, s in top if n.endswith(_CONFIG_SUFFIXES))}
     if any(size is None for _, size in counted):

@@ -56,7 +56,10 @@ class TestHubSizeCap:
         with pytest.raises(ModelUnavailable) as info:
             check_hub_size("base_model", "org/big", GIB, hub_files=lambda _repo: listing)
         assert info.value.code == "model_too_large"
-        assert info.value.message == "base_model: 'org/big' is larger than this service's limit of 1073741824 bytes"
+        assert (
+            info.value.message
+            == "base_model: 'org/big' is larger than this service's limit of 1073741824 bytes"
+        )
         check_hub_size("base_model", "org/big", 3 * GIB, hub_files=lambda _repo: listing)
 
     def test_unknown_sizes_and_listing_failures_are_refusals(self) -> None:

@@ -81,7 +81,10 @@ class TestOwnCheckpoint:
         spec = tiny_spec(dataset)
         spec["base_model"] = "/etc"  # a local path (development mode accepts any outside the service's data)
         job = api.wait_status(api.submit(spec), {"failed"}, timeout=120)
-        assert job["error"] == {"code": "model_load_failed", "message": "base_model: '/etc' could not be loaded"}
+        assert job["error"] == {
+            "code": "model_load_failed",
+            "message": "base_model: '/etc' could not be loaded",
+        }
 
         spec = tiny_spec(dataset)
         spec["rewards"].append({"type": "model", "model": "/etc/passwd"})

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import math
 import numbers
+import re
 import statistics
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -175,28 +176,38 @@ def _answer_column(source: str, item: RewardInput, column: str) -> str:
 
 
 _BOXED = "\\boxed{"
+_BRACES = re.compile(r"[{}]")
 
 
 def extract_boxed(text: str) -> str | None:
     r"""Content of the LAST complete ``\boxed{...}`` in `text`, with nested braces balanced.
 
-    ``\boxed{\frac{1}{2}}`` gives ``\frac{1}{2}``; an unclosed box is ignored.
+    ``\boxed{\frac{1}{2}}`` gives ``\frac{1}{2}``; an unclosed box is ignored. One pass over the braces
+    (linear in the completion, however many unclosed boxes a model writes).
     """
-    start = text.rfind(_BOXED)
+    box_at = {start + len(_BOXED) - 1: start for start in _occurrences(text, _BOXED)}  # its "{" -> box start
+    if not box_at:
+        return None
+    best: tuple[int, int] | None = None  # (box start, index of its closing "}")
+    opened: list[int] = []
+    for brace in _BRACES.finditer(text):
+        position = brace.start()
+        if brace.group() == "{":
+            opened.append(position)
+        elif opened:
+            start = box_at.get(opened.pop())
+            if start is not None and (best is None or start > best[0]):
+                best = (start, position)
+    return None if best is None else text[best[0] + len(_BOXED) : best[1]]
+
+
+def _occurrences(text: str, needle: str) -> list[int]:
+    found: list[int] = []
+    start = text.find(needle)
     while start != -1:
-        depth = 1
-        pos = start + len(_BOXED)
-        while pos < len(text):
-            char = text[pos]
-            if char == "{":
-                depth += 1
-            elif char == "}":
-                depth -= 1
-                if depth == 0:
-                    return text[start + len(_BOXED) : pos]
-            pos += 1
-        start = text.rfind(_BOXED, 0, start)  # unclosed: fall back to the previous box
-    return None
+        found.append(start)
+        start = text.find(needle, start + 1)
+    return found
 
 
 def _as_number(text: str) -> float | None:
