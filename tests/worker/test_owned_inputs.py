@@ -95,6 +95,46 @@ class TestOwnCheckpoint:
         }
 
 
+class TestWorkerChecksAgain:
+    def test_a_stored_spec_pointing_into_storage_fails_before_loading(self, stack: Stack) -> None:
+        """A spec stored under other rules (an older release, other settings) is checked by the worker too."""
+        api = stack.make_client()
+        dataset = api.upload_dataset(PROMPTS)
+        owner = api.submit(tiny_spec(dataset, max_steps=2, checkpoint_every=2))
+        api.wait_status(owner, {"succeeded"}, timeout=240)
+        (checkpoint,) = api.checkpoints(owner)
+        target = stack.data_dir / "storage" / "checkpoints" / owner / checkpoint["id"]
+        assert (target / "model.safetensors").exists()
+
+        busy = api.submit(tiny_spec(dataset, max_steps=200, checkpoint_every=100))
+        api.wait_step(busy, 1)  # the only worker is busy: the next job stays queued meanwhile
+        queued = api.submit(tiny_spec(dataset, max_steps=2))
+        _set_base_model(stack, queued, str(target))
+        api.post(f"/v1/jobs/{busy}/cancel")
+
+        job = api.wait_status(queued, {"failed"}, timeout=120)
+        assert job["error"]["code"] == "model_source_refused", job["error"]
+        assert job["error"]["message"].startswith(f"base_model: '{target}' is not accepted: ")
+        assert not api.checkpoints(queued)
+
+
+def _set_base_model(stack: Stack, job_id: str, base_model: str) -> None:
+    from sqlalchemy import select
+
+    from service.jobs.models import Job
+    from service.kit import db as kit_db
+
+    engine = kit_db.make_engine(stack.database_url)
+    try:
+        with kit_db.session_scope(engine) as session:
+            job = session.execute(select(Job).where(Job.id == job_id)).scalar_one()
+            assert job.status == "queued"
+            job.spec = {**job.spec, "base_model": base_model}
+            job.base_model = base_model
+    finally:
+        engine.dispose()
+
+
 class TestCatastrophicPattern:
     def test_scores_in_bounded_time_and_the_next_tenant_runs(self, stack: Stack) -> None:
         attacker, neighbour = stack.make_client(), stack.make_client()
