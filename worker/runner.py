@@ -2,7 +2,7 @@
 
     claim (or return quietly: duplicate delivery / cancelled / finished)
       -> heartbeat thread renews the lease
-      -> spec from the job row -> dataset from storage -> base model (builtin:, HF id, checkpoint:<id>)
+      -> spec from the job row -> dataset from storage -> base model (checked again: worker.model_sources)
       -> resume point: the latest checkpoint that downloads and verifies against its manifest
       -> rewards (built-ins, reward models, remote endpoints with retry events)
       -> GRPOTrainer with hooks: every step's metrics/samples, every checkpoint (uploaded, then recorded),
@@ -18,8 +18,10 @@ stops without writing anything more. How the outcome maps to states:
 - `RewardUnavailable` (an endpoint stayed down) -> event `reward_endpoint_unavailable`, `paused`;
   `POST /v1/jobs/{id}/resume` re-enqueues it and it resumes from its last checkpoint;
 - `RewardError` -> `failed` with the error's code (`reward_endpoint_invalid_response`, ...) and message;
-- a dataset that no longer parses -> `failed` (`dataset_invalid`); a `checkpoint:<id>` base model that is
-  missing or corrupt -> `failed` (`base_checkpoint_invalid`); anything else -> `failed`
+- a dataset that no longer parses -> `failed` (`dataset_invalid`); a `checkpoint:<id>` model that is
+  missing or corrupt -> `failed` (`base_checkpoint_invalid`); a model source the worker refuses
+  (worker.model_sources) -> `model_source_refused` / `model_too_large`; a model that does not load ->
+  `model_load_failed` (generic message, the loader's error in the log); anything else -> `failed`
   (`training_error`, with the exception type and message).
 Metrics, events and checkpoints already recorded always stay.
 
