@@ -6,6 +6,7 @@ import asyncio
 import math
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -17,7 +18,7 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from worker.grpo.reward_types import RewardError, RewardInput, RewardUnavailable
-from worker.grpo.rewards import CompositeReward, build_reward_sources, extract_boxed
+from worker.grpo.rewards import CompositeReward, FunctionSource, build_reward_sources, extract_boxed
 from worker.grpo.spec import (
     MAX_PATTERN_LENGTH,
     BuiltinRewardSpec,
@@ -408,3 +409,28 @@ class TestExtractBoxedIsLinear:
         start = time.perf_counter()
         assert extract_boxed(text) == "1"
         assert time.perf_counter() - start < 10.0
+
+
+class TestRuleTimeLimit:
+    async def test_a_batch_over_the_limit_fails_with_reward_timeout(self) -> None:
+        def slow(item: RewardInput) -> float:
+            time.sleep(0.2)
+            return 1.0
+
+        composite = CompositeReward([(FunctionSource("slow", slow, timeout_s=0.3), 1.0)])
+        start = time.monotonic()
+        with pytest.raises(RewardError, match="'slow'.*longer than 0.3s") as info:
+            await composite.score(make_items(["a"] * 10), step=0)  # 2 s of work
+        assert info.value.code == "reward_timeout"
+        assert time.monotonic() - start < 1.5
+
+    async def test_rules_run_off_the_event_loop(self) -> None:
+        loop_thread = threading.get_ident()
+        seen: list[int] = []
+
+        def record(item: RewardInput) -> float:
+            seen.append(threading.get_ident())
+            return 0.0
+
+        await FunctionSource("where", record)(make_items(["a"]), step=0)
+        assert seen and seen[0] != loop_thread

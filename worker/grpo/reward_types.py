@@ -39,6 +39,12 @@ class RewardModelLoadFailed(RewardError):
     code = "model_load_failed"
 
 
+class RewardTimedOut(RewardError):
+    """A local source (a built-in rule) exceeded its time limit for one batch."""
+
+    code = "reward_timeout"
+
+
 class RewardUnavailable(RewardError):
     """The source stayed unreachable after retries: the job is paused, not failed."""
 

@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from worker.grpo.reward_types import RewardError, RewardInput, RewardSource
+from worker.grpo.reward_types import RewardError, RewardInput, RewardSource, RewardTimedOut
 from worker.grpo.spec import (
     BoxedAnswerParams,
     BuiltinRewardSpec,
@@ -153,14 +153,29 @@ def _source_metrics(per_source: dict[str, list[float | None]]) -> dict[str, floa
 ItemScorer = Callable[[RewardInput], float | None]
 
 
-class FunctionSource:
-    """An async `RewardSource` around a pure per-item function (fast enough to run on the event loop)."""
+# A batch of rule scoring that runs longer than this fails the job. The built-in rules are linear in the
+# completions (RE2 for user patterns), which max_completion_length bounds: only a pathological input the rules
+# did not foresee gets near it, and the job then ends instead of occupying the worker.
+RULE_TIMEOUT_S = 60.0
 
-    def __init__(self, name: str, fn: ItemScorer) -> None:
+
+class FunctionSource:
+    """An async `RewardSource` around a pure per-item function, run off the event loop under a deadline."""
+
+    def __init__(self, name: str, fn: ItemScorer, *, timeout_s: float = RULE_TIMEOUT_S) -> None:
         self.name = name
         self._fn = fn
+        self.timeout_s = timeout_s
 
     async def __call__(self, items: Sequence[RewardInput], *, step: int) -> list[float | None]:
+        try:
+            return await asyncio.wait_for(asyncio.to_thread(self._score, items), self.timeout_s)
+        except TimeoutError as exc:
+            raise RewardTimedOut(
+                self.name, f"scoring {len(items)} completions took longer than {self.timeout_s:g}s"
+            ) from exc
+
+    def _score(self, items: Sequence[RewardInput]) -> list[float | None]:
         return [self._fn(item) for item in items]
 
 
