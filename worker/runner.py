@@ -302,7 +302,7 @@ class JobRunner:
         except (OSError, ValueError, CheckpointCorrupt) as exc:
             log.warning("job %s: %s: checkpoint %s unusable: %s", self.job_id, field, checkpoint_id, exc)
             raise JobFailure(
-                "base_checkpoint_invalid", f"{field}: checkpoint {checkpoint_id!r} is missing files or corrupt"
+                "base_checkpoint_invalid", f"{field}: checkpoint {checkpoint_id!r}: {checkpoint_problem(exc)}"
             ) from exc
 
     def _fetch_checkpoint(self, checkpoint: Checkpoint, directory: Path) -> Path:
@@ -329,7 +329,8 @@ class JobRunner:
                 return self._fetch_checkpoint(checkpoint, root / f"checkpoint-{checkpoint.step}")
             except (OSError, ValueError, CheckpointCorrupt) as exc:
                 log.warning("job %s: checkpoint %s unusable: %s", claim.job_id, checkpoint.id, exc)
-                reporting.record_event(claim, "checkpoint_unusable", f"checkpoint {checkpoint.id}: {exc}",
+                reporting.record_event(claim, "checkpoint_unusable",
+                                       f"checkpoint {checkpoint.id}: {checkpoint_problem(exc)}",
                                        {"checkpoint_id": checkpoint.id, "step": checkpoint.step})
                 step = checkpoint.step
                 with session_scope() as session:
@@ -434,6 +435,16 @@ class JobRunner:
                 model_paths[spec.model] = path
         device = "cpu" if context.queue == "cpu" else _default_device()
         return build_reward_sources(context.spec.rewards, remote=remote, device=device, model_paths=model_paths)
+
+
+def checkpoint_problem(exc: Exception) -> str:
+    """What a tenant may read about a checkpoint that failed to download or verify: the manifest's finding
+    (file names relative to the checkpoint), never an exception text naming the worker's or storage's paths."""
+    from worker.grpo.checkpoint import CheckpointCorrupt
+
+    if isinstance(exc, CheckpointCorrupt):
+        return f"corrupt: {exc.problem}"
+    return "could not be downloaded"
 
 
 def _default_device() -> str:

@@ -157,3 +157,16 @@ class TestCheckSource:
         (tmp_path / "alias").symlink_to(tmp_path / "models")
         source = check_source("base_model", f"{tmp_path}/alias/m", policy(tmp_path))
         assert source.value == str(tmp_path / "models" / "m")
+
+
+def test_checkpoint_problems_are_reported_without_paths(tmp_path: Path) -> None:
+    from worker.grpo.checkpoint import CheckpointCorrupt, verify_manifest
+    from worker.runner import checkpoint_problem
+
+    with pytest.raises(CheckpointCorrupt) as corrupt:
+        verify_manifest(tmp_path)
+    assert checkpoint_problem(corrupt.value) == "corrupt: manifest.json is missing"
+    with pytest.raises(OSError) as missing:
+        (tmp_path / "nope" / "model.safetensors").open()
+    assert checkpoint_problem(missing.value) == "could not be downloaded"
+    assert str(tmp_path) in str(corrupt.value) and str(tmp_path) in str(missing.value)  # what is kept back
