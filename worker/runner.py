@@ -22,7 +22,7 @@ stops without writing anything more. How the outcome maps to states:
   missing or corrupt -> `failed` (`base_checkpoint_invalid`); a model source the worker refuses
   (worker.model_sources) -> `model_source_refused` / `model_too_large`; a model that does not load ->
   `model_load_failed` (generic message, the loader's error in the log); anything else -> `failed`
-  (`training_error`, with the exception type and message).
+  (`training_error`, with the exception type and message; only the type for filesystem errors).
 Metrics, events and checkpoints already recorded always stay.
 
 torch is imported only inside `run()` (through the trainer), never when this module is imported: the
@@ -160,7 +160,7 @@ class JobRunner:
             return self._fail(claim, exc.code, exc.message)
         except Exception as exc:
             log.exception("job %s: attempt %d crashed", self.job_id, claim.attempt)
-            return self._fail(claim, "training_error", f"{type(exc).__name__}: {exc}")
+            return self._fail(claim, "training_error", training_error_message(exc))
         if heartbeat.lost.is_set():
             raise LeaseLost(claim.job_id, claim.attempt)
         if not result.stopped:
@@ -435,6 +435,14 @@ class JobRunner:
                 model_paths[spec.model] = path
         device = "cpu" if context.queue == "cpu" else _default_device()
         return build_reward_sources(context.spec.rewards, remote=remote, device=device, model_paths=model_paths)
+
+
+def training_error_message(exc: Exception) -> str:
+    """The tenant's view of an unexpected failure: type and message, except for filesystem errors, whose
+    text names the worker's paths (the log has it)."""
+    if isinstance(exc, OSError):
+        return f"{type(exc).__name__} (details in the worker's log)"
+    return f"{type(exc).__name__}: {exc}"
 
 
 def checkpoint_problem(exc: Exception) -> str:

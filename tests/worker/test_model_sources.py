@@ -170,3 +170,11 @@ def test_checkpoint_problems_are_reported_without_paths(tmp_path: Path) -> None:
         (tmp_path / "nope" / "model.safetensors").open()
     assert checkpoint_problem(missing.value) == "could not be downloaded"
     assert str(tmp_path) in str(corrupt.value) and str(tmp_path) in str(missing.value)  # what is kept back
+
+
+def test_filesystem_errors_are_named_not_quoted() -> None:
+    from worker.runner import training_error_message
+
+    missing = FileNotFoundError(2, "No such file or directory", "/srv/grpo-data/work/job_x/base")
+    assert training_error_message(missing) == "FileNotFoundError (details in the worker's log)"
+    assert training_error_message(RuntimeError("CUDA out of memory")) == "RuntimeError: CUDA out of memory"
