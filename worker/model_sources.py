@@ -16,11 +16,15 @@ tenant wrote; the underlying exception (paths, hub responses) goes to the worker
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from collections.abc import Callable, Iterable
+from pathlib import Path
 
 from service.jobs.model_sources import (
+    BUILTIN_PREFIX,
+    CHECKPOINT_PREFIX,
     ModelSource,
     ModelSourceKind,
     ModelSourcePolicy,
@@ -32,6 +36,8 @@ log = logging.getLogger(__name__)
 
 # Files `from_pretrained` fetches from a repository's top level; weights in other formats are not fetched.
 _CONFIG_SUFFIXES = (".json", ".txt", ".model", ".tiktoken", ".jinja")
+
+ADAPTER_CONFIG = "adapter_config.json"
 
 HubFiles = Callable[[str], Iterable[tuple[str, int | None]]]
 
@@ -46,7 +52,8 @@ class ModelUnavailable(Exception):
 
 
 def check_source(field: str, value: str, policy: ModelSourcePolicy) -> ModelSource:
-    """The policy's verdict in the worker, plus the hub-id-that-is-a-local-directory case."""
+    """The policy's verdict in the worker, plus the hub-id-that-is-a-local-directory case and the base model
+    an adapter-only directory names."""
     try:
         source = classify(value, policy)
     except ModelSourceRefused as exc:
@@ -54,7 +61,28 @@ def check_source(field: str, value: str, policy: ModelSourcePolicy) -> ModelSour
     if source.kind is ModelSourceKind.hub and os.path.lexists(value):
         log.warning("%s: hub id %r names a path in the worker's working directory; refused", field, value)
         raise ModelUnavailable("model_load_failed", field, value, "could not be loaded")
+    if source.kind is ModelSourceKind.local:
+        check_adapter_base(field, value, Path(source.value), policy)
     return source
+
+
+def check_adapter_base(field: str, value: str, directory: Path, policy: ModelSourcePolicy) -> None:
+    """A directory with only a PEFT adapter makes `from_pretrained` load the adapter's
+    `base_model_name_or_path` instead: that reference must pass the same policy."""
+    adapter_config = directory / ADAPTER_CONFIG
+    if not adapter_config.is_file() or (directory / "config.json").exists():
+        return
+    base: object = None
+    try:
+        base = json.loads(adapter_config.read_text(encoding="utf-8")).get("base_model_name_or_path")
+        if not isinstance(base, str) or base.startswith((BUILTIN_PREFIX, CHECKPOINT_PREFIX)):
+            raise ModelSourceRefused("not a model source")
+        classify(base, policy)
+    except (OSError, ValueError, AttributeError) as exc:
+        log.warning("%s: the adapter in %s names base model %r: refused (%s)", field, directory, base, exc)
+        raise ModelUnavailable(
+            "model_source_refused", field, value, "is an adapter whose base model is not accepted here"
+        ) from exc
 
 
 def check_hub_size(field: str, repo_id: str, max_bytes: int, hub_files: HubFiles | None = None) -> None:
@@ -70,6 +98,15 @@ def check_hub_size(field: str, repo_id: str, max_bytes: int, hub_files: HubFiles
     except Exception as exc:
         log.warning("%s: listing hub model %r failed: %s", field, repo_id, exc)
         raise ModelUnavailable("model_load_failed", field, repo_id, "could not be loaded") from exc
+    names = {name for name, _ in files}
+    if ADAPTER_CONFIG in names and "config.json" not in names:
+        # from_pretrained would go on to the base model the adapter names, unchecked.
+        raise ModelUnavailable(
+            "model_source_refused",
+            field,
+            repo_id,
+            "is an adapter-only repository; name its base model instead",
+        )
     size = download_size(files)
     if size is None or size > max_bytes:
         log.warning("%s: hub model %r is %s bytes (limit %d)", field, repo_id, size, max_bytes)

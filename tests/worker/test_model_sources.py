@@ -178,3 +178,47 @@ def test_filesystem_errors_are_named_not_quoted() -> None:
     missing = FileNotFoundError(2, "No such file or directory", "/srv/grpo-data/work/job_x/base")
     assert training_error_message(missing) == "FileNotFoundError (details in the worker's log)"
     assert training_error_message(RuntimeError("CUDA out of memory")) == "RuntimeError: CUDA out of memory"
+
+
+class TestAdapterOnlySources:
+    """from_pretrained loads an adapter-only model's `base_model_name_or_path`: it passes the policy too."""
+
+    def adapter(self, directory: Path, config: object) -> Path:
+        directory.mkdir(parents=True)
+        (directory / "adapter_config.json").write_text(json.dumps(config))
+        (directory / "adapter_model.safetensors").write_bytes(b"")
+        return directory
+
+    def test_an_adapter_pointing_into_the_data_dir_is_refused(self, tmp_path: Path) -> None:
+        stolen = tmp_path / "data" / "storage" / "checkpoints" / "job_a" / "ckpt_a"
+        adapter = self.adapter(tmp_path / "models" / "a", {"base_model_name_or_path": str(stolen)})
+        with pytest.raises(ModelUnavailable) as info:
+            check_source("base_model", str(adapter), policy(tmp_path))
+        assert info.value.code == "model_source_refused"
+        assert str(stolen) not in info.value.message
+
+    @pytest.mark.parametrize(
+        "config", [{"base_model_name_or_path": "checkpoint:ckpt_a"}, {"r": 8}, ["not", "a", "dict"], "{"]
+    )
+    def test_unusable_adapter_configs_are_refused(self, tmp_path: Path, config: object) -> None:
+        adapter = self.adapter(tmp_path / "models" / "a", config)
+        if config == "{":
+            (adapter / "adapter_config.json").write_text("{")
+        with pytest.raises(ModelUnavailable):
+            check_source("base_model", str(adapter), policy(tmp_path))
+
+    def test_accepted_bases_and_full_models_pass(self, tmp_path: Path) -> None:
+        hub_base = self.adapter(tmp_path / "models" / "a", {"base_model_name_or_path": "org/base"})
+        assert check_source("base_model", str(hub_base), policy(tmp_path)).kind is ModelSourceKind.local
+        strict = ModelSourcePolicy(None, (tmp_path / "data",), ("other/*",))
+        with pytest.raises(ModelUnavailable):
+            check_source("base_model", str(hub_base), strict)
+        # A full model with an embedded adapter loads its own weights, not the adapter's base.
+        (hub_base / "config.json").write_text("{}")
+        check_source("base_model", str(hub_base), strict)
+
+    def test_adapter_only_hub_repositories_are_refused(self) -> None:
+        listing = [("adapter_config.json", 10), ("adapter_model.safetensors", 1000)]
+        with pytest.raises(ModelUnavailable) as info:
+            check_hub_size("base_model", "org/lora", GIB, hub_files=lambda _repo: listing)
+        assert info.value.code == "model_source_refused"
