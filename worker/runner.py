@@ -2,7 +2,7 @@
 
     claim (or return quietly: duplicate delivery / cancelled / finished)
       -> heartbeat thread renews the lease
-      -> spec from the job row -> dataset from storage -> base model (builtin:, HF id, checkpoint:<id>)
+      -> spec from the job row -> dataset from storage -> base model (checked again: worker.model_sources)
       -> resume point: the latest checkpoint that downloads and verifies against its manifest
       -> rewards (built-ins, reward models, remote endpoints with retry events)
       -> GRPOTrainer with hooks: every step's metrics/samples, every checkpoint (uploaded, then recorded),
@@ -18,9 +18,11 @@ stops without writing anything more. How the outcome maps to states:
 - `RewardUnavailable` (an endpoint stayed down) -> event `reward_endpoint_unavailable`, `paused`;
   `POST /v1/jobs/{id}/resume` re-enqueues it and it resumes from its last checkpoint;
 - `RewardError` -> `failed` with the error's code (`reward_endpoint_invalid_response`, ...) and message;
-- a dataset that no longer parses -> `failed` (`dataset_invalid`); a `checkpoint:<id>` base model that is
-  missing or corrupt -> `failed` (`base_checkpoint_invalid`); anything else -> `failed`
-  (`training_error`, with the exception type and message).
+- a dataset that no longer parses -> `failed` (`dataset_invalid`); a `checkpoint:<id>` model that is
+  missing or corrupt -> `failed` (`base_checkpoint_invalid`); a model source the worker refuses
+  (worker.model_sources) -> `model_source_refused` / `model_too_large`; a model that does not load ->
+  `model_load_failed` (generic message, the loader's error in the log); anything else -> `failed`
+  (`training_error`, with the exception type and message; only the type for filesystem errors).
 Metrics, events and checkpoints already recorded always stay.
 
 torch is imported only inside `run()` (through the trainer), never when this module is imported: the
@@ -43,6 +45,7 @@ from sqlalchemy import select
 from service.checkpoints.models import Checkpoint
 from service.checkpoints.service import new_checkpoint_id
 from service.datasets.models import Dataset
+from service.jobs.model_sources import BUILTIN_PREFIX, ModelSourceKind, ModelSourcePolicy
 from service.jobs.models import Job
 from service.jobs.schemas import SampleIn
 from service.jobs.states import JobStatus
@@ -54,7 +57,7 @@ from service.storage import Storage, checkpoint_key, checkpoint_prefix, get_stor
 from worker import metrics as worker_metrics
 from worker import reporting
 from worker.grpo.reward_types import RewardError, RewardUnavailable
-from worker.grpo.spec import JobSpec, RemoteRewardSpec
+from worker.grpo.spec import JobSpec, ModelRewardSpec, RemoteRewardSpec
 from worker.lease import (
     OWNED_STATES,
     Claim,
@@ -65,6 +68,7 @@ from worker.lease import (
     rewind_to,
     with_db_retry,
 )
+from worker.model_sources import ModelUnavailable, check_hub_size, check_source
 
 if TYPE_CHECKING:
     from worker.grpo.data import PromptRow
@@ -74,7 +78,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-CHECKPOINT_MODEL_PREFIX = "checkpoint:"
 MANIFEST_NAME = "manifest.json"
 _CHUNK = 1 << 20
 
@@ -153,11 +156,11 @@ class JobRunner:
         except RewardError as exc:
             worker_metrics.reward_error(exc.source, exc.code)
             return self._fail(claim, exc.code, str(exc))
-        except JobFailure as exc:
+        except (JobFailure, ModelUnavailable) as exc:
             return self._fail(claim, exc.code, exc.message)
         except Exception as exc:
             log.exception("job %s: attempt %d crashed", self.job_id, claim.attempt)
-            return self._fail(claim, "training_error", f"{type(exc).__name__}: {exc}")
+            return self._fail(claim, "training_error", training_error_message(exc))
         if heartbeat.lost.is_set():
             raise LeaseLost(claim.job_id, claim.attempt)
         if not result.stopped:
@@ -181,9 +184,9 @@ class JobRunner:
         eval_rows = None
         if context.eval_dataset_key is not None:
             eval_rows = self._load_rows(context.eval_dataset_key, workdir / "eval.jsonl")
-        base_model = self._resolve_base_model(context, workdir / "base")
+        base_model = self._resolve_model(context, "base_model", context.spec.base_model, workdir / "base")
         resume_from = self._prepare_resume(claim, workdir / "resume")
-        reward = self._build_rewards(claim, context)
+        reward = self._build_rewards(claim, context, workdir / "reward-models")
 
         from worker.grpo.trainer import GRPOTrainer  # torch is imported here, in the job's process
 
@@ -195,21 +198,28 @@ class JobRunner:
         def should_stop() -> bool:
             return self._should_stop(claim, heartbeat)
 
-        trainer = GRPOTrainer(
-            context.spec.hyperparameters,
-            base_model=base_model,
-            train_rows=train_rows,
-            eval_rows=eval_rows,
-            reward=reward,
-            output_dir=workdir / "checkpoints",
-            model_cache_dir=Path(self.settings.data_dir) / "models",
-            resume_from=resume_from,
-            on_metrics=lambda step, metrics, samples: self._on_metrics(claim, step, metrics, samples),
-            on_checkpoint=lambda step, path, manifest: self._on_checkpoint(claim, step, path, manifest),
-            should_stop=should_stop,
-            device="cpu" if context.queue == "cpu" else None,
-            checkpoint_metadata={"job_id": self.job_id, "attempt": claim.attempt},
-        )
+        try:
+            trainer = GRPOTrainer(
+                context.spec.hyperparameters,
+                base_model=base_model,
+                train_rows=train_rows,
+                eval_rows=eval_rows,
+                reward=reward,
+                output_dir=workdir / "checkpoints",
+                model_cache_dir=Path(self.settings.data_dir) / "models",
+                resume_from=resume_from,
+                on_metrics=lambda step, metrics, samples: self._on_metrics(claim, step, metrics, samples),
+                on_checkpoint=lambda step, path, manifest: self._on_checkpoint(claim, step, path, manifest),
+                should_stop=should_stop,
+                device="cpu" if context.queue == "cpu" else None,
+                checkpoint_metadata={"job_id": self.job_id, "attempt": claim.attempt},
+            )
+        except Exception as exc:
+            # from_pretrained's errors describe the worker's filesystem: the tenant gets a code, the log the rest.
+            log.exception("job %s: loading base_model %r failed", self.job_id, context.spec.base_model)
+            raise ModelUnavailable(
+                "model_load_failed", "base_model", context.spec.base_model, "could not be loaded"
+            ) from exc
         reporting.set_total_steps(claim, trainer.total_steps)
         try:
             return trainer.train()
@@ -265,12 +275,18 @@ class JobRunner:
 
     # --- models and checkpoints ----------------------------------------------------------------
 
-    def _resolve_base_model(self, context: JobContext, directory: Path) -> str:
-        """`checkpoint:<id>` -> a verified local copy of that checkpoint; anything else unchanged."""
-        base = context.spec.base_model
-        if not base.startswith(CHECKPOINT_MODEL_PREFIX):
-            return base
-        checkpoint_id = base.removeprefix(CHECKPOINT_MODEL_PREFIX)
+    def _resolve_model(self, context: JobContext, field: str, value: str, directory: Path) -> str:
+        """What the engine loads for a model source (worker.model_sources checks it again first):
+        `builtin:` and hub ids unchanged, `checkpoint:<id>` a verified local copy, a local path its real path."""
+        source = check_source(field, value, ModelSourcePolicy.from_settings(self.settings))
+        if source.kind is ModelSourceKind.checkpoint:
+            return str(self._fetch_tenant_checkpoint(context, field, source.value, directory / source.value))
+        if source.kind is ModelSourceKind.hub:
+            check_hub_size(field, value, self.settings.hub_model_max_bytes)
+            return value
+        return source.value
+
+    def _fetch_tenant_checkpoint(self, context: JobContext, field: str, checkpoint_id: str, directory: Path) -> Path:
         with session_scope() as session:
             checkpoint = session.execute(select(Checkpoint).where(
                 Checkpoint.id == checkpoint_id, Checkpoint.tenant_id == context.tenant_id
@@ -278,13 +294,16 @@ class JobRunner:
             if checkpoint is not None:
                 session.expunge(checkpoint)
         if checkpoint is None:
-            raise JobFailure("base_checkpoint_invalid", f"base_model: checkpoint {checkpoint_id!r} not found")
+            raise JobFailure("base_checkpoint_invalid", f"{field}: checkpoint {checkpoint_id!r} not found")
         from worker.grpo.checkpoint import CheckpointCorrupt
 
         try:
-            return str(self._fetch_checkpoint(checkpoint, directory / checkpoint_id))
+            return self._fetch_checkpoint(checkpoint, directory)
         except (OSError, ValueError, CheckpointCorrupt) as exc:
-            raise JobFailure("base_checkpoint_invalid", f"base_model: checkpoint {checkpoint_id!r}: {exc}") from exc
+            log.warning("job %s: %s: checkpoint %s unusable: %s", self.job_id, field, checkpoint_id, exc)
+            raise JobFailure(
+                "base_checkpoint_invalid", f"{field}: checkpoint {checkpoint_id!r}: {checkpoint_problem(exc)}"
+            ) from exc
 
     def _fetch_checkpoint(self, checkpoint: Checkpoint, directory: Path) -> Path:
         """Download every listed file and verify it against the engine's manifest (CheckpointCorrupt)."""
@@ -310,7 +329,8 @@ class JobRunner:
                 return self._fetch_checkpoint(checkpoint, root / f"checkpoint-{checkpoint.step}")
             except (OSError, ValueError, CheckpointCorrupt) as exc:
                 log.warning("job %s: checkpoint %s unusable: %s", claim.job_id, checkpoint.id, exc)
-                reporting.record_event(claim, "checkpoint_unusable", f"checkpoint {checkpoint.id}: {exc}",
+                reporting.record_event(claim, "checkpoint_unusable",
+                                       f"checkpoint {checkpoint.id}: {checkpoint_problem(exc)}",
                                        {"checkpoint_id": checkpoint.id, "step": checkpoint.step})
                 step = checkpoint.step
                 with session_scope() as session:
@@ -377,7 +397,7 @@ class JobRunner:
 
     # --- rewards -------------------------------------------------------------------------------
 
-    def _build_rewards(self, claim: Claim, context: JobContext) -> CompositeReward:
+    def _build_rewards(self, claim: Claim, context: JobContext, models_dir: Path) -> CompositeReward:
         from worker.grpo.rewards import build_reward_sources
         from worker.reward_client import RemoteRewardConfig, build_remote_source
         from worker.reward_client.source import EndpointRewardSource
@@ -404,8 +424,35 @@ class JobRunner:
             })
             return build_remote_source(config, on_retry=on_retry)  # gRPC for grpc(s):// URLs, else HTTP
 
+        model_paths: dict[str, str] = {}
+        for i, spec in enumerate(context.spec.rewards):
+            if isinstance(spec, ModelRewardSpec):
+                path = self._resolve_model(context, f"rewards[{i}].model", spec.model, models_dir)
+                if path.startswith(BUILTIN_PREFIX):
+                    from worker.grpo.tiny import resolve_model_path
+
+                    path = resolve_model_path(path, Path(self.settings.data_dir) / "models")
+                model_paths[spec.model] = path
         device = "cpu" if context.queue == "cpu" else _default_device()
-        return build_reward_sources(context.spec.rewards, remote=remote, device=device)
+        return build_reward_sources(context.spec.rewards, remote=remote, device=device, model_paths=model_paths)
+
+
+def training_error_message(exc: Exception) -> str:
+    """The tenant's view of an unexpected failure: type and message, except for filesystem errors, whose
+    text names the worker's paths (the log has it)."""
+    if isinstance(exc, OSError):
+        return f"{type(exc).__name__} (details in the worker's log)"
+    return f"{type(exc).__name__}: {exc}"
+
+
+def checkpoint_problem(exc: Exception) -> str:
+    """What a tenant may read about a checkpoint that failed to download or verify: the manifest's finding
+    (file names relative to the checkpoint), never an exception text naming the worker's or storage's paths."""
+    from worker.grpo.checkpoint import CheckpointCorrupt
+
+    if isinstance(exc, CheckpointCorrupt):
+        return f"corrupt: {exc.problem}"
+    return "could not be downloaded"
 
 
 def _default_device() -> str:

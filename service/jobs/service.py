@@ -12,7 +12,8 @@ from typing import Any
 
 from sqlalchemy.orm import Session
 
-from service.jobs import repository
+from service.jobs import model_sources, repository
+from service.jobs.model_sources import ModelSourceKind, ModelSourcePolicy, ModelSourceRefused
 from service.jobs.models import Job, JobEvent
 from service.jobs.schemas import JobOut, MetricSeries, MetricsOut
 from service.jobs.states import STATUS_EVENT, UNFINISHED, JobStatus, transition
@@ -22,10 +23,7 @@ from service.kit.errors import IllegalTransition, NotFound, ValidationFailed
 from service.kit.ids import new_id
 from service.kit.queue import JobQueue, send_job_logged
 from service.kit.reads import Reads
-from worker.grpo.spec import JobSpec, RemoteRewardSpec
-
-CHECKPOINT_MODEL_PREFIX = "checkpoint:"
-
+from worker.grpo.spec import JobSpec, ModelRewardSpec, RemoteRewardSpec
 
 # --- create ---------------------------------------------------------------------------------------
 
@@ -80,7 +78,8 @@ def enqueue_after_commit(session: Session, job: Job, queue: JobQueue) -> None:
 
 
 def check_references(session: Session, tenant_id: str, spec: JobSpec) -> None:
-    """Datasets, remote reward functions and checkpoint base models must exist and be the tenant's.
+    """Datasets, remote reward functions and checkpoints must exist and be the tenant's; model sources must be
+    accepted forms (jobs.model_sources).
 
     Raises ValidationFailed (422) naming every offending field, e.g. `rewards[1].reward_function_id`.
     """
@@ -100,10 +99,22 @@ def check_references(session: Session, tenant_id: str, spec: JobSpec) -> None:
                 _missing(f"rewards[{i}].reward_function_id", f"reward function {rf_id!r} not found")
             )
 
-    if spec.base_model.startswith(CHECKPOINT_MODEL_PREFIX):
-        checkpoint_id = spec.base_model.removeprefix(CHECKPOINT_MODEL_PREFIX)
-        if not repository.tenant_has_checkpoint(session, tenant_id, checkpoint_id):
-            errors.append(_missing("base_model", f"checkpoint {checkpoint_id!r} not found"))
+    models = {"base_model": spec.base_model}
+    models.update(
+        {f"rewards[{i}].model": r.model for i, r in enumerate(spec.rewards) if isinstance(r, ModelRewardSpec)}
+    )
+    policy = ModelSourcePolicy.from_settings(get_settings())
+    for field, value in models.items():
+        try:
+            source = model_sources.classify(value, policy)
+        except ModelSourceRefused as exc:
+            errors.append({"field": field, "message": str(exc), "type": "model_source_refused"})
+            continue
+        # Another tenant's checkpoint reads exactly like an unknown id: no existence oracle.
+        if source.kind is ModelSourceKind.checkpoint and not repository.tenant_has_checkpoint(
+            session, tenant_id, source.value
+        ):
+            errors.append(_missing(field, f"checkpoint {source.value!r} not found"))
 
     if errors:
         raise ValidationFailed(f"{errors[0]['field']}: {errors[0]['message']}", details=errors)

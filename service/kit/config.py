@@ -32,6 +32,19 @@ class Settings(BaseSettings):
     allow_private_reward_urls: bool | None = Field(
         None, description="Allow loopback/private reward URLs. None = allowed in development, refused in production."
     )
+    model_local_roots: list[str] | None = Field(
+        None,
+        description="Directories under which `base_model` / reward `model` may name a local path (JSON list). "
+        "None = any directory in development, none in production. Never inside data_dir or local storage.",
+    )
+    hub_model_allowlist: list[str] | None = Field(
+        None,
+        description="Hugging Face ids a job may download, as case-insensitive glob patterns (JSON list, e.g. "
+        '["Qwen/*", "meta-llama/Llama-3.2-1B"]). None = any id in development, none in production.',
+    )
+    hub_model_max_bytes: int = Field(
+        20 * 1024**3, gt=0, description="Largest hub model (sum of the files from_pretrained fetches) a worker downloads."
+    )
     idempotency_ttl_hours: int = Field(24, ge=24, description="How long Idempotency-Key records are kept.")
     lease_seconds: int = Field(60, ge=5, description="Worker lease on a running job; renewed by heartbeat.")
     max_attempts: int = Field(3, ge=1, description="Attempts before a job whose worker keeps dying is failed.")
@@ -91,6 +104,8 @@ class Settings(BaseSettings):
             self.storage_url = f"{self.data_dir}/storage"
         if self.allow_private_reward_urls is None:
             self.allow_private_reward_urls = self.env == "development"
+        if self.hub_model_allowlist is None:
+            self.hub_model_allowlist = ["*"] if self.env == "development" else []
         return self
 
 

@@ -4,16 +4,30 @@ from __future__ import annotations
 
 import asyncio
 import math
+import subprocess
+import sys
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from pydantic import ValidationError
 
 from worker.grpo.reward_types import RewardError, RewardInput, RewardUnavailable
-from worker.grpo.rewards import CompositeReward, build_reward_sources, extract_boxed
-from worker.grpo.spec import BuiltinRewardSpec, ModelRewardSpec, RemoteRewardSpec, RewardSpec
+from worker.grpo.rewards import CompositeReward, FunctionSource, build_reward_sources, extract_boxed
+from worker.grpo.spec import (
+    MAX_PATTERN_LENGTH,
+    BuiltinRewardSpec,
+    ModelRewardSpec,
+    RemoteRewardSpec,
+    RewardSpec,
+)
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def make_items(completions: Sequence[str], **extras: Any) -> list[RewardInput]:
@@ -232,8 +246,15 @@ class TestBuildRewardSources:
             build_reward_sources([RemoteRewardSpec(reward_function_id="rf_9", weight=1.0)])
 
     def test_model_that_does_not_exist(self, tmp_path: Path) -> None:
-        with pytest.raises(RewardError, match="cannot load reward model"):
+        with pytest.raises(RewardError, match="the reward model could not be loaded") as info:
             build_reward_sources([ModelRewardSpec(model=str(tmp_path / "missing"), weight=1.0, batch_size=4)])
+        assert info.value.code == "model_load_failed"
+
+    @pytest.mark.parametrize("target", ["/etc/passwd", "/etc", "/proc/self"])
+    def test_load_errors_never_describe_the_workers_filesystem(self, target: str) -> None:
+        with pytest.raises(RewardError) as info:
+            build_reward_sources([ModelRewardSpec(model=target, weight=1.0)], model_paths={target: target})
+        assert str(info.value) == f"reward source 'model:{target}': the reward model could not be loaded"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -319,3 +340,97 @@ class TestRewardModel:
         values = await source(make_items(["x", "y"]), step=0)
         assert len(values) == 2
         assert threads and threads[0] != loop_thread
+
+
+class TestUserPatterns:
+    """regex_match runs user patterns on RE2: linear time, so no pattern can stall a worker."""
+
+    def test_catastrophic_pattern_scores_in_bounded_time(self) -> None:
+        # In a child process: a backtracking engine would hold the GIL for centuries, and the test with it.
+        script = (
+            "import asyncio, time\n"
+            "from tests.engine.test_rewards import score_one\n"
+            "start = time.monotonic()\n"
+            "scores = asyncio.run(score_one('regex_match', ['a' * 64, 'x' * 5000 + 'ZQ'], {'pattern': '(.|.)*ZQ'}))\n"
+            "assert scores == [0.0, 1.0], scores\n"
+            "print(time.monotonic() - start)\n"
+        )
+        done = subprocess.run(
+            [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, cwd=REPO
+        )
+        assert done.returncode == 0, done.stderr
+        assert float(done.stdout) < 20.0
+
+    @pytest.mark.parametrize(
+        ("pattern", "reason"),
+        [
+            (r"(a)\1", "invalid escape sequence"),  # backreference
+            (r"(?=a)b", "invalid perl operator"),  # lookahead
+            ("a{1000}{1000}", "bad repetition"),
+            ("(" * 3 + "a", "missing \\)"),
+        ],
+    )
+    def test_patterns_re2_cannot_run_are_refused_with_its_reason(self, pattern: str, reason: str) -> None:
+        with pytest.raises(ValidationError, match=reason):
+            BuiltinRewardSpec(name="regex_match", params={"pattern": pattern})
+
+    def test_pattern_length_is_capped(self) -> None:
+        BuiltinRewardSpec(name="regex_match", params={"pattern": "a" * MAX_PATTERN_LENGTH})
+        with pytest.raises(ValidationError, match="at most"):
+            BuiltinRewardSpec(name="regex_match", params={"pattern": "a" * (MAX_PATTERN_LENGTH + 1)})
+
+    def test_program_size_is_bounded(self) -> None:
+        with pytest.raises(ValidationError, match="pattern too large"):
+            BuiltinRewardSpec(name="regex_match", params={"pattern": r"\pL{1000}"})
+
+
+def _extract_boxed_by_rescanning(text: str) -> str | None:
+    """The straightforward definition (rescan from each box start, last first): the reference."""
+    start = text.rfind("\\boxed{")
+    while start != -1:
+        depth, pos = 1, start + len("\\boxed{")
+        while pos < len(text):
+            depth += {"{": 1, "}": -1}.get(text[pos], 0)
+            if depth == 0:
+                return text[start + len("\\boxed{") : pos]
+            pos += 1
+        start = text.rfind("\\boxed{", 0, start)
+    return None
+
+
+class TestExtractBoxedIsLinear:
+    @given(st.lists(st.sampled_from(["\\boxed{", "{", "}", "a", "\\boxed", "7"]), max_size=40).map("".join))
+    @settings(max_examples=400, deadline=None)
+    def test_same_answer_as_rescanning(self, text: str) -> None:
+        assert extract_boxed(text) == _extract_boxed_by_rescanning(text)
+
+    def test_many_unclosed_boxes_take_linear_time(self) -> None:
+        text = "\\boxed{1} " + "\\boxed{" * 40_000  # 280k characters; rescanning would take ~10^9 steps
+        start = time.perf_counter()
+        assert extract_boxed(text) == "1"
+        assert time.perf_counter() - start < 10.0
+
+
+class TestRuleTimeLimit:
+    async def test_a_batch_over_the_limit_fails_with_reward_timeout(self) -> None:
+        def slow(item: RewardInput) -> float:
+            time.sleep(0.2)
+            return 1.0
+
+        composite = CompositeReward([(FunctionSource("slow", slow, timeout_s=0.3), 1.0)])
+        start = time.monotonic()
+        with pytest.raises(RewardError, match="'slow'.*longer than 0.3s") as info:
+            await composite.score(make_items(["a"] * 10), step=0)  # 2 s of work
+        assert info.value.code == "reward_timeout"
+        assert time.monotonic() - start < 1.5
+
+    async def test_rules_run_off_the_event_loop(self) -> None:
+        loop_thread = threading.get_ident()
+        seen: list[int] = []
+
+        def record(item: RewardInput) -> float:
+            seen.append(threading.get_ident())
+            return 0.0
+
+        await FunctionSource("where", record)(make_items(["a"]), step=0)
+        assert seen and seen[0] != loop_thread

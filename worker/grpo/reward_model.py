@@ -7,13 +7,16 @@ The score is ``logits[:, 0]``, as TRL does for a reward model. Inference runs in
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from collections.abc import Sequence
 
 import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, PreTrainedModel
 
-from worker.grpo.reward_types import RewardError, RewardInput
+from worker.grpo.reward_types import RewardError, RewardInput, RewardModelLoadFailed
+
+log = logging.getLogger(__name__)
 
 # Positions beyond this are cut from the LEFT (the prompt's start), keeping the completion intact.
 _FALLBACK_MAX_LENGTH = 4096
@@ -31,8 +34,10 @@ class RewardModelSource:
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(model)
             self.model: PreTrainedModel = AutoModelForSequenceClassification.from_pretrained(model)
-        except (OSError, ValueError) as exc:
-            raise RewardError(self.name, f"cannot load reward model {model!r}: {exc}") from exc
+        except Exception as exc:
+            # The exception text describes the worker's filesystem or the hub: logged, not returned.
+            log.warning("reward model %r could not be loaded", model, exc_info=True)
+            raise RewardModelLoadFailed(self.name, "the reward model could not be loaded") from exc
         self.model.to(self.device).eval()
         self._configure_padding()
         self._max_length = self._model_max_length()

@@ -33,6 +33,18 @@ class RewardError(Exception):
         self.reason = message
 
 
+class RewardModelLoadFailed(RewardError):
+    """A reward model that from_pretrained could not load (the detail stays in the worker's log)."""
+
+    code = "model_load_failed"
+
+
+class RewardTimedOut(RewardError):
+    """A local source (a built-in rule) exceeded its time limit for one batch."""
+
+    code = "reward_timeout"
+
+
 class RewardUnavailable(RewardError):
     """The source stayed unreachable after retries: the job is paused, not failed."""
 

@@ -15,11 +15,11 @@ import math
 import numbers
 import re
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from worker.grpo.reward_types import RewardError, RewardInput, RewardSource
+from worker.grpo.reward_types import RewardError, RewardInput, RewardSource, RewardTimedOut
 from worker.grpo.spec import (
     BoxedAnswerParams,
     BuiltinRewardSpec,
@@ -29,6 +29,7 @@ from worker.grpo.spec import (
     RegexMatchParams,
     RemoteRewardSpec,
     RewardSpec,
+    compile_user_pattern,
 )
 
 __all__ = [
@@ -152,14 +153,29 @@ def _source_metrics(per_source: dict[str, list[float | None]]) -> dict[str, floa
 ItemScorer = Callable[[RewardInput], float | None]
 
 
-class FunctionSource:
-    """An async `RewardSource` around a pure per-item function (fast enough to run on the event loop)."""
+# A batch of rule scoring that runs longer than this fails the job. The built-in rules are linear in the
+# completions (RE2 for user patterns), which max_completion_length bounds: only a pathological input the rules
+# did not foresee gets near it, and the job then ends instead of occupying the worker.
+RULE_TIMEOUT_S = 60.0
 
-    def __init__(self, name: str, fn: ItemScorer) -> None:
+
+class FunctionSource:
+    """An async `RewardSource` around a pure per-item function, run off the event loop under a deadline."""
+
+    def __init__(self, name: str, fn: ItemScorer, *, timeout_s: float = RULE_TIMEOUT_S) -> None:
         self.name = name
         self._fn = fn
+        self.timeout_s = timeout_s
 
     async def __call__(self, items: Sequence[RewardInput], *, step: int) -> list[float | None]:
+        try:
+            return await asyncio.wait_for(asyncio.to_thread(self._score, items), self.timeout_s)
+        except TimeoutError as exc:
+            raise RewardTimedOut(
+                self.name, f"scoring {len(items)} completions took longer than {self.timeout_s:g}s"
+            ) from exc
+
+    def _score(self, items: Sequence[RewardInput]) -> list[float | None]:
         return [self._fn(item) for item in items]
 
 
@@ -175,28 +191,38 @@ def _answer_column(source: str, item: RewardInput, column: str) -> str:
 
 
 _BOXED = "\\boxed{"
+_BRACES = re.compile(r"[{}]")
 
 
 def extract_boxed(text: str) -> str | None:
     r"""Content of the LAST complete ``\boxed{...}`` in `text`, with nested braces balanced.
 
-    ``\boxed{\frac{1}{2}}`` gives ``\frac{1}{2}``; an unclosed box is ignored.
+    ``\boxed{\frac{1}{2}}`` gives ``\frac{1}{2}``; an unclosed box is ignored. One pass over the braces
+    (linear in the completion, however many unclosed boxes a model writes).
     """
-    start = text.rfind(_BOXED)
+    box_at = {start + len(_BOXED) - 1: start for start in _occurrences(text, _BOXED)}  # its "{" -> box start
+    if not box_at:
+        return None
+    best: tuple[int, int] | None = None  # (box start, index of its closing "}")
+    opened: list[int] = []
+    for brace in _BRACES.finditer(text):
+        position = brace.start()
+        if brace.group() == "{":
+            opened.append(position)
+        elif opened:
+            start = box_at.get(opened.pop())
+            if start is not None and (best is None or start > best[0]):
+                best = (start, position)
+    return None if best is None else text[best[0] + len(_BOXED) : best[1]]
+
+
+def _occurrences(text: str, needle: str) -> list[int]:
+    found: list[int] = []
+    start = text.find(needle)
     while start != -1:
-        depth = 1
-        pos = start + len(_BOXED)
-        while pos < len(text):
-            char = text[pos]
-            if char == "{":
-                depth += 1
-            elif char == "}":
-                depth -= 1
-                if depth == 0:
-                    return text[start + len(_BOXED) : pos]
-            pos += 1
-        start = text.rfind(_BOXED, 0, start)  # unclosed: fall back to the previous box
-    return None
+        found.append(start)
+        start = text.find(needle, start + 1)
+    return found
 
 
 def _as_number(text: str) -> float | None:
@@ -246,7 +272,7 @@ def _exact_match_source(name: str, params: ExactMatchParams) -> FunctionSource:
 
 
 def _regex_source(name: str, params: RegexMatchParams) -> FunctionSource:
-    pattern = re.compile(params.pattern)
+    pattern = compile_user_pattern(params.pattern)  # RE2: linear time, and it releases the GIL while matching
     match = pattern.fullmatch if params.fullmatch else pattern.search
 
     def score(item: RewardInput) -> float:
@@ -287,10 +313,12 @@ def build_reward_sources(
     *,
     remote: Callable[[RemoteRewardSpec], RewardSource] | None = None,
     device: str = "cpu",
+    model_paths: Mapping[str, str] | None = None,
 ) -> CompositeReward:
     """Build the composite for a job's `rewards` list.
 
-    Built-ins and reward models are built here (models on `device`); remote specs are built by
+    Built-ins and reward models are built here (models on `device`, loaded from `model_paths[spec.model]`
+    when given: the service resolves checkpoint: and builtin: sources); remote specs are built by
     `remote`, the worker's client factory. A remote spec without one is a `RewardError`.
     """
     sources: list[tuple[RewardSource, float]] = []
@@ -302,9 +330,8 @@ def build_reward_sources(
             # Imported here so that rule-only and remote-only jobs never import torch.
             from worker.grpo.reward_model import RewardModelSource
 
-            source = RewardModelSource(
-                spec.model, batch_size=spec.batch_size, device=device, name=spec.source_name
-            )
+            path = (model_paths or {}).get(spec.model, spec.model)
+            source = RewardModelSource(path, batch_size=spec.batch_size, device=device, name=spec.source_name)
         elif isinstance(spec, RemoteRewardSpec):
             if remote is None:
                 raise RewardError(spec.source_name, "remote reward sources need a client, and none was given")

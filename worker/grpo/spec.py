@@ -3,7 +3,8 @@
 Torch-free on purpose: the service validates submitted specs with these models.
 
 `base_model` forms:
-- a Hugging Face id (``org/name``) or a local directory with ``config.json``;
+- a Hugging Face id (``org/name``) or a local directory with ``config.json`` (the service restricts both:
+  service.jobs.model_sources);
 - ``builtin:tiny`` / ``builtin:small`` / ``builtin:medium``: a Llama-style model built offline by
   `worker.grpo.tiny` (no model hub is needed);
 - ``checkpoint:<id>`` (service only): a checkpoint of an earlier job.
@@ -11,9 +12,9 @@ Torch-free on purpose: the service validates submitted specs with these models.
 
 from __future__ import annotations
 
-import re
 from typing import Annotated, Any, Literal
 
+import re2
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from worker.grpo.config import GRPOConfig, LoraConfig
@@ -41,20 +42,39 @@ class ExactMatchParams(BaseModel):
     strip: bool = True
 
 
+# User patterns run on RE2 (linear time in the text, no backtracking), so no pattern can stall a worker:
+# `(.|.)*ZQ` takes microseconds where Python's `re` takes centuries. RE2 has no backreferences or
+# lookaround; such patterns are refused at submission.
+MAX_PATTERN_LENGTH = 1000
+# Memory RE2 may use for the compiled program and its DFA cache (patterns needing more fail to compile).
+RE2_MAX_MEM = 8 << 20
+
+
+def compile_user_pattern(pattern: str) -> Any:
+    """A compiled RE2 pattern, or ValueError saying what RE2 refused."""
+    options = re2.Options()
+    options.log_errors = False
+    options.max_mem = RE2_MAX_MEM
+    try:
+        return re2.compile(pattern, options)
+    except re2.error as exc:
+        reason = exc.args[0] if exc.args else exc  # RE2's message comes as bytes
+        if isinstance(reason, bytes):
+            reason = reason.decode(errors="replace")
+        raise ValueError(f"invalid or unsupported regular expression (RE2 syntax): {reason}") from exc
+
+
 class RegexMatchParams(BaseModel):
-    """1.0 when the pattern matches the completion (re.search, or re.fullmatch when fullmatch)."""
+    """1.0 when the pattern matches the completion (search, or fullmatch when fullmatch). RE2 syntax."""
 
     model_config = ConfigDict(extra="forbid")
-    pattern: str
+    pattern: str = Field(max_length=MAX_PATTERN_LENGTH, description="An RE2 regular expression.")
     fullmatch: bool = False
 
     @field_validator("pattern")
     @classmethod
     def _compiles(cls, value: str) -> str:
-        try:
-            re.compile(value)
-        except re.error as exc:
-            raise ValueError(f"invalid regular expression: {exc}") from exc
+        compile_user_pattern(value)
         return value
 
 
@@ -110,7 +130,12 @@ class ModelRewardSpec(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     type: Literal["model"] = "model"
-    model: str = Field(min_length=1, max_length=512, description="Hugging Face id or local path.")
+    model: str = Field(
+        min_length=1,
+        max_length=512,
+        description="builtin:<preset>, checkpoint:<id>, a Hugging Face id or a local path (the service accepts "
+        "only its own tenant's checkpoints, allowlisted hub ids and paths under its model roots).",
+    )
     weight: float = Field(1.0, allow_inf_nan=False)
     batch_size: int = Field(16, ge=1, le=1024)
 

@@ -685,9 +685,9 @@ class RegexMatchReward(_message.Message):
     PATTERN_FIELD_NUMBER: _builtins.int
     FULLMATCH_FIELD_NUMBER: _builtins.int
     pattern: _builtins.str
-    """Python regular expression (required)."""
+    """RE2 regular expression, at most 1000 characters (required)."""
     fullmatch: _builtins.bool
-    """Use re.fullmatch instead of re.search (default false)."""
+    """Match the whole completion instead of searching in it (default false)."""
     def __init__(
         self,
         *,
@@ -772,7 +772,9 @@ class ModelReward(_message.Message):
     MODEL_FIELD_NUMBER: _builtins.int
     BATCH_SIZE_FIELD_NUMBER: _builtins.int
     model: _builtins.str
-    """Hugging Face id or local path."""
+    """builtin:<preset>, checkpoint:<id> (yours), an allowed Hugging Face id, or a local path under the
+    service's model roots.
+    """
     batch_size: _builtins.int
     """Scoring batch size (default 16)."""
     def __init__(
@@ -893,7 +895,9 @@ class JobSpec(_message.Message):
     name: _builtins.str
     """Optional human-readable name ([A-Za-z0-9][A-Za-z0-9_.-]{0,63})."""
     base_model: _builtins.str
-    """Hugging Face id, "builtin:tiny|small|medium", or "checkpoint:<id>"."""
+    """"builtin:tiny|small|medium", "checkpoint:<id>" (yours), an allowed Hugging Face id, or a local path
+    under the service's model roots.
+    """
     train_dataset: _builtins.str
     """Dataset id ("ds_...") of the training prompts."""
     eval_dataset: _builtins.str
