@@ -83,6 +83,27 @@ class TestSequenceLevel:
         assert loss.item() == pytest.approx(HAND["grpo"], abs=1e-6)
 
 
+class TestClipExtremes:
+    def test_per_sequence_min_and_max(self) -> None:
+        # High clips (A > 0, r > 1.28): row 0 one of 3 tokens; row 1 none. Low clips (A < 0, r < 0.8):
+        # row 0 none, row 1 one of 2 -> min over rows 0.
+        _, stats = run("bnpo")
+        assert stats["clip_ratio/high_max"] == pytest.approx(1 / 3)
+        assert stats["clip_ratio/low_min"] == 0.0
+
+    def test_pad_does_not_count(self) -> None:
+        # A > 0 on both rows: row 1's pad slot holds r = 3 (> 1.28); were it counted, row 1 would read 1/3.
+        _, stats = run("bnpo", advantages=[1.0, 1.0])
+        assert stats["clip_ratio/high_max"] == pytest.approx(1 / 3)
+
+    def test_low_min_when_every_sequence_clips(self) -> None:
+        # A < 0 on both rows, epsilon 0.05 (lower bound 0.95): row 0 clips r = 0.9 (1 of 3 tokens),
+        # row 1 clips r = 0.5 (1 of 2) -> min 1/3.
+        _, stats = run("bnpo", advantages=[-1.0, -1.0], epsilon=0.05)
+        assert stats["clip_ratio/low_min"] == pytest.approx(1 / 3)
+        assert stats["clip_ratio/low"] == pytest.approx(2 / 5)
+
+
 class TestDelta:
     def test_caps_the_unclipped_ratio_for_negative_advantages(self) -> None:
         # A = -1 on row 0: r = 1.5 would cost 1.5; with delta 1.3 it costs min(r, delta) = 1.3.

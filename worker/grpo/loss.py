@@ -112,6 +112,14 @@ def _ratio_mean(values: Tensor, mask: Tensor) -> float:
     return _masked_mean(values.float(), mask)
 
 
+def _per_sequence(values: Tensor, mask: Tensor) -> Tensor:
+    """(B,) mean of a (B, C) per-token quantity over each sequence's mask; a (B, 1) one as is."""
+    if values.shape[1] == 1:
+        return values.float().squeeze(1)
+    kept = torch.where(mask.bool(), values.float(), torch.zeros_like(mask))
+    return kept.sum(dim=1) / mask.sum(dim=1).clamp(min=1.0)
+
+
 def high_entropy_mask(entropies: Tensor, mask: Tensor, quantile: float) -> Tensor:
     """(B, C) bool: masked-in tokens whose entropy is at least the (1 - quantile) quantile of the
     masked-in entropies (https://arxiv.org/abs/2506.01939). quantile 1 keeps every token."""
@@ -174,7 +182,8 @@ def grpo_loss(
 
     Stats (means over masked tokens, or over sequences at sequence level): kl, ratio_mean;
     clip_ratio/low (A < 0 and r < 1 - eps), clip_ratio/high (A > 0 and r > 1 + eps_high),
-    clip_ratio/region (either) for the clipped types; cispo_clip_ratio; vespo/phi_seq_mean;
+    clip_ratio/region (either), clip_ratio/low_min and clip_ratio/high_max (the lowest and highest
+    per-sequence share) for the clipped types; cispo_clip_ratio; vespo/phi_seq_mean;
     off_policy/masked_fraction (share of sequences dropped); entropy_mask/kept_fraction;
     policy_loss (before the bonus, x num_mini_batches) with the bonus on; entropy/bonus_sum and entropy/bonus_tokens
     (the entropy the bonus acts on, for the adaptive controller; sums, not means).
@@ -219,6 +228,8 @@ def grpo_loss(
             stats["clip_ratio/low"] = _ratio_mean(is_low, mask)
             stats["clip_ratio/high"] = _ratio_mean(is_high, mask)
             stats["clip_ratio/region"] = _ratio_mean(is_low | is_high, mask)
+            stats["clip_ratio/low_min"] = float(_per_sequence(is_low, mask).min())
+            stats["clip_ratio/high_max"] = float(_per_sequence(is_high, mask).max())
     elif s.loss_type == "cispo":
         capped = torch.clamp(ratio, max=s.epsilon_high).detach()
         policy = -capped * adv * logps
