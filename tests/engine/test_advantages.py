@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import math
+import statistics
 
 import pytest
 import torch
 
-from worker.grpo.advantages import group_advantages
+from worker.grpo.advantages import decoupled_advantages, group_advantages
 
 NAN = float("nan")
 
@@ -84,6 +85,48 @@ class TestBatchAndNoneScale:
         for scale in ("group", "batch", "none"):
             advantages, _ = group_advantages(rewards, 3, scale=scale)  # type: ignore[arg-type]
             assert advantages[:3].tolist() == [0.0, 0.0, 0.0], scale
+
+
+class TestNormalizeThenSum:
+    """GDPO (TRL's multi_objective_aggregation="normalize_then_sum"), with TRL's unbiased std."""
+
+    # Two sources, groups of 2; source 2 has weight 0.5.
+    first = [1.0, 0.0, 1.0, 1.0]
+    second = [0.0, 4.0, 2.0, 0.0]
+
+    @staticmethod
+    def normalised(pair: list[float]) -> list[float]:
+        mean, std = statistics.mean(pair), statistics.stdev(pair)
+        return [0.0, 0.0] if std == 0 else [(x - mean) / (std + 1e-4) for x in pair]
+
+    def test_each_source_per_group_then_the_sum_over_the_batch(self) -> None:
+        s1 = self.normalised(self.first[:2]) + self.normalised(self.first[2:])
+        s2 = self.normalised(self.second[:2]) + self.normalised(self.second[2:])
+        summed = [a + 0.5 * b for a, b in zip(s1, s2, strict=True)]
+        mean, std = statistics.mean(summed), statistics.stdev(summed)
+        expected = [(x - mean) / (std + 1e-4) for x in summed]
+        rewards = torch.tensor([self.first, self.second]).T  # (N, F)
+        advantages = decoupled_advantages(rewards, torch.tensor([1.0, 0.5]), 2, std="unbiased")
+        assert advantages.tolist() == pytest.approx(expected, rel=1e-5)
+        # Completion 0 wins on the first source by 1 and loses on the second by 4 x 0.5 = 2: summing
+        # first ranks it below its sibling; normalising each source first ranks it above.
+        assert advantages[0] > 0
+        totals = torch.tensor([a + 0.5 * b for a, b in zip(self.first, self.second, strict=True)])
+        assert group_advantages(totals, 2, std="unbiased")[0][0] < 0
+
+    def test_abstentions(self) -> None:
+        # Completion 2: every source abstained -> 0, left out of the batch statistics. A source with a
+        # single valid value in a group carries no signal there.
+        rewards = torch.tensor([[1.0, 0.0], [0.0, NAN], [NAN, NAN], [1.0, 3.0]])
+        advantages = decoupled_advantages(rewards, torch.tensor([1.0, 1.0]), 2, std="unbiased")
+        summed = self.normalised([1.0, 0.0]) + [0.0]  # completions 0, 1, 3; source 2 contributes 0 everywhere
+        mean, std = statistics.mean(summed), statistics.stdev(summed)
+        expected = [(x - mean) / (std + 1e-4) for x in summed]
+        assert advantages.tolist() == pytest.approx([expected[0], expected[1], 0.0, expected[2]], rel=1e-5)
+
+    def test_shapes_are_checked(self) -> None:
+        with pytest.raises(ValueError, match="weights"):
+            decoupled_advantages(torch.zeros(4, 2), torch.ones(3), 2)
 
 
 class TestValidation:

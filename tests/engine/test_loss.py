@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from worker.grpo.logprobs import completion_logprobs
-from worker.grpo.loss import grpo_loss
+from worker.grpo.loss import LossSettings, grpo_loss
 
 EPS, EPS_HIGH = 0.2, 0.28
 
@@ -55,13 +55,14 @@ def run(
         ref,
         inputs["advantages"],
         inputs["mask"],
-        epsilon=EPS,
-        epsilon_high=EPS_HIGH,
-        beta=beta,
-        loss_type=loss_type,  # type: ignore[arg-type]
-        max_completion_length=4,
-        num_items_in_batch=overrides.get("num_items_in_batch"),
+        settings(loss_type, beta=beta),
+        step_tokens=overrides.get("step_tokens"),
     )
+
+
+def settings(loss_type: str, **fields: Any) -> LossSettings:
+    values: dict[str, Any] = {"epsilon": EPS, "epsilon_high": EPS_HIGH, "max_completion_length": 4, **fields}
+    return LossSettings(loss_type=loss_type, **values)  # type: ignore[arg-type]
 
 
 class TestHandComputed:
@@ -71,7 +72,7 @@ class TestHandComputed:
         assert loss.item() == pytest.approx(HAND[loss_type], abs=1e-6)
 
     def test_dapo_normalises_by_the_whole_steps_token_count(self) -> None:
-        loss, _ = run("dapo", num_items_in_batch=10)
+        loss, _ = run("dapo", step_tokens=10)
         assert loss.item() == pytest.approx((-3.18 + 0.95) / 10, abs=1e-6)
 
     def test_stats_both_clip_sides(self) -> None:
@@ -162,12 +163,8 @@ class TestMasking:
                 None,
                 inputs["advantages"][rows],
                 inputs["mask"][rows],
-                epsilon=EPS,
-                epsilon_high=EPS_HIGH,
-                beta=0.0,
-                loss_type="dapo",
-                max_completion_length=4,
-                num_items_in_batch=int(inputs["mask"].sum()),
+                settings("dapo"),
+                step_tokens=int(inputs["mask"].sum()),
             )
             part.backward()
             total += part.item()
@@ -210,11 +207,7 @@ class TestGradientSign:
             None,
             torch.tensor([advantage]),
             torch.ones(1, completion),
-            epsilon=EPS,
-            epsilon_high=EPS_HIGH,
-            beta=0.0,
-            loss_type="grpo",
-            max_completion_length=completion,
+            settings("grpo", max_completion_length=completion),
         )
         loss.backward()
         optimizer = torch.optim.SGD(model.parameters(), lr=0.05)

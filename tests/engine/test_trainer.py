@@ -38,6 +38,8 @@ EXPECTED_METRICS = {
     "clip_ratio/low",
     "clip_ratio/high",
     "clip_ratio/region",
+    "clip_ratio/low_min",
+    "clip_ratio/high_max",
     "entropy",
     "completion_length/mean",
     "completion_length/min",

@@ -109,3 +109,40 @@ def test_missing_hyperparameters_names_the_field() -> None:
     with pytest.raises(ValidationFailed) as err:
         job_spec_from_proto(message)
     assert err.value.details[0]["field"] == "spec.hyperparameters"
+
+
+def test_roundtrip_loss_options() -> None:
+    _roundtrip(
+        {
+            "base_model": "builtin:tiny",
+            "train_dataset": "d",
+            "rewards": [{"type": "builtin", "name": "exact_match"}, {"type": "builtin", "name": "length_penalty"}],
+            "hyperparameters": {
+                "max_steps": 1, "loss_type": "luspo", "importance_sampling_level": "sequence", "delta": 2.5,
+                "off_policy_mask_threshold": 0.5, "top_entropy_quantile": 0.2, "entropy_coef": 0.01,
+                "use_adaptive_entropy": True, "entropy_target": 1.5, "entropy_coef_max": 0.1,
+                "multi_objective_aggregation": "normalize_then_sum",
+            },
+        }
+    )
+    _roundtrip(
+        {
+            "base_model": "builtin:tiny", "train_dataset": "d", "rewards": [{"type": "builtin", "name": "exact_match"}],
+            "hyperparameters": {"max_steps": 1, "loss_type": "vespo", "vespo_k_pos": 1.5, "vespo_lambda_neg": 0.5},
+        }
+    )
+
+
+def test_inconsistent_loss_options_are_invalid_argument() -> None:
+    message = job_spec_pb2.JobSpec(
+        base_model="builtin:tiny", train_dataset="d",
+        rewards=[job_spec_pb2.RewardSpec(exact_match=job_spec_pb2.ExactMatchReward())],
+        hyperparameters=job_spec_pb2.Hyperparameters(
+            max_steps=3, loss_type=job_spec_pb2.LOSS_TYPE_DAPO,
+            importance_sampling_level=job_spec_pb2.IMPORTANCE_SAMPLING_LEVEL_SEQUENCE,
+        ),
+    )
+    with pytest.raises(ValidationFailed) as err:
+        job_spec_from_proto(message)
+    assert err.value.details[0]["field"] == "spec.hyperparameters"
+    assert "importance_sampling_level 'sequence' needs loss_type" in err.value.message

@@ -53,6 +53,20 @@ class TestCreateJob:
         assert body["spec"]["hyperparameters"]["num_generations"] == 4
         assert recording_queue.sent == [(body["id"], "cpu")]
 
+    def test_loss_options_are_accepted_and_echoed(
+        self, client: TestClient, tenant_a: TenantHeaders, recording_queue: RecordingQueue
+    ) -> None:
+        options = {
+            "loss_type": "grpo",
+            "importance_sampling_level": "sequence",
+            "delta": 2.0,
+            "entropy_coef": 0.01,
+            "use_adaptive_entropy": True,
+            "multi_objective_aggregation": "normalize_then_sum",
+        }
+        body = create(client, tenant_a, hyperparameters={"max_steps": 10, **options})
+        assert {k: body["spec"]["hyperparameters"][k] for k in options} == options
+
     def test_hub_model_goes_to_the_gpu_queue(
         self, client: TestClient, tenant_a: TenantHeaders, recording_queue: RecordingQueue
     ) -> None:
@@ -104,6 +118,8 @@ class TestCreateJob:
                 "body.hyperparameters.num_generations",
             ),
             ({"rewards": []}, "body.rewards"),
+            ({"hyperparameters": {"max_steps": 5, "loss_type": "luspo"}}, "body.hyperparameters"),
+            ({"hyperparameters": {"max_steps": 5, "top_entropy_quantile": 1.5}}, "body.hyperparameters.top_entropy_quantile"),
             ({"base_model": "builtin:huge"}, "body.base_model"),
             ({"unknown": 1}, "body.unknown"),
         ],

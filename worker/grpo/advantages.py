@@ -80,3 +80,48 @@ def group_advantages(
 
     advantages = torch.where(flat_group.unsqueeze(1) | ~valid, torch.zeros_like(advantages), advantages)
     return advantages.reshape(-1).to(out_dtype), group_std.to(out_dtype)
+
+
+def decoupled_advantages(
+    rewards_per_source: Tensor,
+    weights: Tensor,
+    group_size: int,
+    *,
+    std: AdvantageStd = "population",
+    eps: float = 1e-4,
+) -> Tensor:
+    """GDPO's normalize_then_sum (https://arxiv.org/abs/2601.05242), as TRL computes it: advantages (N,).
+
+    rewards_per_source: (N, F), NaN where a source abstained; weights: (F,).
+    1. each source is normalised within its group: (r - group mean) / (group std + eps), NaN-ignoring;
+       a source whose values in a group are all equal (or fewer than two) gives 0 there;
+    2. the weighted normalised values are summed per completion (abstentions ignored);
+    3. the sums are normalised once more over the whole batch: (x - mean) / (std + eps).
+    A completion every source abstained on gets 0. Statistics in float64.
+    """
+    if rewards_per_source.dim() != 2 or weights.shape != rewards_per_source.shape[1:]:
+        raise ValueError(
+            f"expected rewards (N, F) and weights (F,), got {tuple(rewards_per_source.shape)} "
+            f"and {tuple(weights.shape)}"
+        )
+    num_sources = rewards_per_source.shape[1]
+    # One column per source: group_advantages does step 1 (group std, zero-spread groups -> 0, NaN -> 0).
+    per_source = torch.stack(
+        [
+            group_advantages(rewards_per_source[:, f], group_size, scale="group", std=std, eps=eps)[0].double()
+            for f in range(num_sources)
+        ],
+        dim=1,
+    )  # (N, F)
+    abstained = rewards_per_source.isnan()  # (N, F)
+    summed = (per_source * weights.double().unsqueeze(0)).sum(dim=1)  # (N,); abstentions contributed 0
+    scorable = ~abstained.all(dim=1)  # (N,)
+    values = summed[scorable]
+    if values.numel() == 0:
+        return torch.zeros(rewards_per_source.shape[0], dtype=torch.float32)
+    mean = values.mean()
+    count = torch.tensor([values.numel()])
+    batch_std = _nan_std(values.reshape(1, -1), mean.reshape(1), count, std).nan_to_num(0.0)[0]
+    advantages = torch.where(scorable, (summed - mean) / (batch_std + eps), torch.zeros_like(summed))
+    out_dtype = rewards_per_source.dtype if rewards_per_source.is_floating_point() else torch.float32
+    return advantages.to(out_dtype)

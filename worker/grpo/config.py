@@ -13,12 +13,19 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo"]
+LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"]
+ImportanceSamplingLevel = Literal["token", "sequence"]
+MultiObjectiveAggregation = Literal["sum_then_normalize", "normalize_then_sum"]
 ScaleRewards = Literal["group", "batch", "none"]
 AdvantageStd = Literal["population", "unbiased"]
 SchedulerType = Literal["constant", "linear", "cosine"]
 GenerationMode = Literal["sample", "beam"]
 DType = Literal["float32", "bfloat16", "float16", "auto"]
+
+# Loss types with PPO's hard clip (epsilon / epsilon_high, and delta when set).
+CLIPPED_LOSSES: tuple[LossType, ...] = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
+# Loss types whose aggregation keeps GSPO's per-sequence objective at importance_sampling_level "sequence".
+SEQUENCE_LEVEL_LOSSES: tuple[LossType, ...] = ("grpo", "sapo", "luspo")
 
 
 class LoraConfig(BaseModel):
@@ -73,13 +80,85 @@ class GRPOConfig(BaseModel):
     )
     epsilon: float = Field(0.2, gt=0, lt=1, description="Lower clip: ratio >= 1 - epsilon.")
     epsilon_high: float | None = Field(
-        None, gt=0, description="Upper clip: ratio <= 1 + epsilon_high. None = same as epsilon (DAPO uses 0.28)."
+        None,
+        gt=0,
+        description="Upper clip: ratio <= 1 + epsilon_high. None = same as epsilon (DAPO uses 0.28). With "
+        "loss_type 'cispo' it is the cap on the ratio itself (ScaleRL's epsilon_max; recommended 5.0) and must be set.",
+    )
+    delta: float | None = Field(
+        None,
+        gt=1,
+        description="Two-sided clipping (INTELLECT-2, https://arxiv.org/abs/2505.07291): also cap the unclipped "
+        "ratio at delta, so a negative advantage cannot push a token's ratio without bound. Must exceed "
+        "1 + epsilon_high; clipped loss types only (grpo, bnpo, dr_grpo, dapo, luspo). None = off.",
     )
     loss_type: LossType = Field(
         "dapo",
-        description="Aggregation of the per-token loss: grpo (per-sequence mean, then mean), bnpo (token "
-        "mean per mini-batch), dr_grpo (sum / (sequences x max_completion_length)), dapo (token mean over "
-        "the whole step).",
+        description="Per-token objective and its aggregation (TRL's names). Clipped surrogate with: grpo "
+        "(per-sequence mean, then mean), bnpo (token mean per mini-batch), dr_grpo (sum / (sequences x "
+        "max_completion_length)), dapo (token mean over the whole step), luspo (per-sequence sum, then mean; "
+        "needs importance_sampling_level 'sequence'). cispo: -stopgrad(min(ratio, epsilon_high)) x A x log pi, "
+        "token mean over the step (MiniMax-M1). sapo: soft sigmoid gate instead of the clip, aggregated as grpo "
+        "(https://arxiv.org/abs/2511.20347). vespo: -phi(w) x A x log pi with phi a gamma-shaped weight of the "
+        "sequence ratio w, token mean over the step (https://arxiv.org/abs/2602.10693).",
+    )
+    importance_sampling_level: ImportanceSamplingLevel = Field(
+        "token",
+        description="'token': one ratio per token. 'sequence' (GSPO, https://arxiv.org/abs/2507.18071): one "
+        "ratio per completion, exp of the mean per-token log-ratio. Sequence level needs loss_type grpo, sapo "
+        "or luspo (the others sum per-token terms, weighting each sequence by its length).",
+    )
+    sapo_temperature_pos: float = Field(
+        1.0, gt=0, description="sapo: gate temperature for tokens of completions with a positive advantage."
+    )
+    sapo_temperature_neg: float = Field(
+        1.05, gt=0, description="sapo: gate temperature for completions with a zero or negative advantage."
+    )
+    vespo_k_pos: float = Field(
+        2.0, ge=0, description="vespo, advantage >= 0: power k of phi(w) = e^lambda w^k e^(-lambda w) (low ratios)."
+    )
+    vespo_lambda_pos: float = Field(
+        3.0, gt=0, description="vespo, advantage >= 0: decay lambda of phi(w) (how fast high ratios are damped)."
+    )
+    vespo_k_neg: float = Field(3.0, ge=0, description="vespo, advantage < 0: power k of phi(w).")
+    vespo_lambda_neg: float = Field(2.0, gt=0, description="vespo, advantage < 0: decay lambda of phi(w).")
+    off_policy_mask_threshold: float | None = Field(
+        None,
+        gt=0,
+        description="Off-policy sequence mask (DeepSeek-V3.2, https://arxiv.org/abs/2512.02556, eq. 9): drop "
+        "from the policy loss a completion with a negative advantage whose mean per-token log(pi_old / pi) "
+        "exceeds this (e.g. 0.5). Acts only where the policy drifted from the sampler (num_iterations > 1). "
+        "None = off.",
+    )
+    top_entropy_quantile: float = Field(
+        1.0,
+        ge=0,
+        le=1,
+        description="rho of 'Beyond the 80/20 rule' (https://arxiv.org/abs/2506.01939): keep in the policy loss "
+        "only the top-rho share of a mini-batch's tokens by entropy (0.2 recommended; 0 keeps the highest "
+        "only; 1 keeps all). The KL term and the normaliser still count every token.",
+    )
+    entropy_coef: float = Field(
+        0.0,
+        ge=0,
+        description="Entropy bonus: loss = policy loss - entropy_coef x (mean per-token entropy over the tokens "
+        "the policy loss uses), the same meaning for every loss_type. With use_adaptive_entropy it is the "
+        "initial coefficient. 0 = off.",
+    )
+    use_adaptive_entropy: bool = Field(
+        False,
+        description="Adaptive entropy control (Skywork-OR1, https://arxiv.org/abs/2505.22312): after each "
+        "optimiser update the coefficient rises by entropy_coef_delta when the update's mean entropy is at or "
+        "below entropy_target and falls by it otherwise; the bonus applies only while entropy <= target.",
+    )
+    entropy_coef_min: float = Field(0.0, ge=0, description="Adaptive entropy: lower bound of the coefficient.")
+    entropy_coef_max: float = Field(1.0, ge=0, description="Adaptive entropy: upper bound of the coefficient.")
+    entropy_coef_delta: float = Field(0.005, gt=0, description="Adaptive entropy: change per optimiser update.")
+    entropy_target: float = Field(
+        0.2,
+        ge=0,
+        description="Adaptive entropy: target mean per-token entropy in nats, over the tokens the policy loss "
+        "uses. Set it near the entropy logged early in training, or the bonus never engages.",
     )
     scale_rewards: ScaleRewards = Field(
         "group", description="Divide centred rewards by the group's std, the batch's std, or not at all."
@@ -89,6 +168,13 @@ class GRPOConfig(BaseModel):
         description="Std used for scaling: 'population' (1/G, the GRPO paper's) or 'unbiased' (1/(G-1), TRL's).",
     )
     advantage_eps: float = Field(1e-4, gt=0, description="Added to the std before dividing.")
+    multi_objective_aggregation: MultiObjectiveAggregation = Field(
+        "sum_then_normalize",
+        description="Several reward sources: 'sum_then_normalize' sums the weighted rewards, then scales as "
+        "scale_rewards says. 'normalize_then_sum' (GDPO, https://arxiv.org/abs/2601.05242) normalises each "
+        "source within its group, sums them weighted, then normalises the sum over the batch (scale_rewards "
+        "is then not used). Both use advantage_std and advantage_eps.",
+    )
     mask_truncated_completions: bool = Field(
         False, description="Exclude completions that hit max_completion_length without EOS from the loss."
     )
@@ -140,12 +226,44 @@ class GRPOConfig(BaseModel):
             raise ValueError(f"warmup_steps ({self.warmup_steps}) must be < max_steps ({self.max_steps})")
         if self.generation == "beam" and self.temperature != 1.0 and self.top_p != 1.0:
             raise ValueError("beam generation ignores top_p; leave it at 1.0")
+        self._check_objective()
         return self
+
+    def _check_objective(self) -> None:
+        """Loss options that contradict each other."""
+        level, loss = self.importance_sampling_level, self.loss_type
+        if level == "sequence" and loss not in SEQUENCE_LEVEL_LOSSES:
+            raise ValueError(
+                f"importance_sampling_level 'sequence' needs loss_type {', '.join(SEQUENCE_LEVEL_LOSSES)}: "
+                f"{loss!r} sums per-token terms, which weights each sequence by its length"
+                + (" (and vespo computes its own sequence weight)" if loss == "vespo" else "")
+            )
+        if loss == "luspo" and level != "sequence":
+            raise ValueError("loss_type 'luspo' needs importance_sampling_level 'sequence'")
+        if loss == "cispo" and self.epsilon_high is None:
+            raise ValueError("loss_type 'cispo' caps the ratio at epsilon_high: set it (5.0 is ScaleRL's choice)")
+        if self.delta is not None:
+            if loss not in CLIPPED_LOSSES:
+                raise ValueError(f"delta applies to the clipped loss types ({', '.join(CLIPPED_LOSSES)}), not {loss!r}")
+            if self.delta <= 1 + self.clip_high:
+                raise ValueError(f"delta ({self.delta}) must exceed 1 + epsilon_high ({1 + self.clip_high})")
+        if self.use_adaptive_entropy and not (
+            self.entropy_coef_min <= self.entropy_coef <= self.entropy_coef_max
+        ):
+            raise ValueError(
+                f"adaptive entropy needs entropy_coef_min <= entropy_coef <= entropy_coef_max, got "
+                f"{self.entropy_coef_min} <= {self.entropy_coef} <= {self.entropy_coef_max}"
+            )
 
     @property
     def clip_high(self) -> float:
         """Upper clip offset, epsilon_high or epsilon."""
         return self.epsilon if self.epsilon_high is None else self.epsilon_high
+
+    @property
+    def entropy_bonus(self) -> bool:
+        """Whether the loss carries an entropy bonus (adaptive control keeps it on even at coefficient 0)."""
+        return self.entropy_coef > 0 or self.use_adaptive_entropy
 
     @property
     def completions_per_step(self) -> int:

@@ -38,9 +38,9 @@ def selective_log_softmax(logits: Tensor, index: Tensor) -> Tensor:
     return torch.cat(pieces).reshape(index.shape)
 
 
-@torch.no_grad()
 def entropy_from_logits(logits: Tensor) -> Tensor:
-    """Entropy of softmax(logits) over the last dim, float32, chunked. (..., V) -> (...). A metric: no grad."""
+    """Entropy of softmax(logits) over the last dim, float32, chunked. (..., V) -> (...).
+    Differentiable: pass detached logits when it is only a metric."""
     flat = logits.reshape(-1, logits.shape[-1])
     pieces = []
     for start in range(0, flat.shape[0], CHUNK_ROWS):
@@ -59,6 +59,7 @@ def completion_logprobs(
     *,
     temperature: float,
     with_entropy: bool = False,
+    entropy_grad: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """Log-probs (N, C) of the last C tokens of `input_ids` under `model`, from logits / temperature.
 
@@ -66,7 +67,8 @@ def completion_logprobs(
     last positions get logits (`logits_to_keep`): position t predicts token t + 1, so the logits
     at P - 1 .. P + C - 2 score the completion; the final position is dropped. Returns float32
     log-probs and, when `with_entropy`, the per-token entropy (N, C) of the tempered distribution
-    (no grad). Values at masked (padding) completion positions are meaningless: mask them.
+    (with grad only when `entropy_grad`, for an entropy bonus in the loss). Values at masked
+    (padding) completion positions are meaningless: mask them.
     """
     if completion_length < 1 or completion_length >= input_ids.shape[1]:
         raise ValueError(
@@ -92,5 +94,5 @@ def completion_logprobs(
         logits = logits / temperature
     targets = input_ids[:, -completion_length:]  # (N, C)
     logps = selective_log_softmax(logits, targets)  # (N, C) float32
-    entropy = entropy_from_logits(logits.detach()) if with_entropy else None
+    entropy = entropy_from_logits(logits if entropy_grad else logits.detach()) if with_entropy else None
     return logps, entropy

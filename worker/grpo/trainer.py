@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from worker.grpo.advantages import group_advantages
+from worker.grpo.advantages import decoupled_advantages, group_advantages
 from worker.grpo.allocator import keep_freed_memory
 from worker.grpo.batch import (
     EventLoopThread,
@@ -48,7 +48,7 @@ from worker.grpo.config import GRPOConfig
 from worker.grpo.cpu_threads import SideThread, completed, intra_op_threads, side_thread_helps
 from worker.grpo.data import PromptRow, PromptSampler
 from worker.grpo.logprobs import completion_logprobs
-from worker.grpo.loss import grpo_loss
+from worker.grpo.loss import AdaptiveEntropy, LossSettings, grpo_loss
 from worker.grpo.modeling import (
     ModelBundle,
     build_model_bundle,
@@ -118,6 +118,8 @@ class GRPOTrainer:
             device=device,
             resume_dir=None if checkpoint is None else checkpoint.path,
         )
+        self.loss_settings = LossSettings.from_config(config)
+        self.entropy_control = AdaptiveEntropy.from_config(config)
         self.sampler = PromptSampler(len(train_rows), seed=config.seed)
         self.step = 0
         self.history: list[dict[str, float]] = []
@@ -212,13 +214,7 @@ class GRPOTrainer:
             old_logps = self._old_logps(first[0], reference)
             final = pending.result()
             generated, in_loss = [final], torch.ones(len(final.rows), dtype=torch.bool)
-        advantages, _ = group_advantages(
-            final.rewards,
-            self.config.num_generations,
-            scale=self.config.scale_rewards,
-            std=self.config.advantage_std,
-            eps=self.config.advantage_eps,
-        )  # (N,)
+        advantages = self._advantages(final)  # (N,)
         loss_mask = loss_mask_for(
             final.rollout, in_loss, mask_truncated=self.config.mask_truncated_completions
         )
@@ -226,6 +222,27 @@ class GRPOTrainer:
             self.config.num_generations
         ).to(loss_mask.device)
         return StepBatch(final, advantages, loss_mask, old_logps, reference, generated)
+
+    def _advantages(self, scored: Scored) -> Tensor:
+        """(N,) group-relative advantages of the scored completions, one reward or several."""
+        config = self.config
+        if config.multi_objective_aggregation == "normalize_then_sum":
+            per_source = torch.tensor(
+                [[math.nan if v is None else v for v in scored.per_source[name]] for name in self.reward.names],
+                dtype=torch.float32,
+            ).T  # (N, F)
+            weights = torch.tensor([weight for _, weight in self.reward.sources], dtype=torch.float32)  # (F,)
+            return decoupled_advantages(
+                per_source, weights, config.num_generations, std=config.advantage_std, eps=config.advantage_eps
+            )
+        advantages, _ = group_advantages(
+            scored.rewards,
+            config.num_generations,
+            scale=config.scale_rewards,
+            std=config.advantage_std,
+            eps=config.advantage_eps,
+        )
+        return advantages
 
     def _generate(
         self,
@@ -345,21 +362,27 @@ class GRPOTrainer:
         sums: dict[str, float] = {}
         losses, grad_norms, entropies = [], [], []
         for iteration in range(self.config.num_iterations):
-            pass_loss = 0.0
+            pass_loss, bonus_entropy, bonus_tokens = 0.0, 0.0, 0.0
             for rows in slices:
                 loss, stats, entropy = self._backward_mini_batch(
                     batch, rows, len(slices), step_tokens, iteration
                 )
                 pass_loss += loss
+                bonus_entropy += stats.pop("entropy/bonus_sum", 0.0)
+                bonus_tokens += stats.pop("entropy/bonus_tokens", 0.0)
                 for key, value in stats.items():
                     sums[key] = sums.get(key, 0.0) + value
                 if entropy is not None:
                     entropies.append(entropy)
             grad_norms.append(self._optimizer_update())
             losses.append(pass_loss)
+            if self.config.use_adaptive_entropy:
+                self.entropy_control.update(bonus_entropy / max(bonus_tokens, 1.0))
         passes = self.config.num_iterations * len(slices)
         metrics = {key: value / passes for key, value in sums.items()}
         metrics.pop("ratio_mean", None)
+        if self.config.entropy_bonus:
+            metrics["entropy_coef"] = self.entropy_control.coef  # after this step's update, as TRL logs it
         if self.config.beta == 0:
             metrics.pop("kl", None)  # no reference model: there is no KL to report
         mask = rollout.completion_mask
@@ -385,28 +408,26 @@ class GRPOTrainer:
                 rollout.attention_mask[rows],
                 completion_length,
                 temperature=self.config.temperature,
-                with_entropy=iteration == 0,
+                with_entropy=iteration == 0 or self.loss_settings.needs_entropy,
+                entropy_grad=self.config.entropy_bonus,
             )  # (B, C)
-        loss, stats = grpo_loss(
+        scaled, stats = grpo_loss(
             logps,
             None if batch.old_logps is None else batch.old_logps[rows],
             None if batch.ref_logps is None else batch.ref_logps[rows],
             batch.advantages[rows],
             batch.loss_mask[rows],
-            epsilon=self.config.epsilon,
-            epsilon_high=self.config.clip_high,
-            beta=self.config.beta,
-            loss_type=self.config.loss_type,
-            max_completion_length=self.config.max_completion_length,
-            num_items_in_batch=step_tokens if self.config.loss_type == "dapo" else None,
-        )
-        # dapo is already normalised by the whole step's tokens; the others are per-mini-batch means.
-        scaled = loss if self.config.loss_type == "dapo" else loss / num_slices
+            self.loss_settings,
+            step_tokens=step_tokens,
+            num_mini_batches=num_slices,
+            entropies=entropy,
+            entropy_coef=self.entropy_control.coef_to_apply(),
+        )  # already this mini-batch's share of the step's loss
         scaled.backward()
         entropy_sum = None
-        if entropy is not None:
+        if entropy is not None and iteration == 0:  # the entropy metric: the policy before this step's updates
             mask = rollout.completion_mask[rows]
-            entropy_sum = (float((entropy * mask).sum()), int(mask.sum()))
+            entropy_sum = (float((entropy.detach() * mask).sum()), int(mask.sum()))
         return float(scaled.detach()), stats, entropy_sum
 
     def _optimizer_update(self) -> float:
@@ -440,6 +461,7 @@ class GRPOTrainer:
             "rng": capture_rng_state(),
             "sampler": self.sampler.state_dict(),
             "history": self.history,
+            "entropy_control": self.entropy_control.state_dict(),
         }
         path, manifest = save_checkpoint(
             self.output_dir,
@@ -462,6 +484,8 @@ class GRPOTrainer:
         self.models.scheduler.load_state_dict(state["scheduler"])
         self.sampler.load_state_dict(state["sampler"])
         self.history = list(state["history"])
+        if self.config.use_adaptive_entropy:
+            self.entropy_control.load_state_dict(state["entropy_control"])
         self.step = int(state["step"])
         self.last_checkpoint = path
         self._saved_step = self.step

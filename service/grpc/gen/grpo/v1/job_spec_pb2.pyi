@@ -40,9 +40,17 @@ class _LossTypeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_LossType.Val
     """Sum / (sequences x max_completion_length)."""
     LOSS_TYPE_DAPO: _LossType.ValueType  # 4
     """Token mean over the whole step."""
+    LOSS_TYPE_CISPO: _LossType.ValueType  # 5
+    """-stopgrad(min(ratio, epsilon_high)) x A x log pi, token mean over the step (MiniMax-M1)."""
+    LOSS_TYPE_SAPO: _LossType.ValueType  # 6
+    """Soft sigmoid gate instead of the clip; per-sequence mean, then mean."""
+    LOSS_TYPE_LUSPO: _LossType.ValueType  # 7
+    """Clipped, per-sequence sum, then mean; needs sequence-level importance sampling."""
+    LOSS_TYPE_VESPO: _LossType.ValueType  # 8
+    """Gamma-shaped weight of the sequence ratio x A x log pi, token mean over the step."""
 
 class LossType(_LossType, metaclass=_LossTypeEnumTypeWrapper):
-    """How the per-token loss is aggregated (GRPOConfig.loss_type)."""
+    """The per-token objective and its aggregation (GRPOConfig.loss_type)."""
 
 LOSS_TYPE_UNSPECIFIED: LossType.ValueType  # 0
 """Server default ("dapo")."""
@@ -54,7 +62,63 @@ LOSS_TYPE_DR_GRPO: LossType.ValueType  # 3
 """Sum / (sequences x max_completion_length)."""
 LOSS_TYPE_DAPO: LossType.ValueType  # 4
 """Token mean over the whole step."""
+LOSS_TYPE_CISPO: LossType.ValueType  # 5
+"""-stopgrad(min(ratio, epsilon_high)) x A x log pi, token mean over the step (MiniMax-M1)."""
+LOSS_TYPE_SAPO: LossType.ValueType  # 6
+"""Soft sigmoid gate instead of the clip; per-sequence mean, then mean."""
+LOSS_TYPE_LUSPO: LossType.ValueType  # 7
+"""Clipped, per-sequence sum, then mean; needs sequence-level importance sampling."""
+LOSS_TYPE_VESPO: LossType.ValueType  # 8
+"""Gamma-shaped weight of the sequence ratio x A x log pi, token mean over the step."""
 Global___LossType: _TypeAlias = LossType  # noqa: Y015
+
+class _ImportanceSamplingLevel:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _ImportanceSamplingLevelEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ImportanceSamplingLevel.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    IMPORTANCE_SAMPLING_LEVEL_UNSPECIFIED: _ImportanceSamplingLevel.ValueType  # 0
+    """Server default ("token")."""
+    IMPORTANCE_SAMPLING_LEVEL_TOKEN: _ImportanceSamplingLevel.ValueType  # 1
+    """One ratio per token."""
+    IMPORTANCE_SAMPLING_LEVEL_SEQUENCE: _ImportanceSamplingLevel.ValueType  # 2
+    """One ratio per completion (GSPO)."""
+
+class ImportanceSamplingLevel(_ImportanceSamplingLevel, metaclass=_ImportanceSamplingLevelEnumTypeWrapper):
+    """Granularity of the importance ratio (GRPOConfig.importance_sampling_level)."""
+
+IMPORTANCE_SAMPLING_LEVEL_UNSPECIFIED: ImportanceSamplingLevel.ValueType  # 0
+"""Server default ("token")."""
+IMPORTANCE_SAMPLING_LEVEL_TOKEN: ImportanceSamplingLevel.ValueType  # 1
+"""One ratio per token."""
+IMPORTANCE_SAMPLING_LEVEL_SEQUENCE: ImportanceSamplingLevel.ValueType  # 2
+"""One ratio per completion (GSPO)."""
+Global___ImportanceSamplingLevel: _TypeAlias = ImportanceSamplingLevel  # noqa: Y015
+
+class _MultiObjectiveAggregation:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _MultiObjectiveAggregationEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_MultiObjectiveAggregation.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    MULTI_OBJECTIVE_AGGREGATION_UNSPECIFIED: _MultiObjectiveAggregation.ValueType  # 0
+    """Server default ("sum_then_normalize")."""
+    MULTI_OBJECTIVE_AGGREGATION_SUM_THEN_NORMALIZE: _MultiObjectiveAggregation.ValueType  # 1
+    """Weighted sum, then scale_rewards."""
+    MULTI_OBJECTIVE_AGGREGATION_NORMALIZE_THEN_SUM: _MultiObjectiveAggregation.ValueType  # 2
+    """Each source normalised per group, weighted sum, then normalised over the batch (GDPO)."""
+
+class MultiObjectiveAggregation(_MultiObjectiveAggregation, metaclass=_MultiObjectiveAggregationEnumTypeWrapper):
+    """How several reward sources become one advantage (GRPOConfig.multi_objective_aggregation)."""
+
+MULTI_OBJECTIVE_AGGREGATION_UNSPECIFIED: MultiObjectiveAggregation.ValueType  # 0
+"""Server default ("sum_then_normalize")."""
+MULTI_OBJECTIVE_AGGREGATION_SUM_THEN_NORMALIZE: MultiObjectiveAggregation.ValueType  # 1
+"""Weighted sum, then scale_rewards."""
+MULTI_OBJECTIVE_AGGREGATION_NORMALIZE_THEN_SUM: MultiObjectiveAggregation.ValueType  # 2
+"""Each source normalised per group, weighted sum, then normalised over the batch (GDPO)."""
+Global___MultiObjectiveAggregation: _TypeAlias = MultiObjectiveAggregation  # noqa: Y015
 
 class _ScaleRewards:
     ValueType = _typing.NewType("ValueType", _builtins.int)
@@ -294,6 +358,23 @@ class Hyperparameters(_message.Message):
     MASK_TRUNCATED_COMPLETIONS_FIELD_NUMBER: _builtins.int
     DYNAMIC_SAMPLING_FIELD_NUMBER: _builtins.int
     MAX_RESAMPLE_ROUNDS_FIELD_NUMBER: _builtins.int
+    DELTA_FIELD_NUMBER: _builtins.int
+    IMPORTANCE_SAMPLING_LEVEL_FIELD_NUMBER: _builtins.int
+    SAPO_TEMPERATURE_POS_FIELD_NUMBER: _builtins.int
+    SAPO_TEMPERATURE_NEG_FIELD_NUMBER: _builtins.int
+    VESPO_K_POS_FIELD_NUMBER: _builtins.int
+    VESPO_LAMBDA_POS_FIELD_NUMBER: _builtins.int
+    VESPO_K_NEG_FIELD_NUMBER: _builtins.int
+    VESPO_LAMBDA_NEG_FIELD_NUMBER: _builtins.int
+    OFF_POLICY_MASK_THRESHOLD_FIELD_NUMBER: _builtins.int
+    TOP_ENTROPY_QUANTILE_FIELD_NUMBER: _builtins.int
+    ENTROPY_COEF_FIELD_NUMBER: _builtins.int
+    USE_ADAPTIVE_ENTROPY_FIELD_NUMBER: _builtins.int
+    ENTROPY_COEF_MIN_FIELD_NUMBER: _builtins.int
+    ENTROPY_COEF_MAX_FIELD_NUMBER: _builtins.int
+    ENTROPY_COEF_DELTA_FIELD_NUMBER: _builtins.int
+    ENTROPY_TARGET_FIELD_NUMBER: _builtins.int
+    MULTI_OBJECTIVE_AGGREGATION_FIELD_NUMBER: _builtins.int
     GENERATION_FIELD_NUMBER: _builtins.int
     TEMPERATURE_FIELD_NUMBER: _builtins.int
     TOP_P_FIELD_NUMBER: _builtins.int
@@ -362,6 +443,40 @@ class Hyperparameters(_message.Message):
     """DAPO dynamic sampling (default false)."""
     max_resample_rounds: _builtins.int
     """Bound on dynamic-sampling refill rounds (default 2)."""
+    delta: _builtins.float
+    """Two-sided clipping: cap the unclipped ratio at delta (> 1 + epsilon_high); unset = off."""
+    importance_sampling_level: Global___ImportanceSamplingLevel.ValueType
+    """Token- or sequence-level importance ratio (default token)."""
+    sapo_temperature_pos: _builtins.float
+    """sapo: gate temperature for positive advantages (default 1.0)."""
+    sapo_temperature_neg: _builtins.float
+    """sapo: gate temperature for zero or negative advantages (default 1.05)."""
+    vespo_k_pos: _builtins.float
+    """vespo, advantage >= 0: power k (default 2.0)."""
+    vespo_lambda_pos: _builtins.float
+    """vespo, advantage >= 0: decay lambda (default 3.0)."""
+    vespo_k_neg: _builtins.float
+    """vespo, advantage < 0: power k (default 3.0)."""
+    vespo_lambda_neg: _builtins.float
+    """vespo, advantage < 0: decay lambda (default 2.0)."""
+    off_policy_mask_threshold: _builtins.float
+    """Drop negative-advantage completions whose mean log(pi_old / pi) exceeds this; unset = off."""
+    top_entropy_quantile: _builtins.float
+    """Keep only this top share of tokens by entropy in the policy loss (default 1.0 = all)."""
+    entropy_coef: _builtins.float
+    """Entropy bonus coefficient (default 0 = off); the initial value under adaptive control."""
+    use_adaptive_entropy: _builtins.bool
+    """Adaptive entropy control (default false)."""
+    entropy_coef_min: _builtins.float
+    """Adaptive entropy: lower bound of the coefficient (default 0)."""
+    entropy_coef_max: _builtins.float
+    """Adaptive entropy: upper bound of the coefficient (default 1.0)."""
+    entropy_coef_delta: _builtins.float
+    """Adaptive entropy: change per optimiser update (default 0.005)."""
+    entropy_target: _builtins.float
+    """Adaptive entropy: target mean per-token entropy in nats (default 0.2)."""
+    multi_objective_aggregation: Global___MultiObjectiveAggregation.ValueType
+    """Several reward sources: sum then normalise, or normalise then sum (default sum_then_normalize)."""
     generation: Global___GenerationMode.ValueType
     """Sampling or beam search (default sample)."""
     temperature: _builtins.float
@@ -428,6 +543,23 @@ class Hyperparameters(_message.Message):
         mask_truncated_completions: _builtins.bool | None = ...,
         dynamic_sampling: _builtins.bool | None = ...,
         max_resample_rounds: _builtins.int | None = ...,
+        delta: _builtins.float | None = ...,
+        importance_sampling_level: Global___ImportanceSamplingLevel.ValueType = ...,
+        sapo_temperature_pos: _builtins.float | None = ...,
+        sapo_temperature_neg: _builtins.float | None = ...,
+        vespo_k_pos: _builtins.float | None = ...,
+        vespo_lambda_pos: _builtins.float | None = ...,
+        vespo_k_neg: _builtins.float | None = ...,
+        vespo_lambda_neg: _builtins.float | None = ...,
+        off_policy_mask_threshold: _builtins.float | None = ...,
+        top_entropy_quantile: _builtins.float | None = ...,
+        entropy_coef: _builtins.float | None = ...,
+        use_adaptive_entropy: _builtins.bool | None = ...,
+        entropy_coef_min: _builtins.float | None = ...,
+        entropy_coef_max: _builtins.float | None = ...,
+        entropy_coef_delta: _builtins.float | None = ...,
+        entropy_target: _builtins.float | None = ...,
+        multi_objective_aggregation: Global___MultiObjectiveAggregation.ValueType = ...,
         generation: Global___GenerationMode.ValueType = ...,
         temperature: _builtins.float | None = ...,
         top_p: _builtins.float | None = ...,
@@ -447,9 +579,9 @@ class Hyperparameters(_message.Message):
         log_completions_every: _builtins.int | None = ...,
         log_completions_count: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_adam_beta1", b"_adam_beta1", "_adam_beta2", b"_adam_beta2", "_adam_epsilon", b"_adam_epsilon", "_advantage_eps", b"_advantage_eps", "_beta", b"_beta", "_checkpoint_every", b"_checkpoint_every", "_dynamic_sampling", b"_dynamic_sampling", "_epsilon", b"_epsilon", "_epsilon_high", b"_epsilon_high", "_eval_every", b"_eval_every", "_eval_samples", b"_eval_samples", "_gradient_checkpointing", b"_gradient_checkpointing", "_learning_rate", b"_learning_rate", "_log_completions_count", b"_log_completions_count", "_log_completions_every", b"_log_completions_every", "_mask_truncated_completions", b"_mask_truncated_completions", "_max_completion_length", b"_max_completion_length", "_max_grad_norm", b"_max_grad_norm", "_max_prompt_length", b"_max_prompt_length", "_max_resample_rounds", b"_max_resample_rounds", "_max_steps", b"_max_steps", "_mini_batch_size", b"_mini_batch_size", "_num_epochs", b"_num_epochs", "_num_generations", b"_num_generations", "_num_iterations", b"_num_iterations", "_prompts_per_step", b"_prompts_per_step", "_save_total_limit", b"_save_total_limit", "_seed", b"_seed", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_p", b"_top_p", "_warmup_steps", b"_warmup_steps", "_weight_decay", b"_weight_decay", "adam_beta1", b"adam_beta1", "adam_beta2", b"adam_beta2", "adam_epsilon", b"adam_epsilon", "advantage_eps", b"advantage_eps", "beta", b"beta", "checkpoint_every", b"checkpoint_every", "dynamic_sampling", b"dynamic_sampling", "epsilon", b"epsilon", "epsilon_high", b"epsilon_high", "eval_every", b"eval_every", "eval_samples", b"eval_samples", "gradient_checkpointing", b"gradient_checkpointing", "learning_rate", b"learning_rate", "log_completions_count", b"log_completions_count", "log_completions_every", b"log_completions_every", "lora", b"lora", "mask_truncated_completions", b"mask_truncated_completions", "max_completion_length", b"max_completion_length", "max_grad_norm", b"max_grad_norm", "max_prompt_length", b"max_prompt_length", "max_resample_rounds", b"max_resample_rounds", "max_steps", b"max_steps", "mini_batch_size", b"mini_batch_size", "num_epochs", b"num_epochs", "num_generations", b"num_generations", "num_iterations", b"num_iterations", "prompts_per_step", b"prompts_per_step", "save_total_limit", b"save_total_limit", "seed", b"seed", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p", "warmup_steps", b"warmup_steps", "weight_decay", b"weight_decay"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_adam_beta1", b"_adam_beta1", "_adam_beta2", b"_adam_beta2", "_adam_epsilon", b"_adam_epsilon", "_advantage_eps", b"_advantage_eps", "_beta", b"_beta", "_checkpoint_every", b"_checkpoint_every", "_delta", b"_delta", "_dynamic_sampling", b"_dynamic_sampling", "_entropy_coef", b"_entropy_coef", "_entropy_coef_delta", b"_entropy_coef_delta", "_entropy_coef_max", b"_entropy_coef_max", "_entropy_coef_min", b"_entropy_coef_min", "_entropy_target", b"_entropy_target", "_epsilon", b"_epsilon", "_epsilon_high", b"_epsilon_high", "_eval_every", b"_eval_every", "_eval_samples", b"_eval_samples", "_gradient_checkpointing", b"_gradient_checkpointing", "_learning_rate", b"_learning_rate", "_log_completions_count", b"_log_completions_count", "_log_completions_every", b"_log_completions_every", "_mask_truncated_completions", b"_mask_truncated_completions", "_max_completion_length", b"_max_completion_length", "_max_grad_norm", b"_max_grad_norm", "_max_prompt_length", b"_max_prompt_length", "_max_resample_rounds", b"_max_resample_rounds", "_max_steps", b"_max_steps", "_mini_batch_size", b"_mini_batch_size", "_num_epochs", b"_num_epochs", "_num_generations", b"_num_generations", "_num_iterations", b"_num_iterations", "_off_policy_mask_threshold", b"_off_policy_mask_threshold", "_prompts_per_step", b"_prompts_per_step", "_sapo_temperature_neg", b"_sapo_temperature_neg", "_sapo_temperature_pos", b"_sapo_temperature_pos", "_save_total_limit", b"_save_total_limit", "_seed", b"_seed", "_temperature", b"_temperature", "_top_entropy_quantile", b"_top_entropy_quantile", "_top_k", b"_top_k", "_top_p", b"_top_p", "_use_adaptive_entropy", b"_use_adaptive_entropy", "_vespo_k_neg", b"_vespo_k_neg", "_vespo_k_pos", b"_vespo_k_pos", "_vespo_lambda_neg", b"_vespo_lambda_neg", "_vespo_lambda_pos", b"_vespo_lambda_pos", "_warmup_steps", b"_warmup_steps", "_weight_decay", b"_weight_decay", "adam_beta1", b"adam_beta1", "adam_beta2", b"adam_beta2", "adam_epsilon", b"adam_epsilon", "advantage_eps", b"advantage_eps", "beta", b"beta", "checkpoint_every", b"checkpoint_every", "delta", b"delta", "dynamic_sampling", b"dynamic_sampling", "entropy_coef", b"entropy_coef", "entropy_coef_delta", b"entropy_coef_delta", "entropy_coef_max", b"entropy_coef_max", "entropy_coef_min", b"entropy_coef_min", "entropy_target", b"entropy_target", "epsilon", b"epsilon", "epsilon_high", b"epsilon_high", "eval_every", b"eval_every", "eval_samples", b"eval_samples", "gradient_checkpointing", b"gradient_checkpointing", "learning_rate", b"learning_rate", "log_completions_count", b"log_completions_count", "log_completions_every", b"log_completions_every", "lora", b"lora", "mask_truncated_completions", b"mask_truncated_completions", "max_completion_length", b"max_completion_length", "max_grad_norm", b"max_grad_norm", "max_prompt_length", b"max_prompt_length", "max_resample_rounds", b"max_resample_rounds", "max_steps", b"max_steps", "mini_batch_size", b"mini_batch_size", "num_epochs", b"num_epochs", "num_generations", b"num_generations", "num_iterations", b"num_iterations", "off_policy_mask_threshold", b"off_policy_mask_threshold", "prompts_per_step", b"prompts_per_step", "sapo_temperature_neg", b"sapo_temperature_neg", "sapo_temperature_pos", b"sapo_temperature_pos", "save_total_limit", b"save_total_limit", "seed", b"seed", "temperature", b"temperature", "top_entropy_quantile", b"top_entropy_quantile", "top_k", b"top_k", "top_p", b"top_p", "use_adaptive_entropy", b"use_adaptive_entropy", "vespo_k_neg", b"vespo_k_neg", "vespo_k_pos", b"vespo_k_pos", "vespo_lambda_neg", b"vespo_lambda_neg", "vespo_lambda_pos", b"vespo_lambda_pos", "warmup_steps", b"warmup_steps", "weight_decay", b"weight_decay"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_adam_beta1", b"_adam_beta1", "_adam_beta2", b"_adam_beta2", "_adam_epsilon", b"_adam_epsilon", "_advantage_eps", b"_advantage_eps", "_beta", b"_beta", "_checkpoint_every", b"_checkpoint_every", "_dynamic_sampling", b"_dynamic_sampling", "_epsilon", b"_epsilon", "_epsilon_high", b"_epsilon_high", "_eval_every", b"_eval_every", "_eval_samples", b"_eval_samples", "_gradient_checkpointing", b"_gradient_checkpointing", "_learning_rate", b"_learning_rate", "_log_completions_count", b"_log_completions_count", "_log_completions_every", b"_log_completions_every", "_mask_truncated_completions", b"_mask_truncated_completions", "_max_completion_length", b"_max_completion_length", "_max_grad_norm", b"_max_grad_norm", "_max_prompt_length", b"_max_prompt_length", "_max_resample_rounds", b"_max_resample_rounds", "_max_steps", b"_max_steps", "_mini_batch_size", b"_mini_batch_size", "_num_epochs", b"_num_epochs", "_num_generations", b"_num_generations", "_num_iterations", b"_num_iterations", "_prompts_per_step", b"_prompts_per_step", "_save_total_limit", b"_save_total_limit", "_seed", b"_seed", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_p", b"_top_p", "_warmup_steps", b"_warmup_steps", "_weight_decay", b"_weight_decay", "adam_beta1", b"adam_beta1", "adam_beta2", b"adam_beta2", "adam_epsilon", b"adam_epsilon", "advantage_eps", b"advantage_eps", "advantage_std", b"advantage_std", "beta", b"beta", "checkpoint_every", b"checkpoint_every", "disable_grad_clipping", b"disable_grad_clipping", "dtype", b"dtype", "dynamic_sampling", b"dynamic_sampling", "epsilon", b"epsilon", "epsilon_high", b"epsilon_high", "eval_every", b"eval_every", "eval_samples", b"eval_samples", "generation", b"generation", "gradient_checkpointing", b"gradient_checkpointing", "keep_all_checkpoints", b"keep_all_checkpoints", "learning_rate", b"learning_rate", "log_completions_count", b"log_completions_count", "log_completions_every", b"log_completions_every", "lora", b"lora", "loss_type", b"loss_type", "lr_scheduler", b"lr_scheduler", "mask_truncated_completions", b"mask_truncated_completions", "max_completion_length", b"max_completion_length", "max_grad_norm", b"max_grad_norm", "max_prompt_length", b"max_prompt_length", "max_resample_rounds", b"max_resample_rounds", "max_steps", b"max_steps", "mini_batch_size", b"mini_batch_size", "num_epochs", b"num_epochs", "num_generations", b"num_generations", "num_iterations", b"num_iterations", "prompts_per_step", b"prompts_per_step", "save_total_limit", b"save_total_limit", "scale_rewards", b"scale_rewards", "seed", b"seed", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p", "unlimited_prompt_length", b"unlimited_prompt_length", "warmup_steps", b"warmup_steps", "weight_decay", b"weight_decay"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_adam_beta1", b"_adam_beta1", "_adam_beta2", b"_adam_beta2", "_adam_epsilon", b"_adam_epsilon", "_advantage_eps", b"_advantage_eps", "_beta", b"_beta", "_checkpoint_every", b"_checkpoint_every", "_delta", b"_delta", "_dynamic_sampling", b"_dynamic_sampling", "_entropy_coef", b"_entropy_coef", "_entropy_coef_delta", b"_entropy_coef_delta", "_entropy_coef_max", b"_entropy_coef_max", "_entropy_coef_min", b"_entropy_coef_min", "_entropy_target", b"_entropy_target", "_epsilon", b"_epsilon", "_epsilon_high", b"_epsilon_high", "_eval_every", b"_eval_every", "_eval_samples", b"_eval_samples", "_gradient_checkpointing", b"_gradient_checkpointing", "_learning_rate", b"_learning_rate", "_log_completions_count", b"_log_completions_count", "_log_completions_every", b"_log_completions_every", "_mask_truncated_completions", b"_mask_truncated_completions", "_max_completion_length", b"_max_completion_length", "_max_grad_norm", b"_max_grad_norm", "_max_prompt_length", b"_max_prompt_length", "_max_resample_rounds", b"_max_resample_rounds", "_max_steps", b"_max_steps", "_mini_batch_size", b"_mini_batch_size", "_num_epochs", b"_num_epochs", "_num_generations", b"_num_generations", "_num_iterations", b"_num_iterations", "_off_policy_mask_threshold", b"_off_policy_mask_threshold", "_prompts_per_step", b"_prompts_per_step", "_sapo_temperature_neg", b"_sapo_temperature_neg", "_sapo_temperature_pos", b"_sapo_temperature_pos", "_save_total_limit", b"_save_total_limit", "_seed", b"_seed", "_temperature", b"_temperature", "_top_entropy_quantile", b"_top_entropy_quantile", "_top_k", b"_top_k", "_top_p", b"_top_p", "_use_adaptive_entropy", b"_use_adaptive_entropy", "_vespo_k_neg", b"_vespo_k_neg", "_vespo_k_pos", b"_vespo_k_pos", "_vespo_lambda_neg", b"_vespo_lambda_neg", "_vespo_lambda_pos", b"_vespo_lambda_pos", "_warmup_steps", b"_warmup_steps", "_weight_decay", b"_weight_decay", "adam_beta1", b"adam_beta1", "adam_beta2", b"adam_beta2", "adam_epsilon", b"adam_epsilon", "advantage_eps", b"advantage_eps", "advantage_std", b"advantage_std", "beta", b"beta", "checkpoint_every", b"checkpoint_every", "delta", b"delta", "disable_grad_clipping", b"disable_grad_clipping", "dtype", b"dtype", "dynamic_sampling", b"dynamic_sampling", "entropy_coef", b"entropy_coef", "entropy_coef_delta", b"entropy_coef_delta", "entropy_coef_max", b"entropy_coef_max", "entropy_coef_min", b"entropy_coef_min", "entropy_target", b"entropy_target", "epsilon", b"epsilon", "epsilon_high", b"epsilon_high", "eval_every", b"eval_every", "eval_samples", b"eval_samples", "generation", b"generation", "gradient_checkpointing", b"gradient_checkpointing", "importance_sampling_level", b"importance_sampling_level", "keep_all_checkpoints", b"keep_all_checkpoints", "learning_rate", b"learning_rate", "log_completions_count", b"log_completions_count", "log_completions_every", b"log_completions_every", "lora", b"lora", "loss_type", b"loss_type", "lr_scheduler", b"lr_scheduler", "mask_truncated_completions", b"mask_truncated_completions", "max_completion_length", b"max_completion_length", "max_grad_norm", b"max_grad_norm", "max_prompt_length", b"max_prompt_length", "max_resample_rounds", b"max_resample_rounds", "max_steps", b"max_steps", "mini_batch_size", b"mini_batch_size", "multi_objective_aggregation", b"multi_objective_aggregation", "num_epochs", b"num_epochs", "num_generations", b"num_generations", "num_iterations", b"num_iterations", "off_policy_mask_threshold", b"off_policy_mask_threshold", "prompts_per_step", b"prompts_per_step", "sapo_temperature_neg", b"sapo_temperature_neg", "sapo_temperature_pos", b"sapo_temperature_pos", "save_total_limit", b"save_total_limit", "scale_rewards", b"scale_rewards", "seed", b"seed", "temperature", b"temperature", "top_entropy_quantile", b"top_entropy_quantile", "top_k", b"top_k", "top_p", b"top_p", "unlimited_prompt_length", b"unlimited_prompt_length", "use_adaptive_entropy", b"use_adaptive_entropy", "vespo_k_neg", b"vespo_k_neg", "vespo_k_pos", b"vespo_k_pos", "vespo_lambda_neg", b"vespo_lambda_neg", "vespo_lambda_pos", b"vespo_lambda_pos", "warmup_steps", b"warmup_steps", "weight_decay", b"weight_decay"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__adam_beta1: _TypeAlias = _typing.Literal["adam_beta1"]  # noqa: Y015
     _WhichOneofArgType__adam_beta1: _TypeAlias = _typing.Literal["_adam_beta1", b"_adam_beta1"]  # noqa: Y015
@@ -463,8 +595,20 @@ class Hyperparameters(_message.Message):
     _WhichOneofArgType__beta: _TypeAlias = _typing.Literal["_beta", b"_beta"]  # noqa: Y015
     _WhichOneofReturnType__checkpoint_every: _TypeAlias = _typing.Literal["checkpoint_every"]  # noqa: Y015
     _WhichOneofArgType__checkpoint_every: _TypeAlias = _typing.Literal["_checkpoint_every", b"_checkpoint_every"]  # noqa: Y015
+    _WhichOneofReturnType__delta: _TypeAlias = _typing.Literal["delta"]  # noqa: Y015
+    _WhichOneofArgType__delta: _TypeAlias = _typing.Literal["_delta", b"_delta"]  # noqa: Y015
     _WhichOneofReturnType__dynamic_sampling: _TypeAlias = _typing.Literal["dynamic_sampling"]  # noqa: Y015
     _WhichOneofArgType__dynamic_sampling: _TypeAlias = _typing.Literal["_dynamic_sampling", b"_dynamic_sampling"]  # noqa: Y015
+    _WhichOneofReturnType__entropy_coef: _TypeAlias = _typing.Literal["entropy_coef"]  # noqa: Y015
+    _WhichOneofArgType__entropy_coef: _TypeAlias = _typing.Literal["_entropy_coef", b"_entropy_coef"]  # noqa: Y015
+    _WhichOneofReturnType__entropy_coef_delta: _TypeAlias = _typing.Literal["entropy_coef_delta"]  # noqa: Y015
+    _WhichOneofArgType__entropy_coef_delta: _TypeAlias = _typing.Literal["_entropy_coef_delta", b"_entropy_coef_delta"]  # noqa: Y015
+    _WhichOneofReturnType__entropy_coef_max: _TypeAlias = _typing.Literal["entropy_coef_max"]  # noqa: Y015
+    _WhichOneofArgType__entropy_coef_max: _TypeAlias = _typing.Literal["_entropy_coef_max", b"_entropy_coef_max"]  # noqa: Y015
+    _WhichOneofReturnType__entropy_coef_min: _TypeAlias = _typing.Literal["entropy_coef_min"]  # noqa: Y015
+    _WhichOneofArgType__entropy_coef_min: _TypeAlias = _typing.Literal["_entropy_coef_min", b"_entropy_coef_min"]  # noqa: Y015
+    _WhichOneofReturnType__entropy_target: _TypeAlias = _typing.Literal["entropy_target"]  # noqa: Y015
+    _WhichOneofArgType__entropy_target: _TypeAlias = _typing.Literal["_entropy_target", b"_entropy_target"]  # noqa: Y015
     _WhichOneofReturnType__epsilon: _TypeAlias = _typing.Literal["epsilon"]  # noqa: Y015
     _WhichOneofArgType__epsilon: _TypeAlias = _typing.Literal["_epsilon", b"_epsilon"]  # noqa: Y015
     _WhichOneofReturnType__epsilon_high: _TypeAlias = _typing.Literal["epsilon_high"]  # noqa: Y015
@@ -501,18 +645,36 @@ class Hyperparameters(_message.Message):
     _WhichOneofArgType__num_generations: _TypeAlias = _typing.Literal["_num_generations", b"_num_generations"]  # noqa: Y015
     _WhichOneofReturnType__num_iterations: _TypeAlias = _typing.Literal["num_iterations"]  # noqa: Y015
     _WhichOneofArgType__num_iterations: _TypeAlias = _typing.Literal["_num_iterations", b"_num_iterations"]  # noqa: Y015
+    _WhichOneofReturnType__off_policy_mask_threshold: _TypeAlias = _typing.Literal["off_policy_mask_threshold"]  # noqa: Y015
+    _WhichOneofArgType__off_policy_mask_threshold: _TypeAlias = _typing.Literal["_off_policy_mask_threshold", b"_off_policy_mask_threshold"]  # noqa: Y015
     _WhichOneofReturnType__prompts_per_step: _TypeAlias = _typing.Literal["prompts_per_step"]  # noqa: Y015
     _WhichOneofArgType__prompts_per_step: _TypeAlias = _typing.Literal["_prompts_per_step", b"_prompts_per_step"]  # noqa: Y015
+    _WhichOneofReturnType__sapo_temperature_neg: _TypeAlias = _typing.Literal["sapo_temperature_neg"]  # noqa: Y015
+    _WhichOneofArgType__sapo_temperature_neg: _TypeAlias = _typing.Literal["_sapo_temperature_neg", b"_sapo_temperature_neg"]  # noqa: Y015
+    _WhichOneofReturnType__sapo_temperature_pos: _TypeAlias = _typing.Literal["sapo_temperature_pos"]  # noqa: Y015
+    _WhichOneofArgType__sapo_temperature_pos: _TypeAlias = _typing.Literal["_sapo_temperature_pos", b"_sapo_temperature_pos"]  # noqa: Y015
     _WhichOneofReturnType__save_total_limit: _TypeAlias = _typing.Literal["save_total_limit"]  # noqa: Y015
     _WhichOneofArgType__save_total_limit: _TypeAlias = _typing.Literal["_save_total_limit", b"_save_total_limit"]  # noqa: Y015
     _WhichOneofReturnType__seed: _TypeAlias = _typing.Literal["seed"]  # noqa: Y015
     _WhichOneofArgType__seed: _TypeAlias = _typing.Literal["_seed", b"_seed"]  # noqa: Y015
     _WhichOneofReturnType__temperature: _TypeAlias = _typing.Literal["temperature"]  # noqa: Y015
     _WhichOneofArgType__temperature: _TypeAlias = _typing.Literal["_temperature", b"_temperature"]  # noqa: Y015
+    _WhichOneofReturnType__top_entropy_quantile: _TypeAlias = _typing.Literal["top_entropy_quantile"]  # noqa: Y015
+    _WhichOneofArgType__top_entropy_quantile: _TypeAlias = _typing.Literal["_top_entropy_quantile", b"_top_entropy_quantile"]  # noqa: Y015
     _WhichOneofReturnType__top_k: _TypeAlias = _typing.Literal["top_k"]  # noqa: Y015
     _WhichOneofArgType__top_k: _TypeAlias = _typing.Literal["_top_k", b"_top_k"]  # noqa: Y015
     _WhichOneofReturnType__top_p: _TypeAlias = _typing.Literal["top_p"]  # noqa: Y015
     _WhichOneofArgType__top_p: _TypeAlias = _typing.Literal["_top_p", b"_top_p"]  # noqa: Y015
+    _WhichOneofReturnType__use_adaptive_entropy: _TypeAlias = _typing.Literal["use_adaptive_entropy"]  # noqa: Y015
+    _WhichOneofArgType__use_adaptive_entropy: _TypeAlias = _typing.Literal["_use_adaptive_entropy", b"_use_adaptive_entropy"]  # noqa: Y015
+    _WhichOneofReturnType__vespo_k_neg: _TypeAlias = _typing.Literal["vespo_k_neg"]  # noqa: Y015
+    _WhichOneofArgType__vespo_k_neg: _TypeAlias = _typing.Literal["_vespo_k_neg", b"_vespo_k_neg"]  # noqa: Y015
+    _WhichOneofReturnType__vespo_k_pos: _TypeAlias = _typing.Literal["vespo_k_pos"]  # noqa: Y015
+    _WhichOneofArgType__vespo_k_pos: _TypeAlias = _typing.Literal["_vespo_k_pos", b"_vespo_k_pos"]  # noqa: Y015
+    _WhichOneofReturnType__vespo_lambda_neg: _TypeAlias = _typing.Literal["vespo_lambda_neg"]  # noqa: Y015
+    _WhichOneofArgType__vespo_lambda_neg: _TypeAlias = _typing.Literal["_vespo_lambda_neg", b"_vespo_lambda_neg"]  # noqa: Y015
+    _WhichOneofReturnType__vespo_lambda_pos: _TypeAlias = _typing.Literal["vespo_lambda_pos"]  # noqa: Y015
+    _WhichOneofArgType__vespo_lambda_pos: _TypeAlias = _typing.Literal["_vespo_lambda_pos", b"_vespo_lambda_pos"]  # noqa: Y015
     _WhichOneofReturnType__warmup_steps: _TypeAlias = _typing.Literal["warmup_steps"]  # noqa: Y015
     _WhichOneofArgType__warmup_steps: _TypeAlias = _typing.Literal["_warmup_steps", b"_warmup_steps"]  # noqa: Y015
     _WhichOneofReturnType__weight_decay: _TypeAlias = _typing.Literal["weight_decay"]  # noqa: Y015
@@ -530,7 +692,19 @@ class Hyperparameters(_message.Message):
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__checkpoint_every) -> _WhichOneofReturnType__checkpoint_every | None: ...
     @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__delta) -> _WhichOneofReturnType__delta | None: ...
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__dynamic_sampling) -> _WhichOneofReturnType__dynamic_sampling | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__entropy_coef) -> _WhichOneofReturnType__entropy_coef | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__entropy_coef_delta) -> _WhichOneofReturnType__entropy_coef_delta | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__entropy_coef_max) -> _WhichOneofReturnType__entropy_coef_max | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__entropy_coef_min) -> _WhichOneofReturnType__entropy_coef_min | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__entropy_target) -> _WhichOneofReturnType__entropy_target | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__epsilon) -> _WhichOneofReturnType__epsilon | None: ...
     @_typing.overload
@@ -568,7 +742,13 @@ class Hyperparameters(_message.Message):
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__num_iterations) -> _WhichOneofReturnType__num_iterations | None: ...
     @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__off_policy_mask_threshold) -> _WhichOneofReturnType__off_policy_mask_threshold | None: ...
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__prompts_per_step) -> _WhichOneofReturnType__prompts_per_step | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__sapo_temperature_neg) -> _WhichOneofReturnType__sapo_temperature_neg | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__sapo_temperature_pos) -> _WhichOneofReturnType__sapo_temperature_pos | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__save_total_limit) -> _WhichOneofReturnType__save_total_limit | None: ...
     @_typing.overload
@@ -576,9 +756,21 @@ class Hyperparameters(_message.Message):
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__temperature) -> _WhichOneofReturnType__temperature | None: ...
     @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__top_entropy_quantile) -> _WhichOneofReturnType__top_entropy_quantile | None: ...
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__top_k) -> _WhichOneofReturnType__top_k | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__top_p) -> _WhichOneofReturnType__top_p | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__use_adaptive_entropy) -> _WhichOneofReturnType__use_adaptive_entropy | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__vespo_k_neg) -> _WhichOneofReturnType__vespo_k_neg | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__vespo_k_pos) -> _WhichOneofReturnType__vespo_k_pos | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__vespo_lambda_neg) -> _WhichOneofReturnType__vespo_lambda_neg | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__vespo_lambda_pos) -> _WhichOneofReturnType__vespo_lambda_pos | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__warmup_steps) -> _WhichOneofReturnType__warmup_steps | None: ...
     @_typing.overload
