@@ -100,23 +100,47 @@ def _linear_forward(dims: ModelDims, tokens: StepTokens) -> float:
     return 2.0 * (dims.body_weights * tokens.positions + dims.head_weights * tokens.rows * tokens.completion)
 
 
-def training_phase_flops(dims: ModelDims, tokens: StepTokens, *, lora_rank: int | None, beta: float) -> float:
-    """FLOPs after generation: the reference forward (beta > 0) and the policy's forward and backward.
+def _first_layer_qkv_inputs(dims: ModelDims) -> int:
+    """Weights of layer 0's q, k and v projections: with LoRA nothing before them is trained, so the
+    gradient of their input is never needed."""
+    q, kv = dims.heads * dims.head_dim, dims.kv_heads * dims.head_dim
+    return dims.hidden * (q + 2 * kv)
 
-    Full fine-tune: forward F, backward 2F (input and weight gradients). LoRA r: the frozen weights
-    need only input gradients (forward F, backward F), and the adapters add x@A.T then @B.T per linear
-    layer: 2 FLOPs per adapter weight forward, 4 backward. The reference (LoRA: the base, adapters off)
-    is one forward F.
+
+def training_phase_linear_flops(
+    dims: ModelDims, tokens: StepTokens, *, lora_rank: int | None, beta: float
+) -> float:
+    """Matmul-with-a-weight FLOPs after generation: the reference forward (beta > 0), the policy's
+    forward and backward.
+
+    Full fine-tune: forward F, backward 2F (input and weight gradients; the embedding is trained, so
+    every input gradient is needed). LoRA r: frozen weights need only input gradients, except layer 0's
+    q/k/v projections, whose input depends on nothing trained; each adapter (x @ A.T) @ B.T costs
+    2 r (in + out) per position forward, as much for A's and B's weight gradients, and as much again for
+    the input gradients (less 2 r in on layer 0's q/k/v). The reference (LoRA: the base with the
+    adapters off) is one forward F.
     """
-    linear, attention = _linear_forward(dims, tokens), _attention_forward(dims, tokens)
-    forward = linear + attention
-    if lora_rank is None:
-        policy = 3.0 * linear + 3.0 * attention
-    else:
-        adapters = 2.0 * dims.lora_weights(lora_rank) * tokens.positions
-        policy = 2.0 * linear + 3.0 * attention + 3.0 * adapters
+    forward = _linear_forward(dims, tokens)
     reference = forward if beta > 0 else 0.0
-    return policy + reference
+    if lora_rank is None:
+        return 3.0 * forward + reference
+    base_backward = forward - 2.0 * _first_layer_qkv_inputs(dims) * tokens.positions
+    adapters = 2.0 * dims.lora_weights(lora_rank) * tokens.positions
+    first_qkv_a_inputs = 2.0 * lora_rank * 3 * dims.hidden * tokens.positions
+    return forward + base_backward + 3.0 * adapters - first_qkv_a_inputs + reference
+
+
+def training_phase_attention_flops(dims: ModelDims, tokens: StepTokens, *, beta: float) -> float:
+    """Attention FLOPs after generation: forward A, backward 2A (q, k and v all need gradients, with
+    LoRA too: layer 0's q/k/v carry adapters); the reference one more A."""
+    attention = _attention_forward(dims, tokens)
+    return 3.0 * attention + (attention if beta > 0 else 0.0)
+
+
+def training_phase_flops(dims: ModelDims, tokens: StepTokens, *, lora_rank: int | None, beta: float) -> float:
+    """FLOPs after generation: the reference forward (beta > 0) and the policy's forward and backward."""
+    linear = training_phase_linear_flops(dims, tokens, lora_rank=lora_rank, beta=beta)
+    return linear + training_phase_attention_flops(dims, tokens, beta=beta)
 
 
 def matmul_peak_flops(*, threads: int, sizes: tuple[int, ...] = (512, 1024, 2048), repeats: int = 5) -> float:
