@@ -105,8 +105,23 @@ _ENGLISH = (
     "go see number no way could people my than first water been call who oil its now find long down day did "
     "get come made may part repeat digit answer question sum count letter vowel reply"
 ).split()
-_ONSETS = ("", "b", "c", "d", "f", "g", "h", "j", "k", "l", "m", "n", "p", "r", "s", "t", "v", "w", "z")
-_ONSETS += ("br", "ch", "cl", "dr", "fl", "gr", "pl", "pr", "sh", "st", "str", "th", "tr")
+_ONSETS = (
+    "",
+    *"bcdfghjklmnprstvwz",
+    "br",
+    "ch",
+    "cl",
+    "dr",
+    "fl",
+    "gr",
+    "pl",
+    "pr",
+    "sh",
+    "st",
+    "str",
+    "th",
+    "tr",
+)
 _VOWELS = ("a", "e", "i", "o", "u", "ai", "ea", "ee", "io", "ou", "y")
 _CODAS = ("", "", "n", "r", "s", "t", "l", "m", "ng", "nd", "st", "ck", "x")
 _ENDINGS = (".", ".", ".", "?", "!", ":", ",", ";")
