@@ -113,8 +113,9 @@ class Case:
 
 
 def cases_for(args: argparse.Namespace) -> list[Case]:
-    """Presets first, then architecture x vocabulary x tune, in that nesting order."""
-    cases = [Case(preset) for preset in args.preset_list]
+    """Presets first (full fine-tunes: only when full is among the tunes), then architecture x vocabulary
+    x tune, in that nesting order."""
+    cases = [Case(preset) for preset in args.preset_list] if "full" in args.tune_list else []
     for arch in args.arch_list:
         for vocab in args.vocab_list:
             cases += [Case(arch, vocab, tune == "lora") for tune in args.tune_list]

@@ -48,7 +48,7 @@ def test_quick_is_one_short_case_and_explicit_options_win() -> None:
 
 
 def test_lora_flag_selects_lora_cases_only() -> None:
-    args = grpo_step.parse_args(["--lora", "--presets", "none", "--vocab", "small"])
+    args = grpo_step.parse_args(["--lora", "--vocab", "small"])  # the presets are full fine-tunes
     assert [c.name for c in grpo_step.cases_for(args)] == [
         "llama small lora",
         "qwen2 small lora",
