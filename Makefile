@@ -5,9 +5,14 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-dev
 BENCH_STAMP := $(VENV)/.installed-bench
+# The lowest transformers the engine supports, with the huggingface_hub and tokenizers it accepts, installed
+# beside the main venv and put in front of it on PYTHONPATH (torch and peft stay the main venv's).
+LOWEST := .venv-lowest
+LOWEST_PINS := transformers==5.0.0 huggingface_hub==1.33.0 tokenizers==0.22.2
+LOWEST_STAMP := $(LOWEST)/.installed
 export PYTHONUNBUFFERED := 1
 
-.PHONY: install test lint typecheck pytest demo proto bench clean
+.PHONY: install test lint typecheck pytest test-lowest demo proto bench clean
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -32,7 +37,17 @@ typecheck: install
 pytest: install
 	$(VENV)/bin/pytest -q -ra $(PYTEST_ARGS)
 
-test: lint typecheck pytest
+$(LOWEST_STAMP): Makefile
+	rm -rf $(LOWEST)
+	$(PY) -m pip install -q --no-deps --target $(LOWEST) $(LOWEST_PINS)
+	touch $@
+
+# The engine's tests again on the lowest supported transformers (`pytest` runs them on the newest).
+test-lowest: install $(LOWEST_STAMP)
+	PYTHONPATH=$(CURDIR)/$(LOWEST) $(PY) -c 'import transformers; print("transformers", transformers.__version__)'
+	PYTHONPATH=$(CURDIR)/$(LOWEST) $(VENV)/bin/pytest -q -ra -p no:cacheprovider tests/engine
+
+test: lint typecheck pytest test-lowest
 
 demo: install
 	$(VENV)/bin/grpo demo
@@ -44,4 +59,4 @@ bench: $(BENCH_STAMP)
 	$(PY) bench/grpo_step.py
 
 clean:
-	rm -rf $(VENV) grpo-data demo-out .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) $(LOWEST) grpo-data demo-out .mypy_cache .ruff_cache .pytest_cache

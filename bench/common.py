@@ -11,7 +11,7 @@ import statistics
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-# --- the workload (issue 2, acceptance 8) ---------------------------------------------------------
+# --- the workload ---------------------------------------------------------------------------------
 PROMPTS_PER_STEP = 4
 NUM_GENERATIONS = 8
 COMPLETIONS_PER_STEP = PROMPTS_PER_STEP * NUM_GENERATIONS  # TRL's per_device_train_batch_size
@@ -55,10 +55,11 @@ class RunRecord:
     """One framework's run in one child process. Step 1 (warm-up) is kept here, dropped in summaries."""
 
     framework: str  # "trl" | "ours"
-    preset: str
+    case: str  # e.g. "small", "qwen2 32k lora"
     step_s: list[float] = field(default_factory=list)  # wall time of each optimiser step, generation included
     completion_tokens: list[float] = field(default_factory=list)  # completion tokens generated in each step
     cpu_s: list[float] = field(default_factory=list)  # process CPU time (all threads) of each step
+    generate_s: list[float] = field(default_factory=list)  # wall time of each step's generation (sampling)
     setup_s: float = 0.0  # model loading and trainer construction
     peak_rss_mib: float = 0.0  # filled in by the parent from the child's rusage
 
@@ -76,7 +77,12 @@ class Summary:
 
     median_step_s: float
     median_cpu_s: float  # less sensitive than wall time to other processes on a shared machine
-    tokens_per_s: float
+    tokens_per_s: float  # completion tokens per second of whole steps
+    generate_tokens_per_s: float  # completion tokens per second of generation
+    median_train_s: (
+        float  # the step less its generation: reference, rewards, policy forward + backward, optimiser
+    )
+    completion_tokens: float  # mean completion tokens per step
     peak_rss_mib: float
     steps: int
 
@@ -85,12 +91,16 @@ def summarise(records: list[RunRecord]) -> Summary:
     step_s = [t for r in records for t in r.step_s[1:]]
     tokens = [n for r in records for n in r.completion_tokens[1:]]
     cpu_s = [t for r in records for t in r.cpu_s[1:]]
+    generate_s = [t for r in records for t in r.generate_s[1:]]
     if not step_s:
         raise ValueError("need at least 2 steps per run (step 1 is excluded as warm-up)")
     return Summary(
         median_step_s=statistics.median(step_s),
         median_cpu_s=statistics.median(cpu_s),
         tokens_per_s=sum(tokens) / sum(step_s),
+        generate_tokens_per_s=sum(tokens) / sum(generate_s),
+        median_train_s=statistics.median(s - g for s, g in zip(step_s, generate_s, strict=True)),
+        completion_tokens=statistics.fmean(tokens),
         peak_rss_mib=max(r.peak_rss_mib for r in records),
         steps=len(step_s),
     )

@@ -1,14 +1,25 @@
 """GRPO step benchmark: our engine against TRL's GRPOTrainer on the same model, data, reward and knobs.
 
-    .venv/bin/python bench/grpo_step.py --presets tiny,small --steps 8 --reps 2
+    .venv/bin/python bench/grpo_step.py                      # the whole table (long: see bench/README.md)
+    .venv/bin/python bench/grpo_step.py --quick              # smoke run: llama, small vocabulary, full, 3 steps
+    .venv/bin/python bench/grpo_step.py --arch qwen2 --lora --vocab 32k --steps 6 --reps 2
 
-Needs the `bench` extra (trl). Each (framework, preset, repetition) runs in its own child process so
-peak RSS is that framework's alone (read from the child's rusage by `os.wait4`); the two frameworks
-alternate (A B B A ...) because these shared machines drift 15-30 % in speed over minutes.
+Needs the `bench` extra (trl). Cases: the tiny/small/medium Llama presets (character vocabulary, full
+fine-tune) and, for each architecture x vocabulary x {full, LoRA}, a randomly initialised model of the
+realistic proportions in `bench/models.py` (hidden 256, 6 layers, 8 query / 2 KV heads, MLP 688,
+untied embeddings). LoRA is r=16, alpha 32, all linear layers: peft's `LoraConfig` passed to TRL, our
+`GRPOConfig.lora` on ours.
 
-Workload (issue 2, acceptance 8): 4 prompts x 8 completions per optimiser step, 32 new tokens,
-beta 0.04, epsilon 0.2, loss dapo, constant lr 1e-5, fp32, 2 torch threads, no gradient
-checkpointing, no saving. Step 1 is excluded from the figures (warm-up).
+Each (framework, case, repetition) runs in its own child process so peak RSS is that framework's alone
+(read from the child's rusage by `os.wait4`); the two frameworks alternate (A B B A ...) because these
+shared machines drift 15-30 % in speed over minutes. A third kind of child times a dense float32
+`torch.matmul` with the same threads and environment, before every case and after the last: the best is
+the machine's peak, against which each framework's training phase (the step less its generation) is
+put as achieved FLOP/s (counted analytically, `bench/flops.py`).
+
+Workload: 4 prompts x 8 completions per optimiser step, 32 new tokens, beta 0.04, epsilon 0.2, loss dapo,
+constant lr 1e-5, fp32, 2 torch threads, no gradient checkpointing, no saving. Step 1 is excluded from
+the figures (warm-up).
 
 Also measures our reward phase alone: a remote-like source that sleeps 100 ms per call (async),
 32 completions sent in batches of 8, through `CompositeReward` (target <= 150 ms).
@@ -18,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import statistics
 import subprocess
@@ -25,7 +37,9 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from common import (
     BETA,
@@ -47,15 +61,69 @@ from common import (
     summarise,
     write_prompts,
 )
+from flops import ModelDims, StepTokens, matmul_peak_flops, training_phase_flops
+from models import ARCHS, VOCABS, build_model, default_cache_dir, hf_tokenizer
 
 FRAMEWORKS = ("trl", "ours")
 PRESETS = ("tiny", "small", "medium")
-# Step-time ratio ours/TRL we aim for, per preset (issue 2).
+TUNES = ("full", "lora")
+# Step-time ratio ours/TRL we aim for: per preset, and on every realistic architecture case.
 TARGET_RATIO = {"tiny": 0.5, "small": 0.5, "medium": 0.9}
+REALISTIC_TARGET = 0.7
+LORA_RANK, LORA_ALPHA = 16, 32
 
 
 # ==================================================================================================
-# Child processes: one framework, one preset, N steps
+# What is measured
+# ==================================================================================================
+
+
+@dataclass(frozen=True)
+class Case:
+    """One row of the table: a tiny preset (character vocabulary, full fine-tune), or an architecture at
+    the realistic proportions with a vocabulary, fine-tuned fully or with LoRA."""
+
+    model: str  # a preset of PRESETS or an architecture of ARCHS
+    vocab: str = "small"
+    lora: bool = False
+
+    @property
+    def name(self) -> str:
+        if self.model in PRESETS:
+            return self.model
+        return f"{self.model} {self.vocab} {'lora' if self.lora else 'full'}"
+
+    @property
+    def slug(self) -> str:
+        return self.name.replace(" ", "-")
+
+    @property
+    def target(self) -> float:
+        return TARGET_RATIO.get(self.model, REALISTIC_TARGET)
+
+    @classmethod
+    def parse(cls, name: str) -> Case:
+        """The inverse of `name` (children get their case by name)."""
+        parts = name.split()
+        if len(parts) == 1 and parts[0] in PRESETS:
+            return cls(parts[0])
+        if len(parts) == 3 and parts[0] in ARCHS and parts[1] in VOCABS and parts[2] in TUNES:
+            return cls(parts[0], parts[1], parts[2] == "lora")
+        raise ValueError(f"not a benchmark case: {name!r}")
+
+
+def cases_for(args: argparse.Namespace) -> list[Case]:
+    """Presets first (full fine-tunes: only when full is among the tunes), then architecture x vocabulary
+    x tune, in that nesting order."""
+    cases = [Case(preset) for preset in args.preset_list] if "full" in args.tune_list else []
+    for arch in args.arch_list:
+        for vocab in args.vocab_list:
+            cases += [Case(arch, vocab, tune == "lora") for tune in args.tune_list]
+    return cases
+
+
+# ==================================================================================================
+# Child processes: one framework, one case, N steps
 # ==================================================================================================
 
 
@@ -65,26 +133,40 @@ def _limit_threads() -> None:
     torch.set_num_threads(TORCH_THREADS)
 
 
-def run_trl(model_dir: Path, data: Path, steps: int, record: RunRecord, work: Path) -> None:
+def run_trl(case: Case, model_dir: Path, data: Path, steps: int, record: RunRecord, work: Path) -> None:
     """TRL's GRPOTrainer with every default that differs from our workload overridden."""
     from datasets import Dataset
     from transformers import AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
     rows = read_prompts(data)
+    generating = [0.0]  # generation seconds of the current step
 
     def reward_digit(completions: list[str], answer: list[str], **_: object) -> list[float | None]:
         return [digit_reward(c, a) for c, a in zip(completions, answer, strict=True)]
+
+    class TimedGRPOTrainer(GRPOTrainer):  # type: ignore[misc]
+        """Times TRL's sampling (`_generate`: prompts in, completion ids out; rewards and the
+        reference forward come after it)."""
+
+        def _generate(self, prompts: list[Any]) -> Any:
+            started = time.perf_counter()
+            try:
+                return super()._generate(prompts)
+            finally:
+                generating[0] += time.perf_counter() - started
 
     class StepClock(TrainerCallback):  # type: ignore[misc]
         """Times whole optimiser steps (generation + reference + loss + optimiser) and counts tokens."""
 
         def on_step_begin(self, args: object, state: object, control: object, **kwargs: object) -> None:
             self.started, self.cpu_started = time.perf_counter(), time.process_time()
+            generating[0] = 0.0
 
         def on_step_end(self, args: object, state: object, control: object, **kwargs: object) -> None:
             record.step_s.append(time.perf_counter() - self.started)
             record.cpu_s.append(time.process_time() - self.cpu_started)
+            record.generate_s.append(generating[0])
 
         def on_log(
             self,
@@ -97,6 +179,17 @@ def run_trl(model_dir: Path, data: Path, steps: int, record: RunRecord, work: Pa
             if logs and "completions/mean_length" in logs:  # logging_steps=1: one log per step
                 record.completion_tokens.append(logs["completions/mean_length"] * COMPLETIONS_PER_STEP)
 
+    peft_config = None
+    if case.lora:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(
+            r=LORA_RANK,
+            lora_alpha=LORA_ALPHA,
+            lora_dropout=0.0,
+            target_modules="all-linear",
+            task_type="CAUSAL_LM",
+        )
     started = time.perf_counter()
     config = GRPOConfig(
         output_dir=str(work / "trl-out"),
@@ -122,21 +215,22 @@ def run_trl(model_dir: Path, data: Path, steps: int, record: RunRecord, work: Pa
         dataloader_num_workers=0,
         seed=SEED,
     )
-    trainer = GRPOTrainer(
-        model=str(model_dir),  # loaded by TRL in float32, as is its reference copy
+    trainer = TimedGRPOTrainer(
+        model=str(model_dir),  # loaded by TRL in float32, as is its reference copy (full fine-tune)
         reward_funcs=reward_digit,
         args=config,
         train_dataset=Dataset.from_list(rows),
         processing_class=AutoTokenizer.from_pretrained(model_dir),
         callbacks=[StepClock()],
+        peft_config=peft_config,
     )
     record.setup_s = time.perf_counter() - started
     trainer.train()
 
 
-def run_ours(model_dir: Path, data: Path, steps: int, record: RunRecord, work: Path) -> None:
+def run_ours(case: Case, model_dir: Path, data: Path, steps: int, record: RunRecord, work: Path) -> None:
     """Our GRPOTrainer with the same workload, timed from outside (between metric callbacks)."""
-    from worker.grpo.config import GRPOConfig
+    from worker.grpo.config import GRPOConfig, LoraConfig
     from worker.grpo.data import load_jsonl
     from worker.grpo.reward_types import RewardInput
     from worker.grpo.rewards import CompositeReward, FunctionSource
@@ -145,6 +239,7 @@ def run_ours(model_dir: Path, data: Path, steps: int, record: RunRecord, work: P
     def score(item: RewardInput) -> float:
         return digit_reward(item.completion, str(item.extras["answer"]))
 
+    lora = LoraConfig(r=LORA_RANK, alpha=LORA_ALPHA, dropout=0.0, target_modules="all-linear")
     config = GRPOConfig(
         num_generations=NUM_GENERATIONS,
         prompts_per_step=PROMPTS_PER_STEP,
@@ -161,6 +256,7 @@ def run_ours(model_dir: Path, data: Path, steps: int, record: RunRecord, work: P
         advantage_std="unbiased",  # TRL's definition (no effect on speed, keeps the runs comparable)
         dtype="float32",
         gradient_checkpointing=False,
+        lora=lora if case.lora else None,
         checkpoint_every=steps + 1,  # no periodic saving (train() still saves once after the last step)
         log_completions_every=steps + 1,
         seed=SEED,
@@ -171,6 +267,7 @@ def run_ours(model_dir: Path, data: Path, steps: int, record: RunRecord, work: P
         now, cpu_now = time.perf_counter(), time.process_time()
         record.step_s.append(now - clock[0])
         record.cpu_s.append(cpu_now - clock[1])
+        record.generate_s.append(metrics["time/generate_s"])
         record.completion_tokens.append(metrics["completion_length/mean"] * COMPLETIONS_PER_STEP)
         clock[:] = [now, cpu_now]
 
@@ -190,19 +287,24 @@ def run_ours(model_dir: Path, data: Path, steps: int, record: RunRecord, work: P
 
 
 def child_main(args: argparse.Namespace) -> None:
+    if args.child == "peak":
+        Path(args.record).write_text(json.dumps({"flops": matmul_peak_flops(threads=TORCH_THREADS)}))
+        return
     _limit_threads()
     # Our trainer raises glibc's malloc thresholds for its process (worker.grpo.allocator); TRL's process gets
     # the same setting, so that the comparison is between the engines, not the allocator configuration.
     from worker.grpo.allocator import keep_freed_memory
 
     keep_freed_memory()
-    record = RunRecord(framework=args.child, preset=args.preset)
+    case = Case.parse(args.case)
+    record = RunRecord(framework=args.child, case=case.name)
     runner = run_trl if args.child == "trl" else run_ours
-    runner(Path(args.model_dir), Path(args.data), args.steps, record, Path(args.work))
-    if not len(record.step_s) == len(record.cpu_s) == len(record.completion_tokens) == args.steps:
+    runner(case, Path(args.model_dir), Path(args.data), args.steps, record, Path(args.work))
+    counts = {len(record.step_s), len(record.cpu_s), len(record.generate_s), len(record.completion_tokens)}
+    if counts != {args.steps}:
         raise RuntimeError(
-            f"{args.child}: recorded {len(record.step_s)} step times and {len(record.completion_tokens)} "
-            f"token counts for {args.steps} steps"
+            f"{args.child}: recorded {len(record.step_s)} step times, {len(record.generate_s)} generation "
+            f"times and {len(record.completion_tokens)} token counts for {args.steps} steps"
         )
     record.save(Path(args.record))
 
@@ -212,59 +314,130 @@ def child_main(args: argparse.Namespace) -> None:
 # ==================================================================================================
 
 
-def spawn(
-    framework: str, preset: str, model_dir: Path, data: Path, steps: int, work: Path, omp_wait_policy: str
-) -> RunRecord:
-    """Run one child to completion; its peak RSS comes from its own rusage (not the other children's)."""
-    record_path = work / f"{framework}-{preset}.json"
+def _child_env(omp_wait_policy: str) -> dict[str, str]:
     env = os.environ | {"OMP_NUM_THREADS": str(TORCH_THREADS), "MKL_NUM_THREADS": str(TORCH_THREADS)}
     if omp_wait_policy != "inherit":
-        # Same for both frameworks. On an oversubscribed machine OpenMP's default spin-waiting burns
+        # Same for every child. On an oversubscribed machine OpenMP's default spin-waiting burns
         # 5-20x the CPU of the actual work (measured here: 2-thread generate 3.6 s CPU vs 0.35 s passive).
         env["OMP_WAIT_POLICY"] = omp_wait_policy.upper()
-    env |= {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
-    command = [
-        sys.executable,
-        __file__,
-        "--child",
-        framework,
-        "--preset",
-        preset,
-        "--model-dir",
-        str(model_dir),
-    ]
-    command += ["--data", str(data), "--steps", str(steps), "--work", str(work), "--record", str(record_path)]
-    child = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return env | {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
+
+
+def _run_child(command: list[str], env: dict[str, str], what: str) -> float:
+    """Run one child to completion; returns its peak RSS in MiB (its own rusage, not the other children's)."""
+    child = subprocess.Popen(
+        [sys.executable, __file__, *command],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     output = child.stdout.read() if child.stdout else ""
     _, status, usage = os.wait4(child.pid, 0)
     child.returncode = os.waitstatus_to_exitcode(status)
     if child.returncode != 0:
-        raise RuntimeError(f"{framework} on {preset} failed (exit {child.returncode}):\n{output[-4000:]}")
+        raise RuntimeError(f"{what} failed (exit {child.returncode}):\n{output[-4000:]}")
+    return usage.ru_maxrss / 1024  # Linux reports KiB
+
+
+def spawn(
+    framework: str, case: Case, model_dir: Path, data: Path, steps: int, work: Path, omp_wait_policy: str
+) -> RunRecord:
+    record_path = work / f"{framework}-{case.slug}.json"
+    command = ["--child", framework, "--case", case.name, "--model-dir", str(model_dir), "--data", str(data)]
+    command += ["--steps", str(steps), "--work", str(work), "--record", str(record_path)]
+    peak_rss_mib = _run_child(command, _child_env(omp_wait_policy), f"{framework} on {case.name}")
     record = RunRecord.load(record_path)
-    record.peak_rss_mib = usage.ru_maxrss / 1024  # Linux reports KiB
+    record.peak_rss_mib = peak_rss_mib
     return record
 
 
-def bench_preset(
-    preset: str, steps: int, reps: int, work: Path, omp_wait_policy: str, log: list[str]
-) -> dict[str, Summary]:
+def measure_peak(work: Path, omp_wait_policy: str) -> float:
+    """The dense float32 matmul FLOP/s of this machine, timed in a child like the frameworks' runs."""
+    record_path = work / "peak.json"
+    _run_child(["--child", "peak", "--record", str(record_path)], _child_env(omp_wait_policy), "matmul peak")
+    return float(json.loads(record_path.read_text())["flops"])
+
+
+@dataclass
+class CaseResult:
+    case: Case
+    trl: Summary
+    ours: Summary
+    dims: ModelDims
+    prompt_tokens: float  # mean prompt length in tokens, BOS included
+
+    def train_flops(self, summary: Summary) -> float:
+        """Training-phase FLOPs of that framework's typical step (its own completion lengths)."""
+        tokens = StepTokens(
+            rows=COMPLETIONS_PER_STEP,
+            group_size=NUM_GENERATIONS,
+            prompt=self.prompt_tokens,
+            completion=summary.completion_tokens / COMPLETIONS_PER_STEP,
+        )
+        return training_phase_flops(
+            self.dims, tokens, lora_rank=LORA_RANK if self.case.lora else None, beta=BETA
+        )
+
+    def peak_share(self, summary: Summary, peak_flops: float) -> float:
+        """Achieved training-phase FLOP/s as a share of the measured matmul peak."""
+        return self.train_flops(summary) / summary.median_train_s / peak_flops
+
+    @property
+    def ratio(self) -> float:
+        return self.ours.median_step_s / self.trl.median_step_s
+
+    @property
+    def rss_ratio(self) -> float:
+        return self.ours.peak_rss_mib / self.trl.peak_rss_mib
+
+    @property
+    def met(self) -> bool:
+        return self.ratio <= self.case.target and self.rss_ratio <= 1.0
+
+
+def model_for(case: Case, work: Path, cache_dir: Path) -> Path:
     from worker.grpo.tiny import build_tiny_model
 
-    model_dir = build_tiny_model(preset, work / "models" / preset)  # type: ignore[arg-type]
-    data = write_prompts(work / "prompts.jsonl", max(64, PROMPTS_PER_STEP * steps))
+    if case.model in PRESETS:
+        return build_tiny_model(case.model, work / "models" / case.model)  # type: ignore[arg-type]
+    return build_model(
+        case.model,  # type: ignore[arg-type]
+        case.vocab,  # type: ignore[arg-type]
+        work / "models" / f"{case.model}-{case.vocab}",
+        cache_dir=cache_dir,
+    )
+
+
+def bench_case(
+    case: Case, args: argparse.Namespace, work: Path, cache_dir: Path, log: list[str]
+) -> CaseResult:
+    from transformers import AutoConfig, AutoTokenizer
+
+    model_dir = model_for(case, work, cache_dir)
+    data = write_prompts(work / "prompts.jsonl", max(64, PROMPTS_PER_STEP * args.steps))
     records: dict[str, list[RunRecord]] = {fw: [] for fw in FRAMEWORKS}
-    for rep in range(reps):
+    for rep in range(args.reps):
         order = FRAMEWORKS if rep % 2 == 0 else FRAMEWORKS[::-1]  # A B, B A, ...: drift hits both alike
         for framework in order:
-            record = spawn(framework, preset, model_dir, data, steps, work, omp_wait_policy)
+            record = spawn(framework, case, model_dir, data, args.steps, work, args.omp_wait_policy)
             records[framework].append(record)
             median = statistics.median(record.step_s[1:]) if len(record.step_s) > 1 else float("nan")
             log.append(
-                f"{preset} rep {rep + 1} {framework:4s}: median step {median:.3f} s, "
+                f"{case.name} rep {rep + 1} {framework:4s}: median step {median:.3f} s, "
                 f"rss {record.peak_rss_mib:.0f} MiB, setup {record.setup_s:.1f} s"
             )
             print(log[-1], flush=True)
-    return {fw: summarise(recs) for fw, recs in records.items()}
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    prompts = [row["prompt"] for row in read_prompts(data)]
+    prompt_tokens = statistics.fmean(len(ids) for ids in tokenizer(prompts)["input_ids"])
+    return CaseResult(
+        case,
+        trl=summarise(records["trl"]),
+        ours=summarise(records["ours"]),
+        dims=ModelDims.of(AutoConfig.from_pretrained(model_dir)),
+        prompt_tokens=prompt_tokens,
+    )
 
 
 # ==================================================================================================
@@ -324,9 +497,53 @@ def bench_reward_phase(repeats: int = 5) -> tuple[float, int]:
 # Report
 # ==================================================================================================
 
+COLUMNS = (
+    "case",
+    "TRL step s",
+    "ours step s",
+    "ours/TRL / target",
+    "CPU ours/TRL",
+    "gen tok/s TRL",
+    "gen tok/s ours",
+    "train/peak TRL",
+    "train/peak ours",
+    "RSS MiB TRL",
+    "RSS MiB ours",
+    "RSS ours/TRL",
+    "",
+)
+
+
+def table_rows(results: Sequence[CaseResult], peak_flops: float) -> list[tuple[str, ...]]:
+    """One row per case, in COLUMNS order."""
+    rows: list[tuple[str, ...]] = []
+    for result in results:
+        trl, ours = result.trl, result.ours
+        rows.append(
+            (
+                result.case.name,
+                f"{trl.median_step_s:.3f}",
+                f"{ours.median_step_s:.3f}",
+                f"{result.ratio:.2f} / {result.case.target}",
+                f"{ours.median_cpu_s / trl.median_cpu_s:.2f}",
+                f"{trl.generate_tokens_per_s:.0f}",
+                f"{ours.generate_tokens_per_s:.0f}",
+                f"{result.peak_share(trl, peak_flops):.2f}",
+                f"{result.peak_share(ours, peak_flops):.2f}",
+                f"{trl.peak_rss_mib:.0f}",
+                f"{ours.peak_rss_mib:.0f}",
+                f"{result.rss_ratio:.2f}",
+                "ok" if result.met else "MISS",
+            )
+        )
+    return rows
+
 
 def render(
-    results: dict[str, dict[str, Summary]], reward_s: float, reward_calls: int, args: argparse.Namespace
+    results: Sequence[CaseResult],
+    peak_flops: float,
+    reward: tuple[float, int],
+    args: argparse.Namespace,
 ) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -335,44 +552,18 @@ def render(
         title=f"GRPO step: ours vs TRL, {args.steps} steps x {args.reps} reps, step 1 excluded, "
         f"{TORCH_THREADS} threads, OMP_WAIT_POLICY={args.omp_wait_policy}"
     )
-    columns = (
-        "preset",
-        "framework",
-        "median step s",
-        "median CPU s/step",
-        "completion tok/s",
-        "peak RSS MiB",
-        "steps",
-    )
-    for column in columns:
-        table.add_column(column, justify="right" if column != "framework" else "left")
-    for preset, by_fw in results.items():
-        for fw in FRAMEWORKS:
-            s = by_fw[fw]
-            table.add_row(
-                preset,
-                fw,
-                f"{s.median_step_s:.3f}",
-                f"{s.median_cpu_s:.3f}",
-                f"{s.tokens_per_s:.0f}",
-                f"{s.peak_rss_mib:.0f}",
-                str(s.steps),
-            )
-        ours, trl = by_fw["ours"], by_fw["trl"]
-        ratio = ours.median_step_s / trl.median_step_s
-        verdict = "ok" if ratio <= TARGET_RATIO[preset] and ours.peak_rss_mib <= trl.peak_rss_mib else "MISS"
-        table.add_row(
-            preset,
-            f"ours/TRL [{verdict}]",
-            f"{ratio:.2f} (target <= {TARGET_RATIO[preset]})",
-            f"{ours.median_cpu_s / trl.median_cpu_s:.2f}",
-            f"{ours.tokens_per_s / trl.tokens_per_s:.2f}x",
-            f"{ours.peak_rss_mib / trl.peak_rss_mib:.2f} (target <= 1)",
-            "",
-            end_section=True,
-        )
-    console = Console(width=None if sys.stdout.isatty() else 140)  # a pipe would wrap the table at 80
+    for column in COLUMNS:
+        table.add_column(column, justify="left" if column == "case" else "right")
+    for row in table_rows(results, peak_flops):
+        table.add_row(*row)
+    console = Console(width=None if sys.stdout.isatty() else 240)  # a pipe would wrap the table at 80
     console.print(table)
+    console.print(
+        f"dense float32 matmul peak ({TORCH_THREADS} threads, best of the timings before each case and after): "
+        f"{peak_flops / 1e9:.0f} GFLOP/s. train/peak: training phase (step less generation) at "
+        "the least FLOPs the step needs (bench/flops.py), over that peak."
+    )
+    reward_s, reward_calls = reward
     verdict = "ok" if reward_s <= 0.150 else "MISS"
     console.print(
         f"reward phase: 32 completions, batches of 8, 100 ms per call ({reward_calls} calls/step): "
@@ -380,38 +571,115 @@ def render(
     )
 
 
+def write_json(
+    path: Path, results: Sequence[CaseResult], peak_flops: float, args: argparse.Namespace
+) -> None:
+    """Every figure of the table, unrounded, with the run's settings."""
+    payload = {
+        "settings": {"steps": args.steps, "reps": args.reps, "omp_wait_policy": args.omp_wait_policy},
+        "peak_flops": peak_flops,
+        "cases": [
+            {
+                "case": r.case.name,
+                "target": r.case.target,
+                "ratio": r.ratio,
+                "rss_ratio": r.rss_ratio,
+                "met": r.met,
+                "trl": asdict(r.trl) | {"train_peak_share": r.peak_share(r.trl, peak_flops)},
+                "ours": asdict(r.ours) | {"train_peak_share": r.peak_share(r.ours, peak_flops)},
+            }
+            for r in results
+        ],
+    }
+    path.write_text(json.dumps(payload, indent=2))
+
+
+# ==================================================================================================
+# Command line
+# ==================================================================================================
+
+# What --quick changes, unless given explicitly too.
+QUICK = {"steps": 3, "reps": 1, "presets": "none", "arch": "llama", "vocab": "small", "tune": "full"}
+DEFAULTS = {
+    "steps": 8,
+    "reps": 2,
+    "presets": "tiny,small",
+    "arch": ",".join(ARCHS),
+    "vocab": ",".join(VOCABS),
+}
+DEFAULTS["tune"] = ",".join(TUNES)
+
+
+def _choices(parser: argparse.ArgumentParser, option: str, value: str, allowed: Sequence[str]) -> list[str]:
+    """A comma-separated list of `allowed` names ("none" = empty), or a parser error naming the option."""
+    if value.strip() == "none":
+        return []
+    picked = [item.strip() for item in value.split(",") if item.strip()]
+    unknown = [item for item in picked if item not in allowed]
+    if unknown or not picked:
+        parser.error(
+            f"{option}: unknown {', '.join(unknown) or '(none given)'}; choose from {', '.join(allowed)}"
+        )
+    return list(dict.fromkeys(picked))
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--presets", default="tiny,small", help="comma-separated: tiny, small, medium")
-    parser.add_argument("--steps", type=int, default=8, help="optimiser steps per run (step 1 is excluded)")
-    parser.add_argument("--reps", type=int, default=2, help="runs per framework and preset, alternating")
+    parser.add_argument(
+        "--presets", help=f"comma-separated: {', '.join(PRESETS)}, or none (default tiny,small)"
+    )
+    parser.add_argument("--arch", help=f"comma-separated: {', '.join(ARCHS)}, or none (default: all)")
+    parser.add_argument("--vocab", help=f"comma-separated: {', '.join(VOCABS)} (default: both)")
+    parser.add_argument("--tune", help="comma-separated: full, lora (default: both)")
+    parser.add_argument("--lora", action="store_true", help="LoRA cases only (= --tune lora)")
+    parser.add_argument("--steps", type=int, help="optimiser steps per run, step 1 excluded (default 8)")
+    parser.add_argument("--reps", type=int, help="runs per framework and case, alternating (default 2)")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke run: llama, small vocabulary, full, no presets, 3 steps x 1 rep",
+    )
     parser.add_argument(
         "--workdir", type=Path, default=None, help="models and scratch files (default: a temp dir)"
     )
     parser.add_argument(
+        "--cache-dir",
+        type=Path,
+        default=None,
+        help="where the trained 32k tokenizer is kept (default $XDG_CACHE_HOME/grpo-service/bench)",
+    )
+    parser.add_argument("--json", type=Path, default=None, help="also write every figure to this JSON file")
+    parser.add_argument(
         "--omp-wait-policy",
         choices=("passive", "active", "inherit"),
         default="passive",
-        help="OMP_WAIT_POLICY for both children (default passive: spinning threads distort shared machines)",
+        help="OMP_WAIT_POLICY for every child (default passive: spinning threads distort shared machines)",
     )
     # Internal: the child-process entry point.
-    parser.add_argument("--child", choices=FRAMEWORKS, help=argparse.SUPPRESS)
-    for internal in ("--preset", "--model-dir", "--data", "--work", "--record"):
+    parser.add_argument("--child", choices=(*FRAMEWORKS, "peak"), help=argparse.SUPPRESS)
+    for internal in ("--case", "--model-dir", "--data", "--work", "--record"):
         parser.add_argument(internal, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+
+    if args.lora:
+        if args.tune not in (None, "lora"):
+            parser.error("--lora: conflicts with --tune (use one)")
+        args.tune = "lora"
+    for name, default in DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, QUICK[name] if args.quick else default)
     if args.steps < 2:
         parser.error("--steps must be at least 2 (step 1 is excluded as warm-up)")
     if args.reps < 1:
         parser.error("--reps must be at least 1")
-    presets = [p.strip() for p in args.presets.split(",") if p.strip()]
-    unknown = sorted(set(presets) - set(PRESETS))
-    if unknown or not presets:
-        parser.error(
-            f"--presets: unknown {', '.join(unknown) or '(none given)'}; choose from {', '.join(PRESETS)}"
-        )
-    args.preset_list = presets
+    args.preset_list = _choices(parser, "--presets", args.presets, PRESETS)
+    args.arch_list = _choices(parser, "--arch", args.arch, ARCHS)
+    args.vocab_list = _choices(parser, "--vocab", args.vocab, VOCABS)
+    args.tune_list = _choices(parser, "--tune", args.tune, TUNES)
+    if not args.child and not cases_for(args):
+        parser.error("nothing to measure: no preset and no architecture x vocabulary x tune")
     return args
 
 
@@ -420,16 +688,27 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.child:
         child_main(args)
         return
+    cache_dir = args.cache_dir or default_cache_dir()
     with tempfile.TemporaryDirectory(prefix="grpo-bench-") as tmp:
         work = args.workdir or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
+        if "32k" in args.vocab_list and args.arch_list:
+            hf_tokenizer(
+                "32k", cache_dir
+            )  # trains and caches it now (~10-20 s once), not inside a timed child
         log: list[str] = []
-        results = {
-            preset: bench_preset(preset, args.steps, args.reps, work, args.omp_wait_policy, log)
-            for preset in args.preset_list
-        }
-        reward_s, reward_calls = bench_reward_phase()
-        render(results, reward_s, reward_calls, args)
+        results: list[CaseResult] = []
+        peaks: list[float] = []
+        for case in cases_for(args):
+            # Timed again before every case: on a shared machine the best of several is the closest to the peak.
+            peaks.append(measure_peak(work, args.omp_wait_policy))
+            results.append(bench_case(case, args, work, cache_dir, log))
+        peaks.append(measure_peak(work, args.omp_wait_policy))
+        peak_flops = max(peaks)
+        reward = bench_reward_phase()
+        render(results, peak_flops, reward, args)
+        if args.json:
+            write_json(args.json, results, peak_flops, args)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,8 @@ from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
+import transformers
+from packaging.version import Version
 from torch import Tensor
 from transformers import DynamicCache, GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
@@ -249,6 +251,11 @@ class _Decoder(Protocol):
     def step(self, tokens: Tensor) -> Tensor: ...  # (B,) -> next-token logits (B, V)
 
 
+# transformers 5.24 renamed the forwards' `past_key_values` to `cache` (the old name goes in 5.40). Earlier
+# releases do not know `cache`: their forwards would swallow it in **kwargs and decode without a cache.
+_CACHE_ARGUMENT = "cache" if Version(transformers.__version__).release >= (5, 24) else "past_key_values"
+
+
 class _CacheDecoder:
     """Any causal LM through its own forward and a DynamicCache (models fast_llama does not cover)."""
 
@@ -279,9 +286,9 @@ class _CacheDecoder:
             input_ids=ids,
             attention_mask=self.mask[:, : self.length],
             position_ids=positions,
-            past_key_values=self.cache,
             use_cache=True,
             logits_to_keep=1,
+            **{_CACHE_ARGUMENT: self.cache},
         )
         return out.logits[:, -1]
 
