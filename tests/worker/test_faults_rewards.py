@@ -1,7 +1,8 @@
 """Reward endpoint faults as the job sees them (issue 4, acceptance 5), through real processes: `grpo serve`
 with its embedded worker, a real signed reward server on loopback with injected faults.
 
-- 500s and timeouts are retried: the job succeeds and the retries are job events;
+- 500s and timeouts are retried: the job succeeds and the retries are job events; a flaky endpoint (30 % 5xx,
+  10 % timeouts, at random) never pauses a 40-step job, even when requests exhaust their attempts;
 - a permanent 400 fails the job with a clear code; an invalid response fails it with
   `reward_endpoint_invalid_response`; metrics and events recorded before stay;
 - an endpoint that stays down pauses the job (`reward_endpoint_unavailable`); after it recovers,
@@ -10,6 +11,7 @@ with its embedded worker, a real signed reward server on loopback with injected 
 
 from __future__ import annotations
 
+import random
 from collections.abc import Iterator
 from typing import Any
 
@@ -102,6 +104,38 @@ def test_flaky_endpoint_is_retried_and_the_job_succeeds(api: ApiClient, judge: s
     retries = [e for e in api.events(job_id) if e["type"] == "reward_retry"]
     assert retries and any("500" in e["message"] for e in retries)
     assert reward_server.rejected == []  # every request carried a valid signature
+
+
+def test_flaky_endpoint_does_not_pause_a_40_step_job(api: ApiClient) -> None:
+    rng = random.Random(16)
+
+    def flaky(number: int, request: RewardRequest) -> Fault | None:
+        draw = rng.random()
+        if draw < 0.3:
+            return Fault(status=503)
+        return Fault(delay_s=1.0) if draw < 0.4 else None  # beyond the 0.5 s timeout
+
+    with running(RewardServer(new_secret(), faults=flaky)) as server:
+        # Two attempts per request: about one request in six exhausts them (the old policy paused the job on
+        # the first). Five such requests in a row would open the circuit; a flaky endpoint never gets there.
+        registered = api.http.post("/v1/reward-functions", json={
+            "name": "flaky", "url": server.url, "timeout_s": 0.5, "max_batch_size": 4,
+            "max_attempts": 2, "backoff_s": 0.05, "breaker_threshold": 5,
+        })
+        assert registered.status_code == 201, registered.text
+        server.secret = registered.json()["signing_secret"]
+        spec = tiny_spec(api.upload_dataset(PROMPTS), max_steps=40, checkpoint_every=10, log_completions_every=10)
+        spec["rewards"] = [{"type": "remote", "reward_function_id": registered.json()["id"]}]
+        job_id = api.submit(spec)
+        job = api.wait_status(job_id, {"succeeded", "failed", "paused"}, timeout=600)
+    assert job["status"] == "succeeded", job
+    assert job["attempt"] == 1  # never paused and resumed
+    events = api.events(job_id)
+    assert not [e for e in events if e["type"] == "reward_endpoint_unavailable"]
+    retries = [e for e in events if e["type"] == "reward_retry"]
+    assert any("sending again" in e["message"] for e in retries)  # some request did exhaust its two attempts
+    assert api.metric_steps(job_id) == list(range(1, 41))
+    assert server.rejected == []
 
 
 @pytest.mark.parametrize(("mode", "code"), [("bad_request", "reward_endpoint_http_error"),

@@ -1,0 +1,33 @@
+"""Reward functions' failure policy (retries, backoff, breaker, step deadline, abstention limit).
+
+Revision ID: 0004_robustness
+Revises: 0003_webhooks
+Create Date: 2026-11-25
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import sqlalchemy as sa
+from alembic import op
+
+revision: str = "0004_robustness"
+down_revision: str | None = "0003_webhooks"
+branch_labels: str | Sequence[str] | None = None
+depends_on: str | Sequence[str] | None = None
+
+
+def upgrade() -> None:
+    with op.batch_alter_table("reward_functions") as batch:
+        batch.add_column(sa.Column("max_attempts", sa.Integer(), server_default="5", nullable=False))
+        batch.add_column(sa.Column("backoff_s", sa.Float(), server_default="0.5", nullable=False))
+        batch.add_column(sa.Column("breaker_threshold", sa.Integer(), server_default="3", nullable=False))
+        batch.add_column(sa.Column("step_deadline_s", sa.Float(), server_default="300", nullable=False))
+        batch.add_column(sa.Column("max_abstain_fraction", sa.Float(), server_default="0.25", nullable=False))
+
+
+def downgrade() -> None:
+    with op.batch_alter_table("reward_functions") as batch:
+        for column in ("max_abstain_fraction", "step_deadline_s", "breaker_threshold", "backoff_s", "max_attempts"):
+            batch.drop_column(column)
