@@ -5,7 +5,7 @@ its checks fails here even where another layer would have caught the write."""
 from __future__ import annotations
 
 import time
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 import pytest
 from sqlalchemy import func, select, update
@@ -44,6 +44,12 @@ def _job(job_id: str) -> Job:
         return session.execute(select(Job).where(Job.id == job_id)).scalar_one()
 
 
+def _lease(job_id: str) -> datetime:
+    lease = _job(job_id).lease_until
+    assert lease is not None
+    return lease
+
+
 def _newer_attempt_runs(claim: Claim) -> None:
     """Another attempt owns the job; the status stays `running`, so only the attempt check can refuse."""
     _set(claim.job_id, attempt=claim.attempt + 1)
@@ -54,7 +60,7 @@ class TestFence:
         _set(claim.job_id, lease_until=utcnow() + timedelta(seconds=5))
         with session_scope() as session:
             fence(session, claim)
-        assert _job(claim.job_id).lease_until > utcnow() + timedelta(seconds=50)
+        assert _lease(claim.job_id) > utcnow() + timedelta(seconds=50)
 
     def test_older_attempt_of_a_running_job_is_refused(self, claim: Claim) -> None:
         _newer_attempt_runs(claim)
@@ -159,10 +165,10 @@ class TestHeartbeat:
         _set(claim.job_id, lease_until=utcnow() - timedelta(seconds=30))
         with Heartbeat(short) as heartbeat:
             deadline = time.monotonic() + 10
-            while _job(claim.job_id).lease_until < utcnow() and time.monotonic() < deadline:
+            while _lease(claim.job_id) < utcnow() and time.monotonic() < deadline:
                 time.sleep(0.1)
             assert not heartbeat.lost.is_set()
-        assert _job(claim.job_id).lease_until > utcnow() - timedelta(seconds=1)
+        assert _lease(claim.job_id) > utcnow() - timedelta(seconds=1)
 
     @pytest.mark.parametrize("change", ["attempt", "status"])
     def test_sets_lost_when_the_job_is_taken(self, claim: Claim, change: str) -> None:
