@@ -186,6 +186,7 @@ class JobRunner:
             eval_rows = self._load_rows(context.eval_dataset_key, workdir / "eval.jsonl")
         base_model = self._resolve_base_model(context, workdir / "base")
         resume_from = self._prepare_resume(claim, workdir / "resume")
+        self._delete_unrecorded_checkpoints(claim)
         reward = self._build_rewards(claim, context)
 
         from worker.grpo.trainer import GRPOTrainer  # torch is imported here, in the job's process
@@ -322,6 +323,15 @@ class JobRunner:
                         session.expunge(checkpoint)
                     rewind_to(session, claim, checkpoint)
         return None
+
+    def _delete_unrecorded_checkpoints(self, claim: Claim) -> None:
+        """Files of checkpoints an earlier attempt uploaded but that no row records (see retention)."""
+        from service.checkpoints.retention import delete_unrecorded
+
+        with session_scope() as session:
+            stray = delete_unrecorded(session, self.storage, claim.job_id)
+        if stray:
+            log.info("job %s: deleted unrecorded checkpoint files %s", claim.job_id, ", ".join(stray))
 
     def _on_checkpoint(self, claim: Claim, step: int, path: Path, manifest: dict[str, Any]) -> None:
         """Upload the checkpoint's files (manifest last), then record it; nothing is recorded half-uploaded."""

@@ -1,4 +1,5 @@
-"""Reward functions' failure policy (retries, backoff, breaker, step deadline, abstention limit).
+"""Reward functions' failure policy (retries, backoff, breaker, step deadline, abstention limit);
+checkpoint download pins (retention skips a checkpoint being downloaded).
 
 Revision ID: 0004_robustness
 Revises: 0003_webhooks
@@ -25,9 +26,13 @@ def upgrade() -> None:
         batch.add_column(sa.Column("breaker_threshold", sa.Integer(), server_default="3", nullable=False))
         batch.add_column(sa.Column("step_deadline_s", sa.Float(), server_default="300", nullable=False))
         batch.add_column(sa.Column("max_abstain_fraction", sa.Float(), server_default="0.25", nullable=False))
+    with op.batch_alter_table("checkpoints") as batch:
+        batch.add_column(sa.Column("pinned_until", sa.DateTime(timezone=True), nullable=True))
 
 
 def downgrade() -> None:
+    with op.batch_alter_table("checkpoints") as batch:
+        batch.drop_column("pinned_until")
     with op.batch_alter_table("reward_functions") as batch:
         for column in ("max_abstain_fraction", "step_deadline_s", "breaker_threshold", "backoff_s", "max_attempts"):
             batch.drop_column(column)

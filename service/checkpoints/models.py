@@ -32,4 +32,6 @@ class Checkpoint(Base):
     total_bytes: Mapped[int] = mapped_column(BigInteger)
     metrics: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
     attempt: Mapped[int] = mapped_column(Integer, default=0)
+    # Set while a download streams it (renewed as it goes): retention leaves it alone until then.
+    pinned_until: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)

@@ -17,6 +17,7 @@ from service.jobs.stream import job_event_stream, parse_last_event_id
 from service.kit.deps import SessionDep, reads_of
 from service.kit.openapi import error_responses
 from service.kit.queue import JobQueue, get_job_queue
+from service.storage import get_storage
 from service.tenants.auth import CurrentTenant
 from worker.grpo.spec import JobSpec
 
@@ -122,6 +123,20 @@ async def get_job(job_id: str, request: Request, tenant: CurrentTenant) -> Respo
     # The hottest route (clients poll it): async, and on PostgreSQL the read is awaited on the event loop
     # with no thread hop (kit.reads).
     return _json(await service.read_job(reads_of(request), tenant.tenant_id, job_id))
+
+
+@router.delete(
+    "/jobs/{job_id}",
+    status_code=204,
+    summary="Delete a finished job and its artifacts",
+    responses=error_responses(401, 404, 409),
+)
+def delete_job(job_id: str, tenant: CurrentTenant, session: SessionDep) -> Response:
+    """Only a succeeded, failed or cancelled job (else 409 `job_not_finished` naming its state). Removes its
+    events, metrics, samples, checkpoints and their files in storage. 409 `checkpoint_in_use` while one of its
+    checkpoints is being downloaded or is the base model of an unfinished job."""
+    service.delete_job(session, tenant.tenant_id, job_id, get_storage())
+    return Response(status_code=204)
 
 
 @router.post(

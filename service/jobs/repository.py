@@ -13,6 +13,7 @@ from sqlalchemy.orm import Session
 from service.checkpoints.models import Checkpoint
 from service.datasets.models import Dataset
 from service.jobs.models import IdempotencyKey, Job, JobEvent, JobMetric, JobSample
+from service.jobs.states import UNFINISHED
 from service.kit.reads import Reads, one_or_none
 from service.rewards.models import RewardFunction
 
@@ -111,6 +112,17 @@ def live_reward_function_ids(session: Session, tenant_id: str, ids: Sequence[str
 def tenant_has_checkpoint(session: Session, tenant_id: str, checkpoint_id: str) -> bool:
     stmt = select(exists().where(Checkpoint.id == checkpoint_id, Checkpoint.tenant_id == tenant_id))
     return bool(session.scalar(stmt))
+
+
+def base_model_uses(session: Session, checkpoint_ids: Sequence[str]) -> set[str]:
+    """Those of `checkpoint_ids` that an unfinished job (queued, running, paused...) uses as its base model."""
+    if not checkpoint_ids:
+        return set()
+    names = ["checkpoint:" + checkpoint_id for checkpoint_id in checkpoint_ids]
+    used = session.scalars(
+        select(Job.base_model).where(Job.base_model.in_(names), Job.status.in_([s.value for s in UNFINISHED]))
+    )
+    return {name.removeprefix("checkpoint:") for name in used}
 
 
 def latest_checkpoint_id(session: Session, job_id: str) -> str | None:

@@ -15,7 +15,7 @@ from typing import IO, Any
 import grpc
 from sqlalchemy.orm import Session
 
-from service.checkpoints import service
+from service.checkpoints import retention, service
 from service.checkpoints.download import iter_file
 from service.checkpoints.schemas import CheckpointOut
 from service.grpc.auth import current_tenant
@@ -49,6 +49,7 @@ class _Planned:
 
 def _plan(session: Session, tenant_id: str, request: checkpoints_pb2.DownloadCheckpointRequest) -> list[_Planned]:
     checkpoint = service.get_checkpoint(session, tenant_id, request.checkpoint_id)
+    retention.pin(session, checkpoint.id)  # retention keeps it while the download streams
     wanted = list(request.paths) or [entry["path"] for entry in checkpoint.manifest]
     listed = {entry["path"] for entry in checkpoint.manifest}
     for path in request.offsets:
@@ -121,7 +122,9 @@ class CheckpointServicer(checkpoints_pb2_grpc.CheckpointServiceServicer):
             except FileNotFoundError as exc:
                 raise NotFound("checkpoint file", item.path) from exc
             try:
-                pieces = _chunks(handle, item.offset, item.size - item.offset, chunk_size)
+                pieces = retention.pinned_while_streaming(
+                    request.checkpoint_id, _chunks(handle, item.offset, item.size - item.offset, chunk_size)
+                )
                 offset = item.offset
                 while (data := await asyncio.to_thread(next, pieces, None)) is not None:
                     yield checkpoints_pb2.DownloadCheckpointResponse(
