@@ -1,5 +1,6 @@
 """Reward functions' failure policy (retries, backoff, breaker, step deadline, abstention limit);
-checkpoint download pins (retention skips a checkpoint being downloaded).
+checkpoint download pins (retention skips a checkpoint being downloaded); the step of a job event and whether
+a later attempt superseded it.
 
 Revision ID: 0004_robustness
 Revises: 0003_webhooks
@@ -28,9 +29,15 @@ def upgrade() -> None:
         batch.add_column(sa.Column("max_abstain_fraction", sa.Float(), server_default="0.25", nullable=False))
     with op.batch_alter_table("checkpoints") as batch:
         batch.add_column(sa.Column("pinned_until", sa.DateTime(timezone=True), nullable=True))
+    with op.batch_alter_table("job_events") as batch:
+        batch.add_column(sa.Column("step", sa.Integer(), nullable=True))
+        batch.add_column(sa.Column("superseded", sa.Boolean(), server_default=sa.false(), nullable=False))
 
 
 def downgrade() -> None:
+    with op.batch_alter_table("job_events") as batch:
+        batch.drop_column("superseded")
+        batch.drop_column("step")
     with op.batch_alter_table("checkpoints") as batch:
         batch.drop_column("pinned_until")
     with op.batch_alter_table("reward_functions") as batch:

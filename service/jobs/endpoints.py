@@ -187,9 +187,16 @@ def list_events(
     types: Annotated[
         str | None, Query(description="Comma-separated event types, e.g. `status,checkpoint`.")
     ] = None,
+    include_superseded: Annotated[
+        bool,
+        Query(description="Also list events of steps that a later attempt re-ran after a crash (`superseded`)."),
+    ] = False,
 ) -> EventList:
+    """Events of steps re-run by a later attempt (after a crash, from the last checkpoint) are left out unless
+    `include_superseded`: each step's metrics appear once, from the attempt that produced the final values."""
     rows, has_more = service.list_events(
-        session, tenant.tenant_id, job_id, after=after, limit=limit, types=_split(types)
+        session, tenant.tenant_id, job_id, after=after, limit=limit, types=_split(types),
+        include_superseded=include_superseded,
     )
     data = [EventOut.from_row(row) for row in rows]
     return EventList(data=data, has_more=has_more, next_after=data[-1].id if has_more else None)

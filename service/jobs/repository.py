@@ -134,10 +134,18 @@ def latest_checkpoint_id(session: Session, job_id: str) -> str | None:
 
 
 def list_events(
-    session: Session, job_id: str, *, after_id: int | None, limit: int, types: Sequence[str] | None = None
+    session: Session,
+    job_id: str,
+    *,
+    after_id: int | None,
+    limit: int,
+    types: Sequence[str] | None = None,
+    include_superseded: bool = False,
 ) -> Sequence[JobEvent]:
     """Oldest first, from after `after_id` (the cursor, also the SSE Last-Event-ID)."""
     stmt = select(JobEvent).where(JobEvent.job_id == job_id)
+    if not include_superseded:
+        stmt = stmt.where(JobEvent.superseded.is_(False))
     if after_id is not None:
         stmt = stmt.where(JobEvent.id > after_id)
     if types:

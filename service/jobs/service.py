@@ -158,9 +158,12 @@ def list_events(
     after: int | None,
     limit: int,
     types: Sequence[str] | None,
+    include_superseded: bool = False,
 ) -> tuple[Sequence[JobEvent], bool]:
     get_job(session, tenant_id, job_id)
-    rows = repository.list_events(session, job_id, after_id=after, limit=limit + 1, types=types)
+    rows = repository.list_events(
+        session, job_id, after_id=after, limit=limit + 1, types=types, include_superseded=include_superseded
+    )
     return rows[:limit], len(rows) > limit
 
 
