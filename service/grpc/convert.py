@@ -264,6 +264,8 @@ def event_to_proto(event: EventOut) -> jobs_pb2.JobEvent:
         data=data,
         created_at=timestamp(event.created_at),
         attempt=event.attempt,
+        step=event.step,
+        superseded=event.superseded,
     )
 
 

@@ -258,3 +258,19 @@ class TestDeleteJob:
         assert client.get(f"/v1/jobs/{job.id}", headers=tenant_a).status_code == 404
         err = await _fails(stub.DeleteJob, jobs_pb2.DeleteJobRequest(job_id=job.id), auth)
         assert err.code() == grpc.StatusCode.NOT_FOUND
+
+
+class TestSupersededEvents:
+    async def test_list_job_events_shows_each_step_once(
+        self, stub: jobs_pb2_grpc.JobServiceAsyncStub, tenant_a: TenantHeaders, client: TestClient
+    ) -> None:
+        from tests.worker.test_superseded_events import _crashed_and_resumed_job
+
+        job_id = _crashed_and_resumed_job(tenant_a.tenant_id)
+        auth = bearer(tenant_a.api_key)
+        default = await stub.ListJobEvents(jobs_pb2.ListJobEventsRequest(job_id=job_id, page_size=500), metadata=auth)
+        assert [(e.step, e.attempt) for e in default.events if e.type == "metrics"] == [(1, 1), (2, 1), (3, 2), (4, 2)]
+        everything = await stub.ListJobEvents(
+            jobs_pb2.ListJobEventsRequest(job_id=job_id, page_size=500, include_superseded=True), metadata=auth
+        )
+        assert [(e.step, e.attempt) for e in everything.events if e.superseded] == [(3, 1), (4, 1)]

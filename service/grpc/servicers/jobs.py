@@ -117,6 +117,7 @@ class JobServicer(jobs_pb2_grpc.JobServiceServicer):
                 after=request.after_event_id or None,
                 limit=limit,
                 types=list(request.types) or None,
+                include_superseded=request.include_superseded,
             )
             return [EventOut.from_row(r) for r in rows], has_more
 
