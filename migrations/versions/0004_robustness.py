@@ -27,8 +27,19 @@ def upgrade() -> None:
         batch.add_column(sa.Column("breaker_threshold", sa.Integer(), server_default="3", nullable=False))
         batch.add_column(sa.Column("step_deadline_s", sa.Float(), server_default="300", nullable=False))
         batch.add_column(sa.Column("max_abstain_fraction", sa.Float(), server_default="0.25", nullable=False))
-    with op.batch_alter_table("checkpoints") as batch:
-        batch.add_column(sa.Column("pinned_until", sa.DateTime(timezone=True), nullable=True))
+    op.create_table(
+        "checkpoint_pins",
+        sa.Column("id", sa.BigInteger().with_variant(sa.Integer(), "sqlite"), autoincrement=True, nullable=False),
+        sa.Column("checkpoint_id", sa.String(length=40), nullable=False),
+        sa.Column("expires_at", sa.DateTime(timezone=True), nullable=False),
+        sa.ForeignKeyConstraint(
+            ["checkpoint_id"], ["checkpoints.id"], name=op.f("fk_checkpoint_pins_checkpoint_id_checkpoints"),
+            ondelete="CASCADE",
+        ),
+        sa.PrimaryKeyConstraint("id", name=op.f("pk_checkpoint_pins")),
+        sqlite_autoincrement=True,
+    )
+    op.create_index(op.f("ix_checkpoint_pins_checkpoint_id"), "checkpoint_pins", ["checkpoint_id"], unique=False)
     with op.batch_alter_table("job_events") as batch:
         batch.add_column(sa.Column("step", sa.Integer(), nullable=True))
         batch.add_column(sa.Column("superseded", sa.Boolean(), server_default=sa.false(), nullable=False))
@@ -38,8 +49,8 @@ def downgrade() -> None:
     with op.batch_alter_table("job_events") as batch:
         batch.drop_column("superseded")
         batch.drop_column("step")
-    with op.batch_alter_table("checkpoints") as batch:
-        batch.drop_column("pinned_until")
+    op.drop_index(op.f("ix_checkpoint_pins_checkpoint_id"), table_name="checkpoint_pins")
+    op.drop_table("checkpoint_pins")
     with op.batch_alter_table("reward_functions") as batch:
         for column in ("max_abstain_fraction", "step_deadline_s", "breaker_threshold", "backoff_s", "max_attempts"):
             batch.drop_column(column)

@@ -76,7 +76,6 @@ def download_file(
     """Only files listed in the checkpoint's manifest can be downloaded; any other path is a 404."""
     checkpoint = service.get_checkpoint(session, tenant.tenant_id, checkpoint_id)
     entry = service.manifest_entry(checkpoint, path)
-    retention.pin(session, checkpoint.id)  # retention keeps it while the download streams
     size: int = entry["size"]
     etag = f'"{entry["sha256"]}"'
     headers = {
@@ -98,17 +97,18 @@ def download_file(
         handle = get_storage().open(service.file_key(checkpoint, entry))
     except FileNotFoundError as exc:
         raise NotFound("checkpoint file", path) from exc
+    pin_id = retention.pin(checkpoint.id)  # retention and deletion keep it while the download streams
     if byte_range is None:
         headers["Content-Length"] = str(size)
         return StreamingResponse(
-            retention.pinned_while_streaming(checkpoint.id, iter_file(handle, 0, size)),
+            retention.pinned_while_streaming(pin_id, iter_file(handle, 0, size)),
             media_type="application/octet-stream",
             headers=headers,
         )
     headers["Content-Length"] = str(byte_range.length)
     headers["Content-Range"] = byte_range.content_range(size)
     return StreamingResponse(
-        retention.pinned_while_streaming(checkpoint.id, iter_file(handle, byte_range.start, byte_range.length)),
+        retention.pinned_while_streaming(pin_id, iter_file(handle, byte_range.start, byte_range.length)),
         status_code=206,
         media_type="application/octet-stream",
         headers=headers,
@@ -129,7 +129,7 @@ def download_file(
 )
 def download_archive(checkpoint_id: str, tenant: CurrentTenant, session: SessionDep) -> StreamingResponse:
     checkpoint = service.get_checkpoint(session, tenant.tenant_id, checkpoint_id)
-    retention.pin(session, checkpoint.id)
+    pin_id = retention.pin(checkpoint.id)
     members = [
         TarMember(
             name=f"{checkpoint.id}/{entry['path']}",
@@ -140,7 +140,7 @@ def download_archive(checkpoint_id: str, tenant: CurrentTenant, session: Session
     ]
     headers, total = tar_plan(members, checkpoint.created_at.timestamp())
     return StreamingResponse(
-        retention.pinned_while_streaming(checkpoint.id, iter_tar(get_storage(), members, headers, total)),
+        retention.pinned_while_streaming(pin_id, iter_tar(get_storage(), members, headers, total)),
         media_type="application/x-tar",
         headers={
             "Content-Length": str(total),

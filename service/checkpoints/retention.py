@@ -5,7 +5,8 @@ After each recorded checkpoint a job keeps its newest `save_total_limit` checkpo
 attempt downloads), so it is always kept. Never deleted either, whatever the limit:
 
 - a checkpoint another unfinished job names as its base model (`checkpoint:<id>`);
-- a checkpoint being downloaded: each download pins it (`pinned_until`) and renews the pin while it streams.
+- a checkpoint being downloaded: each download pins it (a `CheckpointPin` row, renewed while it streams and
+  removed when it ends).
 
 A checkpoint kept for one of these reasons is pruned by a later pass once the reason is gone. Rows are
 deleted in the caller's transaction; the files only after it commits, so a rollback loses nothing (a crash in
@@ -24,7 +25,7 @@ from functools import partial
 from sqlalchemy import delete, select, update
 from sqlalchemy.orm import Session
 
-from service.checkpoints.models import Checkpoint
+from service.checkpoints.models import Checkpoint, CheckpointPin
 from service.jobs import repository as jobs_repository
 from service.jobs.models import Job
 from service.kit.db import on_commit, session_scope, utcnow
@@ -96,8 +97,7 @@ def apply_retention(session: Session, storage: Storage, job: Job) -> list[Checkp
 
 
 def _in_use(session: Session, job: Job, checkpoints: Sequence[Checkpoint]) -> frozenset[str]:
-    now = utcnow()
-    protected = {c.id for c in checkpoints if c.pinned_until is not None and c.pinned_until > now}
+    protected = pinned(session, [c.id for c in checkpoints])
     protected |= jobs_repository.base_model_uses(session, [c.id for c in checkpoints])
     return frozenset(protected)
 
@@ -128,24 +128,53 @@ def delete_unrecorded(session: Session, storage: Storage, job_id: str) -> list[s
 # --- download pins --------------------------------------------------------------------------------
 
 
-def pin(session: Session, checkpoint_id: str) -> None:
-    """Protect a checkpoint from retention for PIN_SECONDS (a download is starting or still streaming)."""
-    session.execute(
-        update(Checkpoint)
-        .where(Checkpoint.id == checkpoint_id)
-        .values(pinned_until=utcnow() + timedelta(seconds=PIN_SECONDS))
+def pin(checkpoint_id: str) -> int:
+    """Protect a checkpoint from retention and deletion for PIN_SECONDS as a download starts; the pin's id.
+
+    Committed at once, in its own transaction, so the pin holds before the first byte goes out.
+    """
+    with session_scope() as session:
+        row = CheckpointPin(checkpoint_id=checkpoint_id, expires_at=utcnow() + timedelta(seconds=PIN_SECONDS))
+        session.add(row)
+        session.flush()
+        return row.id
+
+
+def pinned(session: Session, checkpoint_ids: Sequence[str]) -> set[str]:
+    """Those of `checkpoint_ids` that a download in progress holds."""
+    if not checkpoint_ids:
+        return set()
+    rows = session.scalars(
+        select(CheckpointPin.checkpoint_id).where(
+            CheckpointPin.checkpoint_id.in_(checkpoint_ids), CheckpointPin.expires_at > utcnow()
+        )
     )
+    return set(rows)
 
 
-def pinned_while_streaming(checkpoint_id: str, chunks: Iterator[bytes]) -> Iterator[bytes]:
-    """`chunks`, renewing the checkpoint's pin every PIN_RENEW_SECONDS until the last one is sent."""
+def pinned_while_streaming(pin_id: int, chunks: Iterator[bytes]) -> Iterator[bytes]:
+    """`chunks`, renewing the pin every PIN_RENEW_SECONDS; the pin is removed when the stream ends or stops."""
     renewed = time.monotonic()
-    for chunk in chunks:
-        if time.monotonic() - renewed >= PIN_RENEW_SECONDS:
-            try:
-                with session_scope() as session:
-                    pin(session, checkpoint_id)
-            except Exception:
-                log.warning("could not renew the download pin of %s", checkpoint_id, exc_info=True)
-            renewed = time.monotonic()
-        yield chunk
+    try:
+        for chunk in chunks:
+            if time.monotonic() - renewed >= PIN_RENEW_SECONDS:
+                _write_pin(pin_id, renew=True)
+                renewed = time.monotonic()
+            yield chunk
+    finally:
+        _write_pin(pin_id, renew=False)
+
+
+def _write_pin(pin_id: int, *, renew: bool) -> None:
+    try:
+        with session_scope() as session:
+            if renew:
+                session.execute(
+                    update(CheckpointPin)
+                    .where(CheckpointPin.id == pin_id)
+                    .values(expires_at=utcnow() + timedelta(seconds=PIN_SECONDS))
+                )
+            else:
+                session.execute(delete(CheckpointPin).where(CheckpointPin.id == pin_id))
+    except Exception:  # the pin then expires by itself
+        log.warning("could not %s download pin %d", "renew" if renew else "remove", pin_id, exc_info=True)

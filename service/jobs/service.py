@@ -14,6 +14,7 @@ from typing import Any
 from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 
+from service.checkpoints import retention
 from service.checkpoints.models import Checkpoint
 from service.jobs import repository
 from service.jobs.models import Job, JobEvent
@@ -226,12 +227,9 @@ def delete_job(session: Session, tenant_id: str, job_id: str, storage: Storage) 
             f"job {job_id!r} is {job.status}; only succeeded, failed or cancelled jobs can be deleted",
             details={"current_status": job.status},
         )
-    checkpoints = session.execute(
-        select(Checkpoint.id, Checkpoint.pinned_until).where(Checkpoint.job_id == job_id)
-    ).all()
-    now = utcnow()
-    busy = sorted(row.id for row in checkpoints if row.pinned_until is not None and row.pinned_until > now)
-    busy += sorted(repository.base_model_uses(session, [row.id for row in checkpoints]))
+    checkpoint_ids = list(session.scalars(select(Checkpoint.id).where(Checkpoint.job_id == job_id)))
+    busy = sorted(retention.pinned(session, checkpoint_ids))
+    busy += sorted(repository.base_model_uses(session, checkpoint_ids))
     if busy:
         raise CheckpointInUse(
             f"checkpoint {busy[0]!r} of job {job_id!r} is being downloaded or is the base model of an "

@@ -11,7 +11,8 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import select, update
 
-from service.checkpoints.models import Checkpoint
+from service.checkpoints import retention
+from service.checkpoints.models import Checkpoint, CheckpointPin
 from service.checkpoints.retention import best_checkpoint, checkpoints_to_prune
 from service.jobs import service as jobs_service
 from service.jobs.models import Job
@@ -102,13 +103,13 @@ class TestRetention:
     ) -> None:
         claim = _claimed_job(tenant_a.tenant_id, save_total_limit=1)
         first = _save(claim, 1)
-        response = client.get(f"/v1/checkpoints/{first}/files/a.bin", headers=tenant_a)  # pins it
-        assert response.status_code == 200 and response.content == b"x"
+        # A download in progress pins it (the pin ends with the download, so take one as it starts).
+        retention.pin(first)
         _save(claim, 2)
         assert _kept(claim.job_id) == [1, 2] and first in _stored(claim.job_id)
         with session_scope() as session:  # the download's pin has run out
-            session.execute(update(Checkpoint).where(Checkpoint.id == first)
-                            .values(pinned_until=utcnow() - timedelta(seconds=1)))
+            session.execute(update(CheckpointPin).where(CheckpointPin.checkpoint_id == first)
+                            .values(expires_at=utcnow() - timedelta(seconds=1)))
         _save(claim, 3)
         assert _kept(claim.job_id) == [3] and first not in _stored(claim.job_id)
 
@@ -159,10 +160,14 @@ class TestDeleteJob:
         claim = _claimed_job(tenant_a.tenant_id)
         first = _save(claim, 1)
         reporting.finish(claim, JobStatus.succeeded, reason="done")
-        client.get(f"/v1/checkpoints/{first}/archive", headers=tenant_a)  # a download pins it
-        response = client.delete(f"/v1/jobs/{claim.job_id}", headers=tenant_a)
-        assert response.status_code == 409 and response.json()["error"]["code"] == "checkpoint_in_use"
-        assert _stored(claim.job_id)
+        with client.stream("GET", f"/v1/checkpoints/{first}/archive", headers=tenant_a) as download:
+            assert download.status_code == 200
+            response = client.delete(f"/v1/jobs/{claim.job_id}", headers=tenant_a)  # while it streams
+            assert response.status_code == 409 and response.json()["error"]["code"] == "checkpoint_in_use"
+            assert _stored(claim.job_id)
+            download.read()
+        # The finished download released its pin: now the job can go.
+        assert client.delete(f"/v1/jobs/{claim.job_id}", headers=tenant_a).status_code == 204
 
     def test_domain_function_refuses_a_paused_job(self, settings: Settings, tenant_a: TenantHeaders) -> None:
         claim = _claimed_job(tenant_a.tenant_id)

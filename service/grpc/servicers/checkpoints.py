@@ -49,7 +49,6 @@ class _Planned:
 
 def _plan(session: Session, tenant_id: str, request: checkpoints_pb2.DownloadCheckpointRequest) -> list[_Planned]:
     checkpoint = service.get_checkpoint(session, tenant_id, request.checkpoint_id)
-    retention.pin(session, checkpoint.id)  # retention keeps it while the download streams
     wanted = list(request.paths) or [entry["path"] for entry in checkpoint.manifest]
     listed = {entry["path"] for entry in checkpoint.manifest}
     for path in request.offsets:
@@ -122,8 +121,9 @@ class CheckpointServicer(checkpoints_pb2_grpc.CheckpointServiceServicer):
             except FileNotFoundError as exc:
                 raise NotFound("checkpoint file", item.path) from exc
             try:
+                pin_id = await asyncio.to_thread(retention.pin, request.checkpoint_id)  # kept while it streams
                 pieces = retention.pinned_while_streaming(
-                    request.checkpoint_id, _chunks(handle, item.offset, item.size - item.offset, chunk_size)
+                    pin_id, _chunks(handle, item.offset, item.size - item.offset, chunk_size)
                 )
                 offset = item.offset
                 while (data := await asyncio.to_thread(next, pieces, None)) is not None:
