@@ -162,7 +162,8 @@ def test_endpoint_down_pauses_then_resume_finishes(api: ApiClient, judge: str, p
         paused = api.wait_status(job_id, {"paused"}, timeout=240)
     finally:
         plan.mode = "ok"
-    assert any(e["type"] == "reward_endpoint_unavailable" for e in api.events(job_id))
+    unavailable = [e for e in api.events(job_id) if e["type"] == "reward_endpoint_unavailable"]
+    assert len(unavailable) == 1 and "circuit open" in unavailable[0]["message"]
     stopped_at = paused["progress"]["step"]
     api.post(f"/v1/jobs/{job_id}/resume")
     done = api.wait_status(job_id, {"succeeded"}, timeout=240)
