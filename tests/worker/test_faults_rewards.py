@@ -144,6 +144,28 @@ def test_flaky_endpoint_does_not_pause_a_40_step_job(api: ApiClient, policy: dic
     assert server.rejected == []
 
 
+def test_unanswered_completions_abstain_at_the_step_deadline(api: ApiClient) -> None:
+    # The first prompt's request of every step fails, the second's succeeds: the circuit keeps closing, and at
+    # the 1 s deadline the first prompt's completions abstain (half the step, within max_abstain_fraction).
+    failing = lambda number, request: Fault(status=500) if request.items[0].group_id == 0 else None  # noqa: E731
+    with running(RewardServer(new_secret(), faults=failing)) as server:
+        registered = api.http.post("/v1/reward-functions", json={
+            "name": "half", "url": server.url, "timeout_s": 0.5, "max_batch_size": 2, "max_attempts": 1,
+            "backoff_s": 0.3, "breaker_threshold": 20, "step_deadline_s": 1, "max_abstain_fraction": 0.5,
+        })
+        assert registered.status_code == 201, registered.text
+        server.secret = registered.json()["signing_secret"]
+        spec = tiny_spec(api.upload_dataset(PROMPTS), max_steps=3)
+        spec["rewards"] = [{"type": "remote", "reward_function_id": registered.json()["id"]}]
+        job_id = api.submit(spec)
+        job = api.wait_status(job_id, {"succeeded", "failed", "paused"}, timeout=300)
+    assert job["status"] == "succeeded", job
+    degraded = [e for e in api.events(job_id) if e["type"] == "reward_degraded"]
+    assert [e["data"]["step"] for e in degraded] == [1, 2, 3]
+    assert all((e["data"]["abstained"], e["data"]["items"]) == (2, 4) for e in degraded)
+    assert "HTTP 500" in degraded[0]["message"]
+
+
 @pytest.mark.parametrize(("mode", "code"), [("bad_request", "reward_endpoint_http_error"),
                                             ("wrong_length", "reward_endpoint_invalid_response")])
 def test_permanent_errors_fail_the_job_and_keep_its_history(api: ApiClient, judge: str, plan: Switchboard, mode: str,
