@@ -181,3 +181,33 @@ class TestHeartbeat:
             assert heartbeat.lost.wait(10)
         with session_scope() as session:  # the lost heartbeat did not touch the row after that
             assert session.scalar(select(func.count()).select_from(Job).where(Job.id == claim.job_id)) == 1
+
+
+class TestShouldStop:
+    """The runner's between-steps poll: each condition alone stops it, and ownership loss also marks the lease."""
+
+    def _poll(self, claim: Claim, settings: Settings) -> tuple[bool, bool]:
+        from worker.runner import JobRunner
+
+        heartbeat = Heartbeat(claim)  # not started: only its `lost` flag is used
+        stop = JobRunner(claim.job_id, settings=settings, worker_id="w1")._should_stop(claim, heartbeat)
+        return stop, heartbeat.lost.is_set()
+
+    def test_owner_without_requests_goes_on(self, claim: Claim, settings: Settings) -> None:
+        assert self._poll(claim, settings) == (False, False)
+
+    def test_newer_attempt_stops_and_marks_the_lease_lost(self, claim: Claim, settings: Settings) -> None:
+        _newer_attempt_runs(claim)
+        assert self._poll(claim, settings) == (True, True)
+
+    def test_job_no_longer_running_stops_and_marks_the_lease_lost(self, claim: Claim, settings: Settings) -> None:
+        _set(claim.job_id, status="queued")
+        assert self._poll(claim, settings) == (True, True)
+
+    def test_pause_request_stops_without_losing_the_lease(self, claim: Claim, settings: Settings) -> None:
+        _set(claim.job_id, pause_requested=True)
+        assert self._poll(claim, settings) == (True, False)
+
+    def test_cancel_stops_without_losing_the_lease(self, claim: Claim, settings: Settings) -> None:
+        _set(claim.job_id, status="cancelling")
+        assert self._poll(claim, settings) == (True, False)
