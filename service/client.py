@@ -8,6 +8,7 @@ connection errors, 429 and 502/503/504 with exponential backoff; others are not.
     dataset = client.upload_dataset("train.jsonl")
     job = client.create_job({"base_model": "builtin:tiny", "train_dataset": dataset.id, ...})
     for event in client.stream_job(job.id): ...
+    for event, progress in client.watch_job(job.id): print(progress.metrics)   # one entry per step
 """
 
 from __future__ import annotations
@@ -149,15 +150,22 @@ class _calls:  # noqa: N801 - a namespace of request builders, one per endpoint
         return Call("GET", f"/v1/jobs/{job_id}", JobOut, idempotent=True)
 
     @staticmethod
+    def delete_job(job_id: str) -> Call[BaseModel]:
+        return Call("DELETE", f"/v1/jobs/{job_id}", None)
+
+    @staticmethod
     def job_action(job_id: str, action: str) -> Call[JobOut]:
         if action not in ("cancel", "pause", "resume"):
             raise ValueError(f"unknown job action {action!r}")
         return Call("POST", f"/v1/jobs/{job_id}/{action}", JobOut)
 
     @staticmethod
-    def list_job_events(job_id: str, after: int | None = None, limit: int = 100) -> Call[EventList]:
+    def list_job_events(
+        job_id: str, after: int | None = None, limit: int = 100, include_superseded: bool = False
+    ) -> Call[EventList]:
+        params = _params(after=after, limit=limit, include_superseded="true" if include_superseded else None)
         return Call(
-            "GET", f"/v1/jobs/{job_id}/events", EventList, _params(after=after, limit=limit), idempotent=True
+            "GET", f"/v1/jobs/{job_id}/events", EventList, params, idempotent=True
         )
 
     @staticmethod
@@ -246,6 +254,37 @@ class _SSEParser:
             self._data = []
             return event
         return None
+
+
+@dataclass
+class JobProgress:
+    """A job's per-step metrics as its event stream reports them, each step counted once.
+
+    After a worker crash the next attempt resumes from the last checkpoint and re-runs the steps after it, so a
+    live stream carries their `metrics` events twice (the replayed log does not: those are `superseded`).
+    The new attempt's claim event (`status` to `running`, or `lease_taken_over`) names its `resume_step`:
+    `apply` then drops the later steps, which the new attempt reports again.
+    """
+
+    metrics: dict[int, dict[str, float]] = field(default_factory=dict)  # step -> that step's metrics
+    attempt: int = 0
+    status: str | None = None
+
+    def apply(self, event: EventOut) -> None:
+        if event.superseded or event.attempt < self.attempt:
+            return  # a late event of an attempt that has been replaced
+        self.attempt = max(self.attempt, event.attempt)
+        resume_step = event.data.get("resume_step")
+        if event.type in ("status", "lease_taken_over") and isinstance(resume_step, int):
+            self.metrics = {step: values for step, values in self.metrics.items() if step <= resume_step}
+        if event.type == "status":
+            self.status = str(event.data.get("to", self.status))
+        elif event.type == "metrics" and isinstance(event.data.get("step"), int):
+            self.metrics[event.data["step"]] = dict(event.data.get("metrics", {}))
+
+    @property
+    def steps(self) -> list[int]:
+        return sorted(self.metrics)
 
 
 class GRPOClient:
@@ -353,8 +392,14 @@ class GRPOClient:
     def resume_job(self, job_id: str) -> JobOut:
         return self._run(_calls.job_action(job_id, "resume"))
 
-    def list_job_events(self, job_id: str, after: int | None = None, limit: int = 100) -> EventList:
-        return self._run(_calls.list_job_events(job_id, after, limit))
+    def delete_job(self, job_id: str) -> None:
+        """Delete a finished job and its checkpoints (files included)."""
+        self._run(_calls.delete_job(job_id))
+
+    def list_job_events(
+        self, job_id: str, after: int | None = None, limit: int = 100, include_superseded: bool = False
+    ) -> EventList:
+        return self._run(_calls.list_job_events(job_id, after, limit, include_superseded))
 
     def get_job_metrics(
         self, job_id: str, names: list[str] | None = None, since_step: int | None = None
@@ -388,6 +433,13 @@ class GRPOClient:
                 return
             except httpx.TransportError:
                 continue  # the server went away mid-stream: reconnect from `last`
+
+    def watch_job(self, job_id: str) -> Iterator[tuple[EventOut, JobProgress]]:
+        """`stream_job` with the job's progress so far after each event (see `JobProgress`: no step twice)."""
+        progress = JobProgress()
+        for event in self.stream_job(job_id):
+            progress.apply(event)
+            yield event, progress
 
     # --- checkpoints
     def list_checkpoints(self, job_id: str) -> CheckpointList:
@@ -548,8 +600,13 @@ class AsyncGRPOClient:
     async def resume_job(self, job_id: str) -> JobOut:
         return await self._run(_calls.job_action(job_id, "resume"))
 
-    async def list_job_events(self, job_id: str, after: int | None = None, limit: int = 100) -> EventList:
-        return await self._run(_calls.list_job_events(job_id, after, limit))
+    async def delete_job(self, job_id: str) -> None:
+        await self._run(_calls.delete_job(job_id))
+
+    async def list_job_events(
+        self, job_id: str, after: int | None = None, limit: int = 100, include_superseded: bool = False
+    ) -> EventList:
+        return await self._run(_calls.list_job_events(job_id, after, limit, include_superseded))
 
     async def get_job_metrics(
         self, job_id: str, names: list[str] | None = None, since_step: int | None = None
@@ -585,6 +642,13 @@ class AsyncGRPOClient:
                 return
             except httpx.TransportError:
                 continue
+
+    async def watch_job(self, job_id: str) -> AsyncIterator[tuple[EventOut, JobProgress]]:
+        """`stream_job` with the job's progress so far after each event (see `JobProgress`: no step twice)."""
+        progress = JobProgress()
+        async for event in self.stream_job(job_id):
+            progress.apply(event)
+            yield event, progress
 
     async def list_checkpoints(self, job_id: str) -> CheckpointList:
         return await self._run(_calls.list_checkpoints(job_id))

@@ -38,6 +38,11 @@ def dataset_key(dataset_id: str) -> str:
     return validate_key(f"datasets/{dataset_id}.jsonl")
 
 
+def job_prefix(job_id: str) -> str:
+    """Everything a job wrote: its checkpoints and TensorBoard files."""
+    return validate_key(f"checkpoints/{job_id}")
+
+
 def checkpoint_prefix(job_id: str, checkpoint_id: str) -> str:
     return validate_key(f"checkpoints/{job_id}/{checkpoint_id}")
 

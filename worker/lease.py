@@ -133,7 +133,7 @@ def claim_job(session: Session, job_id: str, worker_id: str, lease_seconds: int)
     job = session.execute(select(Job).where(Job.id == job_id).execution_options(populate_existing=True)).scalar_one()
     checkpoint = latest_checkpoint(session, job_id)
     resume_step = checkpoint.step if checkpoint is not None else 0
-    _discard_steps_after(session, job_id, resume_step)
+    _discard_steps_after(session, job_id, resume_step, attempt=job.attempt)
     job.current_step = resume_step
     job.resume_checkpoint_id = checkpoint.id if checkpoint is not None else None
     job.error_code = None
@@ -157,8 +157,17 @@ def latest_checkpoint(session: Session, job_id: str, *, before_step: int | None 
     return session.execute(query.order_by(Checkpoint.step.desc()).limit(1)).scalar_one_or_none()
 
 
-def _discard_steps_after(session: Session, job_id: str, step: int) -> None:
-    """Forget what a dead attempt recorded after the step the new attempt resumes from."""
+def _discard_steps_after(session: Session, job_id: str, step: int, *, attempt: int) -> None:
+    """Forget what a dead attempt recorded after the step the new attempt resumes from.
+
+    Its events for those steps stay in the log, marked superseded (the new attempt writes its own).
+    """
+    session.execute(
+        update(JobEvent)
+        .where(JobEvent.job_id == job_id, JobEvent.step > step, JobEvent.attempt < attempt)
+        .values(superseded=True)
+        .execution_options(synchronize_session=False)
+    )
     session.execute(delete(JobMetric).where(JobMetric.job_id == job_id, JobMetric.step > step))
     session.execute(delete(JobSample).where(JobSample.job_id == job_id, JobSample.step > step))
     session.execute(delete(Checkpoint).where(Checkpoint.job_id == job_id, Checkpoint.step > step))
@@ -168,7 +177,7 @@ def rewind_to(session: Session, claim: Claim, checkpoint: Checkpoint | None) -> 
     """Resume from an older checkpoint than the claim chose (the newer one failed verification). Fenced."""
     fence(session, claim)
     step = checkpoint.step if checkpoint is not None else 0
-    _discard_steps_after(session, claim.job_id, step)
+    _discard_steps_after(session, claim.job_id, step, attempt=claim.attempt)
     session.execute(
         update(Job).where(Job.id == claim.job_id).values(
             current_step=step, resume_checkpoint_id=checkpoint.id if checkpoint is not None else None

@@ -15,7 +15,9 @@ stops without writing anything more. How the outcome maps to states:
 - trained to the end -> `succeeded` (or `cancelled` if a cancel arrived meanwhile);
 - stopped by should_stop -> the trainer saved a checkpoint; `paused` after a pause request, `cancelled`
   after a cancel;
-- `RewardUnavailable` (an endpoint stayed down) -> event `reward_endpoint_unavailable`, `paused`;
+- `RewardUnavailable` (an endpoint stayed down: its circuit opened, or too many completions of a step went
+  unanswered by the step deadline) -> event `reward_endpoint_unavailable`, `paused`; a flaky endpoint whose
+  few unanswered completions abstain is only reported (event `reward_degraded`);
   `POST /v1/jobs/{id}/resume` re-enqueues it and it resumes from its last checkpoint;
 - `RewardError` -> `failed` with the error's code (`reward_endpoint_invalid_response`, ...) and message;
 - a dataset that no longer parses -> `failed` (`dataset_invalid`); a `checkpoint:<id>` model that is
@@ -74,6 +76,7 @@ if TYPE_CHECKING:
     from worker.grpo.data import PromptRow
     from worker.grpo.rewards import CompositeReward
     from worker.reward_client import RetryEvent
+    from worker.reward_client.source import DegradedEvent
     from worker.tensorboard import TensorBoardLog
 
 log = logging.getLogger(__name__)
@@ -186,6 +189,7 @@ class JobRunner:
             eval_rows = self._load_rows(context.eval_dataset_key, workdir / "eval.jsonl")
         base_model = self._resolve_model(context, "base_model", context.spec.base_model, workdir / "base")
         resume_from = self._prepare_resume(claim, workdir / "resume")
+        self._delete_unrecorded_checkpoints(claim)
         reward = self._build_rewards(claim, context, workdir / "reward-models")
 
         from worker.grpo.trainer import GRPOTrainer  # torch is imported here, in the job's process
@@ -340,6 +344,15 @@ class JobRunner:
                     rewind_to(session, claim, checkpoint)
         return None
 
+    def _delete_unrecorded_checkpoints(self, claim: Claim) -> None:
+        """Files of checkpoints an earlier attempt uploaded but that no row records (see retention)."""
+        from service.checkpoints.retention import delete_unrecorded
+
+        with session_scope() as session:
+            stray = delete_unrecorded(session, self.storage, claim.job_id)
+        if stray:
+            log.info("job %s: deleted unrecorded checkpoint files %s", claim.job_id, ", ".join(stray))
+
     def _on_checkpoint(self, claim: Claim, step: int, path: Path, manifest: dict[str, Any]) -> None:
         """Upload the checkpoint's files (manifest last), then record it; nothing is recorded half-uploaded."""
         checkpoint_id = new_checkpoint_id()
@@ -414,6 +427,18 @@ class JobRunner:
             except LeaseLost:
                 log.info("job %s: retry event refused (lease lost)", claim.job_id)
 
+        async def on_degraded(event: DegradedEvent) -> None:
+            import asyncio
+
+            message = (f"{event.source}: {event.abstained} of {event.items} completions abstain at step {event.step} "
+                       f"(no answer within the step deadline: {event.reason})")
+            data = {"source": event.source, "step": event.step, "abstained": event.abstained,
+                    "items": event.items, "reason": event.reason}
+            try:
+                await asyncio.to_thread(reporting.record_event, claim, "reward_degraded", message, data)
+            except LeaseLost:
+                log.info("job %s: degraded event refused (lease lost)", claim.job_id)
+
         def remote(spec: RemoteRewardSpec) -> EndpointRewardSource[Any]:
             row = context.reward_functions[spec.reward_function_id]
             config = RemoteRewardConfig.model_validate({
@@ -421,8 +446,12 @@ class JobRunner:
                 "job_id": context.job_id, "timeout_s": row.timeout_s, "max_batch_size": row.max_batch_size,
                 "max_concurrency": row.max_concurrency, "headers": {str(k): str(v) for k, v in row.headers.items()},
                 "allow_private": bool(self.settings.allow_private_reward_urls),
+                "max_attempts": row.max_attempts, "backoff_base_s": row.backoff_s,
+                "breaker_threshold": row.breaker_threshold, "step_deadline_s": row.step_deadline_s,
+                "max_abstain_fraction": row.max_abstain_fraction,
             })
-            return build_remote_source(config, on_retry=on_retry)  # gRPC for grpc(s):// URLs, else HTTP
+            # gRPC for grpc(s):// URLs, else HTTP
+            return build_remote_source(config, on_retry=on_retry, on_degraded=on_degraded)
 
         model_paths: dict[str, str] = {}
         for i, spec in enumerate(context.spec.rewards):

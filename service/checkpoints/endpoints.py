@@ -8,7 +8,7 @@ from urllib.parse import quote
 from fastapi import APIRouter, Header
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from service.checkpoints import service
+from service.checkpoints import retention, service
 from service.checkpoints.download import (
     RangeNotSatisfiable,
     TarMember,
@@ -97,15 +97,18 @@ def download_file(
         handle = get_storage().open(service.file_key(checkpoint, entry))
     except FileNotFoundError as exc:
         raise NotFound("checkpoint file", path) from exc
+    pin_id = retention.pin(checkpoint.id)  # retention and deletion keep it while the download streams
     if byte_range is None:
         headers["Content-Length"] = str(size)
         return StreamingResponse(
-            iter_file(handle, 0, size), media_type="application/octet-stream", headers=headers
+            retention.pinned_while_streaming(pin_id, iter_file(handle, 0, size)),
+            media_type="application/octet-stream",
+            headers=headers,
         )
     headers["Content-Length"] = str(byte_range.length)
     headers["Content-Range"] = byte_range.content_range(size)
     return StreamingResponse(
-        iter_file(handle, byte_range.start, byte_range.length),
+        retention.pinned_while_streaming(pin_id, iter_file(handle, byte_range.start, byte_range.length)),
         status_code=206,
         media_type="application/octet-stream",
         headers=headers,
@@ -126,6 +129,7 @@ def download_file(
 )
 def download_archive(checkpoint_id: str, tenant: CurrentTenant, session: SessionDep) -> StreamingResponse:
     checkpoint = service.get_checkpoint(session, tenant.tenant_id, checkpoint_id)
+    pin_id = retention.pin(checkpoint.id)
     members = [
         TarMember(
             name=f"{checkpoint.id}/{entry['path']}",
@@ -136,7 +140,7 @@ def download_archive(checkpoint_id: str, tenant: CurrentTenant, session: Session
     ]
     headers, total = tar_plan(members, checkpoint.created_at.timestamp())
     return StreamingResponse(
-        iter_tar(get_storage(), members, headers, total),
+        retention.pinned_while_streaming(pin_id, iter_tar(get_storage(), members, headers, total)),
         media_type="application/x-tar",
         headers={
             "Content-Length": str(total),

@@ -33,3 +33,18 @@ class Checkpoint(Base):
     metrics: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
     attempt: Mapped[int] = mapped_column(Integer, default=0)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+
+
+class CheckpointPin(Base):
+    """One download in progress: retention and job deletion leave the checkpoint alone while a live pin exists.
+
+    Each download adds its own row, renews `expires_at` while it streams and deletes the row when it ends; a
+    row left by a crashed API process simply expires.
+    """
+
+    __tablename__ = "checkpoint_pins"
+    __table_args__ = ({"sqlite_autoincrement": True},)
+
+    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer(), "sqlite"), primary_key=True, autoincrement=True)
+    checkpoint_id: Mapped[str] = mapped_column(ForeignKey("checkpoints.id", ondelete="CASCADE"), index=True)
+    expires_at: Mapped[datetime] = mapped_column(UTCDateTime())

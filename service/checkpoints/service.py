@@ -13,7 +13,7 @@ from typing import Any
 
 from sqlalchemy.orm import Session
 
-from service.checkpoints import repository
+from service.checkpoints import repository, retention
 from service.checkpoints.models import Checkpoint
 from service.jobs import service as jobs_service
 from service.jobs.progress import CHECKPOINT_EVENT, append_locked_event, load_owned_job
@@ -22,6 +22,7 @@ from service.kit.errors import Conflict, NotFound, ValidationFailed
 from service.kit.ids import new_id
 from service.storage import InvalidStorageKey, Storage, checkpoint_key, checkpoint_prefix, validate_key
 
+CHECKPOINTS_PRUNED_EVENT = "checkpoints_pruned"
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
 
@@ -49,7 +50,8 @@ def record_checkpoint(
     `files` is the engine manifest's `files` mapping: {relative path: {"size": int, "sha256": hex}}.
     Each path must be a safe relative key and exist in storage with the listed size. `metrics`
     defaults to the job's recorded metrics at `step`. Fenced by `attempt` (StaleAttempt otherwise).
-    Emits a "checkpoint" event and makes this the job's resume point.
+    Emits a "checkpoint" event and makes this the job's resume point, then applies the job's retention
+    (`service.checkpoints.retention`; a "checkpoints_pruned" event names what it deleted).
     """
     job = load_owned_job(session, job_id, attempt)
     manifest = _manifest(storage, job_id, checkpoint_id, files)
@@ -81,6 +83,15 @@ def record_checkpoint(
             "total_bytes": checkpoint.total_bytes,
         },
     )
+    pruned = retention.apply_retention(session, storage, job)
+    if pruned:
+        append_locked_event(
+            session,
+            job,
+            CHECKPOINTS_PRUNED_EVENT,
+            f"deleted {len(pruned)} checkpoint(s) beyond save_total_limit",
+            {"checkpoint_ids": [c.id for c in pruned], "steps": sorted(c.step for c in pruned)},
+        )
     return checkpoint
 
 

@@ -1,4 +1,4 @@
-"""`grpo jobs create|list|get|watch|cancel|pause|resume|events|metrics|samples|plot`."""
+"""`grpo jobs create|list|get|watch|cancel|pause|resume|delete|events|metrics|samples|plot`."""
 
 from __future__ import annotations
 
@@ -132,6 +132,14 @@ def resume(job_id: str, as_json: JsonOpt = False) -> None:
     """Resume a paused job from its last checkpoint."""
     with api_client() as client:
         emit(client.resume_job(job_id), COLUMNS, as_json=as_json)
+
+
+@app.command()
+def delete(job_id: str) -> None:
+    """Delete a finished job with its checkpoints (files included)."""
+    with api_client() as client:
+        client.delete_job(job_id)
+    typer.echo(f"deleted {job_id}")
 
 
 @app.command()

@@ -264,6 +264,8 @@ def event_to_proto(event: EventOut) -> jobs_pb2.JobEvent:
         data=data,
         created_at=timestamp(event.created_at),
         attempt=event.attempt,
+        step=event.step,
+        superseded=event.superseded,
     )
 
 
@@ -337,6 +339,11 @@ def reward_function_to_proto(row: RewardFunctionOut) -> reward_functions_pb2.Rew
         headers=row.headers,
         created_at=timestamp(row.created_at),
         updated_at=timestamp(row.updated_at),
+        max_attempts=row.max_attempts,
+        backoff_s=row.backoff_s,
+        breaker_threshold=row.breaker_threshold,
+        step_deadline_s=row.step_deadline_s,
+        max_abstain_fraction=row.max_abstain_fraction,
     )
 
 

@@ -17,6 +17,7 @@ from service.jobs.stream import job_event_stream, parse_last_event_id
 from service.kit.deps import SessionDep, reads_of
 from service.kit.openapi import error_responses
 from service.kit.queue import JobQueue, get_job_queue
+from service.storage import get_storage
 from service.tenants.auth import CurrentTenant
 from worker.grpo.spec import JobSpec
 
@@ -124,6 +125,20 @@ async def get_job(job_id: str, request: Request, tenant: CurrentTenant) -> Respo
     return _json(await service.read_job(reads_of(request), tenant.tenant_id, job_id))
 
 
+@router.delete(
+    "/jobs/{job_id}",
+    status_code=204,
+    summary="Delete a finished job and its artifacts",
+    responses=error_responses(401, 404, 409),
+)
+def delete_job(job_id: str, tenant: CurrentTenant, session: SessionDep) -> Response:
+    """Only a succeeded, failed or cancelled job (else 409 `job_not_finished` naming its state). Removes its
+    events, metrics, samples, checkpoints and their files in storage. 409 `checkpoint_in_use` while one of its
+    checkpoints is being downloaded or is the base model of an unfinished job."""
+    service.delete_job(session, tenant.tenant_id, job_id, get_storage())
+    return Response(status_code=204)
+
+
 @router.post(
     "/jobs/{job_id}/cancel",
     response_model=JobOut,
@@ -172,9 +187,16 @@ def list_events(
     types: Annotated[
         str | None, Query(description="Comma-separated event types, e.g. `status,checkpoint`.")
     ] = None,
+    include_superseded: Annotated[
+        bool,
+        Query(description="Also list events of steps that a later attempt re-ran after a crash (`superseded`)."),
+    ] = False,
 ) -> EventList:
+    """Events of steps re-run by a later attempt (after a crash, from the last checkpoint) are left out unless
+    `include_superseded`: each step's metrics appear once, from the attempt that produced the final values."""
     rows, has_more = service.list_events(
-        session, tenant.tenant_id, job_id, after=after, limit=limit, types=_split(types)
+        session, tenant.tenant_id, job_id, after=after, limit=limit, types=_split(types),
+        include_superseded=include_superseded,
     )
     data = [EventOut.from_row(row) for row in rows]
     return EventList(data=data, has_more=has_more, next_after=data[-1].id if has_more else None)

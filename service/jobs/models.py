@@ -23,6 +23,7 @@ from sqlalchemy import (
     UniqueConstraint,
 )
 from sqlalchemy.orm import Mapped, mapped_column
+from sqlalchemy.sql.expression import false
 
 from service.kit.db import Base, UTCDateTime, utcnow
 
@@ -88,6 +89,11 @@ class JobEvent(Base):
     message: Mapped[str] = mapped_column(Text)
     data: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
     attempt: Mapped[int] = mapped_column(Integer, default=0)
+    # The training step the event is about (metrics, checkpoint, reward_degraded...), else null.
+    step: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    # Written by an attempt for a step that a later attempt re-ran from an earlier checkpoint: the later
+    # attempt's event for that step is the truth. Hidden from the event log and the stream by default.
+    superseded: Mapped[bool] = mapped_column(Boolean, server_default=false())
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
 
 

@@ -141,8 +141,15 @@ def append_locked_event(
 
 
 def _append(session: Session, job: Job, type: str, message: str, data: dict[str, Any]) -> JobEvent:
+    step = data.get("step")
     event = JobEvent(
-        job_id=job.id, type=type, message=message, data=data, attempt=job.attempt, created_at=utcnow()
+        job_id=job.id,
+        type=type,
+        message=message,
+        data=data,
+        attempt=job.attempt,
+        step=step if isinstance(step, int) and not isinstance(step, bool) else None,
+        created_at=utcnow(),
     )
     session.add(event)
     session.flush()

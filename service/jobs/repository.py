@@ -12,7 +12,9 @@ from sqlalchemy.orm import Session
 
 from service.checkpoints.models import Checkpoint
 from service.datasets.models import Dataset
+from service.jobs.model_sources import CHECKPOINT_PREFIX
 from service.jobs.models import IdempotencyKey, Job, JobEvent, JobMetric, JobSample
+from service.jobs.states import UNFINISHED
 from service.kit.reads import Reads, one_or_none
 from service.rewards.models import RewardFunction
 
@@ -113,6 +115,17 @@ def tenant_has_checkpoint(session: Session, tenant_id: str, checkpoint_id: str) 
     return bool(session.scalar(stmt))
 
 
+def base_model_uses(session: Session, checkpoint_ids: Sequence[str]) -> set[str]:
+    """Those of `checkpoint_ids` that an unfinished job (queued, running, paused...) uses as its base model."""
+    if not checkpoint_ids:
+        return set()
+    names = [CHECKPOINT_PREFIX + checkpoint_id for checkpoint_id in checkpoint_ids]
+    used = session.scalars(
+        select(Job.base_model).where(Job.base_model.in_(names), Job.status.in_([s.value for s in UNFINISHED]))
+    )
+    return {name.removeprefix(CHECKPOINT_PREFIX) for name in used}
+
+
 def latest_checkpoint_id(session: Session, job_id: str) -> str | None:
     stmt = select(Checkpoint.id).where(Checkpoint.job_id == job_id).order_by(Checkpoint.step.desc()).limit(1)
     return session.scalar(stmt)
@@ -122,10 +135,18 @@ def latest_checkpoint_id(session: Session, job_id: str) -> str | None:
 
 
 def list_events(
-    session: Session, job_id: str, *, after_id: int | None, limit: int, types: Sequence[str] | None = None
+    session: Session,
+    job_id: str,
+    *,
+    after_id: int | None,
+    limit: int,
+    types: Sequence[str] | None = None,
+    include_superseded: bool = False,
 ) -> Sequence[JobEvent]:
     """Oldest first, from after `after_id` (the cursor, also the SSE Last-Event-ID)."""
     stmt = select(JobEvent).where(JobEvent.job_id == job_id)
+    if not include_superseded:
+        stmt = stmt.where(JobEvent.superseded.is_(False))
     if after_id is not None:
         stmt = stmt.where(JobEvent.id > after_id)
     if types:

@@ -93,6 +93,12 @@ class EventOut(BaseModel):
     message: str
     data: dict[str, Any]
     attempt: int
+    step: int | None = Field(None, description="The training step the event is about, if any.")
+    superseded: bool = Field(
+        False,
+        description="A later attempt re-ran this step from an earlier checkpoint (after a crash); its own event "
+        "for the step is the one that counts. Listed only with include_superseded.",
+    )
     created_at: datetime
 
     @classmethod
@@ -104,6 +110,8 @@ class EventOut(BaseModel):
             message=event.message,
             data=event.data,
             attempt=event.attempt,
+            step=event.step,
+            superseded=event.superseded,
             created_at=event.created_at,
         )
 

@@ -1,4 +1,4 @@
-"""Jobs business logic for API callers (REST and gRPC): create, read, list, cancel, pause, resume.
+"""Jobs business logic for API callers (REST and gRPC): create, read, list, cancel, pause, resume, delete.
 
 Transport-free: functions take a Session and a tenant id, return ORM rows or pydantic models and
 raise service.kit.errors.*. They never commit; enqueueing is registered to run after the commit.
@@ -6,24 +6,32 @@ raise service.kit.errors.*. They never commit; enqueueing is registered to run a
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from functools import partial
 from typing import Any
 
+from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 
+from service.checkpoints import retention
+from service.checkpoints.models import Checkpoint
 from service.jobs import model_sources, repository
 from service.jobs.model_sources import ModelSourceKind, ModelSourcePolicy, ModelSourceRefused
 from service.jobs.models import Job, JobEvent
 from service.jobs.schemas import JobOut, MetricSeries, MetricsOut
-from service.jobs.states import STATUS_EVENT, UNFINISHED, JobStatus, transition
+from service.jobs.states import STATUS_EVENT, TERMINAL, UNFINISHED, JobStatus, transition
 from service.kit.config import get_settings
 from service.kit.db import on_commit, utcnow
-from service.kit.errors import IllegalTransition, NotFound, ValidationFailed
+from service.kit.errors import Conflict, IllegalTransition, NotFound, ValidationFailed
 from service.kit.ids import new_id
 from service.kit.queue import JobQueue, send_job_logged
 from service.kit.reads import Reads
+from service.storage import Storage, job_prefix
 from worker.grpo.spec import JobSpec, ModelRewardSpec, RemoteRewardSpec
+
+log = logging.getLogger(__name__)
+
 
 # --- create ---------------------------------------------------------------------------------------
 
@@ -163,9 +171,12 @@ def list_events(
     after: int | None,
     limit: int,
     types: Sequence[str] | None,
+    include_superseded: bool = False,
 ) -> tuple[Sequence[JobEvent], bool]:
     get_job(session, tenant_id, job_id)
-    rows = repository.list_events(session, job_id, after_id=after, limit=limit + 1, types=types)
+    rows = repository.list_events(
+        session, job_id, after_id=after, limit=limit + 1, types=types, include_superseded=include_superseded
+    )
     return rows[:limit], len(rows) > limit
 
 
@@ -202,6 +213,50 @@ def list_samples(
 def dataset_in_use(session: Session, tenant_id: str, dataset_id: str) -> bool:
     """True while an unfinished job (not succeeded/failed/cancelled) trains or evaluates on the dataset."""
     return repository.job_uses_dataset(session, tenant_id, dataset_id, [s.value for s in UNFINISHED])
+
+
+# --- delete ---------------------------------------------------------------------------------------
+
+
+class JobNotFinished(Conflict):
+    code = "job_not_finished"
+
+
+class CheckpointInUse(Conflict):
+    code = "checkpoint_in_use"
+
+
+def delete_job(session: Session, tenant_id: str, job_id: str, storage: Storage) -> None:
+    """Delete a finished job with its events, metrics, samples and checkpoints; its files once committed.
+
+    Refused (409) while the job is not finished (`job_not_finished`, naming its state: cancel it first), and
+    while one of its checkpoints is being downloaded or is the base model of an unfinished job
+    (`checkpoint_in_use`).
+    """
+    job = get_job(session, tenant_id, job_id, for_update=True)
+    if JobStatus(job.status) not in TERMINAL:
+        raise JobNotFinished(
+            f"job {job_id!r} is {job.status}; only succeeded, failed or cancelled jobs can be deleted",
+            details={"current_status": job.status},
+        )
+    checkpoint_ids = list(session.scalars(select(Checkpoint.id).where(Checkpoint.job_id == job_id)))
+    busy = sorted(retention.pinned(session, checkpoint_ids))
+    busy += sorted(repository.base_model_uses(session, checkpoint_ids))
+    if busy:
+        raise CheckpointInUse(
+            f"checkpoint {busy[0]!r} of job {job_id!r} is being downloaded or is the base model of an "
+            "unfinished job; try again later",
+            details={"checkpoint_ids": busy},
+        )
+    session.execute(delete(Job).where(Job.id == job_id))  # events, metrics, samples, checkpoints cascade
+    on_commit(session, partial(_delete_job_files, storage, job_id))
+
+
+def _delete_job_files(storage: Storage, job_id: str) -> None:
+    try:
+        storage.delete(job_prefix(job_id))
+    except Exception:
+        log.warning("job %s: could not delete its files under %s", job_id, job_prefix(job_id), exc_info=True)
 
 
 # --- control --------------------------------------------------------------------------------------

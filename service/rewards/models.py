@@ -29,6 +29,12 @@ class RewardFunction(Base):
     max_batch_size: Mapped[int] = mapped_column(Integer)
     max_concurrency: Mapped[int] = mapped_column(Integer)
     headers: Mapped[dict[str, Any]] = mapped_column(JSON)
+    # Failure policy of a job's calls (see worker.reward_client.source); bounds in service/rewards/schemas.py.
+    max_attempts: Mapped[int] = mapped_column(Integer, server_default="5")
+    backoff_s: Mapped[float] = mapped_column(Float, server_default="0.5")
+    breaker_threshold: Mapped[int] = mapped_column(Integer, server_default="3")
+    step_deadline_s: Mapped[float] = mapped_column(Float, server_default="300")
+    max_abstain_fraction: Mapped[float] = mapped_column(Float, server_default="0.25")
     signing_secret: Mapped[str] = mapped_column(String(128))
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)

@@ -73,6 +73,28 @@ class RewardFunctionCreate(BaseModel):
         description="Extra request headers (e.g. Authorization). Content-Type, webhook-*, Host, framing and "
         "proxy headers are reserved. Values of credential-like headers are never shown again.",
     )
+    max_attempts: int = Field(
+        5, ge=1, le=10, description="Attempts per request (the first included) on connection errors, timeouts, "
+        "429 and 5xx, with exponential backoff and full jitter.",
+    )
+    backoff_s: float = Field(
+        0.5, ge=0.05, le=30, allow_inf_nan=False,
+        description="Backoff base: the wait before retry n is random in [0, backoff_s * 2^n], at most 20 s.",
+    )
+    breaker_threshold: int = Field(
+        3, ge=1, le=20, description="Consecutive requests that exhausted their attempts before the endpoint "
+        "counts as down: the circuit opens and the job pauses (reward_endpoint_unavailable).",
+    )
+    step_deadline_s: float = Field(
+        300.0, ge=1, le=3600, allow_inf_nan=False,
+        description="While the circuit stays closed, a request that exhausted its attempts is sent again until "
+        "this long after the step's first request; then its items abstain (null).",
+    )
+    max_abstain_fraction: float = Field(
+        0.25, ge=0, le=1, allow_inf_nan=False,
+        description="Most of a step's completions that may abstain at the deadline (a reward_degraded event "
+        "reports them); beyond it the job pauses as if the circuit had opened.",
+    )
 
     @field_validator("headers")
     @classmethod
@@ -119,6 +141,11 @@ class RewardFunctionOut(BaseModel):
     max_batch_size: int
     max_concurrency: int
     headers: dict[str, str] = Field(description="Credential-like header values are shown as <redacted>.")
+    max_attempts: int
+    backoff_s: float
+    breaker_threshold: int
+    step_deadline_s: float
+    max_abstain_fraction: float
     created_at: datetime
     updated_at: datetime
 
@@ -132,6 +159,11 @@ class RewardFunctionOut(BaseModel):
             max_batch_size=row.max_batch_size,
             max_concurrency=row.max_concurrency,
             headers=redact_headers(dict(row.headers)),
+            max_attempts=row.max_attempts,
+            backoff_s=row.backoff_s,
+            breaker_threshold=row.breaker_threshold,
+            step_deadline_s=row.step_deadline_s,
+            max_abstain_fraction=row.max_abstain_fraction,
             created_at=row.created_at,
             updated_at=row.updated_at,
         )

@@ -145,3 +145,46 @@ class TestValidation:
     def test_dtype_is_preserved(self) -> None:
         advantages, group_std = group_advantages(torch.tensor([1.0, 0.0], dtype=torch.float32), 2)
         assert advantages.dtype == torch.float32 and group_std.dtype == torch.float32
+
+
+class TestZeroSpreadGuard:
+    """The exact-zero guard for groups whose rewards are all equal, in float64 and in the trainer's float32.
+
+    In float64, 0.1 + 0.1 + 0.1 = 0.30000000000000004, so the mean is not 0.1 and (r - mean) / eps would be
+    about -1.4e-13 without the guard. For float32 rewards (what the trainer passes) the float64 mean of equal
+    values is exact, so there the guard must simply not disturb the result, nor a nearly-zero spread.
+    """
+
+    @pytest.mark.parametrize("scale", ["group", "batch", "none"])
+    def test_equal_float64_rewards_give_exactly_zero(self, scale: str) -> None:
+        rewards = torch.tensor([0.1, 0.1, 0.1, 0.0, 1.0, 0.5], dtype=torch.float64)
+        assert (rewards[:3].mean() - rewards[0]).item() != 0.0  # the residue the guard exists for
+        advantages, group_std = group_advantages(rewards, 3, scale=scale)  # type: ignore[arg-type]
+        assert advantages.dtype == torch.float64
+        assert advantages[:3].tolist() == [0.0, 0.0, 0.0]
+        assert group_std[0].item() == 0.0 and group_std[1].item() > 0
+
+    def test_equal_float64_rewards_with_an_abstention(self) -> None:
+        rewards = torch.tensor([0.7, NAN, 0.7, 0.7, 0.1, 0.1, 0.1, 0.1], dtype=torch.float64)
+        advantages, group_std = group_advantages(rewards, 4, eps=1e-12)
+        assert advantages.tolist() == [0.0] * 8
+        assert group_std.tolist() == [0.0, 0.0]
+
+    def test_equal_float32_rewards_give_exactly_zero(self) -> None:
+        rewards = torch.tensor([0.1] * 8 + [0.3, 0.3, 0.3, 0.9, 0.9, 0.9, 0.9, 0.9], dtype=torch.float32)
+        advantages, group_std = group_advantages(rewards, 8, eps=1e-12)
+        assert advantages.dtype == torch.float32
+        assert advantages[:8].tolist() == [0.0] * 8 and group_std[0].item() == 0.0
+        assert all(a != 0.0 for a in advantages[8:].tolist())
+
+    def test_nearly_zero_float32_spread_is_kept_and_bounded(self) -> None:
+        # One ulp apart: a real (tiny) difference, not a flat group; eps keeps the advantage small.
+        one = torch.tensor(1.0, dtype=torch.float32)
+        above = torch.nextafter(one, torch.tensor(2.0, dtype=torch.float32))
+        rewards = torch.stack([one, above, one, above])
+        advantages, group_std = group_advantages(rewards, 4)
+        spread = (above - one).double().item()
+        assert group_std[0].item() == pytest.approx(spread / 2, rel=1e-3)
+        expected = (spread / 2) / (spread / 2 + 1e-4)
+        assert advantages.tolist() == pytest.approx([-expected, expected, -expected, expected], rel=1e-3)
+        assert 0 < abs(advantages[0].item()) < 1e-3

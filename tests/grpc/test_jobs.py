@@ -234,3 +234,43 @@ class TestProgress:
         assert got.state == jobs_pb2.JOB_STATE_FAILED
         assert (got.error_code, got.error_message) == ("reward_invalid_response", "bad reward")
         assert got.HasField("finished_at")
+
+
+class TestDeleteJob:
+    async def test_delete_refuses_unfinished_then_removes_a_finished_job(
+        self, stub: jobs_pb2_grpc.JobServiceAsyncStub, tenant_a: TenantHeaders, queue: RecordingQueue,
+        client: TestClient,
+    ) -> None:
+        from service.storage import get_storage, job_prefix
+
+        auth = bearer(tenant_a.api_key)
+        job = await _create(stub, tenant_a)
+        err = await _fails(stub.DeleteJob, jobs_pb2.DeleteJobRequest(job_id=job.id), auth)
+        assert err.code() == grpc.StatusCode.FAILED_PRECONDITION and "queued" in (err.details() or "")
+        assert error_code(err) == "job_not_finished"
+
+        attempt = start_job(job.id)
+        get_storage().put_stream(f"{job_prefix(job.id)}/tensorboard/events", [b"x"])
+        with session_scope() as session:
+            worker_transition(session, job.id, attempt, JobStatus.failed, reason="boom")
+        await stub.DeleteJob(jobs_pb2.DeleteJobRequest(job_id=job.id), metadata=auth)
+        assert get_storage().list(job_prefix(job.id)) == []
+        assert client.get(f"/v1/jobs/{job.id}", headers=tenant_a).status_code == 404
+        err = await _fails(stub.DeleteJob, jobs_pb2.DeleteJobRequest(job_id=job.id), auth)
+        assert err.code() == grpc.StatusCode.NOT_FOUND
+
+
+class TestSupersededEvents:
+    async def test_list_job_events_shows_each_step_once(
+        self, stub: jobs_pb2_grpc.JobServiceAsyncStub, tenant_a: TenantHeaders, client: TestClient
+    ) -> None:
+        from tests.worker.test_superseded_events import _crashed_and_resumed_job
+
+        job_id = _crashed_and_resumed_job(tenant_a.tenant_id)
+        auth = bearer(tenant_a.api_key)
+        default = await stub.ListJobEvents(jobs_pb2.ListJobEventsRequest(job_id=job_id, page_size=500), metadata=auth)
+        assert [(e.step, e.attempt) for e in default.events if e.type == "metrics"] == [(1, 1), (2, 1), (3, 2), (4, 2)]
+        everything = await stub.ListJobEvents(
+            jobs_pb2.ListJobEventsRequest(job_id=job_id, page_size=500, include_superseded=True), metadata=auth
+        )
+        assert [(e.step, e.attempt) for e in everything.events if e.superseded] == [(3, 1), (4, 1)]

@@ -39,6 +39,7 @@ OPERATIONS: list[tuple[str, ModuleType, str, tuple[ModuleType, ...], str]] = [
     ("POST /v1/jobs", jobs_rest, "JobService.CreateJob", (jobs_grpc,), "service.create_job"),
     ("GET /v1/jobs", jobs_rest, "JobService.ListJobs", (jobs_grpc,), "service.list_jobs"),
     ("GET /v1/jobs/{job_id}", jobs_rest, "JobService.GetJob", (jobs_grpc,), "service.read_job"),
+    ("DELETE /v1/jobs/{job_id}", jobs_rest, "JobService.DeleteJob", (jobs_grpc,), "service.delete_job"),
     ("POST /v1/jobs/{job_id}/cancel", jobs_rest, "JobService.CancelJob", (jobs_grpc,), "service.cancel_job"),
     ("POST /v1/jobs/{job_id}/pause", jobs_rest, "JobService.PauseJob", (jobs_grpc,), "service.pause_job"),
     ("POST /v1/jobs/{job_id}/resume", jobs_rest, "JobService.ResumeJob", (jobs_grpc,), "service.resume_job"),

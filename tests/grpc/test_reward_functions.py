@@ -34,6 +34,9 @@ class TestRewardFunctions:
         rf = created.reward_function
         assert created.signing_secret.startswith("whsec_")
         assert (rf.max_batch_size, rf.max_concurrency, rf.timeout_s) == (16, 4, 10.0)  # REST defaults
+        assert (rf.max_attempts, rf.backoff_s, rf.breaker_threshold, rf.step_deadline_s, rf.max_abstain_fraction) == (
+            5, 0.5, 3, 300.0, 0.25
+        )
         assert dict(rf.headers) == {"Authorization": "<redacted>"}
         got = (await stub.GetRewardFunction(pb.GetRewardFunctionRequest(reward_function_id=rf.id), metadata=auth))
         assert got.reward_function == rf
@@ -58,6 +61,11 @@ class TestRewardFunctions:
             ({"name": "bad/name"}, "name"),
             ({"timeout_s": 0.0}, "timeout_s"),
             ({"headers": {"Content-Type": "x"}}, "headers"),
+            ({"max_attempts": 0}, "max_attempts"),
+            ({"breaker_threshold": 21}, "breaker_threshold"),
+            ({"max_abstain_fraction": 2.0}, "max_abstain_fraction"),
+            ({"step_deadline_s": 0.0}, "step_deadline_s"),
+            ({"backoff_s": 100.0}, "backoff_s"),
         ],
     )
     async def test_invalid_fields_are_named(
@@ -71,6 +79,17 @@ class TestRewardFunctions:
             await stub.RegisterRewardFunction(_register(**fields), metadata=bearer(tenant_a.api_key))
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert error_field(err.value) == field
+
+    async def test_failure_policy_is_stored(
+        self, stub: reward_functions_pb2_grpc.RewardFunctionServiceAsyncStub, tenant_a: TenantHeaders, client: TestClient
+    ) -> None:
+        auth = bearer(tenant_a.api_key)
+        policy = {"max_attempts": 2, "backoff_s": 0.25, "breaker_threshold": 9, "step_deadline_s": 60.0,
+                  "max_abstain_fraction": 0.5}
+        rf = (await stub.RegisterRewardFunction(_register(**policy), metadata=auth)).reward_function
+        assert {name: getattr(rf, name) for name in policy} == policy
+        rest = client.get(f"/v1/reward-functions/{rf.id}", headers=tenant_a).json()
+        assert {name: rest[name] for name in policy} == policy
 
     async def test_url_policy_applies(
         self, stub: reward_functions_pb2_grpc.RewardFunctionServiceAsyncStub, tenant_a: TenantHeaders

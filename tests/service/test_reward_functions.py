@@ -60,6 +60,19 @@ class TestCreate:
             4,
             {},
         )
+        policy = ("max_attempts", "backoff_s", "breaker_threshold", "step_deadline_s", "max_abstain_fraction")
+        assert tuple(body[name] for name in policy) == (5, 0.5, 3, 300.0, 0.25)
+
+    def test_failure_policy_is_stored_for_the_worker(self, client: TestClient, tenant_a: TenantHeaders) -> None:
+        policy = {"max_attempts": 2, "backoff_s": 0.1, "breaker_threshold": 7, "step_deadline_s": 30.0,
+                  "max_abstain_fraction": 0.5}
+        response = create(client, tenant_a, **policy)
+        assert response.status_code == 201, response.text
+        assert {name: response.json()[name] for name in policy} == policy
+        with session_scope() as session:
+            row = session.get(RewardFunction, response.json()["id"])
+            assert row is not None
+            assert {name: getattr(row, name) for name in policy} == policy
 
     @pytest.mark.parametrize(
         ("override", "field"),
@@ -76,6 +89,16 @@ class TestCreate:
             ({"headers": {"X-A": "a\r\nX-B: b"}}, "headers"),
             ({"headers": {"bad name": "x"}}, "headers"),
             ({"unknown": 1}, "unknown"),
+            ({"max_attempts": 0}, "max_attempts"),
+            ({"max_attempts": 11}, "max_attempts"),
+            ({"backoff_s": 0.01}, "backoff_s"),
+            ({"backoff_s": 31}, "backoff_s"),
+            ({"breaker_threshold": 0}, "breaker_threshold"),
+            ({"breaker_threshold": 21}, "breaker_threshold"),
+            ({"step_deadline_s": 0.5}, "step_deadline_s"),
+            ({"step_deadline_s": 3601}, "step_deadline_s"),
+            ({"max_abstain_fraction": -0.1}, "max_abstain_fraction"),
+            ({"max_abstain_fraction": 1.5}, "max_abstain_fraction"),
         ],
     )
     def test_bad_fields_are_422_naming_the_field(

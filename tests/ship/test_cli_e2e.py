@@ -127,4 +127,10 @@ def test_cli_upload_register_create_watch_download(tmp_path: Path, processes: Pr
     model = AutoModelForCausalLM.from_pretrained(out)
     assert sum(p.numel() for p in model.parameters()) > 0
     stages["list + download + load"] = time.monotonic() - started
+
+    # --- delete: the finished job and its checkpoints are gone
+    deleted = run_cli(cli_env, "jobs", "delete", job["id"])
+    assert deleted.returncode == 0 and f"deleted {job['id']}" in deleted.stdout, describe(deleted)
+    gone = run_cli(cli_env, "jobs", "get", job["id"])
+    assert gone.returncode != 0, describe(gone)
     print("CLI end to end, seconds since start: " + ", ".join(f"{k} {v:.1f}" for k, v in stages.items()))

@@ -65,6 +65,27 @@ class TestEndToEnd:
         assert model.num_parameters() > 0 and tokenizer("hi")["input_ids"]
 
 
+class TestRetentionAndDelete:
+    def test_save_total_limit_keeps_three_and_delete_removes_the_files(self, api: ApiClient, stack: Stack) -> None:
+        dataset = api.upload_dataset(PROMPTS)
+        job_id = api.submit(tiny_spec(dataset, max_steps=6, checkpoint_every=1, save_total_limit=3))
+        api.wait_status(job_id, {"succeeded"}, timeout=240)
+
+        listed = api.checkpoints(job_id)
+        assert [c["step"] for c in listed] == [4, 5, 6], stack.logs()
+        job_dir = stack.data_dir / "storage" / "checkpoints" / job_id
+        stored = sorted(p.name for p in job_dir.iterdir() if p.name.startswith("ckpt_"))
+        assert stored == sorted(c["id"] for c in listed)
+        pruned = [e for e in api.events(job_id) if e["type"] == "checkpoints_pruned"]
+        assert sorted(step for e in pruned for step in e["data"]["steps"]) == [1, 2, 3]
+
+        deleted = api.http.delete(f"/v1/jobs/{job_id}")
+        assert deleted.status_code == 204, deleted.text
+        assert not job_dir.exists()
+        assert api.http.get(f"/v1/jobs/{job_id}").status_code == 404
+        assert api.http.get(f"/v1/checkpoints/{listed[0]['id']}").status_code == 404
+
+
 PAUSED_JOB_STEPS = 40
 
 

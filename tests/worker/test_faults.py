@@ -60,6 +60,9 @@ def _assert_resumed_cleanly(stack: Stack, api: ApiClient, job_id: str, steps: in
     late = _rows(stack.database_url, "SELECT step FROM checkpoints WHERE job_id = :j AND attempt = 1 AND step > :s",
                  j=job_id, s=resume_step)
     assert late == []
+    # The event log lists each step's metrics once, from the attempt whose values count.
+    logged = [(e["data"]["step"], e["attempt"]) for e in api.events(job_id) if e["type"] == "metrics"]
+    assert logged == [(s, 1 if s <= resume_step else 2) for s in range(1, steps + 1)]
 
 
 @pytest.fixture(scope="module")

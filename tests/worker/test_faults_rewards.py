@@ -1,7 +1,8 @@
 """Reward endpoint faults as the job sees them (issue 4, acceptance 5), through real processes: `grpo serve`
 with its embedded worker, a real signed reward server on loopback with injected faults.
 
-- 500s and timeouts are retried: the job succeeds and the retries are job events;
+- 500s and timeouts are retried: the job succeeds and the retries are job events; a flaky endpoint (30 % 5xx,
+  10 % timeouts, at random) never pauses a 40-step job, even when requests exhaust their attempts;
 - a permanent 400 fails the job with a clear code; an invalid response fails it with
   `reward_endpoint_invalid_response`; metrics and events recorded before stay;
 - an endpoint that stays down pauses the job (`reward_endpoint_unavailable`); after it recovers,
@@ -10,6 +11,7 @@ with its embedded worker, a real signed reward server on loopback with injected 
 
 from __future__ import annotations
 
+import random
 from collections.abc import Iterator
 from typing import Any
 
@@ -104,6 +106,66 @@ def test_flaky_endpoint_is_retried_and_the_job_succeeds(api: ApiClient, judge: s
     assert reward_server.rejected == []  # every request carried a valid signature
 
 
+@pytest.mark.parametrize("policy", [
+    # The defaults (5 attempts, circuit after 3 exhausted requests in a row).
+    {},
+    # Two attempts per request: about one request in six exhausts them (the old policy paused the job on the
+    # first), so resends certainly happen; five such requests in a row would open the circuit.
+    {"max_attempts": 2, "breaker_threshold": 5},
+], ids=["default-policy", "two-attempts"])
+def test_flaky_endpoint_does_not_pause_a_40_step_job(api: ApiClient, policy: dict[str, int]) -> None:
+    rng = random.Random(16)
+
+    def flaky(number: int, request: RewardRequest) -> Fault | None:
+        draw = rng.random()
+        if draw < 0.3:
+            return Fault(status=503)
+        return Fault(delay_s=1.0) if draw < 0.4 else None  # beyond the 0.5 s timeout
+
+    with running(RewardServer(new_secret(), faults=flaky)) as server:
+        registered = api.http.post("/v1/reward-functions", json={
+            "name": "flaky", "url": server.url, "timeout_s": 0.5, "max_batch_size": 4, "backoff_s": 0.05, **policy,
+        })
+        assert registered.status_code == 201, registered.text
+        server.secret = registered.json()["signing_secret"]
+        spec = tiny_spec(api.upload_dataset(PROMPTS), max_steps=40, checkpoint_every=10, log_completions_every=10)
+        spec["rewards"] = [{"type": "remote", "reward_function_id": registered.json()["id"]}]
+        job_id = api.submit(spec)
+        job = api.wait_status(job_id, {"succeeded", "failed", "paused"}, timeout=600)
+    assert job["status"] == "succeeded", job
+    assert job["attempt"] == 1  # never paused and resumed
+    events = api.events(job_id)
+    assert not [e for e in events if e["type"] == "reward_endpoint_unavailable"]
+    retries = [e for e in events if e["type"] == "reward_retry"]
+    assert retries
+    if policy:
+        assert any("sending again" in e["message"] for e in retries)  # some request did exhaust its attempts
+    assert api.metric_steps(job_id) == list(range(1, 41))
+    assert server.rejected == []
+
+
+def test_unanswered_completions_abstain_at_the_step_deadline(api: ApiClient) -> None:
+    # The first prompt's request of every step fails, the second's succeeds: the circuit keeps closing, and at
+    # the 1 s deadline the first prompt's completions abstain (half the step, within max_abstain_fraction).
+    failing = lambda number, request: Fault(status=500) if request.items[0].group_id == 0 else None  # noqa: E731
+    with running(RewardServer(new_secret(), faults=failing)) as server:
+        registered = api.http.post("/v1/reward-functions", json={
+            "name": "half", "url": server.url, "timeout_s": 0.5, "max_batch_size": 2, "max_attempts": 1,
+            "backoff_s": 0.3, "breaker_threshold": 20, "step_deadline_s": 1, "max_abstain_fraction": 0.5,
+        })
+        assert registered.status_code == 201, registered.text
+        server.secret = registered.json()["signing_secret"]
+        spec = tiny_spec(api.upload_dataset(PROMPTS), max_steps=3)
+        spec["rewards"] = [{"type": "remote", "reward_function_id": registered.json()["id"]}]
+        job_id = api.submit(spec)
+        job = api.wait_status(job_id, {"succeeded", "failed", "paused"}, timeout=300)
+    assert job["status"] == "succeeded", job
+    degraded = [e for e in api.events(job_id) if e["type"] == "reward_degraded"]
+    assert [e["data"]["step"] for e in degraded] == [1, 2, 3]
+    assert all((e["data"]["abstained"], e["data"]["items"]) == (2, 4) for e in degraded)
+    assert "HTTP 500" in degraded[0]["message"]
+
+
 @pytest.mark.parametrize(("mode", "code"), [("bad_request", "reward_endpoint_http_error"),
                                             ("wrong_length", "reward_endpoint_invalid_response")])
 def test_permanent_errors_fail_the_job_and_keep_its_history(api: ApiClient, judge: str, plan: Switchboard, mode: str,
@@ -128,7 +190,8 @@ def test_endpoint_down_pauses_then_resume_finishes(api: ApiClient, judge: str, p
         paused = api.wait_status(job_id, {"paused"}, timeout=240)
     finally:
         plan.mode = "ok"
-    assert any(e["type"] == "reward_endpoint_unavailable" for e in api.events(job_id))
+    unavailable = [e for e in api.events(job_id) if e["type"] == "reward_endpoint_unavailable"]
+    assert len(unavailable) == 1 and "circuit open" in unavailable[0]["message"]
     stopped_at = paused["progress"]["step"]
     api.post(f"/v1/jobs/{job_id}/resume")
     done = api.wait_status(job_id, {"succeeded"}, timeout=240)

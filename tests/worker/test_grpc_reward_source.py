@@ -192,9 +192,9 @@ class TestCircuitBreaker:
         with running_grpc(GrpcRewardServer(secret, faults=plan)) as server:
             source = source_for(server, secret, max_attempts=3, breaker_threshold=2, breaker_reset_s=0.5)
             items = make_items(1, 2)
-            for _ in range(2):
-                with pytest.raises(RewardUnavailable, match="gRPC UNAVAILABLE"):
-                    await source(items, step=0)
+            # The request is sent again until 2 requests in a row exhausted their 3 attempts.
+            with pytest.raises(RewardUnavailable, match="gRPC UNAVAILABLE.*circuit open after 2"):
+                await source(items, step=0)
             assert server.received == 6
             with pytest.raises(RewardUnavailable, match="circuit open"):
                 await source(items, step=0)
@@ -206,7 +206,7 @@ class TestCircuitBreaker:
 
     async def test_connection_refused_is_unavailable(self, secret: str) -> None:
         events: list[RetryEvent] = []
-        config = make_config(f"grpc://127.0.0.1:{closed_port()}", secret, max_attempts=3)
+        config = make_config(f"grpc://127.0.0.1:{closed_port()}", secret, max_attempts=3, breaker_threshold=1)
         source = GrpcRewardSource(config, on_retry=events.append)
         with pytest.raises(RewardUnavailable, match="gRPC UNAVAILABLE") as info:
             await source(make_items(1, 2), step=0)

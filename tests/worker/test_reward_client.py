@@ -30,6 +30,7 @@ from worker.reward_client.batching import make_batches
 from worker.reward_client.breaker import CircuitBreaker
 from worker.reward_client.cache import RewardCache, cache_key
 from worker.reward_client.endpoint import parse_retry_after
+from worker.reward_client.source import DegradedEvent
 from worker.reward_server import RewardRequest
 
 from .reward_servers import Fault, RewardServer, closed_port, new_secret, running
@@ -247,10 +248,11 @@ class TestCircuitBreaker:
             config = make_config(server.url, secret, max_attempts=3, breaker_threshold=2, breaker_reset_s=0.5)
             source = RemoteRewardSource(config)
             items = make_items(1, 2)
-            for _ in range(2):
-                with pytest.raises(RewardUnavailable, match="HTTP 503"):
-                    await source(items, step=0)
-            assert server.received == 6  # 2 calls x 3 attempts
+            # The request is sent again until `breaker_threshold` requests in a row exhausted their attempts.
+            with pytest.raises(RewardUnavailable, match="HTTP 503.*circuit open after 2"):
+                await source(items, step=0)
+            assert server.received == 6  # 2 requests x 3 attempts
+            assert source.stats.resends == 1
             # Open: fails fast without touching the endpoint.
             with pytest.raises(RewardUnavailable, match="circuit open") as info:
                 await source(items, step=0)
@@ -265,11 +267,88 @@ class TestCircuitBreaker:
     async def test_connection_refused_is_unavailable(self, secret: str) -> None:
         url = f"http://127.0.0.1:{closed_port()}/score"
         events: list[RetryEvent] = []
-        source = RemoteRewardSource(make_config(url, secret, max_attempts=3), on_retry=events.append)
+        config = make_config(url, secret, max_attempts=3, breaker_threshold=2)
+        source = RemoteRewardSource(config, on_retry=events.append)
         with pytest.raises(RewardUnavailable, match="connection failed"):
             await source(make_items(1, 2), step=0)
         await source.aclose()
-        assert len(events) == 2 and all("ConnectError" in e.reason for e in events)
+        # 2 requests x 2 retries, and the resend between them; attempts numbered over both requests.
+        assert [e.attempt for e in events] == [1, 2, 3, 4, 5]
+        assert all("ConnectError" in e.reason for e in events) and "sending again" in events[2].reason
+
+
+class TestFlakyEndpoint:
+    """An endpoint that answers some calls is alive: a request that exhausts its attempts is sent again,
+    and at the step deadline its items abstain (within the limit) instead of the job pausing."""
+
+    async def test_exhausted_request_is_resent_while_the_breaker_stays_closed(self, secret: str) -> None:
+        # Each request's first two attempts fail: with max_attempts=2 every request exhausts them once,
+        # and its resend succeeds. The breaker (threshold 3) never sees 3 consecutive failed requests.
+        failing = {1, 2}
+        plan = lambda n, r: Fault(status=500) if n in failing else None  # noqa: E731
+        with running(RewardServer(secret, faults=plan)) as server:
+            config = make_config(server.url, secret, max_attempts=2, breaker_threshold=2, max_batch_size=8)
+            source = RemoteRewardSource(config)
+            items = make_items(2, 2)
+            assert await source(items, step=0) == expected(items)
+            await source.aclose()
+        assert source.stats.resends == 1 and server.received == 3
+        # The resend is the same request: the same webhook-id on every attempt.
+        assert len({seen.headers["webhook-id"] for seen in server.seen}) == 1
+
+    async def test_flaky_endpoint_never_pauses(self, secret: str) -> None:
+        # 30 % 5xx and 10 % timeouts beyond the read timeout, at random; two attempts per request so that
+        # many requests exhaust them (about 16 %): each must be resent, never pause the job.
+        rng = random.Random(7)
+
+        def faults(number: int, request: RewardRequest) -> Fault | None:
+            draw = rng.random()
+            if draw < 0.3:
+                return Fault(status=503)
+            return Fault(delay_s=0.6) if draw < 0.4 else None
+
+        with running(RewardServer(secret, faults=faults)) as server:
+            config = make_config(server.url, secret, max_attempts=2, max_batch_size=2, timeout_s=0.3,
+                                 breaker_threshold=6)
+            source = RemoteRewardSource(config)
+            for step in range(12):
+                items = make_items(4, 2)
+                items = [RewardInput(i.prompt, i.completion + "y" * step, [], i.extras, i.group_id, i.index)
+                         for i in items]
+                assert await source(items, step=step) == expected(items)
+            await source.aclose()
+        assert source.stats.resends >= 1  # the old behaviour (pause on the first exhausted request) fails here
+
+    async def test_deadline_abstains_within_the_limit_and_reports_it(self, secret: str) -> None:
+        # Group 0's request always fails, the others succeed: the breaker keeps closing on their successes.
+        plan = lambda n, r: Fault(status=500) if r.items[0].group_id == 0 else None  # noqa: E731
+        degraded: list[DegradedEvent] = []
+        with running(RewardServer(secret, faults=plan)) as server:
+            config = make_config(server.url, secret, max_attempts=2, max_batch_size=2, max_concurrency=1,
+                                 breaker_threshold=50, step_deadline_s=0.5, max_abstain_fraction=0.25)
+            source = RemoteRewardSource(config, on_degraded=degraded.append)
+            items = make_items(4, 2)
+            rewards = await source(items, step=5)
+            assert rewards[:2] == [None, None] and rewards[2:] == expected(items)[2:]
+            assert len(degraded) == 1
+            event = degraded[0]
+            assert (event.step, event.abstained, event.items) == (5, 2, 8) and "HTTP 500" in event.reason
+            # The abstention was forced, not the endpoint's answer: it is not cached, the next step asks again.
+            before = server.received
+            with pytest.raises(RewardUnavailable, match="2 of 2 items still unscored"):
+                await source(items[:2], step=6)
+            assert server.received > before
+            await source.aclose()
+
+    async def test_too_many_abstentions_pause(self, secret: str) -> None:
+        plan = lambda n, r: Fault(status=500) if r.items[0].group_id < 2 else None  # noqa: E731
+        with running(RewardServer(secret, faults=plan)) as server:
+            config = make_config(server.url, secret, max_attempts=2, max_batch_size=2, max_concurrency=1,
+                                 breaker_threshold=50, step_deadline_s=0.5, max_abstain_fraction=0.25)
+            source = RemoteRewardSource(config)
+            with pytest.raises(RewardUnavailable, match="4 of 8 items still unscored"):
+                await source(make_items(4, 2), step=0)
+            await source.aclose()
 
 
 class TestInvalidResponses:

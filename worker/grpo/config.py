@@ -205,7 +205,18 @@ class GRPOConfig(BaseModel):
 
     # --- bookkeeping ---------------------------------------------------------------------------
     checkpoint_every: int = Field(50, ge=1, description="Save a checkpoint every N steps (and at the end).")
-    save_total_limit: int | None = Field(3, ge=1, description="Keep at most this many checkpoints; None = all.")
+    save_total_limit: int | None = Field(
+        3, ge=1, description="Keep the newest N checkpoints (plus the best by metric_for_best_model); None = all.",
+    )
+    metric_for_best_model: str | None = Field(
+        None, min_length=1, max_length=128,
+        description="A logged metric (e.g. 'eval/reward/mean'): the checkpoint with its best value is kept beyond "
+        "save_total_limit. None = no best checkpoint.",
+    )
+    greater_is_better: bool | None = Field(
+        None, description="Whether a higher metric_for_best_model is better; None = yes unless its name ends "
+        "with 'loss' (as in TRL).",
+    )
     eval_every: int | None = Field(None, ge=1, description="Evaluate on the eval dataset every N steps.")
     eval_samples: int = Field(32, ge=1, description="Eval prompts per evaluation (one greedy completion each).")
     log_completions_every: int = Field(10, ge=1, description="Record sample completions every N steps.")

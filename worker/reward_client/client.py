@@ -18,7 +18,14 @@ from worker.reward_client.config import RemoteRewardConfig
 from worker.reward_client.endpoint import EndpointCaller
 from worker.reward_client.protocol import RewardItem, RewardRequest, encode_request
 from worker.reward_client.signing import load_secret
-from worker.reward_client.source import EndpointRewardSource, OnRetry, Pending, RetryEvent, SourceStats
+from worker.reward_client.source import (
+    EndpointRewardSource,
+    OnDegraded,
+    OnRetry,
+    Pending,
+    RetryEvent,
+    SourceStats,
+)
 from worker.reward_client.transport import PinnedResolutionTransport
 
 __all__ = ["RemoteRewardSource", "RetryEvent", "SourceStats"]
@@ -30,7 +37,12 @@ class RemoteRewardSource(EndpointRewardSource[httpx.AsyncClient]):
     """Implements `worker.grpo.reward_types.RewardSource` for one HTTP(S) endpoint within one job."""
 
     def __init__(
-        self, config: RemoteRewardConfig, *, on_retry: OnRetry | None = None, resolver: Resolver | None = None
+        self,
+        config: RemoteRewardConfig,
+        *,
+        on_retry: OnRetry | None = None,
+        on_degraded: OnDegraded | None = None,
+        resolver: Resolver | None = None,
     ) -> None:
         if is_grpc_url(config.url):
             raise ValueError(f"{config.url!r} is a gRPC endpoint: use GrpcRewardSource (or build_remote_source)")
@@ -41,7 +53,7 @@ class RemoteRewardSource(EndpointRewardSource[httpx.AsyncClient]):
             headers=dict(config.headers),
             max_bytes=config.max_response_bytes,
         )
-        super().__init__(config, where=caller.where, on_retry=on_retry)
+        super().__init__(config, where=caller.where, on_retry=on_retry, on_degraded=on_degraded)
         self._caller = caller
         self._resolver = resolver
         if config.allow_private:

@@ -31,6 +31,14 @@ class RemoteRewardConfig(BaseModel):
     headers: dict[str, str] = Field(default_factory=dict, description="Extra request headers (e.g. auth).")
     allow_private: bool = Field(False, description="Permit loopback/private addresses (development only).")
     max_attempts: int = Field(5, ge=1, le=20, description="Attempts per request, the first included.")
+    step_deadline_s: float = Field(
+        300.0, gt=0, description="A request that exhausted its attempts is sent again (while the circuit stays "
+        "closed) until this long after the step's first request; then its items abstain.",
+    )
+    max_abstain_fraction: float = Field(
+        0.25, ge=0, le=1, description="Most of a step's items that may abstain at the deadline; beyond it the "
+        "endpoint counts as unavailable (the job pauses).",
+    )
     backoff_base_s: float = Field(
         0.5, gt=0, description="Exponential backoff base; full jitter in [0, base*2^n]."
     )
@@ -39,7 +47,10 @@ class RemoteRewardConfig(BaseModel):
         60.0, ge=0, description="A Retry-After longer than this is treated as 'unavailable' (the job pauses)."
     )
     max_response_bytes: int = Field(1 << 20, ge=64, description="Larger responses are refused.")
-    breaker_threshold: int = Field(3, ge=1, description="Consecutive failed calls that open the circuit.")
+    breaker_threshold: int = Field(
+        3, ge=1, description="Consecutive requests that exhausted their attempts before the endpoint counts as "
+        "down (circuit open: the job pauses).",
+    )
     breaker_reset_s: float = Field(30.0, ge=0, description="How long an open circuit fails fast.")
     cache_max_entries: int = Field(100_000, ge=0, description="Reward cache size (0 disables caching).")
 

@@ -46,7 +46,7 @@ from worker.reward_client.errors import (
 )
 from worker.reward_client.protocol import ResponseInvalid, check_rewards
 from worker.reward_client.signing import grpc_signed_content, load_secret, sign_headers
-from worker.reward_client.source import EndpointRewardSource, OnRetry, Pending
+from worker.reward_client.source import EndpointRewardSource, OnDegraded, OnRetry, Pending
 
 logger = logging.getLogger(__name__)
 
@@ -219,6 +219,7 @@ class GrpcRewardSource(EndpointRewardSource[PinnedChannels]):
         config: RemoteRewardConfig,
         *,
         on_retry: OnRetry | None = None,
+        on_degraded: OnDegraded | None = None,
         resolver: Resolver | None = None,
         root_certificates: bytes | None = None,
     ) -> None:
@@ -228,7 +229,7 @@ class GrpcRewardSource(EndpointRewardSource[PinnedChannels]):
             problem = metadata_problem(name, value)
             if problem is not None:
                 raise ValueError(problem)
-        super().__init__(config, where=config.url, on_retry=on_retry)
+        super().__init__(config, where=config.url, on_retry=on_retry, on_degraded=on_degraded)
         self._signer = load_secret(config.secret.get_secret_value())
         self._metadata = tuple((name.lower(), value) for name, value in config.headers.items())
         self._resolver = resolver

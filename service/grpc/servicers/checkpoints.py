@@ -15,7 +15,7 @@ from typing import IO, Any
 import grpc
 from sqlalchemy.orm import Session
 
-from service.checkpoints import service
+from service.checkpoints import retention, service
 from service.checkpoints.download import iter_file
 from service.checkpoints.schemas import CheckpointOut
 from service.grpc.auth import current_tenant
@@ -121,7 +121,10 @@ class CheckpointServicer(checkpoints_pb2_grpc.CheckpointServiceServicer):
             except FileNotFoundError as exc:
                 raise NotFound("checkpoint file", item.path) from exc
             try:
-                pieces = _chunks(handle, item.offset, item.size - item.offset, chunk_size)
+                pin_id = await asyncio.to_thread(retention.pin, request.checkpoint_id)  # kept while it streams
+                pieces = retention.pinned_while_streaming(
+                    pin_id, _chunks(handle, item.offset, item.size - item.offset, chunk_size)
+                )
                 offset = item.offset
                 while (data := await asyncio.to_thread(next, pieces, None)) is not None:
                     yield checkpoints_pb2.DownloadCheckpointResponse(

@@ -28,6 +28,7 @@ from service.jobs.schemas import EventOut, JobOut, SampleOut
 from service.kit.errors import ValidationFailed
 from service.kit.queue import get_job_queue
 from service.kit.reads import THREADED_READS, Reads
+from service.storage import get_storage
 from worker.grpo.spec import JobSpec
 
 Context = grpc.aio.ServicerContext[Any, Any]
@@ -85,6 +86,11 @@ class JobServicer(jobs_pb2_grpc.JobServiceServicer):
         job = await in_session(lambda s: JobOut.from_row(service.cancel_job(s, tenant.tenant_id, request.job_id)))
         return jobs_pb2.CancelJobResponse(job=job_to_proto(job))
 
+    async def DeleteJob(self, request: jobs_pb2.DeleteJobRequest, context: Context) -> jobs_pb2.DeleteJobResponse:
+        tenant = current_tenant()
+        await in_session(lambda s: service.delete_job(s, tenant.tenant_id, request.job_id, get_storage()))
+        return jobs_pb2.DeleteJobResponse()
+
     async def PauseJob(self, request: jobs_pb2.PauseJobRequest, context: Context) -> jobs_pb2.PauseJobResponse:
         tenant = current_tenant()
         job = await in_session(lambda s: JobOut.from_row(service.pause_job(s, tenant.tenant_id, request.job_id)))
@@ -111,6 +117,7 @@ class JobServicer(jobs_pb2_grpc.JobServiceServicer):
                 after=request.after_event_id or None,
                 limit=limit,
                 types=list(request.types) or None,
+                include_superseded=request.include_superseded,
             )
             return [EventOut.from_row(r) for r in rows], has_more
 

@@ -392,6 +392,45 @@ class CancelJobResponse(_message.Message):
 Global___CancelJobResponse: _TypeAlias = CancelJobResponse  # noqa: Y015
 
 @_typing.final
+class DeleteJobRequest(_message.Message):
+    """Request of JobService.DeleteJob."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_ID_FIELD_NUMBER: _builtins.int
+    job_id: _builtins.str
+    """Job id ("job_...")."""
+    def __init__(
+        self,
+        *,
+        job_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["job_id", b"job_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DeleteJobRequest: _TypeAlias = DeleteJobRequest  # noqa: Y015
+
+@_typing.final
+class DeleteJobResponse(_message.Message):
+    """Response of JobService.DeleteJob."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DeleteJobResponse: _TypeAlias = DeleteJobResponse  # noqa: Y015
+
+@_typing.final
 class PauseJobRequest(_message.Message):
     """Request of JobService.PauseJob."""
 
@@ -496,6 +535,8 @@ class JobEvent(_message.Message):
     DATA_FIELD_NUMBER: _builtins.int
     CREATED_AT_FIELD_NUMBER: _builtins.int
     ATTEMPT_FIELD_NUMBER: _builtins.int
+    STEP_FIELD_NUMBER: _builtins.int
+    SUPERSEDED_FIELD_NUMBER: _builtins.int
     id: _builtins.int
     """Monotonic event id; pass it as after_event_id to continue from here."""
     job_id: _builtins.str
@@ -506,6 +547,10 @@ class JobEvent(_message.Message):
     """Human-readable description."""
     attempt: _builtins.int
     """The attempt it belongs to."""
+    step: _builtins.int
+    """The training step it is about (metrics, checkpoint...), if any."""
+    superseded: _builtins.bool
+    """A later attempt re-ran this step from an earlier checkpoint after a crash; its own event counts."""
     @_builtins.property
     def data(self) -> _struct_pb2.Struct:
         """Event-specific data (free-form, as in REST)."""
@@ -524,12 +569,16 @@ class JobEvent(_message.Message):
         data: _struct_pb2.Struct | None = ...,
         created_at: _timestamp_pb2.Timestamp | None = ...,
         attempt: _builtins.int = ...,
+        step: _builtins.int | None = ...,
+        superseded: _builtins.bool = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "data", b"data"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_step", b"_step", "created_at", b"created_at", "data", b"data", "step", b"step"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "created_at", b"created_at", "data", b"data", "id", b"id", "job_id", b"job_id", "message", b"message", "type", b"type"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_step", b"_step", "attempt", b"attempt", "created_at", b"created_at", "data", b"data", "id", b"id", "job_id", b"job_id", "message", b"message", "step", b"step", "superseded", b"superseded", "type", b"type"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__step: _TypeAlias = _typing.Literal["step"]  # noqa: Y015
+    _WhichOneofArgType__step: _TypeAlias = _typing.Literal["_step", b"_step"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__step) -> _WhichOneofReturnType__step | None: ...
 
 Global___JobEvent: _TypeAlias = JobEvent  # noqa: Y015
 
@@ -543,12 +592,15 @@ class ListJobEventsRequest(_message.Message):
     AFTER_EVENT_ID_FIELD_NUMBER: _builtins.int
     PAGE_SIZE_FIELD_NUMBER: _builtins.int
     TYPES_FIELD_NUMBER: _builtins.int
+    INCLUDE_SUPERSEDED_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     """Job id ("job_...")."""
     after_event_id: _builtins.int
     """Only events with id > after_event_id (0 = from the start)."""
     page_size: _builtins.int
     """Maximum events to return (0 = 100; at most 500)."""
+    include_superseded: _builtins.bool
+    """Also list events of steps a later attempt re-ran after a crash (superseded = true)."""
     @_builtins.property
     def types(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Only events of these types (e.g. "status", "checkpoint"); empty = all."""
@@ -560,10 +612,11 @@ class ListJobEventsRequest(_message.Message):
         after_event_id: _builtins.int = ...,
         page_size: _builtins.int = ...,
         types: _abc.Iterable[_builtins.str] | None = ...,
+        include_superseded: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["after_event_id", b"after_event_id", "job_id", b"job_id", "page_size", b"page_size", "types", b"types"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["after_event_id", b"after_event_id", "include_superseded", b"include_superseded", "job_id", b"job_id", "page_size", b"page_size", "types", b"types"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -70,6 +70,11 @@ class JobServiceStub:
                 request_serializer=grpo_dot_v1_dot_jobs__pb2.ResumeJobRequest.SerializeToString,
                 response_deserializer=grpo_dot_v1_dot_jobs__pb2.ResumeJobResponse.FromString,
                 _registered_method=True)
+        self.DeleteJob = channel.unary_unary(
+                '/grpo.v1.JobService/DeleteJob',
+                request_serializer=grpo_dot_v1_dot_jobs__pb2.DeleteJobRequest.SerializeToString,
+                response_deserializer=grpo_dot_v1_dot_jobs__pb2.DeleteJobResponse.FromString,
+                _registered_method=True)
         self.ListJobEvents = channel.unary_unary(
                 '/grpo.v1.JobService/ListJobEvents',
                 request_serializer=grpo_dot_v1_dot_jobs__pb2.ListJobEventsRequest.SerializeToString,
@@ -143,6 +148,14 @@ class JobServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DeleteJob(self, request, context):
+        """Delete a succeeded, failed or cancelled job with its events, metrics, samples, checkpoints and their
+        files (FAILED_PRECONDITION while it is not finished, or while a checkpoint of it is in use).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ListJobEvents(self, request, context):
         """The job's event log (state changes, checkpoints, errors), oldest first.
         """
@@ -205,6 +218,11 @@ def add_JobServiceServicer_to_server(servicer, server):
                     servicer.ResumeJob,
                     request_deserializer=grpo_dot_v1_dot_jobs__pb2.ResumeJobRequest.FromString,
                     response_serializer=grpo_dot_v1_dot_jobs__pb2.ResumeJobResponse.SerializeToString,
+            ),
+            'DeleteJob': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteJob,
+                    request_deserializer=grpo_dot_v1_dot_jobs__pb2.DeleteJobRequest.FromString,
+                    response_serializer=grpo_dot_v1_dot_jobs__pb2.DeleteJobResponse.SerializeToString,
             ),
             'ListJobEvents': grpc.unary_unary_rpc_method_handler(
                     servicer.ListJobEvents,
@@ -395,6 +413,33 @@ class JobService:
             '/grpo.v1.JobService/ResumeJob',
             grpo_dot_v1_dot_jobs__pb2.ResumeJobRequest.SerializeToString,
             grpo_dot_v1_dot_jobs__pb2.ResumeJobResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteJob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/grpo.v1.JobService/DeleteJob',
+            grpo_dot_v1_dot_jobs__pb2.DeleteJobRequest.SerializeToString,
+            grpo_dot_v1_dot_jobs__pb2.DeleteJobResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -51,6 +51,10 @@ class JobServiceStub:
     """Pause a job: a queued job at once, a running one at its next step boundary (pause_requested)."""
     ResumeJob: _grpc.UnaryUnaryMultiCallable[_jobs_pb2.ResumeJobRequest, _jobs_pb2.ResumeJobResponse]
     """Resume a paused job from its latest checkpoint."""
+    DeleteJob: _grpc.UnaryUnaryMultiCallable[_jobs_pb2.DeleteJobRequest, _jobs_pb2.DeleteJobResponse]
+    """Delete a succeeded, failed or cancelled job with its events, metrics, samples, checkpoints and their
+    files (FAILED_PRECONDITION while it is not finished, or while a checkpoint of it is in use).
+    """
     ListJobEvents: _grpc.UnaryUnaryMultiCallable[_jobs_pb2.ListJobEventsRequest, _jobs_pb2.ListJobEventsResponse]
     """The job's event log (state changes, checkpoints, errors), oldest first."""
     GetJobMetrics: _grpc.UnaryUnaryMultiCallable[_jobs_pb2.GetJobMetricsRequest, _jobs_pb2.GetJobMetricsResponse]
@@ -86,6 +90,10 @@ class JobServiceAsyncStub(JobServiceStub):
     """Pause a job: a queued job at once, a running one at its next step boundary (pause_requested)."""
     ResumeJob: _aio.UnaryUnaryMultiCallable[_jobs_pb2.ResumeJobRequest, _jobs_pb2.ResumeJobResponse]  # type: ignore[assignment]
     """Resume a paused job from its latest checkpoint."""
+    DeleteJob: _aio.UnaryUnaryMultiCallable[_jobs_pb2.DeleteJobRequest, _jobs_pb2.DeleteJobResponse]  # type: ignore[assignment]
+    """Delete a succeeded, failed or cancelled job with its events, metrics, samples, checkpoints and their
+    files (FAILED_PRECONDITION while it is not finished, or while a checkpoint of it is in use).
+    """
     ListJobEvents: _aio.UnaryUnaryMultiCallable[_jobs_pb2.ListJobEventsRequest, _jobs_pb2.ListJobEventsResponse]  # type: ignore[assignment]
     """The job's event log (state changes, checkpoints, errors), oldest first."""
     GetJobMetrics: _aio.UnaryUnaryMultiCallable[_jobs_pb2.GetJobMetricsRequest, _jobs_pb2.GetJobMetricsResponse]  # type: ignore[assignment]
@@ -154,6 +162,16 @@ class JobServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_jobs_pb2.ResumeJobResponse, _abc.Awaitable[_jobs_pb2.ResumeJobResponse]]:
         """Resume a paused job from its latest checkpoint."""
+
+    @_abc_1.abstractmethod
+    def DeleteJob(
+        self,
+        request: _jobs_pb2.DeleteJobRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_jobs_pb2.DeleteJobResponse, _abc.Awaitable[_jobs_pb2.DeleteJobResponse]]:
+        """Delete a succeeded, failed or cancelled job with its events, metrics, samples, checkpoints and their
+        files (FAILED_PRECONDITION while it is not finished, or while a checkpoint of it is in use).
+        """
 
     @_abc_1.abstractmethod
     def ListJobEvents(

@@ -55,6 +55,11 @@ class RewardFunction(_message.Message):
     HEADERS_FIELD_NUMBER: _builtins.int
     CREATED_AT_FIELD_NUMBER: _builtins.int
     UPDATED_AT_FIELD_NUMBER: _builtins.int
+    MAX_ATTEMPTS_FIELD_NUMBER: _builtins.int
+    BACKOFF_S_FIELD_NUMBER: _builtins.int
+    BREAKER_THRESHOLD_FIELD_NUMBER: _builtins.int
+    STEP_DEADLINE_S_FIELD_NUMBER: _builtins.int
+    MAX_ABSTAIN_FRACTION_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     """Reward function id ("rf_...")."""
     name: _builtins.str
@@ -67,6 +72,16 @@ class RewardFunction(_message.Message):
     """Maximum completions per call."""
     max_concurrency: _builtins.int
     """Maximum calls in flight per job."""
+    max_attempts: _builtins.int
+    """Attempts per request (the first included) on transient failures."""
+    backoff_s: _builtins.float
+    """Backoff base in seconds: the wait before retry n is random in [0, backoff_s * 2^n]."""
+    breaker_threshold: _builtins.int
+    """Consecutive requests that exhausted their attempts before the circuit opens and the job pauses."""
+    step_deadline_s: _builtins.float
+    """Seconds after a step's first request until which exhausted requests are sent again."""
+    max_abstain_fraction: _builtins.float
+    """Most of a step's completions that may abstain at the deadline (0 to 1)."""
     @_builtins.property
     def headers(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
         """Extra headers (or gRPC metadata) sent on every call."""
@@ -91,10 +106,15 @@ class RewardFunction(_message.Message):
         headers: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
         created_at: _timestamp_pb2.Timestamp | None = ...,
         updated_at: _timestamp_pb2.Timestamp | None = ...,
+        max_attempts: _builtins.int = ...,
+        backoff_s: _builtins.float = ...,
+        breaker_threshold: _builtins.int = ...,
+        step_deadline_s: _builtins.float = ...,
+        max_abstain_fraction: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "updated_at", b"updated_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "headers", b"headers", "id", b"id", "max_batch_size", b"max_batch_size", "max_concurrency", b"max_concurrency", "name", b"name", "timeout_s", b"timeout_s", "updated_at", b"updated_at", "url", b"url"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backoff_s", b"backoff_s", "breaker_threshold", b"breaker_threshold", "created_at", b"created_at", "headers", b"headers", "id", b"id", "max_abstain_fraction", b"max_abstain_fraction", "max_attempts", b"max_attempts", "max_batch_size", b"max_batch_size", "max_concurrency", b"max_concurrency", "name", b"name", "step_deadline_s", b"step_deadline_s", "timeout_s", b"timeout_s", "updated_at", b"updated_at", "url", b"url"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -132,6 +152,11 @@ class RegisterRewardFunctionRequest(_message.Message):
     MAX_BATCH_SIZE_FIELD_NUMBER: _builtins.int
     MAX_CONCURRENCY_FIELD_NUMBER: _builtins.int
     HEADERS_FIELD_NUMBER: _builtins.int
+    MAX_ATTEMPTS_FIELD_NUMBER: _builtins.int
+    BACKOFF_S_FIELD_NUMBER: _builtins.int
+    BREAKER_THRESHOLD_FIELD_NUMBER: _builtins.int
+    STEP_DEADLINE_S_FIELD_NUMBER: _builtins.int
+    MAX_ABSTAIN_FRACTION_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """Name (1-128 characters)."""
     url: _builtins.str
@@ -142,6 +167,16 @@ class RegisterRewardFunctionRequest(_message.Message):
     """Maximum completions per call; unset = server default."""
     max_concurrency: _builtins.int
     """Maximum calls in flight per job; unset = server default."""
+    max_attempts: _builtins.int
+    """Attempts per request, 1-10; unset = server default (5)."""
+    backoff_s: _builtins.float
+    """Backoff base in seconds, 0.05-30; unset = server default (0.5)."""
+    breaker_threshold: _builtins.int
+    """Consecutive exhausted requests that open the circuit, 1-20; unset = server default (3)."""
+    step_deadline_s: _builtins.float
+    """Step deadline in seconds, 1-3600; unset = server default (300)."""
+    max_abstain_fraction: _builtins.float
+    """Most of a step's completions that may abstain, 0-1; unset = server default (0.25)."""
     @_builtins.property
     def headers(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
         """Extra headers (or gRPC metadata) sent on every call."""
@@ -155,21 +190,46 @@ class RegisterRewardFunctionRequest(_message.Message):
         max_batch_size: _builtins.int | None = ...,
         max_concurrency: _builtins.int | None = ...,
         headers: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        max_attempts: _builtins.int | None = ...,
+        backoff_s: _builtins.float | None = ...,
+        breaker_threshold: _builtins.int | None = ...,
+        step_deadline_s: _builtins.float | None = ...,
+        max_abstain_fraction: _builtins.float | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_max_batch_size", b"_max_batch_size", "_max_concurrency", b"_max_concurrency", "_timeout_s", b"_timeout_s", "max_batch_size", b"max_batch_size", "max_concurrency", b"max_concurrency", "timeout_s", b"timeout_s"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_backoff_s", b"_backoff_s", "_breaker_threshold", b"_breaker_threshold", "_max_abstain_fraction", b"_max_abstain_fraction", "_max_attempts", b"_max_attempts", "_max_batch_size", b"_max_batch_size", "_max_concurrency", b"_max_concurrency", "_step_deadline_s", b"_step_deadline_s", "_timeout_s", b"_timeout_s", "backoff_s", b"backoff_s", "breaker_threshold", b"breaker_threshold", "max_abstain_fraction", b"max_abstain_fraction", "max_attempts", b"max_attempts", "max_batch_size", b"max_batch_size", "max_concurrency", b"max_concurrency", "step_deadline_s", b"step_deadline_s", "timeout_s", b"timeout_s"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_batch_size", b"_max_batch_size", "_max_concurrency", b"_max_concurrency", "_timeout_s", b"_timeout_s", "headers", b"headers", "max_batch_size", b"max_batch_size", "max_concurrency", b"max_concurrency", "name", b"name", "timeout_s", b"timeout_s", "url", b"url"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_backoff_s", b"_backoff_s", "_breaker_threshold", b"_breaker_threshold", "_max_abstain_fraction", b"_max_abstain_fraction", "_max_attempts", b"_max_attempts", "_max_batch_size", b"_max_batch_size", "_max_concurrency", b"_max_concurrency", "_step_deadline_s", b"_step_deadline_s", "_timeout_s", b"_timeout_s", "backoff_s", b"backoff_s", "breaker_threshold", b"breaker_threshold", "headers", b"headers", "max_abstain_fraction", b"max_abstain_fraction", "max_attempts", b"max_attempts", "max_batch_size", b"max_batch_size", "max_concurrency", b"max_concurrency", "name", b"name", "step_deadline_s", b"step_deadline_s", "timeout_s", b"timeout_s", "url", b"url"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__backoff_s: _TypeAlias = _typing.Literal["backoff_s"]  # noqa: Y015
+    _WhichOneofArgType__backoff_s: _TypeAlias = _typing.Literal["_backoff_s", b"_backoff_s"]  # noqa: Y015
+    _WhichOneofReturnType__breaker_threshold: _TypeAlias = _typing.Literal["breaker_threshold"]  # noqa: Y015
+    _WhichOneofArgType__breaker_threshold: _TypeAlias = _typing.Literal["_breaker_threshold", b"_breaker_threshold"]  # noqa: Y015
+    _WhichOneofReturnType__max_abstain_fraction: _TypeAlias = _typing.Literal["max_abstain_fraction"]  # noqa: Y015
+    _WhichOneofArgType__max_abstain_fraction: _TypeAlias = _typing.Literal["_max_abstain_fraction", b"_max_abstain_fraction"]  # noqa: Y015
+    _WhichOneofReturnType__max_attempts: _TypeAlias = _typing.Literal["max_attempts"]  # noqa: Y015
+    _WhichOneofArgType__max_attempts: _TypeAlias = _typing.Literal["_max_attempts", b"_max_attempts"]  # noqa: Y015
     _WhichOneofReturnType__max_batch_size: _TypeAlias = _typing.Literal["max_batch_size"]  # noqa: Y015
     _WhichOneofArgType__max_batch_size: _TypeAlias = _typing.Literal["_max_batch_size", b"_max_batch_size"]  # noqa: Y015
     _WhichOneofReturnType__max_concurrency: _TypeAlias = _typing.Literal["max_concurrency"]  # noqa: Y015
     _WhichOneofArgType__max_concurrency: _TypeAlias = _typing.Literal["_max_concurrency", b"_max_concurrency"]  # noqa: Y015
+    _WhichOneofReturnType__step_deadline_s: _TypeAlias = _typing.Literal["step_deadline_s"]  # noqa: Y015
+    _WhichOneofArgType__step_deadline_s: _TypeAlias = _typing.Literal["_step_deadline_s", b"_step_deadline_s"]  # noqa: Y015
     _WhichOneofReturnType__timeout_s: _TypeAlias = _typing.Literal["timeout_s"]  # noqa: Y015
     _WhichOneofArgType__timeout_s: _TypeAlias = _typing.Literal["_timeout_s", b"_timeout_s"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__backoff_s) -> _WhichOneofReturnType__backoff_s | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__breaker_threshold) -> _WhichOneofReturnType__breaker_threshold | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__max_abstain_fraction) -> _WhichOneofReturnType__max_abstain_fraction | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__max_attempts) -> _WhichOneofReturnType__max_attempts | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__max_batch_size) -> _WhichOneofReturnType__max_batch_size | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__max_concurrency) -> _WhichOneofReturnType__max_concurrency | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__step_deadline_s) -> _WhichOneofReturnType__step_deadline_s | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__timeout_s) -> _WhichOneofReturnType__timeout_s | None: ...
 
