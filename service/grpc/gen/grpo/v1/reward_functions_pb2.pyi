@@ -69,7 +69,7 @@ class RewardFunction(_message.Message):
     """Maximum calls in flight per job."""
     @_builtins.property
     def headers(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
-        """Extra headers (or gRPC metadata) sent on every call."""
+        """Extra headers (or gRPC metadata) sent on every call; every value reads as "<redacted>"."""
 
     @_builtins.property
     def created_at(self) -> _timestamp_pb2.Timestamp:
