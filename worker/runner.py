@@ -18,6 +18,7 @@ stops without writing anything more. How the outcome maps to states:
 - `RewardUnavailable` (an endpoint stayed down) -> event `reward_endpoint_unavailable`, `paused`;
   `POST /v1/jobs/{id}/resume` re-enqueues it and it resumes from its last checkpoint;
 - `RewardError` -> `failed` with the error's code (`reward_endpoint_invalid_response`, ...) and message;
+  a registered reward URL this worker's policy refuses fails it as `reward_endpoint_url_rejected`;
 - a dataset that no longer parses -> `failed` (`dataset_invalid`); a `checkpoint:<id>` base model that is
   missing or corrupt -> `failed` (`base_checkpoint_invalid`); anything else -> `failed`
   (`training_error`, with the exception type and message).
@@ -48,6 +49,7 @@ from service.jobs.schemas import SampleIn
 from service.jobs.states import JobStatus
 from service.kit.config import Settings, get_settings
 from service.kit.db import session_scope
+from service.kit.urlpolicy import UrlRejected, check_url_syntax
 from service.observability.logs import job_context
 from service.rewards.models import RewardFunction
 from service.storage import Storage, checkpoint_key, checkpoint_prefix, get_storage, tensorboard_key
@@ -380,6 +382,7 @@ class JobRunner:
     def _build_rewards(self, claim: Claim, context: JobContext) -> CompositeReward:
         from worker.grpo.rewards import build_reward_sources
         from worker.reward_client import RemoteRewardConfig, build_remote_source
+        from worker.reward_client.errors import RewardEndpointRefused
         from worker.reward_client.source import EndpointRewardSource
 
         async def on_retry(event: RetryEvent) -> None:
@@ -396,11 +399,19 @@ class JobRunner:
 
         def remote(spec: RemoteRewardSpec) -> EndpointRewardSource[Any]:
             row = context.reward_functions[spec.reward_function_id]
+            allow_private = bool(self.settings.allow_private_reward_urls)
+            try:
+                # E.g. registered in development, run by a worker in production mode.
+                check_url_syntax(row.url, allow_private=allow_private)
+            except UrlRejected as exc:
+                raise RewardEndpointRefused(
+                    spec.source_name, f"the registered url is refused by this worker's policy: {exc.message}"
+                ) from exc
             config = RemoteRewardConfig.model_validate({
                 "reward_function_id": row.id, "url": row.url, "secret": row.signing_secret,
                 "job_id": context.job_id, "timeout_s": row.timeout_s, "max_batch_size": row.max_batch_size,
                 "max_concurrency": row.max_concurrency, "headers": {str(k): str(v) for k, v in row.headers.items()},
-                "allow_private": bool(self.settings.allow_private_reward_urls),
+                "allow_private": allow_private,
             })
             return build_remote_source(config, on_retry=on_retry)  # gRPC for grpc(s):// URLs, else HTTP
 
