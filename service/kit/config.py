@@ -29,6 +29,13 @@ class Settings(BaseSettings):
     api_port: int = Field(8000, description="REST port.")
     grpc_port: int = Field(50051, description="gRPC port (0 disables the gRPC server).")
     max_dataset_bytes: int = Field(512 * 1024 * 1024, gt=0, description="Upload size limit (413 beyond it).")
+    max_request_body_bytes: int = Field(
+        8 * 1024 * 1024,
+        ge=64 * 1024,
+        description="Body size limit of every REST route except dataset uploads (413 `payload_too_large` as "
+        "soon as a declared Content-Length or the bytes received pass it). gRPC: the largest message a call "
+        "may send, never below 5 MiB (upload chunks are up to 4 MiB).",
+    )
     allow_private_reward_urls: bool | None = Field(
         None, description="Allow loopback/private reward URLs. None = allowed in development, refused in production."
     )
