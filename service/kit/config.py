@@ -55,6 +55,20 @@ class Settings(BaseSettings):
         "time. Also the longest delay before a revoked key is refused by a process that did not revoke it "
         "(other uvicorn workers, the gRPC server, keys revoked directly in the database).",
     )
+    auth_negative_cache_seconds: float = Field(
+        5.0,
+        ge=0,
+        le=300,
+        description="Seconds a key the database refused is refused again from memory, per process (0 = "
+        "never): also the longest a key that becomes valid after being refused can still be refused.",
+    )
+    auth_lookups_per_minute: int = Field(
+        60,
+        ge=0,
+        description="Database lookups of unknown API keys each client address may fail per minute, per process "
+        "(as many at once); beyond it unknown keys from that address get 429 `too_many_auth_failures` until the "
+        "budget refills (60/N s per lookup). Keys already authenticated are not affected. 0 = no limit.",
+    )
     db_async_reads: bool = Field(
         True,
         description="PostgreSQL: the polled reads (GET /v1/jobs/{id}, GET /v1/jobs, the stream's first read) run on "
