@@ -119,6 +119,8 @@ async def _bounded_lookup(bearer_token: str, key_hash: str, address: str | None)
     settings = get_settings()
     if FAILED_LOOKUPS.refused(key_hash):
         raise Unauthenticated("invalid API key")
+    if lookup_prefix(bearer_token) is None:
+        address = None  # not shaped like a key: refused without a query, so it spends no budget
     per_minute = settings.auth_lookups_per_minute
     if address is not None and not FAILED_LOOKUPS.acquire(address, per_minute):
         wait = FAILED_LOOKUPS.seconds_until_token(address, per_minute)

@@ -112,6 +112,16 @@ class TestFlood:
             _authenticate(random_key(), "10.0.0.9")
         assert len(key_queries) == 11
 
+    def test_malformed_keys_cost_no_query_and_no_budget(
+        self, tenant_a: TenantHeaders, key_queries: list[str], monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        _configure(monkeypatch, auth_lookups_per_minute=1)
+        for i in range(10):
+            with pytest.raises(Unauthenticated):
+                _authenticate(f"not-a-key-{i}", "10.0.0.5")
+        assert key_queries == []
+        assert _authenticate(tenant_a.api_key, "10.0.0.5").tenant_id == tenant_a.tenant_id
+
     def test_zero_means_no_limit(self, key_queries: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
         _configure(monkeypatch, auth_lookups_per_minute=0)
         for _ in range(30):
