@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import re
 from datetime import datetime
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from service.kit.urlpolicy import is_grpc_url
 from service.rewards.models import RewardFunction
+from worker.grpo.dataset_format import MAX_COLUMN_NAME_CHARS, MAX_COLUMNS
 from worker.reward_client.grpc_source import metadata_problem
 
 # Headers the worker sets itself (Standard Webhooks signature, body framing) or that change routing or
@@ -167,7 +168,12 @@ class RewardTestItem(BaseModel):
 
     prompt: str = Field(max_length=100_000, description="The prompt (as rendered for the model).")
     completion: str = Field(max_length=100_000, description="The completion to score.")
-    metadata: dict[str, Any] = Field(default_factory=dict, description="The dataset row's other columns.")
+    metadata: dict[Annotated[str, Field(max_length=MAX_COLUMN_NAME_CHARS)], Any] = Field(
+        default_factory=dict,
+        max_length=MAX_COLUMNS,
+        description=f"The dataset row's other columns (at most {MAX_COLUMNS}, names up to {MAX_COLUMN_NAME_CHARS} "
+        "characters, as in a dataset).",
+    )
     group_id: int = Field(0, ge=0, le=2**31 - 1, description="Completions of the same prompt share a group id.")
 
 

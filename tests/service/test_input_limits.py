@@ -128,6 +128,21 @@ class TestFreeTextCaps:
         assert response.json()["error"]["details"][0]["field"].startswith(field)
 
 
+    @pytest.mark.parametrize(
+        "metadata", [{f"c{i}": 1 for i in range(MAX_COLUMNS + 1)}, {"c" * (MAX_COLUMN_NAME_CHARS + 1): 1}]
+    )
+    def test_reward_dry_run_metadata_is_bounded_like_dataset_columns(
+        self, client: TestClient, tenant_a: TenantHeaders, metadata: dict[str, int]
+    ) -> None:
+        created = client.post("/v1/reward-functions", headers=tenant_a,
+                              json={"name": "judge", "url": "http://127.0.0.1:9/score"})
+        item = {"prompt": "p", "completion": "c", "metadata": metadata}
+        response = client.post(f"/v1/reward-functions/{created.json()['id']}/test", headers=tenant_a,
+                               json={"items": [item]})
+        assert response.status_code == 422, response.text[:300]
+        assert response.json()["error"]["details"][0]["field"].startswith("body.items.0.metadata")
+
+
 def upload(client: TestClient, tenant: TenantHeaders, data: bytes) -> Any:
     return client.post("/v1/datasets", headers=tenant, files={"file": ("train.jsonl", data)})
 
