@@ -154,6 +154,20 @@ def test_rest_100_mb_metadata_is_413_in_bounded_memory(stack: Stack, server: Pro
     assert api.http.get("/v1/jobs").json()["data"] == []
 
 
+# A 5000-digit length never reaches the app: the HTTP server (h11) answers 400 itself.
+@pytest.mark.parametrize(("length", "status"), [(str(100 * MIB), b"413"), ("9" * 5000, b"400")])
+def test_rest_declared_length_over_the_limit_is_refused_before_the_body(
+    stack: Stack, api: ApiClient, length: str, status: bytes
+) -> None:
+    with socket.create_connection(("127.0.0.1", stack.api_port), timeout=5) as sock:
+        sock.sendall(
+            f"POST /v1/jobs HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {_token(api)}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {length}\r\n\r\n{{".encode()
+        )
+        response = sock.recv(65536)  # no body follows: only an up-front refusal answers within the timeout
+    assert response.startswith(b"HTTP/1.1 " + status), response[:300]
+
+
 def test_rest_dataset_with_200k_columns_is_422_in_bounded_memory(stack: Stack, server: Proc, api: ApiClient) -> None:
     wide = json.dumps({"prompt": "p", **{f"column_{i}": i for i in range(200_000)}}).encode() + b"\n"
     boundary = "limitsboundary"
