@@ -14,6 +14,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from service.checkpoints.endpoints import router as checkpoints_router
 from service.datasets.endpoints import router as datasets_router
 from service.jobs.endpoints import router as jobs_router
+from service.kit.bodylimit import BodyLimitMiddleware, BodyTooLarge, payload_too_large
 from service.kit.config import get_settings
 from service.kit.errors import DomainError
 from service.kit.heap import startup_objects_frozen
@@ -59,8 +60,10 @@ async def _validation_error(_request: Request, exc: Exception) -> JSONResponse:
     return _error(422, "validation_error", f"{first['field']}: {first['message']}", errors)
 
 
-async def _http_error(_request: Request, exc: Exception) -> JSONResponse:
+async def _http_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, StarletteHTTPException)
+    if isinstance(exc, BodyTooLarge):
+        return await _domain_error(request, payload_too_large(exc.limit))
     code = {401: "unauthenticated", 404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
     return _error(exc.status_code, code, str(exc.detail), None)
 
@@ -99,5 +102,11 @@ def create_app() -> FastAPI:
     app.include_router(checkpoints_router, prefix="/v1")
     app.include_router(webhooks_router, prefix="/v1")
     app.include_router(metrics_router)
+    # Dataset uploads stream under their own limit (GRPO_MAX_DATASET_BYTES, service.datasets.multipart).
+    app.add_middleware(
+        BodyLimitMiddleware,
+        max_bytes=get_settings().max_request_body_bytes,
+        exempt={("POST", "/v1/datasets")},
+    )
     app.add_middleware(PrometheusMiddleware)
     return app

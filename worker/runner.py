@@ -20,6 +20,7 @@ stops without writing anything more. How the outcome maps to states:
   few unanswered completions abstain is only reported (event `reward_degraded`);
   `POST /v1/jobs/{id}/resume` re-enqueues it and it resumes from its last checkpoint;
 - `RewardError` -> `failed` with the error's code (`reward_endpoint_invalid_response`, ...) and message;
+  a registered reward URL this worker's policy refuses fails it as `reward_endpoint_url_rejected`;
 - a dataset that no longer parses -> `failed` (`dataset_invalid`); a `checkpoint:<id>` model that is
   missing or corrupt -> `failed` (`base_checkpoint_invalid`); a model source the worker refuses
   (worker.model_sources) -> `model_source_refused` / `model_too_large`; a model that does not load ->
@@ -53,6 +54,7 @@ from service.jobs.schemas import SampleIn
 from service.jobs.states import JobStatus
 from service.kit.config import Settings, get_settings
 from service.kit.db import session_scope
+from service.kit.urlpolicy import UrlRejected, check_url_syntax
 from service.observability.logs import job_context
 from service.rewards.models import RewardFunction
 from service.storage import Storage, checkpoint_key, checkpoint_prefix, get_storage, tensorboard_key
@@ -413,6 +415,7 @@ class JobRunner:
     def _build_rewards(self, claim: Claim, context: JobContext, models_dir: Path) -> CompositeReward:
         from worker.grpo.rewards import build_reward_sources
         from worker.reward_client import RemoteRewardConfig, build_remote_source
+        from worker.reward_client.errors import RewardEndpointRefused
         from worker.reward_client.source import EndpointRewardSource
 
         async def on_retry(event: RetryEvent) -> None:
@@ -441,11 +444,19 @@ class JobRunner:
 
         def remote(spec: RemoteRewardSpec) -> EndpointRewardSource[Any]:
             row = context.reward_functions[spec.reward_function_id]
+            allow_private = bool(self.settings.allow_private_reward_urls)
+            try:
+                # E.g. registered in development, run by a worker in production mode.
+                check_url_syntax(row.url, allow_private=allow_private)
+            except UrlRejected as exc:
+                raise RewardEndpointRefused(
+                    spec.source_name, f"the registered url is refused by this worker's policy: {exc.message}"
+                ) from exc
             config = RemoteRewardConfig.model_validate({
                 "reward_function_id": row.id, "url": row.url, "secret": row.signing_secret,
                 "job_id": context.job_id, "timeout_s": row.timeout_s, "max_batch_size": row.max_batch_size,
                 "max_concurrency": row.max_concurrency, "headers": {str(k): str(v) for k, v in row.headers.items()},
-                "allow_private": bool(self.settings.allow_private_reward_urls),
+                "allow_private": allow_private,
                 "max_attempts": row.max_attempts, "backoff_base_s": row.backoff_s,
                 "breaker_threshold": row.breaker_threshold, "step_deadline_s": row.step_deadline_s,
                 "max_abstain_fraction": row.max_abstain_fraction,

@@ -33,10 +33,23 @@ def bearer_token(metadata: Iterable[tuple[str, str | bytes]] | None) -> str | No
     return token.strip() or None if scheme.lower() == "bearer" else None
 
 
+def peer_address(peer: str | None) -> str | None:
+    """The client's address from a gRPC peer string ("ipv4:10.0.0.7:5123" -> "10.0.0.7", "ipv6:[::1]:5123"
+    -> "::1"); other kinds (unix sockets) as given."""
+    if not peer:
+        return None
+    kind, _, rest = peer.partition(":")
+    if kind == "ipv4":
+        return rest.rpartition(":")[0] or rest
+    if kind == "ipv6":
+        return rest.rpartition(":")[0].strip("[]") or rest
+    return peer
+
+
 @asynccontextmanager
-async def authenticated(token: str | None) -> AsyncIterator[TenantContext]:
+async def authenticated(token: str | None, address: str | None = None) -> AsyncIterator[TenantContext]:
     """Resolve `token` (raises Unauthenticated) and bind the tenant for the enclosed call."""
-    tenant = await authenticate_on_loop(token)
+    tenant = await authenticate_on_loop(token, address)
     binding = _TENANT.set(tenant)
     try:
         yield tenant

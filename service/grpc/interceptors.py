@@ -14,7 +14,7 @@ from typing import Any
 
 import grpc
 
-from service.grpc.auth import authenticated, bearer_token
+from service.grpc.auth import authenticated, bearer_token, peer_address
 from service.grpc.errors import rendered_errors
 
 Context = grpc.aio.ServicerContext[Any, Any]
@@ -84,4 +84,4 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         if handler is None or handler_call_details.method.startswith(PUBLIC_METHOD_PREFIXES):
             return handler
         token = bearer_token(handler_call_details.invocation_metadata)
-        return wrap_handler(handler, lambda _context: authenticated(token))
+        return wrap_handler(handler, lambda context: authenticated(token, peer_address(context.peer())))

@@ -24,6 +24,14 @@ log = logging.getLogger(__name__)
 
 # Large enough for a 4 MiB upload/download chunk plus framing.
 MAX_MESSAGE_BYTES = 8 * 1024 * 1024
+# The smallest receive limit: an upload chunk (up to 4 MiB) plus framing must always fit.
+MIN_RECEIVE_BYTES = 5 * 1024 * 1024
+
+
+def max_receive_bytes() -> int:
+    """The largest message a client may send: the REST body limit, but never below an upload chunk. A larger
+    message is refused by gRPC itself (RESOURCE_EXHAUSTED) from its length prefix, before it is buffered."""
+    return max(get_settings().max_request_body_bytes, MIN_RECEIVE_BYTES)
 
 
 async def create_grpc_server(
@@ -38,7 +46,7 @@ async def create_grpc_server(
         # Outermost first: errors wraps auth so an invalid key is rendered as UNAUTHENTICATED.
         interceptors=[ErrorInterceptor(), AuthInterceptor()],
         options=[
-            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_receive_message_length", max_receive_bytes()),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
         ],
     )

@@ -29,6 +29,13 @@ class Settings(BaseSettings):
     api_port: int = Field(8000, description="REST port.")
     grpc_port: int = Field(50051, description="gRPC port (0 disables the gRPC server).")
     max_dataset_bytes: int = Field(512 * 1024 * 1024, gt=0, description="Upload size limit (413 beyond it).")
+    max_request_body_bytes: int = Field(
+        8 * 1024 * 1024,
+        ge=64 * 1024,
+        description="Body size limit of every REST route except dataset uploads (413 `payload_too_large` as "
+        "soon as a declared Content-Length or the bytes received pass it). gRPC: the largest message a call "
+        "may send, never below 5 MiB (upload chunks are up to 4 MiB).",
+    )
     allow_private_reward_urls: bool | None = Field(
         None, description="Allow loopback/private reward URLs. None = allowed in development, refused in production."
     )
@@ -60,6 +67,20 @@ class Settings(BaseSettings):
         "request); a key in use is looked up again in the background shortly before that, one lookup per key at a "
         "time. Also the longest delay before a revoked key is refused by a process that did not revoke it "
         "(other uvicorn workers, the gRPC server, keys revoked directly in the database).",
+    )
+    auth_negative_cache_seconds: float = Field(
+        5.0,
+        ge=0,
+        le=300,
+        description="Seconds a key the database refused is refused again from memory, per process (0 = "
+        "never): also the longest a key that becomes valid after being refused can still be refused.",
+    )
+    auth_lookups_per_minute: int = Field(
+        60,
+        ge=0,
+        description="Database lookups of unknown API keys each client address may fail per minute, per process "
+        "(as many at once); beyond it unknown keys from that address get 429 `too_many_auth_failures` until the "
+        "budget refills (60/N s per lookup). Keys already authenticated are not affected. 0 = no limit.",
     )
     db_async_reads: bool = Field(
         True,

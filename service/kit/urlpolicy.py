@@ -217,7 +217,12 @@ def _raw_host(netloc: str) -> str:
 
 
 def _normalise_host(raw_host: str, *, allow_private: bool) -> str:
-    """Lower-case, IDNA-encode names, canonicalise and check literal addresses."""
+    """Lower-case and IDNA-encode the host, then canonicalise and check literal addresses.
+
+    The policy looks at the host only once it is in the ASCII form a resolver receives: IDNA's nameprep
+    (NFKC) turns ``①②⑦.0.0.1`` or ``１２７。０。０。１`` into ``127.0.0.1`` and ``ｌｏｃａｌｈｏｓｔ`` into
+    ``localhost``, so checking the text as typed would let those through.
+    """
     if raw_host.startswith("["):
         inner = raw_host[1:-1]
         if "%" in inner:
@@ -230,16 +235,16 @@ def _normalise_host(raw_host: str, *, allow_private: bool) -> str:
             ) from exc
         check_ip(ip6, allow_private=allow_private, host=str(ip6))
         return f"[{ip6.compressed}]"
-    literal = parse_ip_literal(raw_host)
-    if literal is not None:
-        check_ip(literal, allow_private=allow_private, host=raw_host)
-        return f"[{literal.compressed}]" if literal.version == 6 else str(literal)
     try:
         host = raw_host.rstrip(".").encode("idna").decode("ascii").lower()
     except UnicodeError as exc:
         raise UrlRejected(
             f"url host {raw_host!r} is not a valid host name: {exc}", details={"host": raw_host}
         ) from exc
+    literal = parse_ip_literal(host)
+    if literal is not None:
+        check_ip(literal, allow_private=allow_private, host=raw_host)
+        return f"[{literal.compressed}]" if literal.version == 6 else str(literal)
     labels = host.split(".")
     if not host or not all(_HOST_LABEL.match(label) for label in labels):
         raise UrlRejected(f"url host {raw_host!r} is not a valid host name", details={"host": raw_host})

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import re
 from datetime import datetime
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from service.kit.urlpolicy import is_grpc_url
 from service.rewards.models import RewardFunction
+from worker.grpo.dataset_format import MAX_COLUMN_NAME_CHARS, MAX_COLUMNS
 from worker.reward_client.grpc_source import metadata_problem
 
 # Headers the worker sets itself (Standard Webhooks signature, body framing) or that change routing or
@@ -32,8 +33,6 @@ RESERVED_HEADERS = frozenset(
     }
 )
 RESERVED_HEADER_PREFIXES = ("webhook-", "proxy-", "x-forwarded-")
-# Values of these (case-insensitive substrings of the name) are never echoed back by the API.
-SENSITIVE_HEADER_HINTS = ("auth", "token", "key", "secret", "password", "cookie", "signature")
 REDACTED = "<redacted>"
 MAX_HEADERS = 32
 _TOKEN = re.compile(r"^[!#$%&'*+\-.^_`|~0-9A-Za-z]{1,128}$")  # RFC 9110 field-name
@@ -71,7 +70,7 @@ class RewardFunctionCreate(BaseModel):
     headers: dict[str, str] = Field(
         default_factory=dict,
         description="Extra request headers (e.g. Authorization). Content-Type, webhook-*, Host, framing and "
-        "proxy headers are reserved. Values of credential-like headers are never shown again.",
+        "proxy headers are reserved. The values are never shown again (reads return <redacted>).",
     )
     max_attempts: int = Field(
         5, ge=1, le=10, description="Attempts per request (the first included) on connection errors, timeouts, "
@@ -127,10 +126,9 @@ class RewardFunctionCreate(BaseModel):
 
 
 def redact_headers(headers: dict[str, str]) -> dict[str, str]:
-    return {
-        name: REDACTED if any(hint in name.lower() for hint in SENSITIVE_HEADER_HINTS) else value
-        for name, value in headers.items()
-    }
+    """Every value hidden, names kept: whether a header carries a credential cannot be told from its name
+    (`X-Credential`, `X-Pass`, `X-Api`...), and a reader needs only the names to see what is configured."""
+    return dict.fromkeys(headers, REDACTED)
 
 
 class RewardFunctionOut(BaseModel):
@@ -140,7 +138,7 @@ class RewardFunctionOut(BaseModel):
     timeout_s: float
     max_batch_size: int
     max_concurrency: int
-    headers: dict[str, str] = Field(description="Credential-like header values are shown as <redacted>.")
+    headers: dict[str, str] = Field(description="The configured header names; every value is shown as <redacted>.")
     max_attempts: int
     backoff_s: float
     breaker_threshold: int
@@ -202,7 +200,12 @@ class RewardTestItem(BaseModel):
 
     prompt: str = Field(max_length=100_000, description="The prompt (as rendered for the model).")
     completion: str = Field(max_length=100_000, description="The completion to score.")
-    metadata: dict[str, Any] = Field(default_factory=dict, description="The dataset row's other columns.")
+    metadata: dict[Annotated[str, Field(max_length=MAX_COLUMN_NAME_CHARS)], Any] = Field(
+        default_factory=dict,
+        max_length=MAX_COLUMNS,
+        description=f"The dataset row's other columns (at most {MAX_COLUMNS}, names up to {MAX_COLUMN_NAME_CHARS} "
+        "characters, as in a dataset).",
+    )
     group_id: int = Field(0, ge=0, le=2**31 - 1, description="Completions of the same prompt share a group id.")
 
 

@@ -19,6 +19,7 @@ from service.kit.db import session_scope
 from service.kit.errors import ServiceUnavailable, Unauthenticated
 from service.kit.reads import unavailable_database_is_503
 from service.tenants import repository
+from service.tenants.failures import FailedLookups, TooManyAuthFailures
 from service.tenants.keycache import KeyCache
 from service.tenants.service import hash_key, lookup_prefix
 
@@ -40,6 +41,8 @@ class TenantContext:
 
 # Recently authenticated keys of this process (see keycache for the revocation delay this implies).
 KEY_CACHE: KeyCache[TenantContext] = KeyCache()
+# Recently refused keys and each address's budget of lookups of unknown keys (see failures).
+FAILED_LOOKUPS = FailedLookups()
 
 
 def look_up_key(session: Session, bearer_token: str) -> TenantContext:
@@ -78,7 +81,7 @@ _LOOKUPS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[str, asyncio
 )
 
 
-async def authenticate_on_loop(bearer_token: str | None) -> TenantContext:
+async def authenticate_on_loop(bearer_token: str | None, address: str | None = None) -> TenantContext:
     """The tenant of a presented API key (raises Unauthenticated). A key this process authenticated within
     GRPO_AUTH_CACHE_SECONDS answers from the cache without leaving the event loop; otherwise the database
     lookup runs on a thread, one per key at a time.
@@ -90,28 +93,62 @@ async def authenticate_on_loop(bearer_token: str | None) -> TenantContext:
     looked up again in the background shortly before its entry expires, while the entry still answers; the
     entry itself still expires on time, so a revocation made elsewhere is honoured within the setting as
     before.
+
+    A key not in that cache is refused without a query when the database refused it within
+    GRPO_AUTH_NEGATIVE_CACHE_SECONDS, and `address` (the client's) may start at most
+    GRPO_AUTH_LOOKUPS_PER_MINUTE failing lookups (429 beyond): see `service.tenants.failures`.
     """
     if not bearer_token:
         raise Unauthenticated(_MISSING_KEY)
     ttl = get_settings().auth_cache_seconds
-    if ttl <= 0:
-        return await asyncio.to_thread(_look_up_in_own_session, bearer_token)
     key_hash = hash_key(bearer_token)
+    if ttl <= 0:
+        return await _bounded_lookup(bearer_token, key_hash, address or "")
     if (cached := KEY_CACHE.lookup(key_hash)) is not None:
         tenant, seconds_left = cached
         if seconds_left < REFRESH_WHEN_LEFT * ttl:
-            _shared_lookup(bearer_token, key_hash)  # in the background: this request is answered now
+            _shared_lookup(bearer_token, key_hash, None)  # in the background: this request is answered now
         return tenant
     # Shielded: a caller that goes away (client disconnect) must not cancel the others' lookup.
-    return await asyncio.shield(_shared_lookup(bearer_token, key_hash))
+    return await asyncio.shield(_shared_lookup(bearer_token, key_hash, address or ""))
 
 
-def _shared_lookup(bearer_token: str, key_hash: str) -> asyncio.Task[TenantContext]:
+async def _bounded_lookup(bearer_token: str, key_hash: str, address: str | None) -> TenantContext:
+    """The database lookup behind the failed-lookup bounds; `address` None (a background refresh of a key
+    that was valid moments ago) spends no budget."""
+    settings = get_settings()
+    if FAILED_LOOKUPS.refused(key_hash):
+        raise Unauthenticated("invalid API key")
+    if lookup_prefix(bearer_token) is None:
+        address = None  # not shaped like a key: refused without a query, so it spends no budget
+    per_minute = settings.auth_lookups_per_minute
+    if address is not None and not FAILED_LOOKUPS.acquire(address, per_minute):
+        wait = FAILED_LOOKUPS.seconds_until_token(address, per_minute)
+        raise TooManyAuthFailures(
+            f"too many failed API key lookups from this address (limit {per_minute} per minute); "
+            f"retry in {wait:.1f} s",
+            details={"limit_per_minute": per_minute, "retry_after_s": round(wait, 1)},
+        )
+    try:
+        tenant = await asyncio.to_thread(_look_up_in_own_session, bearer_token)
+    except Unauthenticated:
+        FAILED_LOOKUPS.remember_refused(key_hash, settings.auth_negative_cache_seconds)
+        raise  # the token stays spent
+    except BaseException:
+        if address is not None:
+            FAILED_LOOKUPS.release(address, per_minute)
+        raise
+    if address is not None:
+        FAILED_LOOKUPS.release(address, per_minute)
+    return tenant
+
+
+def _shared_lookup(bearer_token: str, key_hash: str, address: str | None) -> asyncio.Task[TenantContext]:
     loop = asyncio.get_running_loop()
     under_way = _LOOKUPS.setdefault(loop, {})
     if (task := under_way.get(key_hash)) is not None:
         return task
-    task = loop.create_task(asyncio.to_thread(_look_up_in_own_session, bearer_token))
+    task = loop.create_task(_bounded_lookup(bearer_token, key_hash, address))
     under_way[key_hash] = task
     task.add_done_callback(partial(_lookup_done, under_way, key_hash))
     return task
@@ -124,7 +161,7 @@ def _lookup_done(under_way: dict[str, asyncio.Task[TenantContext]], key_hash: st
     error = task.exception()  # retrieved here too, so a background refresh's failure is never left unread
     if isinstance(error, Unauthenticated):
         KEY_CACHE.forget(key_hash)  # revoked since it was cached: refuse it now, not at expiry
-    elif error is not None and not isinstance(error, ServiceUnavailable):  # that one is logged already
+    elif error is not None and not isinstance(error, ServiceUnavailable | TooManyAuthFailures):  # expected / logged
         log.warning("API key lookup failed: %r", error)
 
 
@@ -139,7 +176,8 @@ class _BearerTenant(HTTPBearer):
 
     async def __call__(self, request: Request) -> TenantContext:  # type: ignore[override]
         credentials = await super().__call__(request)
-        return await authenticate_on_loop(credentials.credentials if credentials else None)
+        address = request.client.host if request.client else None
+        return await authenticate_on_loop(credentials.credentials if credentials else None, address)
 
 
 current_tenant = _BearerTenant(

@@ -21,7 +21,8 @@ class WebhookCreate(BaseModel):
         min_length=1,
         max_length=2048,
         description="http(s) URL receiving signed job events; https only in production, no credentials, "
-        "no private or loopback addresses in production (the reward endpoints' SSRF policy).",
+        "no private or loopback addresses in production, whether written literally or resolved from the "
+        "name (the reward endpoints' SSRF policy).",
     )
     description: str | None = Field(None, max_length=256)
 

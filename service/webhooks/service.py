@@ -1,8 +1,9 @@
 """Webhook registry for API callers (REST; transport-free): register, list, get, delete, deliveries.
 
 Secrets are Standard Webhooks keys ("whsec_" + base64 of 24 random bytes), generated like the reward
-functions' and returned only by create. URLs pass the same SSRF policy as reward endpoints
-(service.kit.urlpolicy) at registration, and again, resolving DNS, at every delivery.
+functions' and returned only by create. URLs pass the same SSRF policy as reward endpoints at registration
+(`check_registration_url`: in production the host is resolved and every address checked), and again,
+resolving DNS, at every delivery.
 """
 
 from __future__ import annotations
@@ -15,16 +16,18 @@ from service.kit.config import get_settings
 from service.kit.db import utcnow
 from service.kit.errors import NotFound
 from service.kit.ids import new_id
-from service.kit.urlpolicy import check_url_syntax
-from service.rewards.service import new_signing_secret
+from service.rewards.service import check_registration_url, new_signing_secret
 from service.webhooks import repository
 from service.webhooks.models import WebhookDelivery, WebhookEndpoint
 from service.webhooks.schemas import WebhookCreate
 
 
 def create_webhook(session: Session, tenant_id: str, spec: WebhookCreate) -> WebhookEndpoint:
-    """Register a URL (static SSRF checks; raises UrlRejected naming the problem)."""
-    url = check_url_syntax(spec.url, allow_private=bool(get_settings().allow_private_reward_urls))
+    """Register a URL under the reward endpoints' policy; raises UrlRejected naming the problem.
+
+    The check (a DNS lookup in production) runs before any SQL, so no transaction waits on it.
+    """
+    url = check_registration_url(spec.url, allow_private=bool(get_settings().allow_private_reward_urls))
     row = WebhookEndpoint(
         id=new_id("wh"),
         tenant_id=tenant_id,

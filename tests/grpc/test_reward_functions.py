@@ -29,7 +29,7 @@ class TestRewardFunctions:
     ) -> None:
         auth = bearer(tenant_a.api_key)
         created = await stub.RegisterRewardFunction(
-            _register(max_batch_size=16, headers={"Authorization": "Bearer t0k"}), metadata=auth
+            _register(max_batch_size=16, headers={"Authorization": "Bearer t0k", "x-pass": "hunter2"}), metadata=auth
         )
         rf = created.reward_function
         assert created.signing_secret.startswith("whsec_")
@@ -37,9 +37,11 @@ class TestRewardFunctions:
         assert (rf.max_attempts, rf.backoff_s, rf.breaker_threshold, rf.step_deadline_s, rf.max_abstain_fraction) == (
             5, 0.5, 3, 300.0, 0.25
         )
-        assert dict(rf.headers) == {"Authorization": "<redacted>"}
+        assert dict(rf.headers) == {"Authorization": "<redacted>", "x-pass": "<redacted>"}
         got = (await stub.GetRewardFunction(pb.GetRewardFunctionRequest(reward_function_id=rf.id), metadata=auth))
         assert got.reward_function == rf
+        listed = await stub.ListRewardFunctions(pb.ListRewardFunctionsRequest(), metadata=auth)
+        assert [dict(r.headers) for r in listed.reward_functions] == [dict(rf.headers)]
         assert client.get(f"/v1/reward-functions/{rf.id}", headers=tenant_a).json()["max_batch_size"] == 16
 
         rotated = await stub.RotateRewardFunctionSecret(

@@ -27,6 +27,7 @@ from service.cli.migrate import upgrade_head
 from service.kit import db as kit_db
 from service.kit.config import Settings, get_settings
 from service.models import Base
+from service.tenants.auth import FAILED_LOOKUPS
 from tests.service.factories import TenantHeaders, auth_headers, create_tenant
 
 __all__ = ["TenantHeaders", "auth_headers", "create_tenant"]
@@ -89,6 +90,7 @@ def settings(db_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> It
     get_settings.cache_clear()
     kit_db._engine_for.cache_clear()
     kit_db._factory_for.cache_clear()
+    FAILED_LOOKUPS.clear()  # per-process state: one test's refused keys must not throttle the next's
     yield get_settings()
     kit_db.get_engine().dispose()  # release connections so the next test can TRUNCATE / delete the file
     get_settings.cache_clear()

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from service.checkpoints.download import TarMember, iter_tar, tar_plan
+from service.checkpoints.download import TarMember, iter_tar, parse_range, tar_plan
 from service.checkpoints.models import Checkpoint
 from service.checkpoints.service import new_checkpoint_id, record_checkpoint
 from service.kit.db import session_scope
@@ -137,7 +137,9 @@ class TestFileDownload:
         assert response.headers["content-range"] == f"bytes {start}-{end}/{len(WEIGHTS)}"
         assert int(response.headers["content-length"]) == end - start + 1
 
-    @pytest.mark.parametrize("header", ["bytes=256000-", "bytes=999999-1000000", "bytes=-0"])
+    @pytest.mark.parametrize(
+        "header", ["bytes=256000-", "bytes=999999-1000000", "bytes=-0", "bytes=9999999999999999999-"]
+    )
     def test_unsatisfiable_range_is_416(
         self, client: TestClient, tenant_a: TenantHeaders, job_with_checkpoint: Any, header: str
     ) -> None:
@@ -149,14 +151,32 @@ class TestFileDownload:
         assert response.headers["content-range"] == f"bytes */{len(WEIGHTS)}"
         assert response.json()["error"]["code"] == "range_not_satisfiable"
 
-    @pytest.mark.parametrize("header", ["bytes=5-2", "items=0-1", "bytes=0-1,5-6", "bytes=abc"])
+    @pytest.mark.parametrize(
+        "header",
+        [
+            "bytes=5-2",
+            "items=0-1",
+            "bytes=0-1,5-6",
+            "bytes=abc",
+            "bytes=-",
+            # A digit that str.isdigit accepts and int() refuses (superscript two; sent as latin-1).
+            "bytes=\u00b2-",
+            "bytes=0-\u00b2",
+            "bytes=-\u00b2",
+            # Longer than 19 digits, 5000 of them: past what int() parses by default.
+            "bytes=" + "1" * 5000 + "-",
+            "bytes=0-" + "9" * 5000,
+            "bytes=-" + "9" * 5000,
+            "bytes=" + "0" * 20 + "-",
+        ],
+    )
     def test_unusable_range_header_is_ignored(
         self, client: TestClient, tenant_a: TenantHeaders, job_with_checkpoint: Any, header: str
     ) -> None:
         _, checkpoint, _ = job_with_checkpoint
-        response = client.get(
-            file_url(checkpoint, "adapter_model.safetensors"), headers={**tenant_a, "Range": header}
-        )
+        # Bytes on the wire, as the server decodes them (latin-1): httpx would refuse a non-ASCII str.
+        headers: dict[str, Any] = {**tenant_a, "Range": header.encode("latin-1")}
+        response = client.get(file_url(checkpoint, "adapter_model.safetensors"), headers=headers)
         assert response.status_code == 200 and response.content == WEIGHTS
 
     def test_stale_if_range_sends_the_whole_file(
@@ -230,6 +250,17 @@ async def raw_asgi_get(app: Any, path: str, headers: dict[str, str]) -> tuple[in
     await app(scope, receive, send)
     status = next(m["status"] for m in sent if m["type"] == "http.response.start")
     return status, b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+
+
+class TestParseRange:
+    """The header parser alone, on characters an HTTP client would not send (non-latin-1 digits)."""
+
+    @pytest.mark.parametrize("header", ["bytes=\u0663-", "bytes=0-\u0663", "bytes=-\uff11", "bytes=\U0001d7d9-"])
+    def test_non_ascii_digits_are_ignored(self, header: str) -> None:
+        assert parse_range(header, 100) is None
+
+    def test_nineteen_digits_are_a_range(self) -> None:
+        assert parse_range("bytes=0-" + "9" * 19, 100) == parse_range("bytes=0-99", 100)
 
 
 class TestArchive:

@@ -41,7 +41,7 @@ class TestCreate:
         assert body["id"].startswith("rf_") and _secret_ok(body["signing_secret"])
         assert body["url"] == BODY["url"] and body["timeout_s"] == 5
         assert body["max_batch_size"] == 32 and body["max_concurrency"] == 2
-        assert body["headers"] == {"Authorization": "<redacted>", "X-Team": "ml"}
+        assert body["headers"] == {"Authorization": "<redacted>", "X-Team": "<redacted>"}
         with session_scope() as session:
             row = session.get(RewardFunction, body["id"])
             assert row is not None
@@ -136,6 +136,18 @@ class TestCreate:
 
 
 class TestReadDeleteRotate:
+    def test_every_header_value_is_redacted_on_read(self, client: TestClient, tenant_a: TenantHeaders) -> None:
+        # Names that do not look secret carry credentials too.
+        headers = {"X-Credential": "c-123", "X-Pass": "hunter2", "X-Api": "ak-77f3", "Authorization": "Bearer t0k-9"}
+        created = create(client, tenant_a, headers=headers)
+        assert created.status_code == 201, created.text
+        one = client.get(f"/v1/reward-functions/{created.json()['id']}", headers=tenant_a).json()
+        listed = client.get("/v1/reward-functions", headers=tenant_a).json()["data"][0]
+        for shown in (created.json()["headers"], one["headers"], listed["headers"]):
+            assert shown == dict.fromkeys(headers, "<redacted>")
+        for secret in headers.values():
+            assert secret not in created.text and secret not in str(one) and secret not in str(listed)
+
     def test_list_and_get_never_show_the_secret(self, client: TestClient, tenant_a: TenantHeaders) -> None:
         ids = [create(client, tenant_a, name=f"r{i}").json()["id"] for i in range(3)]
         one = client.get(f"/v1/reward-functions/{ids[0]}", headers=tenant_a)

@@ -49,6 +49,18 @@ FORBIDDEN_LITERALS = [
     "https://api.localhost/score",
 ]
 
+# Forms that become a forbidden host only once IDNA/NFKC-normalised, as a resolver would receive them.
+UNICODE_FORMS = [
+    "https://\u2460\u2461\u2466.0.0.1/score",  # circled digits: 127.0.0.1
+    "https://\uff11\uff12\uff17\u3002\uff10\u3002\uff10\u3002\uff11/",  # fullwidth digits, ideographic dots
+    "https://\u2460\u2461\u2466.1/",  # 127.1
+    "https://\uff12\uff11\uff13\uff10\uff17\uff10\uff16\uff14\uff13\uff13/",  # fullwidth 2130706433
+    "https://\uff10\uff58\uff17\uff46\uff10\uff10\uff10\uff10\uff10\uff11/",  # fullwidth 0x7f000001
+    "https://\u2460\u2465\u2468.\u2461\u2464\u2463.\u2460\u2465\u2468.\u2461\u2464\u2463/",  # 169.254.169.254
+    "https://\uff4c\uff4f\uff43\uff41\uff4c\uff48\uff4f\uff53\uff54/",  # fullwidth localhost
+    "https://api.LOCALHOST/",
+]
+
 
 class TestCheckUrlSyntaxProduction:
     @pytest.mark.parametrize("url", FORBIDDEN_LITERALS)
@@ -74,6 +86,19 @@ class TestCheckUrlSyntaxProduction:
     def test_bad_syntax_names_the_problem(self, url: str, needle: str) -> None:
         with pytest.raises(UrlRejected, match=needle):
             check_url_syntax(url, allow_private=False)
+
+    @pytest.mark.parametrize("url", UNICODE_FORMS)
+    def test_unicode_form_of_a_forbidden_host_is_refused(self, url: str) -> None:
+        with pytest.raises(UrlRejected, match="loopback|metadata"):
+            check_url_syntax(url, allow_private=False)
+
+    def test_unicode_digits_are_stored_as_the_address_they_mean(self) -> None:
+        # Development allows loopback; what is stored is the address, not the disguise.
+        assert check_url_syntax("http://\u2460\u2461\u2466.0.0.1:8000/r", allow_private=True) == (
+            "http://127.0.0.1:8000/r"
+        )
+        with pytest.raises(UrlRejected, match="metadata"):
+            check_url_syntax(UNICODE_FORMS[5], allow_private=True)
 
     def test_public_url_is_normalised(self) -> None:
         assert check_url_syntax("HTTPS://Rewards.Example.COM:443/Score?x=1", allow_private=False) == (

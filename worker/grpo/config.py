@@ -9,7 +9,7 @@ Where our default differs from TRL's it is said in the field's description.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -36,9 +36,11 @@ class LoraConfig(BaseModel):
     r: int = Field(16, ge=1, le=1024, description="Adapter rank.")
     alpha: int = Field(32, ge=1, description="LoRA scaling numerator (lora_alpha).")
     dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the adapter input.")
-    target_modules: list[str] | Literal["all-linear"] = Field(
+    target_modules: list[Annotated[str, Field(min_length=1, max_length=256)]] | Literal["all-linear"] = Field(
         "all-linear",
-        description="Module names to adapt, or 'all-linear' for every linear layer except the LM head.",
+        max_length=256,
+        description="Module names to adapt (at most 256, each up to 256 characters), or 'all-linear' for every "
+        "linear layer except the LM head.",
     )
 
 

@@ -8,6 +8,8 @@ Format: one JSON object per line with
 - ``prompt``: a non-empty string, or a non-empty list of chat messages ``{"role": ..., "content": ...}``
   (rendered with the tokenizer's chat template);
 - any other columns: passed unchanged to reward sources as ``RewardInput.extras``.
+At most ``MAX_COLUMNS`` columns per row and distinct columns in the file, names of at most
+``MAX_COLUMN_NAME_CHARS`` characters.
 Blank lines are skipped (they still count for line numbers).
 """
 
@@ -19,6 +21,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 MAX_REPORTED_ERRORS = 20
+# Columns are listed with the dataset on every read and passed to every reward call: bounded per row and
+# per dataset (distinct names), like their names. One line is also bounded (the service's MAX_LINE_BYTES).
+MAX_COLUMNS = 1024
+MAX_COLUMN_NAME_CHARS = 256
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 
 Prompt = str | list[dict[str, str]]
@@ -102,6 +108,13 @@ def parse_row(raw: bytes | str) -> tuple[dict[str, Any] | None, str | None]:
         return None, f"invalid JSON: {exc.msg} (column {exc.colno})"
     if not isinstance(row, dict):
         return None, f"each line must be a JSON object, got {type(row).__name__}"
+    if len(row) > MAX_COLUMNS:
+        return None, f"{len(row)} columns; a row may have at most {MAX_COLUMNS}"
+    for column in row:
+        if len(column) > MAX_COLUMN_NAME_CHARS:
+            return None, (
+                f"column name {column[:32]!r}... is {len(column)} characters; the limit is {MAX_COLUMN_NAME_CHARS}"
+            )
     if "prompt" not in row:
         return None, "missing required column 'prompt'"
     problem = check_prompt(row["prompt"])
@@ -126,11 +139,17 @@ class JsonlValidator:
         if row is None:
             self._add_issue(DatasetIssue(self._line, problem or "invalid row"))
             return None
+        new = [column for column in row if column not in self._seen_columns]
+        if len(self._seen_columns) + len(new) > MAX_COLUMNS:
+            self._add_issue(DatasetIssue(
+                self._line, f"brings the dataset to {len(self._seen_columns) + len(new)} distinct columns; "
+                f"the limit is {MAX_COLUMNS}",
+            ))
+            return None
         self.summary.num_rows += 1
-        for column in row:
-            if column not in self._seen_columns:
-                self._seen_columns[column] = None
-                self.summary.columns.append(column)
+        for column in new:
+            self._seen_columns[column] = None
+            self.summary.columns.append(column)
         return row
 
     def finish(self) -> DatasetSummary:

@@ -12,22 +12,29 @@ Torch-free on purpose: the service validates submitted specs with these models.
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 import re2
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from worker.grpo.config import GRPOConfig, LoraConfig
+from worker.grpo.dataset_format import MAX_COLUMN_NAME_CHARS
 
 TINY_PRESETS = ("tiny", "small", "medium")
 _NAME = r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$"
+# Job metadata is stored with the job and returned by every read of it: bounded like any free text.
+MAX_METADATA_KEYS = 32
+MAX_METADATA_KEY_CHARS = 64
+MAX_METADATA_VALUE_CHARS = 1024
+MAX_METADATA_JSON_BYTES = 16 * 1024
 
 
 class BoxedAnswerParams(BaseModel):
     """+format_reward for a ``\\boxed{...}`` answer, +correct_reward when it matches the answer column."""
 
     model_config = ConfigDict(extra="forbid")
-    answer_column: str = "answer"
+    answer_column: str = Field("answer", min_length=1, max_length=MAX_COLUMN_NAME_CHARS)
     format_reward: float = 0.5
     correct_reward: float = 1.0
     tolerance: float = Field(1e-6, ge=0, description="Absolute tolerance when both sides parse as numbers.")
@@ -37,7 +44,7 @@ class ExactMatchParams(BaseModel):
     """1.0 when the stripped completion equals the answer column, else 0.0."""
 
     model_config = ConfigDict(extra="forbid")
-    answer_column: str = "answer"
+    answer_column: str = Field("answer", min_length=1, max_length=MAX_COLUMN_NAME_CHARS)
     case_sensitive: bool = True
     strip: bool = True
 
@@ -183,13 +190,29 @@ class JobSpec(BaseModel):
     rewards: list[RewardSpec] = Field(min_length=1, max_length=16)
     hyperparameters: GRPOConfig
     lora: LoraConfig | None = Field(None, description="Shorthand for hyperparameters.lora.")
-    metadata: dict[str, str] = Field(default_factory=dict, max_length=32)
+    metadata: dict[
+        Annotated[str, Field(min_length=1, max_length=MAX_METADATA_KEY_CHARS)],
+        Annotated[str, Field(max_length=MAX_METADATA_VALUE_CHARS)],
+    ] = Field(
+        default_factory=dict,
+        max_length=MAX_METADATA_KEYS,
+        description=f"Free-form labels: at most {MAX_METADATA_KEYS} keys of 1-{MAX_METADATA_KEY_CHARS} characters, "
+        f"values up to {MAX_METADATA_VALUE_CHARS} characters, {MAX_METADATA_JSON_BYTES} bytes as JSON in all.",
+    )
 
     @field_validator("base_model")
     @classmethod
     def _check_base_model(cls, value: str) -> str:
         if value.startswith("builtin:") and value.removeprefix("builtin:") not in TINY_PRESETS:
             raise ValueError(f"unknown builtin model {value!r}; choose one of {', '.join(TINY_PRESETS)}")
+        return value
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata_size(cls, value: dict[str, str]) -> dict[str, str]:
+        size = len(json.dumps(value, ensure_ascii=False).encode())
+        if size > MAX_METADATA_JSON_BYTES:
+            raise ValueError(f"metadata is {size} bytes as JSON; the limit is {MAX_METADATA_JSON_BYTES}")
         return value
 
     @model_validator(mode="after")

@@ -84,7 +84,7 @@ class RewardFunction(_message.Message):
     """Most of a step's completions that may abstain at the deadline (0 to 1)."""
     @_builtins.property
     def headers(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
-        """Extra headers (or gRPC metadata) sent on every call."""
+        """Extra headers (or gRPC metadata) sent on every call; every value reads as "<redacted>"."""
 
     @_builtins.property
     def created_at(self) -> _timestamp_pb2.Timestamp:
