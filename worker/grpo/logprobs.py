@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedModel
 
-from worker.grpo import fast_llama
+from worker.grpo import fast_decoder
 
 # Rows (positions) per chunk: bounds the float32 temporaries to about CHUNK_ROWS * V floats
 # when logits are in a lower precision.
@@ -75,9 +75,9 @@ def completion_logprobs(
         )
     # Positions count real tokens only, as in generate(), so left padding does not shift them.
     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # (N, P+C)
-    if fast_llama.supports(model):
-        # Same logits, far fewer ops (see fast_llama); only the C predicting positions get logits.
-        logits = fast_llama.LlamaFunctional(model).completion_logits(
+    if fast_decoder.supports(model):
+        # Same logits, far fewer ops (see fast_decoder); only the C predicting positions get logits.
+        logits = fast_decoder.DecoderFunctional(model).completion_logits(
             input_ids, attention_mask, position_ids, completion_length
         )  # (N, C, V)
     else:

@@ -3,7 +3,7 @@
 Sampling runs our own loop (prefill once, then one token per forward with a KV cache,
 temperature / top-k / top-p with a seeded torch.Generator, stop once every row has emitted EOS):
 `generate()` spends most of a small model's generation time in per-token Python machinery. Plain
-Llama models decode through `worker.grpo.fast_llama` (preallocated cache, fused projections);
+Llama models decode through `worker.grpo.fast_decoder` (preallocated cache, fused projections);
 any other model through its own forward with a `DynamicCache`. Beam search stays on `generate()`.
 
 The loss trains on the sampled ids exactly; the decoded texts go to reward sources only and are
@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from transformers import DynamicCache, GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
-from worker.grpo import fast_llama
+from worker.grpo import fast_decoder
 from worker.grpo.config import GRPOConfig
 from worker.grpo.cpu_threads import SideThread, intra_op_threads
 
@@ -250,7 +250,7 @@ class _Decoder(Protocol):
 
 
 class _CacheDecoder:
-    """Any causal LM through its own forward and a DynamicCache (models fast_llama does not cover)."""
+    """Any causal LM through its own forward and a DynamicCache (models fast_decoder does not cover)."""
 
     def __init__(self, model: Any, prompt_mask: Tensor, max_new_tokens: int) -> None:
         self.model = model
@@ -291,13 +291,13 @@ def _lanes(
 ) -> list[tuple[slice, _Decoder]]:
     """Decoders, each with the rows it decodes. Two (halves of the batch, decoded side by side)
     only for plain Llama models whose decoding would otherwise leave a core idle; else one."""
-    if not fast_llama.supports(model):
+    if not fast_decoder.supports(model):
         return [(slice(None), _CacheDecoder(model, prompt_mask, max_new_tokens))]
-    net = fast_llama.LlamaFunctional(model)
+    net = fast_decoder.DecoderFunctional(model)
     rows = prompt_mask.shape[0]
-    if not parallel or fast_llama.decode_lanes(net, rows) == 1:
+    if not parallel or fast_decoder.decode_lanes(net, rows) == 1:
         return [(slice(None), net.decoder(prompt_mask, max_new_tokens))]
-    weights = fast_llama.DecodeWeights.of(net)
+    weights = fast_decoder.DecodeWeights.of(net)
     halves = [slice(0, rows // 2), slice(rows // 2, rows)]
     return [(half, net.decoder(prompt_mask[half], max_new_tokens, weights)) for half in halves]
 
@@ -352,7 +352,7 @@ def sample_completions(
 
     Rows that have emitted an EOS get `pad_id` from then on; decoding ends once every row has
     (so C' may be shorter than max_completion_length), as generate() does. With `side`, small
-    Llama models decode the two halves of the batch side by side (see fast_llama.decode_lanes).
+    Llama models decode the two halves of the batch side by side (see fast_decoder.decode_lanes).
     """
     max_new = config.max_completion_length
     batch, device = prompt_ids.shape[0], prompt_ids.device

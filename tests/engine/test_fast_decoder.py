@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
-from worker.grpo import fast_llama, rollout
+from worker.grpo import fast_decoder, rollout
 from worker.grpo.config import GRPOConfig
 from worker.grpo.cpu_threads import intra_op_threads
 from worker.grpo.logprobs import completion_logprobs
@@ -55,7 +55,7 @@ def assert_decoder_matches(
     prompt, prompt_mask = ids[:, :P], mask[:, :P]
     hf_positions = (prompt_mask.cumsum(-1) - 1).masked_fill(prompt_mask == 0, 1)
     with torch.inference_mode():
-        decoder = fast_llama.LlamaFunctional(model).decoder(prompt_mask, C)
+        decoder = fast_decoder.DecoderFunctional(model).decoder(prompt_mask, C)
         cache = DynamicCache(config=model.config)
         ours = decoder.prefill(prompt)
         theirs = model(
@@ -82,8 +82,8 @@ def _grad(parameter: torch.nn.Parameter) -> torch.Tensor:
 
 
 def test_supports_plain_llama_only(model: PreTrainedModel) -> None:
-    assert fast_llama.supports(model)
-    assert not fast_llama.supports(torch.nn.Linear(2, 2))
+    assert fast_decoder.supports(model)
+    assert not fast_decoder.supports(torch.nn.Linear(2, 2))
 
 
 @pytest.mark.parametrize("skip_masked", [True, False])
@@ -92,12 +92,12 @@ def test_completion_logits_and_gradients_match_the_module_forward(
 ) -> None:
     """With the masked completion positions left out of the stacked rows (row 5's tail is 10 % of the
     completion positions) and with every position kept."""
-    monkeypatch.setattr(fast_llama, "_MIN_SKIPPED_SHARE", 0.05 if skip_masked else 1.01)
+    monkeypatch.setattr(fast_decoder, "_MIN_SKIPPED_SHARE", 0.05 if skip_masked else 1.01)
     ids, mask = grouped_batch()
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     real = mask[:, P - 1 : -1].bool()  # query positions that predict a completion token
     model.zero_grad()
-    ours = fast_llama.LlamaFunctional(model).completion_logits(ids, mask, positions, C)
+    ours = fast_decoder.DecoderFunctional(model).completion_logits(ids, mask, positions, C)
     (ours.logsumexp(-1) * real).sum().backward()
     ours_grads = {name: _grad(p) for name, p in model.named_parameters()}
     model.zero_grad()
@@ -114,12 +114,12 @@ def test_no_shared_prompt_path_matches_too(model: PreTrainedModel) -> None:
     ids, mask = ids[::2], mask[::2]  # one row per prompt: nothing to share
     with torch.no_grad():
         logps, _ = completion_logprobs(model, ids, mask, C, temperature=0.7)
-        fast = fast_llama.supports
+        fast = fast_decoder.supports
         try:
-            fast_llama.supports = lambda _model: False  # type: ignore[assignment]
+            fast_decoder.supports = lambda _model: False  # type: ignore[assignment]
             expected, _ = completion_logprobs(model, ids, mask, C, temperature=0.7)
         finally:
-            fast_llama.supports = fast  # type: ignore[assignment]
+            fast_decoder.supports = fast  # type: ignore[assignment]
     real = mask[:, P:].bool()
     assert torch.allclose(logps[real], expected[real], atol=1e-5)
 
@@ -140,12 +140,12 @@ def test_fast_and_generic_decoders_sample_the_same_tokens(model: PreTrainedModel
         return rollout.sample_completions(model, ids[:, :P], mask[:, :P], config, [2], 0, generator)
 
     fast = sample()
-    original = fast_llama.supports
+    original = fast_decoder.supports
     try:
-        fast_llama.supports = lambda _model: False  # type: ignore[assignment]
+        fast_decoder.supports = lambda _model: False  # type: ignore[assignment]
         generic = sample()
     finally:
-        fast_llama.supports = original  # type: ignore[assignment]
+        fast_decoder.supports = original  # type: ignore[assignment]
     assert torch.equal(fast, generic)
     assert not fast.is_inference()  # usable as input of a forward that saves it for backward
 
@@ -201,12 +201,12 @@ def test_gqa_with_biases_matches_in_every_dtype(dtype: torch.dtype, rtol: float)
         ours, theirs = ours.double(), theirs.double()
         return bool((ours - theirs).abs().max() <= rtol * theirs.abs().max())
 
-    assert fast_llama.supports(model)
+    assert fast_decoder.supports(model)
     ids, mask = grouped_batch()
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     real = mask[:, P - 1 : -1].bool()
     with torch.no_grad():
-        ours = fast_llama.LlamaFunctional(model).completion_logits(ids, mask, positions, C)
+        ours = fast_decoder.DecoderFunctional(model).completion_logits(ids, mask, positions, C)
         theirs = reference_logits(model, ids, mask)
     assert close(ours[real], theirs[real])
     assert_decoder_matches(model, ids, mask, close)
@@ -215,15 +215,15 @@ def test_gqa_with_biases_matches_in_every_dtype(dtype: torch.dtype, rtol: float)
 def test_passive_openmp_decodes_small_models_on_one_thread(
     model: PreTrainedModel, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    net = fast_llama.LlamaFunctional(model)
+    net = fast_decoder.DecoderFunctional(model)
     previous = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
         monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
-        assert fast_llama.decode_threads(net, 32) == 1
-        assert fast_llama.decode_threads(net, 10_000) == 2  # large matmuls: both threads pay off
+        assert fast_decoder.decode_threads(net, 32) == 1
+        assert fast_decoder.decode_threads(net, 10_000) == 2  # large matmuls: both threads pay off
         monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
-        assert fast_llama.decode_threads(net, 32) == 2
+        assert fast_decoder.decode_threads(net, 32) == 2
         with intra_op_threads(1):
             assert torch.get_num_threads() == 1
         assert torch.get_num_threads() == 2

@@ -68,7 +68,7 @@ def _cat_bias(*linears: Any) -> Tensor | None:
     return None if biases[0] is None else torch.cat(biases)
 
 
-class LlamaFunctional:
+class DecoderFunctional:
     """The model's weights gathered for the functional forward. Build a fresh one after each
     optimiser step that should be visible (concatenated weights are copies; under autograd the
     concatenation is part of the graph, so gradients flow to the original parameters)."""
@@ -325,7 +325,7 @@ class StaticDecoder:
     """
 
     def __init__(
-        self, net: LlamaFunctional, prompt_mask: Tensor, max_new_tokens: int, weights: DecodeWeights
+        self, net: DecoderFunctional, prompt_mask: Tensor, max_new_tokens: int, weights: DecodeWeights
     ) -> None:
         self.net = net
         batch, prompt_length = prompt_mask.shape
@@ -417,7 +417,7 @@ class DecodeWeights:
     head: _DecodeLinear
 
     @classmethod
-    def of(cls, net: LlamaFunctional) -> DecodeWeights:
+    def of(cls, net: DecoderFunctional) -> DecodeWeights:
         # float32: fold each RMSNorm weight into the matrix after it, so a norm is one row scale
         # (same rounding class as LlamaRMSNorm; in lower precision its cast order would differ).
         fold = net.embed.dtype == torch.float32
@@ -443,12 +443,12 @@ _PASSIVE_PARALLEL_MIN_FLOP = 2**25
 _LANE_MIN_FLOP = 2**22
 
 
-def _largest_matmul_flop(net: LlamaFunctional, rows: int) -> int:
+def _largest_matmul_flop(net: DecoderFunctional, rows: int) -> int:
     widest = max(layer.qkv_weight.shape[0] for layer in net.layers)
     return 2 * rows * net.hidden * max(widest, 2 * net.intermediate)
 
 
-def decode_threads(net: LlamaFunctional, rows: int) -> int:
+def decode_threads(net: DecoderFunctional, rows: int) -> int:
     """Intra-op threads for decoding `rows` sequences with `net`: all of them, except one when the
     OpenMP pool sleeps between ops (OMP_WAIT_POLICY=PASSIVE) and the largest matmul is small."""
     threads = torch.get_num_threads()
@@ -458,7 +458,7 @@ def decode_threads(net: LlamaFunctional, rows: int) -> int:
     return 1 if _largest_matmul_flop(net, rows) < _PASSIVE_PARALLEL_MIN_FLOP else threads
 
 
-def decode_lanes(net: LlamaFunctional, rows: int) -> int:
+def decode_lanes(net: DecoderFunctional, rows: int) -> int:
     """2 when `rows` should be decoded as two halves side by side (each on one thread and its own
     core): decoding would otherwise run on one thread of several, and half the rows still make
     matmuls worth a core. Else 1."""
@@ -492,7 +492,7 @@ class _DecodeLayer:
     down: _DecodeLinear
 
     @classmethod
-    def of(cls, layer: _Layer, net: LlamaFunctional, *, fold: bool, norm_gain: float) -> _DecodeLayer:
+    def of(cls, layer: _Layer, net: DecoderFunctional, *, fold: bool, norm_gain: float) -> _DecodeLayer:
         """The q rows of qkv carry the attention scale 1/sqrt(D). With `fold`, the RMSNorm weights
         (times `norm_gain`) scale the columns of the matrices that follow them:
         RMSNorm(x) @ W^T == (x * rstd(x)) @ (W * g)^T."""
