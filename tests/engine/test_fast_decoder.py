@@ -82,8 +82,8 @@ def _grad(parameter: torch.nn.Parameter) -> torch.Tensor:
 
 
 def test_supports_plain_llama_only(model: PreTrainedModel) -> None:
-    assert fast_decoder.supports(model)
-    assert not fast_decoder.supports(torch.nn.Linear(2, 2))
+    assert fast_decoder.supports(model, P + C)
+    assert not fast_decoder.supports(torch.nn.Linear(2, 2), P + C)
 
 
 @pytest.mark.parametrize("skip_masked", [True, False])
@@ -116,7 +116,7 @@ def test_no_shared_prompt_path_matches_too(model: PreTrainedModel) -> None:
         logps, _ = completion_logprobs(model, ids, mask, C, temperature=0.7)
         fast = fast_decoder.supports
         try:
-            fast_decoder.supports = lambda _model: False  # type: ignore[assignment]
+            fast_decoder.supports = lambda _model, _length: False  # type: ignore[assignment]
             expected, _ = completion_logprobs(model, ids, mask, C, temperature=0.7)
         finally:
             fast_decoder.supports = fast  # type: ignore[assignment]
@@ -142,7 +142,7 @@ def test_fast_and_generic_decoders_sample_the_same_tokens(model: PreTrainedModel
     fast = sample()
     original = fast_decoder.supports
     try:
-        fast_decoder.supports = lambda _model: False  # type: ignore[assignment]
+        fast_decoder.supports = lambda _model, _length: False  # type: ignore[assignment]
         generic = sample()
     finally:
         fast_decoder.supports = original  # type: ignore[assignment]
@@ -201,7 +201,7 @@ def test_gqa_with_biases_matches_in_every_dtype(dtype: torch.dtype, rtol: float)
         ours, theirs = ours.double(), theirs.double()
         return bool((ours - theirs).abs().max() <= rtol * theirs.abs().max())
 
-    assert fast_decoder.supports(model)
+    assert fast_decoder.supports(model, P + C)
     ids, mask = grouped_batch()
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     real = mask[:, P - 1 : -1].bool()

@@ -1,18 +1,24 @@
-"""A lean functional forward of Llama-architecture models for the hot paths of a GRPO step.
+"""A lean functional forward of Llama-family decoders for the hot paths of a GRPO step.
 
 Why: on small models `transformers`' module-per-op forward (and `generate()`'s per-token
 machinery: DynamicCache concatenation, logits processors, stopping criteria) costs far more than
-the arithmetic. This module runs the same computation on the model's own parameters with fewer
-and fused ops: one q/k/v matmul and one gate/up matmul per layer (weights concatenated, so
-gradients still reach the original parameters), rotary embeddings as one complex multiply (the q and
-k rows of each head are permuted so that RoPE's (i, i + D/2) pairs sit side by side: attention scores
-are unchanged, since q and k share the permutation), `F.rms_norm`, and for generation a preallocated KV
-cache written in place.
+the arithmetic, and peft's LoRA adds a module call per adapter and projection on top. This module
+runs the same computation on the model's own parameters with fewer and fused ops: one q/k/v matmul
+and one gate/up matmul per layer (weights concatenated, so gradients still reach the original
+parameters), LoRA adapters as one low-rank product per fused matmul (x @ W^T + s * (x @ A^T) @ B^T,
+the A of q, k and v stacked and the scaled B block-diagonal), rotary embeddings as one complex
+multiply (the q and k rows of each head are permuted so that RoPE's (i, i + D/2) pairs sit side by
+side: attention scores are unchanged, since q and k share the permutation), `F.rms_norm`, and for
+generation a preallocated KV cache written in place, with the adapters merged into the weights
+once per rollout.
 
-Only a plain `LlamaForCausalLM` (no peft wrapper, no gradient checkpointing, no dropout) takes
-this path; `supports(model)` says so and callers fall back to the `transformers` forward
-otherwise. Logits equal the `transformers` ones up to float rounding at every real (unmasked)
-position; padded positions attend to themselves only (they are never read).
+Covered (`supports`): `LlamaForCausalLM` (any GQA ratio, any rope_type, attention/MLP biases),
+`Qwen2ForCausalLM` (q/k/v biases), `Qwen3ForCausalLM` (per-head q/k RMSNorm) and
+`MistralForCausalLM`, plain or wrapped in a peft LoRA model, without gradient checkpointing or
+attention dropout in training, and with a sliding window (if any) no shorter than the sequence.
+Callers fall back to the `transformers` forward otherwise. Logits equal the `transformers` ones up
+to float rounding at every real (unmasked) position; padded positions attend to themselves only
+(they are never read).
 """
 
 from __future__ import annotations
@@ -20,62 +26,212 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
 # Activation functions the fused MLP implements (config.hidden_act -> function).
 _ACTIVATIONS = {"silu": F.silu}
 
 
-def supports(model: Any) -> bool:
-    """True when `model` is a plain Llama causal LM this module reproduces exactly."""
-    from transformers import LlamaForCausalLM
+def _family() -> tuple[type, ...]:
+    """The causal LM classes whose forward this module reproduces (same layer layout)."""
+    from transformers import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 
-    if type(model) is not LlamaForCausalLM:  # peft wrappers and subclasses take the generic path
+    return (LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, MistralForCausalLM)
+
+
+def supports(model: Any, max_length: int) -> bool:
+    """True when this module reproduces `model` exactly on sequences of up to `max_length` tokens."""
+    base = _unwrap(model)
+    if base is None or type(base) not in _family():  # subclasses and other wrappers: generic path
         return False
-    config = model.config
+    config = base.config
     # transformers 5 renamed gradient checkpointing (the old property warns).
-    checkpointing = getattr(model, "is_activation_checkpointing", None)
+    checkpointing = getattr(base, "is_activation_checkpointing", None)
     if checkpointing is None:
-        checkpointing = getattr(model, "is_gradient_checkpointing", False)
+        checkpointing = getattr(base, "is_gradient_checkpointing", False)
     if checkpointing:
         return False
     if getattr(config, "pretraining_tp", 1) != 1 or config.hidden_act not in _ACTIVATIONS:
         return False
     # Attention dropout only matters in training mode; the functional path has none.
-    return not (model.training and float(getattr(config, "attention_dropout", 0.0) or 0.0) > 0)
+    if base.training and float(getattr(config, "attention_dropout", 0.0) or 0.0) > 0:
+        return False
+    # A key further back than the window is hidden; with the whole sequence inside it nothing is.
+    window = getattr(config, "sliding_window", None)
+    if window is not None and max_length > window:
+        return False
+    return _only_projection_adapters(base)
+
+
+def _unwrap(model: Any) -> Any | None:
+    """The transformers model inside a peft LoRA wrapper (or `model` itself); None for other peft methods."""
+    from peft import PeftModel, PeftType
+
+    if not isinstance(model, PeftModel):
+        return model
+    if any(config.peft_type != PeftType.LORA for config in model.peft_config.values()):
+        return None
+    return model.get_base_model()
+
+
+def _projections(base: Any) -> list[Any]:
+    """Every attention and MLP projection of every layer."""
+    names = ("q_proj", "k_proj", "v_proj", "o_proj")
+    return [
+        getattr(module, name)
+        for layer in base.model.layers
+        for module, group in ((layer.self_attn, names), (layer.mlp, ("gate_proj", "up_proj", "down_proj")))
+        for name in group
+    ]
+
+
+def _only_projection_adapters(base: Any) -> bool:
+    """Adapters (if any) are plain LoRA on the projections: no DoRA or other variant, no LoRA bias,
+    not merged, at most one active; no adapted embeddings, LM head or modules_to_save."""
+    from peft.tuners.lora import Linear as LoraLinear
+    from peft.tuners.tuners_utils import BaseTunerLayer
+    from peft.utils.other import AuxiliaryTrainingWrapper
+
+    projections = {id(module) for module in _projections(base)}
+    for module in base.modules():
+        if isinstance(module, AuxiliaryTrainingWrapper):
+            return False
+        if not isinstance(module, BaseTunerLayer):
+            continue
+        if type(module) is not LoraLinear or id(module) not in projections or module.merged:
+            return False
+        if module.fan_in_fan_out or type(module.get_base_layer()) is not nn.Linear:
+            return False
+        active = [name for name in module.active_adapters if name in module.lora_A]
+        if len(active) > 1:
+            return False
+        if active and (active[0] in module.lora_variant or module.lora_bias[active[0]]):
+            return False
+    return True
+
+
+@dataclass
+class _Adapter:
+    """One projection's active LoRA adapter: adds scale * B @ A @ dropout(x)."""
+
+    a: Tensor  # (r, in)
+    b: Tensor  # (out, r)
+    scale: float
+    dropout: float  # probability, 0 outside training mode
+
+
+def _adapter(module: Any) -> _Adapter | None:
+    from peft.tuners.lora import Linear as LoraLinear
+
+    if type(module) is not LoraLinear or module.disable_adapters:
+        return None
+    active = [name for name in module.active_adapters if name in module.lora_A]
+    if not active:
+        return None
+    name = active[0]
+    dropout = module.lora_dropout[name]
+    p = float(dropout.p) if isinstance(dropout, nn.Dropout) and dropout.training else 0.0
+    a, b = cast(Tensor, module.lora_A[name].weight), cast(Tensor, module.lora_B[name].weight)
+    return _Adapter(a, b, float(module.scaling[name]), p)
+
+
+@dataclass
+class FusedLinear:
+    """Several projections of the same input as one matmul, with their LoRA adapters (if any):
+    y = x @ W^T + b + (x @ A^T) @ B^T, W and b the parts stacked, A the adapted parts' A stacked and
+    B block-diagonal with each part's scale. Rows may be permuted (see `rope_pair_order`)."""
+
+    weight: Tensor  # (out, in)
+    bias: Tensor | None  # (out,)
+    a: Tensor | None  # (R, in), R the adapted parts' ranks summed
+    b: Tensor | None  # (out, R)
+    ranks: list[int]  # the adapted parts' ranks, in the order of a's rows
+    dropouts: list[float]  # their adapter dropout probabilities
+
+    @classmethod
+    def of(cls, modules: list[Any], order: Tensor | None = None) -> FusedLinear:
+        bases = [getattr(module, "base_layer", module) for module in modules]
+        weight = torch.cat([base.weight for base in bases]) if len(bases) > 1 else bases[0].weight
+        biases = [base.bias for base in bases]
+        bias = None if biases[0] is None else torch.cat(biases) if len(biases) > 1 else biases[0]
+        adapters = [_adapter(module) for module in modules]
+        used = [adapter for adapter in adapters if adapter is not None]
+        a = b = None
+        if used:
+            a = torch.cat([adapter.a for adapter in used]) if len(used) > 1 else used[0].a
+            # A part without an adapter contributes zero rows to B (a (out, 0) block).
+            blocks = [
+                base.weight.new_zeros(base.weight.shape[0], 0).to(used[0].b.dtype)
+                if adapter is None
+                else adapter.b * adapter.scale
+                for base, adapter in zip(bases, adapters, strict=True)
+            ]
+            b = torch.block_diag(*blocks) if len(blocks) > 1 else blocks[0]
+        if order is not None:
+            weight = weight[order]
+            bias = None if bias is None else bias[order]
+            b = None if b is None else b[order]
+        return cls(
+            weight,
+            bias,
+            a,
+            b,
+            [adapter.a.shape[0] for adapter in used],
+            [adapter.dropout for adapter in used],
+        )
+
+    def __call__(self, x: Tensor) -> Tensor:
+        out = F.linear(x, self.weight, self.bias)
+        if self.a is None or self.b is None:
+            return out
+        x = x.to(self.a.dtype)  # peft runs adapters in their own dtype (float32 beside bfloat16 weights)
+        if any(self.dropouts):  # each part draws its own dropout mask, as peft's modules do
+            low = torch.cat(
+                [
+                    F.linear(F.dropout(x, p) if p else x, a)
+                    for a, p in zip(self.a.split(self.ranks), self.dropouts, strict=True)
+                ],
+                dim=-1,
+            )
+        else:
+            low = F.linear(x, self.a)  # (..., R)
+        return (out + F.linear(low, self.b)).to(out.dtype)
+
+    def merged_weight(self) -> Tensor:
+        """W + B @ A (scales inside B), in W's dtype: the same map without dropout."""
+        if self.a is None or self.b is None:
+            return self.weight
+        return (self.weight + self.b @ self.a).to(self.weight.dtype)
 
 
 @dataclass
 class _Layer:
     input_norm: Tensor
-    qkv_weight: Tensor  # (H*D + 2*KV*D, E): q, k, v stacked
-    qkv_bias: Tensor | None
-    o_weight: Tensor
-    o_bias: Tensor | None
+    qkv: FusedLinear  # (H*D + 2*KV*D, E): q, k, v stacked, q and k rows pair-ordered
+    qk_norm: Tensor | None  # (H + KV, D) per-head q/k RMSNorm weights, pair-ordered (Qwen3), else None
+    o: FusedLinear
     post_norm: Tensor
-    gate_up_weight: Tensor  # (2*I, E): gate then up
-    gate_up_bias: Tensor | None
-    down_weight: Tensor
-    down_bias: Tensor | None
-
-
-def _cat_bias(*linears: Any) -> Tensor | None:
-    biases = [linear.bias for linear in linears]
-    return None if biases[0] is None else torch.cat(biases)
+    gate_up: FusedLinear  # (2*I, E): gate then up
+    down: FusedLinear
 
 
 class DecoderFunctional:
     """The model's weights gathered for the functional forward. Build a fresh one after each
     optimiser step that should be visible (concatenated weights are copies; under autograd the
-    concatenation is part of the graph, so gradients flow to the original parameters)."""
+    concatenation is part of the graph, so gradients flow to the original parameters). With a
+    peft model, the adapters active at construction time are applied (none inside
+    `disable_adapter()`: the base model)."""
 
     def __init__(self, model: Any) -> None:
-        config = model.config
-        self.model = model
+        base = _unwrap(model)
+        if base is None:
+            raise ValueError("only LoRA adapters take the functional path (see supports)")
+        config = base.config
+        self.model = base
         self.num_heads = int(config.num_attention_heads)
         self.num_kv_heads = int(config.num_key_value_heads or config.num_attention_heads)
         self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // self.num_heads)
@@ -83,38 +239,43 @@ class DecoderFunctional:
         self.act = _ACTIVATIONS[config.hidden_act]
         self.intermediate = int(config.intermediate_size)
         self.hidden = int(config.hidden_size)
-        core = model.model
+        core = base.model
         self.embed = core.embed_tokens.weight
         # nn.Embedding's padding_idx: that row gets no gradient (a sampled pad token is a real input).
         self.padding_idx = core.embed_tokens.padding_idx
         self.final_norm = core.norm.weight
-        self.lm_head = model.lm_head.weight
-        self.lm_head_bias = getattr(model.lm_head, "bias", None)
+        self.lm_head = base.lm_head.weight
+        self.lm_head_bias = base.lm_head.bias
         self.rotary_emb = core.rotary_emb
         self.layers = [self._layer(layer) for layer in core.layers]
 
     def _layer(self, layer: Any) -> _Layer:
         attn, mlp = layer.self_attn, layer.mlp
+        device = self.embed.device
         # q and k rows in RoPE-pair order (see rope_pair_order); v keeps the model's order.
-        q_order = rope_pair_order(self.num_heads, self.head_dim, attn.q_proj.weight.device)
-        k_order = rope_pair_order(self.num_kv_heads, self.head_dim, attn.k_proj.weight.device)
-        bias = _cat_bias(attn.q_proj, attn.k_proj, attn.v_proj)
-        if bias is not None:
-            q_size, k_size = q_order.numel(), k_order.numel()
-            bias = torch.cat([bias[q_order], bias[q_size + k_order], bias[q_size + k_size :]])
+        q_order = rope_pair_order(self.num_heads, self.head_dim, device)
+        k_order = rope_pair_order(self.num_kv_heads, self.head_dim, device)
+        q_size, k_size = q_order.numel(), k_order.numel()
+        v_rows = torch.arange(q_size + k_size, q_size + 2 * k_size, device=device)
+        qkv_order = torch.cat([q_order, q_size + k_order, v_rows])
+        qk_norm = None
+        q_norm = getattr(attn, "q_norm", None)
+        if q_norm is not None:
+            within = rope_pair_order(1, self.head_dim, device)
+            qk_norm = torch.cat(
+                [
+                    q_norm.weight[within].expand(self.num_heads, -1),
+                    attn.k_norm.weight[within].expand(self.num_kv_heads, -1),
+                ]
+            )
         return _Layer(
             input_norm=layer.input_layernorm.weight,
-            qkv_weight=torch.cat(
-                [attn.q_proj.weight[q_order], attn.k_proj.weight[k_order], attn.v_proj.weight]
-            ),
-            qkv_bias=bias,
-            o_weight=attn.o_proj.weight,
-            o_bias=attn.o_proj.bias,
+            qkv=FusedLinear.of([attn.q_proj, attn.k_proj, attn.v_proj], qkv_order),
+            qk_norm=qk_norm,
+            o=FusedLinear.of([attn.o_proj]),
             post_norm=layer.post_attention_layernorm.weight,
-            gate_up_weight=torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),
-            gate_up_bias=_cat_bias(mlp.gate_proj, mlp.up_proj),
-            down_weight=mlp.down_proj.weight,
-            down_bias=mlp.down_proj.bias,
+            gate_up=FusedLinear.of([mlp.gate_proj, mlp.up_proj]),
+            down=FusedLinear.of([mlp.down_proj]),
         )
 
     # --- building blocks ---------------------------------------------------------------------
@@ -135,26 +296,34 @@ class DecoderFunctional:
         half = self.head_dim // 2
         return Rotary.of(cos[..., :half], sin[..., :half])
 
+    def head_norm(self, qk: Tensor, weight: Tensor) -> Tensor:
+        """Qwen3's per-head RMSNorm of q and k: (..., H+KV, D) with (H+KV, D) weights, rounded like `norm`."""
+        normed = F.rms_norm(qk.float(), (qk.shape[-1],), None, self.eps)
+        if qk.dtype == torch.float32:
+            return normed * weight
+        return weight * normed.to(qk.dtype)
+
     def qkv(self, layer: _Layer, h: Tensor, rotary: Rotary) -> tuple[Tensor, Tensor, Tensor]:
         """(B, T, E) normalised input -> q (B, H, T, D), k and v (B, KV, T, D), RoPE applied."""
         batch, length, _ = h.shape
         heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
-        fused = F.linear(h, layer.qkv_weight, layer.qkv_bias)  # (B, T, (H + 2KV) * D)
-        fused = fused.view(batch, length, heads + 2 * kv_heads, dim).transpose(1, 2)  # (B, H+2KV, T, D)
+        fused = layer.qkv(h).view(batch, length, heads + 2 * kv_heads, dim)  # (B, T, H+2KV, D)
+        qk, v = fused.split([heads + kv_heads, kv_heads], dim=2)
+        if layer.qk_norm is not None:
+            qk = self.head_norm(qk, layer.qk_norm)
         # One RoPE for q and k together; the (B, T) tables broadcast over heads.
-        qk = rotary.unsqueeze(1).apply(fused[:, : heads + kv_heads])
-        return qk[:, :heads], qk[:, heads:], fused[:, heads + kv_heads :]
+        qk = rotary.unsqueeze(1).apply(qk.transpose(1, 2))  # (B, H+KV, T, D)
+        return qk[:, :heads], qk[:, heads:], v.transpose(1, 2)
 
     def attention_out(self, layer: _Layer, attn: Tensor) -> Tensor:
         """(B, H, T, D) -> (B, T, E) through o_proj."""
         batch, _, length, _ = attn.shape
         merged = attn.transpose(1, 2).reshape(batch, length, self.num_heads * self.head_dim)
-        return F.linear(merged, layer.o_weight, layer.o_bias)
+        return layer.o(merged)
 
     def mlp(self, layer: _Layer, x: Tensor) -> Tensor:
-        gate_up = F.linear(self.norm(x, layer.post_norm), layer.gate_up_weight, layer.gate_up_bias)
-        gate, up = gate_up.split(self.intermediate, dim=-1)
-        return F.linear(self.act(gate) * up, layer.down_weight, layer.down_bias)
+        gate, up = layer.gate_up(self.norm(x, layer.post_norm)).split(self.intermediate, dim=-1)
+        return layer.down(self.act(gate) * up)
 
     def logits(self, hidden: Tensor) -> Tensor:
         return F.linear(self.norm(hidden, self.final_norm), self.lm_head, self.lm_head_bias)
@@ -235,11 +404,13 @@ class DecoderFunctional:
         x = self.embed_ids(torch.cat([input_ids[firsts, :p].reshape(-1), completion_ids]))  # (R, E)
         split = groups * p
         for layer in self.layers:
-            fused = F.linear(self.norm(x, layer.input_norm), layer.qkv_weight, layer.qkv_bias)
+            fused = layer.qkv(self.norm(x, layer.input_norm))
             fused = fused.view(-1, heads + 2 * kv_heads, dim)  # (R, H+2KV, D)
             # split() rather than slicing: its backward is one cat, where each slice's backward
             # would zero-fill and accumulate a full-size gradient.
             qk, v = fused.split([heads + kv_heads, kv_heads], dim=1)
+            if layer.qk_norm is not None:
+                qk = self.head_norm(qk, layer.qk_norm)
             qk = rotary.apply(qk)  # RoPE on q and k at once
             qkv_prompt, qkv_completion = torch.cat([qk, v], dim=1).split([split, qk.shape[0] - split])
             if kept is not None:  # back to the padded (N*C) layout for attention
@@ -262,7 +433,7 @@ class DecoderFunctional:
             if kept is not None:
                 attn_c = attn_c.index_select(0, kept)
             attn = torch.cat([attn_p.transpose(1, 2).reshape(split, -1), attn_c])  # (R, H*D)
-            x = x + F.linear(attn, layer.o_weight, layer.o_bias)
+            x = x + layer.o(attn)
             x = x + self.mlp(layer, x)
         # Position P-1 (the prompt's last token) predicts the first completion token.
         x_prompt, x_completion = x.split([split, x.shape[0] - split])
@@ -380,14 +551,17 @@ class StaticDecoder:
         x = net.embed_ids(tokens)  # (B, E)
         for index, (layer, t) in enumerate(zip(net.layers, self.linears, strict=True)):
             fused = t.qkv(self._norm(x, layer.input_norm)).view(batch, heads + 2 * kv_heads, dim)
-            rotary.apply_(fused[:, : heads + kv_heads])  # q and k
+            qk = fused[:, : heads + kv_heads]
+            if t.qk_norm is not None:
+                qk.copy_(net.head_norm(qk, t.qk_norm))
+            rotary.apply_(qk)
             self.keys[index][:, :, position] = fused[:, heads : heads + kv_heads]
             self.values[index][:, :, position] = fused[:, heads + kv_heads :]
             # Heads of one KV group are adjacent: (B*KV, groups, D) queries against (B*KV, end, D) keys.
             q = fused[:, :heads].reshape(batch * kv_heads, heads // kv_heads, dim)
             keys = self.keys[index][:, :, :end].reshape(batch * kv_heads, end, dim)
             values = self.values[index][:, :, :end].reshape(batch * kv_heads, end, dim)
-            # 1/sqrt(D) is folded into the q rows of the qkv matrix (RoPE is linear).
+            # 1/sqrt(D) is folded into the q rows of the qkv matrix or of the q norm (RoPE is linear).
             probs = torch.baddbmm(bias, q, keys.transpose(1, 2)).softmax(dim=-1)
             attn = torch.bmm(probs, values).view(batch, heads * dim)
             x = t.o(attn, residual=x)
@@ -444,7 +618,7 @@ _LANE_MIN_FLOP = 2**22
 
 
 def _largest_matmul_flop(net: DecoderFunctional, rows: int) -> int:
-    widest = max(layer.qkv_weight.shape[0] for layer in net.layers)
+    widest = max(layer.qkv.weight.shape[0] for layer in net.layers)
     return 2 * rows * net.hidden * max(widest, 2 * net.intermediate)
 
 
@@ -487,31 +661,38 @@ class _DecodeLinear:
 @dataclass
 class _DecodeLayer:
     qkv: _DecodeLinear
+    qk_norm: Tensor | None  # (H + KV, D), the q rows times 1/sqrt(D)
     o: _DecodeLinear
     gate_up: _DecodeLinear
     down: _DecodeLinear
 
     @classmethod
     def of(cls, layer: _Layer, net: DecoderFunctional, *, fold: bool, norm_gain: float) -> _DecodeLayer:
-        """The q rows of qkv carry the attention scale 1/sqrt(D). With `fold`, the RMSNorm weights
-        (times `norm_gain`) scale the columns of the matrices that follow them:
-        RMSNorm(x) @ W^T == (x * rstd(x)) @ (W * g)^T."""
-        q_rows = net.num_heads * net.head_dim
-        row_scale = torch.ones(
-            layer.qkv_weight.shape[0], dtype=layer.qkv_weight.dtype, device=layer.qkv_weight.device
-        )
-        row_scale[:q_rows] = net.head_dim**-0.5
-        qkv = layer.qkv_weight * row_scale[:, None]
-        qkv_bias = None if layer.qkv_bias is None else layer.qkv_bias * row_scale
-        gate_up = layer.gate_up_weight
+        """LoRA adapters are merged into the weights. The attention scale 1/sqrt(D) goes into the q
+        rows of qkv, or of the per-head q norm after it when there is one (RMSNorm would undo it).
+        With `fold`, the RMSNorm weights (times `norm_gain`) scale the columns of the matrices that
+        follow them: RMSNorm(x) @ W^T == (x * rstd(x)) @ (W * g)^T."""
+        qkv, qkv_bias = layer.qkv.merged_weight(), layer.qkv.bias
+        qk_norm = None
+        if layer.qk_norm is None:
+            row_scale = torch.ones(qkv.shape[0], dtype=qkv.dtype, device=qkv.device)
+            row_scale[: net.num_heads * net.head_dim] = net.head_dim**-0.5
+            qkv = qkv * row_scale[:, None]
+            qkv_bias = None if qkv_bias is None else qkv_bias * row_scale
+        else:
+            head_scale = torch.ones(layer.qk_norm.shape[0], 1, dtype=qkv.dtype, device=qkv.device)
+            head_scale[: net.num_heads] = net.head_dim**-0.5
+            qk_norm = layer.qk_norm * head_scale
+        gate_up = layer.gate_up.merged_weight()
         if fold:
             qkv = qkv * (layer.input_norm * norm_gain)
             gate_up = gate_up * (layer.post_norm * norm_gain)
         return cls(
             _DecodeLinear(qkv, qkv_bias),
-            _DecodeLinear(layer.o_weight, layer.o_bias),
-            _DecodeLinear(gate_up, layer.gate_up_bias),
-            _DecodeLinear(layer.down_weight, layer.down_bias),
+            qk_norm,
+            _DecodeLinear(layer.o.merged_weight(), layer.o.bias),
+            _DecodeLinear(gate_up, layer.gate_up.bias),
+            _DecodeLinear(layer.down.merged_weight(), layer.down.bias),
         )
 
 

@@ -75,7 +75,7 @@ def completion_logprobs(
         )
     # Positions count real tokens only, as in generate(), so left padding does not shift them.
     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # (N, P+C)
-    if fast_decoder.supports(model):
+    if fast_decoder.supports(model, input_ids.shape[1]):
         # Same logits, far fewer ops (see fast_decoder); only the C predicting positions get logits.
         logits = fast_decoder.DecoderFunctional(model).completion_logits(
             input_ids, attention_mask, position_ids, completion_length

@@ -2,9 +2,10 @@
 
 Sampling runs our own loop (prefill once, then one token per forward with a KV cache,
 temperature / top-k / top-p with a seeded torch.Generator, stop once every row has emitted EOS):
-`generate()` spends most of a small model's generation time in per-token Python machinery. Plain
-Llama models decode through `worker.grpo.fast_decoder` (preallocated cache, fused projections);
-any other model through its own forward with a `DynamicCache`. Beam search stays on `generate()`.
+`generate()` spends most of a small model's generation time in per-token Python machinery.
+Llama-family models (plain or LoRA, see `fast_decoder.supports`) decode through
+`worker.grpo.fast_decoder` (preallocated cache, fused projections, adapters merged once per
+rollout); any other model through its own forward with a `DynamicCache`. Beam search stays on `generate()`.
 
 The loss trains on the sampled ids exactly; the decoded texts go to reward sources only and are
 never tokenised again (a decode/encode round trip is not the identity for most tokenizers).
@@ -290,8 +291,8 @@ def _lanes(
     model: Any, prompt_mask: Tensor, max_new_tokens: int, *, parallel: bool
 ) -> list[tuple[slice, _Decoder]]:
     """Decoders, each with the rows it decodes. Two (halves of the batch, decoded side by side)
-    only for plain Llama models whose decoding would otherwise leave a core idle; else one."""
-    if not fast_decoder.supports(model):
+    only for Llama-family models whose decoding would otherwise leave a core idle; else one."""
+    if not fast_decoder.supports(model, prompt_mask.shape[1] + max_new_tokens):
         return [(slice(None), _CacheDecoder(model, prompt_mask, max_new_tokens))]
     net = fast_decoder.DecoderFunctional(model)
     rows = prompt_mask.shape[0]
@@ -352,7 +353,7 @@ def sample_completions(
 
     Rows that have emitted an EOS get `pad_id` from then on; decoding ends once every row has
     (so C' may be shorter than max_completion_length), as generate() does. With `side`, small
-    Llama models decode the two halves of the batch side by side (see fast_decoder.decode_lanes).
+    Llama-family models decode the two halves of the batch side by side (see fast_decoder.decode_lanes).
     """
     max_new = config.max_completion_length
     batch, device = prompt_ids.shape[0], prompt_ids.device
