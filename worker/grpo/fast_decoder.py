@@ -326,7 +326,8 @@ class DecoderFunctional:
         return layer.down(self.act(gate) * up)
 
     def logits(self, hidden: Tensor) -> Tensor:
-        return F.linear(self.norm(hidden, self.final_norm), self.lm_head, self.lm_head_bias)
+        """Final-norm hidden states (..., E) -> logits (..., V)."""
+        return F.linear(hidden, self.lm_head, self.lm_head_bias)
 
     def _sdpa(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
         return F.scaled_dot_product_attention(
@@ -335,10 +336,10 @@ class DecoderFunctional:
 
     # --- whole-sequence forward (log-probs, with or without grad) ------------------------------
 
-    def forward_logits(
+    def forward_hidden(
         self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, keep: slice
     ) -> Tensor:
-        """Logits (B, K, V) at positions `keep` of a causal forward over (B, T) tokens."""
+        """Final-norm hidden states (B, K, E) at positions `keep` of a causal forward over (B, T) tokens."""
         mask = causal_padding_mask(attention_mask)  # (B, 1, T, T) bool
         rotary = self.rotary(position_ids, self.embed.dtype)
         x = self.embed_ids(input_ids)  # (B, T, E)
@@ -346,12 +347,19 @@ class DecoderFunctional:
             q, k, v = self.qkv(layer, self.norm(x, layer.input_norm), rotary)
             x = x + self.attention_out(layer, self._sdpa(q, k, v, mask))
             x = x + self.mlp(layer, x)
-        return self.logits(x[:, keep])
+        return self.norm(x[:, keep], self.final_norm)
 
     def completion_logits(
         self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, completion_length: int
     ) -> Tensor:
-        """Logits (N, C, V) predicting the last C tokens of (N, P + C) rows.
+        """Logits (N, C, V) predicting the last C tokens of (N, P + C) rows (see `completion_hidden`)."""
+        return self.logits(self.completion_hidden(input_ids, attention_mask, position_ids, completion_length))
+
+    def completion_hidden(
+        self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, completion_length: int
+    ) -> Tensor:
+        """Final-norm hidden states (N, C, E) predicting the last C tokens of (N, P + C) rows: the
+        LM head's input, so that a caller can apply it in chunks.
 
         GRPO rows come in groups that share a prompt: consecutive rows with identical prompt
         ids and mask run the prompt positions once per group and expand its keys/values (the
@@ -363,15 +371,15 @@ class DecoderFunctional:
         _, counts = torch.unique_consecutive(keys, dim=0, return_counts=True)
         if counts.shape[0] == input_ids.shape[0]:  # nothing shared
             total = input_ids.shape[1]
-            return self.forward_logits(
+            return self.forward_hidden(
                 input_ids, attention_mask, position_ids, slice(prompt_length - 1, total - 1)
             )
         firsts = torch.cumsum(counts, 0) - counts  # first row of each group
-        return self._shared_prompt_logits(
+        return self._shared_prompt_hidden(
             input_ids, attention_mask, position_ids, prompt_length, firsts, counts
         )
 
-    def _shared_prompt_logits(
+    def _shared_prompt_hidden(
         self,
         input_ids: Tensor,
         attention_mask: Tensor,
@@ -441,7 +449,7 @@ class DecoderFunctional:
             x_completion = _unpack(x_completion, kept, rows * completion)
         last_prompt = x_prompt.view(groups, p, -1)[:, -1:].repeat_interleave(counts, dim=0)  # (N, 1, E)
         hidden = torch.cat([last_prompt, x_completion.view(rows, completion, -1)[:, :-1]], dim=1)  # (N, C, E)
-        return self.logits(hidden)
+        return self.norm(hidden, self.final_norm)
 
     # --- incremental decoding with a preallocated cache ----------------------------------------
 

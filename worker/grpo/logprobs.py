@@ -7,7 +7,10 @@ so we gather one value per row and compute the logsumexp over row chunks.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 from transformers import PreTrainedModel
 
@@ -75,22 +78,128 @@ def completion_logprobs(
         )
     # Positions count real tokens only, as in generate(), so left padding does not shift them.
     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # (N, P+C)
+    targets = input_ids[:, -completion_length:]  # (N, C)
     if fast_decoder.supports(model, input_ids.shape[1]):
-        # Same logits, far fewer ops (see fast_decoder); only the C predicting positions get logits.
-        logits = fast_decoder.DecoderFunctional(model).completion_logits(
-            input_ids, attention_mask, position_ids, completion_length
-        )  # (N, C, V)
-    else:
-        logits = model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            logits_to_keep=completion_length + 1,
-            use_cache=False,
-        ).logits[:, :-1, :]  # (N, C, V): predictions of the C completion tokens
+        # Same values, far fewer ops (see fast_decoder); the LM head runs chunk by chunk.
+        net = fast_decoder.DecoderFunctional(model)
+        hidden = net.completion_hidden(input_ids, attention_mask, position_ids, completion_length)  # (N, C, E)
+        return head_logprobs(
+            hidden, net.lm_head, net.lm_head_bias, targets, temperature=temperature, with_entropy=with_entropy
+        )
+    logits = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        logits_to_keep=completion_length + 1,
+        use_cache=False,
+    ).logits[:, :-1, :]  # (N, C, V): predictions of the C completion tokens
     if temperature != 1.0:
         logits = logits / temperature
-    targets = input_ids[:, -completion_length:]  # (N, C)
     logps = selective_log_softmax(logits, targets)  # (N, C) float32
     entropy = entropy_from_logits(logits.detach()) if with_entropy else None
     return logps, entropy
+
+
+# Logits per chunk of the LM head (elements): 64 MiB in float32. Below it the logits are made at
+# once and autograd keeps them; above it they are never whole (see _ChunkedHeadLogprobs).
+HEAD_CHUNK_ELEMENTS = 2**24
+
+
+def head_logprobs(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    targets: Tensor,
+    *,
+    temperature: float,
+    with_entropy: bool = False,
+) -> tuple[Tensor, Tensor | None]:
+    """Log-probs (...) float32 of `targets` (...) under softmax((hidden @ W^T + b) / temperature),
+    and optionally its entropy (no grad): hidden (..., E), W (V, E).
+
+    Memory stays within one chunk of HEAD_CHUNK_ELEMENTS logits however many rows there are: large
+    vocabularies would otherwise hold (rows, V) logits and their gradient at once.
+    """
+    rows = hidden.reshape(-1, hidden.shape[-1])  # (R, E)
+    flat_targets = targets.reshape(-1)  # (R,)
+    chunk = max(1, HEAD_CHUNK_ELEMENTS // weight.shape[0])
+    if rows.shape[0] <= chunk:
+        logits = F.linear(rows, weight, bias)
+        if temperature != 1.0:
+            logits = logits / temperature
+        logps = selective_log_softmax(logits, flat_targets)
+        entropy = entropy_from_logits(logits.detach()) if with_entropy else None
+    else:
+        logps, entropy = _ChunkedHeadLogprobs.apply(
+            rows, weight, bias, flat_targets, temperature, chunk, with_entropy
+        )
+    return logps.reshape(targets.shape), None if entropy is None else entropy.reshape(targets.shape)
+
+
+class _ChunkedHeadLogprobs(torch.autograd.Function):
+    """The LM head and the selective log-softmax over row chunks, recomputing each chunk's logits in
+    backward instead of keeping them (one more head matmul per chunk; the memory no longer grows
+    with rows x V). Rounding follows the unchunked path: logits in the weights' dtype, divided by
+    the temperature there, then float32."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        rows: Tensor,
+        weight: Tensor,
+        bias: Tensor | None,
+        targets: Tensor,
+        temperature: float,
+        chunk: int,
+        with_entropy: bool,
+    ) -> tuple[Tensor, Tensor | None]:
+        logps = torch.empty(rows.shape[0], dtype=torch.float32, device=rows.device)
+        lse = torch.empty_like(logps)
+        entropy = torch.empty_like(logps) if with_entropy else None
+        for start in range(0, rows.shape[0], chunk):
+            part = slice(start, start + chunk)
+            logits = _tempered(rows[part], weight, bias, temperature).float()  # (r, V)
+            lse[part] = torch.logsumexp(logits, dim=-1)
+            logps[part] = logits.gather(-1, targets[part, None]).squeeze(-1) - lse[part]
+            if entropy is not None:
+                logits -= lse[part, None]  # log-probs, in place (the chunk's only full-size buffer)
+                entropy[part] = -(logits.exp() * logits).sum(-1)
+        ctx.save_for_backward(rows, weight, bias, targets, lse)
+        ctx.temperature, ctx.chunk = temperature, chunk
+        if entropy is not None:
+            ctx.mark_non_differentiable(entropy)
+        return logps, entropy
+
+    @staticmethod
+    def backward(  # type: ignore[override]
+        ctx: Any, grad_logps: Tensor, _grad_entropy: Tensor | None
+    ) -> tuple[Tensor | None, ...]:
+        rows, weight, bias, targets, lse = ctx.saved_tensors
+        need_rows, need_weight, need_bias = ctx.needs_input_grad[:3]
+        grad_rows = torch.empty_like(rows) if need_rows else None
+        # float32 sums over the chunks, whatever the weights' dtype (as one matmul would accumulate)
+        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if need_weight else None
+        grad_bias = torch.zeros_like(bias) if need_bias else None
+        for start in range(0, rows.shape[0], ctx.chunk):
+            part = slice(start, start + ctx.chunk)
+            logits = _tempered(rows[part], weight, bias, ctx.temperature).float()  # (r, V)
+            # d logp[t] / d logits = onehot(t) - softmax(logits)
+            grad = (logits - lse[part, None]).exp_().mul_(-grad_logps[part, None])
+            grad.scatter_add_(-1, targets[part, None], grad_logps[part, None])
+            grad = grad.to(rows.dtype)
+            if ctx.temperature != 1.0:
+                grad = grad / ctx.temperature
+            if grad_rows is not None:
+                grad_rows[part] = grad @ weight
+            if grad_weight is not None:
+                grad_weight += (grad.t() @ rows[part]).float()
+            if grad_bias is not None:
+                grad_bias += grad.sum(0)
+        if grad_weight is not None:
+            grad_weight = grad_weight.to(weight.dtype)
+        return grad_rows, grad_weight, grad_bias, None, None, None, None
+
+
+def _tempered(rows: Tensor, weight: Tensor, bias: Tensor | None, temperature: float) -> Tensor:
+    logits = F.linear(rows, weight, bias)
+    return logits if temperature == 1.0 else logits / temperature
