@@ -150,12 +150,21 @@ def test_fast_and_generic_decoders_sample_the_same_tokens(model: PreTrainedModel
     assert not fast.is_inference()  # usable as input of a forward that saves it for backward
 
 
-def test_filter_logits_matches_transformers_warpers() -> None:
-    logits = torch.randn(5, 50, generator=torch.Generator().manual_seed(1))
-    ours = rollout.filter_logits(logits, temperature=0.5, top_k=10, top_p=0.8)
-    theirs = TopPLogitsWarper(0.8)(None, TopKLogitsWarper(10)(None, logits / 0.5))
+@pytest.mark.parametrize(("top_k", "top_p"), [(10, 0.8), (0, 0.8), (10, 1.0), (3, 0.3)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_filter_logits_matches_transformers_warpers(top_k: int, top_p: float, dtype: torch.dtype) -> None:
+    """bfloat16 logits have ties (few distinct values): ties with the k-th value stay in."""
+    logits = torch.randn(5, 50, generator=torch.Generator().manual_seed(1)).to(dtype)
+    ours = rollout.filter_logits(logits.clone(), temperature=0.5, top_k=top_k, top_p=top_p)
+    theirs = logits.float() / 0.5
+    if top_k:
+        theirs = TopKLogitsWarper(top_k)(None, theirs)
+    if top_p < 1.0:
+        theirs = TopPLogitsWarper(top_p)(None, theirs)
     assert torch.equal(ours.isinf(), theirs.isinf())
     assert torch.allclose(ours[~ours.isinf()], theirs[~theirs.isinf()])
+    if dtype == torch.bfloat16 and (top_k, top_p) == (10, 1.0):
+        assert int((~ours.isinf()).sum(-1).max()) > top_k  # the data does have ties at the k-th value
 
 
 def test_sample_tokens_follows_the_distribution_and_skips_masked_tokens() -> None:

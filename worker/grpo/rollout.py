@@ -306,34 +306,44 @@ def _lanes(
 def filter_logits(logits: Tensor, *, temperature: float, top_k: int, top_p: float) -> Tensor:
     """(B, V) logits -> tempered logits with everything outside top-k / the top-p nucleus at -inf.
 
-    Same order and rules as transformers' warpers: temperature, then top-k (0 = off), then top-p
-    (smallest set whose mass reaches top_p; the most likely token is always kept).
+    Same order and rules as transformers' warpers: temperature, then top-k (0 = off; ties with the
+    k-th value are kept), then top-p (smallest set whose mass reaches top_p; the most likely token
+    is always kept). Works in place on `logits` when they are float32 (else on their float32 copy),
+    so that a token costs at most one more full-vocabulary buffer: the sorted copy that top-p over
+    the whole vocabulary needs. After top-k the nucleus is found among the kept tokens only.
     """
-    logits = logits.float()
+    logits = logits.float()  # no copy when already float32
     if temperature != 1.0:
-        logits = logits / temperature
-    if 0 < top_k < logits.shape[-1]:
+        logits.div_(temperature)
+    vocab = logits.shape[-1]
+    kept = vocab
+    if 0 < top_k < vocab:
         kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]  # (B, 1)
-        logits = logits.masked_fill(logits < kth, float("-inf"))
+        logits.masked_fill_(logits < kth, float("-inf"))
+        kept = int((logits > float("-inf")).sum(-1).max())  # k, or more with ties at the k-th value
     if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1)  # ascending
-        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-        drop_sorted = cumulative <= (1 - top_p)
-        drop_sorted[:, -1] = False
-        drop = drop_sorted.scatter(1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
+        if kept < vocab:  # every kept token, in ascending order (rows with fewer end in -inf)
+            values, order = torch.topk(logits, kept, dim=-1, largest=True, sorted=True)
+            values, order = values.flip(-1), order.flip(-1)  # (B, kept)
+        else:
+            values, order = torch.sort(logits, dim=-1)  # (B, V) ascending
+        # softmax and cumulative sum in the sorted buffer itself; the largest value is the last
+        probs = values.sub_(values[:, -1:]).exp_()
+        cumulative = probs.div_(probs.sum(dim=-1, keepdim=True)).cumsum_(dim=-1)
+        drop = cumulative <= (1 - top_p)
+        drop[:, -1] = False
+        logits.masked_fill_(torch.zeros_like(logits, dtype=torch.bool).scatter_(1, order, drop), float("-inf"))
     return logits
 
 
 def sample_tokens(logits: Tensor, draws: Tensor) -> Tensor:
     """One token per row from softmax(logits) (B, V), by inverting the cumulative distribution at
-    `draws` (B,), uniform in [0, 1).
+    `draws` (B,), uniform in [0, 1). Overwrites `logits` (with the unnormalised CDF).
 
     Cheaper than torch.multinomial for small batches (no per-row alias setup) and the same
     distribution. Tokens with zero probability (-inf) are never drawn.
     """
-    weights = (logits - logits.amax(dim=-1, keepdim=True)).exp()  # (B, V) unnormalised
-    cdf = weights.cumsum(dim=-1)
+    cdf = logits.sub_(logits.amax(dim=-1, keepdim=True)).exp_().cumsum_(dim=-1)  # (B, V) unnormalised
     draw = draws.to(cdf.dtype).unsqueeze(1)  # (B, 1)
     tokens = torch.searchsorted(cdf, draw * cdf[:, -1:], right=True).squeeze(1)
     return tokens.clamp(max=logits.shape[-1] - 1)  # draw * total can round up to total itself
