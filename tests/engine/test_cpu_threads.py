@@ -117,16 +117,23 @@ def models_dir(tiny_model_dir: Path) -> Path:
 
 
 @pytest.mark.filterwarnings("ignore:Seems like `optimizer.step\\(\\)` has been overridden")
+@pytest.mark.parametrize("lora", [None, {"r": 4, "alpha": 8}], ids=["full", "lora"])
 def test_reference_forward_beside_the_policy_gives_the_same_update(
-    tmp_path: Path, models_dir: Path, monkeypatch: pytest.MonkeyPatch, two_threads: None
+    tmp_path: Path,
+    models_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    two_threads: None,
+    lora: dict[str, int] | None,
 ) -> None:
+    """A LoRA reference on the fast path reads the base weights without switching the adapters
+    off, so it too runs beside the policy's forward."""
     reference_threads = record_threads(monkeypatch, ModelBundle, "reference_logps")
     runs = []
     for lane in ("side", "inline"):
         if lane == "inline":
             monkeypatch.setattr(trainer, "side_thread_helps", lambda device: False)
         run = GRPOTrainer(
-            small_config(max_steps=1, beta=0.04),
+            small_config(max_steps=1, beta=0.04, lora=lora),
             train_rows=word_rows(),
             reward=spread_reward(),
             **trainer_kwargs(tmp_path / lane, models_dir),
@@ -142,10 +149,11 @@ def test_reference_forward_beside_the_policy_gives_the_same_update(
         torch.testing.assert_close(grad, inline_grads[index], atol=1e-6, rtol=1e-4, msg=str(index))
 
 
-def test_lora_keeps_the_reference_forward_inline(
+def test_lora_outside_the_fast_path_keeps_the_reference_forward_inline(
     tmp_path: Path, models_dir: Path, monkeypatch: pytest.MonkeyPatch, two_threads: None
 ) -> None:
-    """With LoRA the reference is the policy with its adapters off: it cannot run beside the policy."""
+    """There the reference is the policy with its adapters switched off: not beside the policy."""
+    monkeypatch.setattr(fast_decoder, "supports", lambda model, max_length: False)
     reference_threads = record_threads(monkeypatch, ModelBundle, "reference_logps")
     GRPOTrainer(
         small_config(max_steps=1, beta=0.04, lora={"r": 4, "alpha": 8}),

@@ -153,13 +153,13 @@ class FusedLinear:
     dropouts: list[float]  # their adapter dropout probabilities
 
     @classmethod
-    def of(cls, modules: list[Any], order: Tensor | None = None) -> FusedLinear:
+    def of(cls, modules: list[Any], order: Tensor | None = None, *, adapters: bool = True) -> FusedLinear:
         bases = [getattr(module, "base_layer", module) for module in modules]
         weight = torch.cat([base.weight for base in bases]) if len(bases) > 1 else bases[0].weight
         biases = [base.bias for base in bases]
         bias = None if biases[0] is None else torch.cat(biases) if len(biases) > 1 else biases[0]
-        adapters = [_adapter(module) for module in modules]
-        used = [adapter for adapter in adapters if adapter is not None]
+        parts = [_adapter(module) if adapters else None for module in modules]
+        used = [adapter for adapter in parts if adapter is not None]
         a = b = None
         if used:
             a = torch.cat([adapter.a for adapter in used]) if len(used) > 1 else used[0].a
@@ -168,7 +168,7 @@ class FusedLinear:
                 base.weight.new_zeros(base.weight.shape[0], 0).to(used[0].b.dtype)
                 if adapter is None
                 else adapter.b * adapter.scale
-                for base, adapter in zip(bases, adapters, strict=True)
+                for base, adapter in zip(bases, parts, strict=True)
             ]
             b = torch.block_diag(*blocks) if len(blocks) > 1 else blocks[0]
         if order is not None:
@@ -224,9 +224,10 @@ class DecoderFunctional:
     optimiser step that should be visible (concatenated weights are copies; under autograd the
     concatenation is part of the graph, so gradients flow to the original parameters). With a
     peft model, the adapters active at construction time are applied (none inside
-    `disable_adapter()`: the base model)."""
+    `disable_adapter()`, or with `adapters=False`: the base model, without toggling the shared
+    model's state, so that it may run beside a forward of the adapted model)."""
 
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: Any, *, adapters: bool = True) -> None:
         base = _unwrap(model)
         if base is None:
             raise ValueError("only LoRA adapters take the functional path (see supports)")
@@ -247,9 +248,9 @@ class DecoderFunctional:
         self.lm_head = base.lm_head.weight
         self.lm_head_bias = base.lm_head.bias
         self.rotary_emb = core.rotary_emb
-        self.layers = [self._layer(layer) for layer in core.layers]
+        self.layers = [self._layer(layer, adapters) for layer in core.layers]
 
-    def _layer(self, layer: Any) -> _Layer:
+    def _layer(self, layer: Any, adapters: bool) -> _Layer:
         attn, mlp = layer.self_attn, layer.mlp
         device = self.embed.device
         # q and k rows in RoPE-pair order (see rope_pair_order); v keeps the model's order.
@@ -270,12 +271,12 @@ class DecoderFunctional:
             )
         return _Layer(
             input_norm=layer.input_layernorm.weight,
-            qkv=FusedLinear.of([attn.q_proj, attn.k_proj, attn.v_proj], qkv_order),
+            qkv=FusedLinear.of([attn.q_proj, attn.k_proj, attn.v_proj], qkv_order, adapters=adapters),
             qk_norm=qk_norm,
-            o=FusedLinear.of([attn.o_proj]),
+            o=FusedLinear.of([attn.o_proj], adapters=adapters),
             post_norm=layer.post_attention_layernorm.weight,
-            gate_up=FusedLinear.of([mlp.gate_proj, mlp.up_proj]),
-            down=FusedLinear.of([mlp.down_proj]),
+            gate_up=FusedLinear.of([mlp.gate_proj, mlp.up_proj], adapters=adapters),
+            down=FusedLinear.of([mlp.down_proj], adapters=adapters),
         )
 
     # --- building blocks ---------------------------------------------------------------------

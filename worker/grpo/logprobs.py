@@ -62,8 +62,12 @@ def completion_logprobs(
     *,
     temperature: float,
     with_entropy: bool = False,
+    adapters: bool = True,
 ) -> tuple[Tensor, Tensor | None]:
     """Log-probs (N, C) of the last C tokens of `input_ids` under `model`, from logits / temperature.
+
+    `adapters=False` scores a peft model's base weights on the fast path, without toggling its
+    adapters (see fast_decoder.DecoderFunctional); only for models `fast_decoder.supports`.
 
     input_ids, attention_mask: (N, P + C), prompt left-padded, completion last. Only the C + 1
     last positions get logits (`logits_to_keep`): position t predicts token t + 1, so the logits
@@ -81,11 +85,13 @@ def completion_logprobs(
     targets = input_ids[:, -completion_length:]  # (N, C)
     if fast_decoder.supports(model, input_ids.shape[1]):
         # Same values, far fewer ops (see fast_decoder); the LM head runs chunk by chunk.
-        net = fast_decoder.DecoderFunctional(model)
+        net = fast_decoder.DecoderFunctional(model, adapters=adapters)
         hidden = net.completion_hidden(input_ids, attention_mask, position_ids, completion_length)  # (N, C, E)
         return head_logprobs(
             hidden, net.lm_head, net.lm_head_bias, targets, temperature=temperature, with_entropy=with_entropy
         )
+    if not adapters:
+        raise ValueError("adapters=False needs the fast path; use the peft model's disable_adapter() instead")
     logits = model(
         input_ids=input_ids,
         attention_mask=attention_mask,
