@@ -106,6 +106,11 @@ def grouped_batch() -> tuple[torch.Tensor, torch.Tensor]:
     return ids, mask
 
 
+def on_device_of(model: Any, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    device = next(model.parameters()).device
+    return tuple(tensor.to(device) for tensor in tensors)
+
+
 def reference_logits(model: Any, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     out = model(input_ids=ids, attention_mask=mask, position_ids=positions, logits_to_keep=C + 1)
@@ -137,7 +142,7 @@ def logits_and_grads(
 
 def assert_forward_and_gradients_match(model: Any, dtype: torch.dtype) -> None:
     logits_tol, grad_tol = TOLERANCE[dtype]
-    ids, mask = grouped_batch()
+    ids, mask = on_device_of(model, *grouped_batch())
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     real = mask[:, P - 1 : -1].bool()  # query positions that predict a completion token
     assert fast_decoder.supports(model, ids.shape[1])
@@ -155,7 +160,7 @@ def assert_forward_and_gradients_match(model: Any, dtype: torch.dtype) -> None:
 
 def assert_decoder_matches(model: Any, tolerance: float, steps: int = 4) -> None:
     """StaticDecoder's prefill and first decode steps give the module's logits (with a DynamicCache)."""
-    ids, mask = grouped_batch()
+    ids, mask = on_device_of(model, *grouped_batch())
     prompt, prompt_mask = ids[:, :P], mask[:, :P]
     hf_positions = (prompt_mask.cumsum(-1) - 1).masked_fill(prompt_mask == 0, 1)
     with torch.inference_mode():
@@ -169,7 +174,7 @@ def assert_decoder_matches(model: Any, tolerance: float, steps: int = 4) -> None
         attention = prompt_mask
         for t in range(steps):
             token = ids[:, P + t]
-            attention = torch.cat([attention, torch.ones(ids.shape[0], 1, dtype=torch.long)], dim=1)
+            attention = torch.cat([attention, attention.new_ones(ids.shape[0], 1)], dim=1)
             ours = decoder.step(token)
             theirs = model(
                 input_ids=token[:, None],
@@ -197,6 +202,18 @@ def test_lora_logits_gradients_and_decoding_match_peft(arch: str, dtype: torch.d
     assert all("lora_" in name for name in trainable(model))
     assert_forward_and_gradients_match(model, dtype)
     assert_decoder_matches(model, 1e-5 if dtype == torch.float32 else 0.1)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_cuda_bf16_matches_transformers(arch: str, lora: bool) -> None:
+    """The same functions, unchanged, on a GPU in bfloat16."""
+    model = build(arch, torch.bfloat16).to("cuda")
+    if lora:
+        model = with_lora(model)
+    assert_forward_and_gradients_match(model, torch.bfloat16)
+    assert_decoder_matches(model, 0.1)
 
 
 def test_lora_on_some_projections_only() -> None:
