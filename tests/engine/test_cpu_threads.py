@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from tests.engine.test_trainer import _capture_gradients
 from tests.engine.trainer_helpers import small_config, spread_reward, trainer_kwargs, word_rows
-from worker.grpo import fast_decoder, rollout, trainer
+from worker.grpo import fast_decoder, rollout, static_decoder, trainer
 from worker.grpo.config import GRPOConfig
 from worker.grpo.cpu_threads import SideThread
 from worker.grpo.modeling import ModelBundle
@@ -74,13 +74,13 @@ def test_decode_lanes_only_split_single_threaded_decoding_with_halves_worth_a_co
     # The tiny preset's largest decode matmul is 2 * 128 * 512 FLOP per row.
     net = fast_decoder.DecoderFunctional(model)
     monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
-    assert fast_decoder.decode_lanes(net, 32) == 1  # 16-row halves: GIL hand-offs would cost more
-    assert fast_decoder.decode_lanes(net, 64) == 2
-    assert fast_decoder.decode_lanes(net, 1024) == 1  # decoding already uses both threads
+    assert static_decoder.decode_lanes(net, 32) == 1  # 16-row halves: GIL hand-offs would cost more
+    assert static_decoder.decode_lanes(net, 64) == 2
+    assert static_decoder.decode_lanes(net, 1024) == 1  # decoding already uses both threads
     monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
-    assert fast_decoder.decode_lanes(net, 64) == 1  # a spinning pool decodes on both threads
+    assert static_decoder.decode_lanes(net, 64) == 1  # a spinning pool decodes on both threads
     torch.set_num_threads(1)
-    assert fast_decoder.decode_lanes(net, 64) == 1
+    assert static_decoder.decode_lanes(net, 64) == 1
 
 
 def test_two_decode_lanes_sample_the_tokens_one_lane_samples(

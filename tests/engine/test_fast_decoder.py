@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
-from worker.grpo import fast_decoder, rollout
+from worker.grpo import fast_decoder, rollout, static_decoder
 from worker.grpo.config import GRPOConfig
 from worker.grpo.cpu_threads import intra_op_threads
 from worker.grpo.logprobs import completion_logprobs
@@ -55,7 +55,7 @@ def assert_decoder_matches(
     prompt, prompt_mask = ids[:, :P], mask[:, :P]
     hf_positions = (prompt_mask.cumsum(-1) - 1).masked_fill(prompt_mask == 0, 1)
     with torch.inference_mode():
-        decoder = fast_decoder.DecoderFunctional(model).decoder(prompt_mask, C)
+        decoder = static_decoder.StaticDecoder(fast_decoder.DecoderFunctional(model), prompt_mask, C)
         cache = DynamicCache(config=model.config)
         ours = decoder.prefill(prompt)
         theirs = model(
@@ -229,10 +229,10 @@ def test_passive_openmp_decodes_small_models_on_one_thread(
     torch.set_num_threads(2)
     try:
         monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
-        assert fast_decoder.decode_threads(net, 32) == 1
-        assert fast_decoder.decode_threads(net, 10_000) == 2  # large matmuls: both threads pay off
+        assert static_decoder.decode_threads(net, 32) == 1
+        assert static_decoder.decode_threads(net, 10_000) == 2  # large matmuls: both threads pay off
         monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
-        assert fast_decoder.decode_threads(net, 32) == 2
+        assert static_decoder.decode_threads(net, 32) == 2
         with intra_op_threads(1):
             assert torch.get_num_threads() == 1
         assert torch.get_num_threads() == 2

@@ -26,7 +26,7 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from worker.grpo import fast_decoder, rollout
+from worker.grpo import fast_decoder, rollout, static_decoder
 from worker.grpo.config import GRPOConfig
 from worker.grpo.logprobs import completion_logprobs
 
@@ -164,7 +164,7 @@ def assert_decoder_matches(model: Any, tolerance: float, steps: int = 4) -> None
     prompt, prompt_mask = ids[:, :P], mask[:, :P]
     hf_positions = (prompt_mask.cumsum(-1) - 1).masked_fill(prompt_mask == 0, 1)
     with torch.inference_mode():
-        decoder = fast_decoder.DecoderFunctional(model).decoder(prompt_mask, C)
+        decoder = static_decoder.StaticDecoder(fast_decoder.DecoderFunctional(model), prompt_mask, C)
         cache = DynamicCache(config=model.config)
         ours = decoder.prefill(prompt)
         theirs = model(

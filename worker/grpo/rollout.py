@@ -4,7 +4,7 @@ Sampling runs our own loop (prefill once, then one token per forward with a KV c
 temperature / top-k / top-p with a seeded torch.Generator, stop once every row has emitted EOS):
 `generate()` spends most of a small model's generation time in per-token Python machinery.
 Llama-family models (plain or LoRA, see `fast_decoder.supports`) decode through
-`worker.grpo.fast_decoder` (preallocated cache, fused projections, adapters merged once per
+`worker.grpo.static_decoder` (preallocated cache, fused projections, adapters merged once per
 rollout); any other model through its own forward with a `DynamicCache`. Beam search stays on `generate()`.
 
 The loss trains on the sampled ids exactly; the decoded texts go to reward sources only and are
@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from transformers import DynamicCache, GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
-from worker.grpo import fast_decoder
+from worker.grpo import fast_decoder, static_decoder
 from worker.grpo.config import GRPOConfig
 from worker.grpo.cpu_threads import SideThread, intra_op_threads
 
@@ -296,11 +296,13 @@ def _lanes(
         return [(slice(None), _CacheDecoder(model, prompt_mask, max_new_tokens))]
     net = fast_decoder.DecoderFunctional(model)
     rows = prompt_mask.shape[0]
-    if not parallel or fast_decoder.decode_lanes(net, rows) == 1:
-        return [(slice(None), net.decoder(prompt_mask, max_new_tokens))]
-    weights = fast_decoder.DecodeWeights.of(net)
+    if not parallel or static_decoder.decode_lanes(net, rows) == 1:
+        return [(slice(None), static_decoder.StaticDecoder(net, prompt_mask, max_new_tokens))]
+    weights = static_decoder.DecodeWeights.of(net)
     halves = [slice(0, rows // 2), slice(rows // 2, rows)]
-    return [(half, net.decoder(prompt_mask[half], max_new_tokens, weights)) for half in halves]
+    return [
+        (half, static_decoder.StaticDecoder(net, prompt_mask[half], max_new_tokens, weights)) for half in halves
+    ]
 
 
 def filter_logits(logits: Tensor, *, temperature: float, top_k: int, top_p: float) -> Tensor:
@@ -363,7 +365,7 @@ def sample_completions(
 
     Rows that have emitted an EOS get `pad_id` from then on; decoding ends once every row has
     (so C' may be shorter than max_completion_length), as generate() does. With `side`, small
-    Llama-family models decode the two halves of the batch side by side (see fast_decoder.decode_lanes).
+    Llama-family models decode the two halves of the batch side by side (see static_decoder.decode_lanes).
     """
     max_new = config.max_completion_length
     batch, device = prompt_ids.shape[0], prompt_ids.device
