@@ -26,7 +26,7 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from worker.grpo import fast_decoder, rollout, static_decoder
+from worker.grpo import fast_decoder, logprobs, rollout, static_decoder
 from worker.grpo.config import GRPOConfig
 from worker.grpo.logprobs import completion_logprobs
 
@@ -50,8 +50,9 @@ _COMMON: dict[str, Any] = {
 }
 
 
-def build(arch: str, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
+def build(arch: str, dtype: torch.dtype = torch.float32, **overrides: Any) -> PreTrainedModel:
     torch.manual_seed(3)
+    common = _COMMON | overrides
     model: PreTrainedModel
     if arch == "llama":
         rope = {
@@ -62,13 +63,13 @@ def build(arch: str, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
             "original_max_position_embeddings": 8,  # shorter than the batch: the scaling matters
             "rope_theta": 10000.0,
         }
-        model = LlamaForCausalLM(LlamaConfig(**_COMMON, rope_parameters=rope))
+        model = LlamaForCausalLM(LlamaConfig(**common, rope_parameters=rope))
     elif arch == "qwen2":
-        model = Qwen2ForCausalLM(Qwen2Config(**_COMMON))
+        model = Qwen2ForCausalLM(Qwen2Config(**common))
     elif arch == "qwen3":
-        model = Qwen3ForCausalLM(Qwen3Config(**_COMMON, head_dim=16))  # head_dim != hidden / heads
+        model = Qwen3ForCausalLM(Qwen3Config(**common, head_dim=16))  # head_dim != hidden / heads
     elif arch == "mistral":
-        model = MistralForCausalLM(MistralConfig(**_COMMON, sliding_window=P + C))
+        model = MistralForCausalLM(MistralConfig(**common, sliding_window=P + C))
     else:
         raise ValueError(arch)
     with torch.no_grad():
@@ -214,6 +215,37 @@ def test_cuda_bf16_matches_transformers(arch: str, lora: bool) -> None:
         model = with_lora(model)
     assert_forward_and_gradients_match(model, torch.bfloat16)
     assert_decoder_matches(model, 0.1)
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_log_probs_with_a_chunked_head_and_tied_embeddings_match_the_generic_path(
+    lora: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The whole completion_logprobs pipeline (LM head in chunks of 8 rows) on a model whose LM head
+    is its embedding matrix: log-probs and every trainable parameter's gradient."""
+    monkeypatch.setattr(logprobs, "HEAD_CHUNK_ELEMENTS", 8 * 100)
+    model = build("qwen2", tie_word_embeddings=True)
+    if lora:
+        model = with_lora(model)
+    ids, mask = grouped_batch()
+    real = mask[:, P:].bool()
+    assert fast_decoder.supports(model, ids.shape[1])
+
+    def run() -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        model.zero_grad()
+        logps, _ = completion_logprobs(model, ids, mask, C, temperature=0.7)
+        (logps * real).sum().backward()
+        return logps.detach(), {
+            name: p.grad.clone() for name, p in trainable(model).items() if p.grad is not None
+        }
+
+    ours, ours_grads = run()
+    monkeypatch.setattr(fast_decoder, "supports", lambda model, max_length: False)
+    theirs, theirs_grads = run()
+    assert relative_error(ours[real], theirs[real]) <= 1e-5
+    assert ours_grads.keys() == theirs_grads.keys() == trainable(model).keys()
+    for name, grad in theirs_grads.items():
+        assert relative_error(ours_grads[name], grad) <= 5e-5, name
 
 
 def test_lora_on_some_projections_only() -> None:
