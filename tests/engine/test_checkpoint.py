@@ -102,11 +102,14 @@ class TestSave:
 
         model, tokenizer = model_and_tokenizer
         torch.manual_seed(0)
-        peft_model = get_peft_model(model, PeftLoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+        # Projections and the embedding: every adapted weight must reach the merged model.
+        peft_model = get_peft_model(
+            model, PeftLoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "down_proj", "embed_tokens"])
+        )
         with torch.no_grad():
             for name, parameter in peft_model.named_parameters():
-                if "lora_B" in name:
-                    parameter.normal_(0, 0.2)  # a trained adapter: B is no longer zero
+                if "lora_B" in name or "lora_embedding" in name:
+                    parameter.normal_(0, 0.2)  # a trained adapter: B (and the embedding's A) no longer zero
         path, _ = _save(tmp_path, 1, peft_model, tokenizer)
         adapter = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_path), path).eval()
         merged = AutoModelForCausalLM.from_pretrained(path / "merged").eval()

@@ -234,15 +234,18 @@ def save_merged(model: Any, directory: Path) -> None:
     """Save a peft LoRA model as the plain transformers model it computes: each adapted weight
     becomes W + (its active adapters' deltas). `model` itself is left untouched (merging in place
     and back would round the base weights)."""
-    from peft.tuners.lora import Linear as LoraLinear
+    from peft.tuners.lora import LoraLayer
 
     inner = model.get_base_model()
+    # Every LoRA layer type (linear, embedding, ...) gives its delta in its base weight's shape.
     deltas = {
         f"{name}.weight": sum(
-            module.get_delta_weight(a) for a in module.active_adapters if a in module.lora_A
+            cast(Any, module).get_delta_weight(a)
+            for a in module.active_adapters
+            if a in module.lora_A or a in module.lora_embedding_A
         )
         for name, module in inner.named_modules()
-        if isinstance(module, LoraLinear) and not module.merged
+        if isinstance(module, LoraLayer) and not module.merged
     }
     # Wrapped layers keep their original weight under `base_layer`; adapter tensors are dropped.
     state = {
