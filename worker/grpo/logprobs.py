@@ -86,7 +86,9 @@ def completion_logprobs(
     if fast_decoder.supports(model, input_ids.shape[1]):
         # Same values, far fewer ops (see fast_decoder); the LM head runs chunk by chunk.
         net = fast_decoder.DecoderFunctional(model, adapters=adapters)
-        hidden = net.completion_hidden(input_ids, attention_mask, position_ids, completion_length)  # (N, C, E)
+        hidden = net.completion_hidden(
+            input_ids, attention_mask, position_ids, completion_length
+        )  # (N, C, E)
         return head_logprobs(
             hidden, net.lm_head, net.lm_head_bias, targets, temperature=temperature, with_entropy=with_entropy
         )

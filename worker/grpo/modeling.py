@@ -77,7 +77,12 @@ class ModelBundle:
         """(N, C) log-probs of the completion tokens under the reference policy."""
         if self.is_lora and fast_decoder.supports(self.policy, input_ids.shape[1]):
             logps, _ = completion_logprobs(
-                self.policy, input_ids, attention_mask, completion_length, temperature=temperature, adapters=False
+                self.policy,
+                input_ids,
+                attention_mask,
+                completion_length,
+                temperature=temperature,
+                adapters=False,
             )
             return logps
         model, context = self._reference_model()

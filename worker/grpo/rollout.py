@@ -301,7 +301,8 @@ def _lanes(
     weights = static_decoder.DecodeWeights.of(net)
     halves = [slice(0, rows // 2), slice(rows // 2, rows)]
     return [
-        (half, static_decoder.StaticDecoder(net, prompt_mask[half], max_new_tokens, weights)) for half in halves
+        (half, static_decoder.StaticDecoder(net, prompt_mask[half], max_new_tokens, weights))
+        for half in halves
     ]
 
 
@@ -334,7 +335,9 @@ def filter_logits(logits: Tensor, *, temperature: float, top_k: int, top_p: floa
         cumulative = probs.div_(probs.sum(dim=-1, keepdim=True)).cumsum_(dim=-1)
         drop = cumulative <= (1 - top_p)
         drop[:, -1] = False
-        logits.masked_fill_(torch.zeros_like(logits, dtype=torch.bool).scatter_(1, order, drop), float("-inf"))
+        logits.masked_fill_(
+            torch.zeros_like(logits, dtype=torch.bool).scatter_(1, order, drop), float("-inf")
+        )
     return logits
 
 
