@@ -90,6 +90,44 @@ class TestSave:
         path, manifest = _save(tmp_path, 1, peft_model, tokenizer)
         assert "adapter_model.safetensors" in manifest["files"]
         assert "model.safetensors" not in manifest["files"]
+        assert "merged/model.safetensors" in manifest["files"]
+
+    def test_lora_adapter_and_merged_weights_load_and_generate_alike(
+        self, tmp_path: Path, tiny_path: Path, model_and_tokenizer: tuple[Any, Any]
+    ) -> None:
+        """The adapter loads onto the base with PeftModel.from_pretrained, the merged weights with
+        AutoModelForCausalLM.from_pretrained; both compute the trained model and decode the same tokens."""
+        from peft import LoraConfig as PeftLoraConfig
+        from peft import PeftModel, get_peft_model
+
+        model, tokenizer = model_and_tokenizer
+        torch.manual_seed(0)
+        # Projections and the embedding: every adapted weight must reach the merged model.
+        peft_model = get_peft_model(
+            model, PeftLoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "down_proj", "embed_tokens"])
+        )
+        with torch.no_grad():
+            for name, parameter in peft_model.named_parameters():
+                if "lora_B" in name or "lora_embedding" in name:
+                    parameter.normal_(0, 0.2)  # a trained adapter: B (and the embedding's A) no longer zero
+        path, _ = _save(tmp_path, 1, peft_model, tokenizer)
+        adapter = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_path), path).eval()
+        merged = AutoModelForCausalLM.from_pretrained(path / "merged").eval()
+        base = AutoModelForCausalLM.from_pretrained(tiny_path).eval()
+        prompt = AutoTokenizer.from_pretrained(path / "merged")("the cat sat", return_tensors="pt")
+        with torch.no_grad():
+            expected = peft_model.eval()(**prompt).logits
+            assert torch.allclose(adapter(**prompt).logits, expected, atol=1e-5)
+            assert torch.allclose(merged(**prompt).logits, expected, atol=1e-4)
+            assert not torch.allclose(base(**prompt).logits, expected, atol=1e-2)  # the adapter matters
+
+            def greedy(lm: Any) -> torch.Tensor:
+                out = lm.generate(**prompt, do_sample=False, max_new_tokens=12, pad_token_id=0)
+                return out[:, prompt["input_ids"].shape[1] :]
+
+            tokens = greedy(adapter)
+            assert tokens.shape[1] > 0
+            assert torch.equal(greedy(merged), tokens)
 
     def test_failed_save_leaves_nothing_visible(
         self, tmp_path: Path, model_and_tokenizer: tuple[Any, Any]

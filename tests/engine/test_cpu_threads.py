@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from tests.engine.test_trainer import _capture_gradients
 from tests.engine.trainer_helpers import small_config, spread_reward, trainer_kwargs, word_rows
-from worker.grpo import fast_llama, rollout, trainer
+from worker.grpo import fast_decoder, rollout, static_decoder, trainer
 from worker.grpo.config import GRPOConfig
 from worker.grpo.cpu_threads import SideThread
 from worker.grpo.modeling import ModelBundle
@@ -72,15 +72,15 @@ def test_decode_lanes_only_split_single_threaded_decoding_with_halves_worth_a_co
     model: PreTrainedModel, monkeypatch: pytest.MonkeyPatch, two_threads: None
 ) -> None:
     # The tiny preset's largest decode matmul is 2 * 128 * 512 FLOP per row.
-    net = fast_llama.LlamaFunctional(model)
+    net = fast_decoder.DecoderFunctional(model)
     monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
-    assert fast_llama.decode_lanes(net, 32) == 1  # 16-row halves: GIL hand-offs would cost more
-    assert fast_llama.decode_lanes(net, 64) == 2
-    assert fast_llama.decode_lanes(net, 1024) == 1  # decoding already uses both threads
+    assert static_decoder.decode_lanes(net, 32) == 1  # 16-row halves: GIL hand-offs would cost more
+    assert static_decoder.decode_lanes(net, 64) == 2
+    assert static_decoder.decode_lanes(net, 1024) == 1  # decoding already uses both threads
     monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
-    assert fast_llama.decode_lanes(net, 64) == 1  # a spinning pool decodes on both threads
+    assert static_decoder.decode_lanes(net, 64) == 1  # a spinning pool decodes on both threads
     torch.set_num_threads(1)
-    assert fast_llama.decode_lanes(net, 64) == 1
+    assert static_decoder.decode_lanes(net, 64) == 1
 
 
 def test_two_decode_lanes_sample_the_tokens_one_lane_samples(
@@ -117,16 +117,23 @@ def models_dir(tiny_model_dir: Path) -> Path:
 
 
 @pytest.mark.filterwarnings("ignore:Seems like `optimizer.step\\(\\)` has been overridden")
+@pytest.mark.parametrize("lora", [None, {"r": 4, "alpha": 8}], ids=["full", "lora"])
 def test_reference_forward_beside_the_policy_gives_the_same_update(
-    tmp_path: Path, models_dir: Path, monkeypatch: pytest.MonkeyPatch, two_threads: None
+    tmp_path: Path,
+    models_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    two_threads: None,
+    lora: dict[str, int] | None,
 ) -> None:
+    """A LoRA reference on the fast path reads the base weights without switching the adapters
+    off, so it too runs beside the policy's forward."""
     reference_threads = record_threads(monkeypatch, ModelBundle, "reference_logps")
     runs = []
     for lane in ("side", "inline"):
         if lane == "inline":
             monkeypatch.setattr(trainer, "side_thread_helps", lambda device: False)
         run = GRPOTrainer(
-            small_config(max_steps=1, beta=0.04),
+            small_config(max_steps=1, beta=0.04, lora=lora),
             train_rows=word_rows(),
             reward=spread_reward(),
             **trainer_kwargs(tmp_path / lane, models_dir),
@@ -142,10 +149,11 @@ def test_reference_forward_beside_the_policy_gives_the_same_update(
         torch.testing.assert_close(grad, inline_grads[index], atol=1e-6, rtol=1e-4, msg=str(index))
 
 
-def test_lora_keeps_the_reference_forward_inline(
+def test_lora_outside_the_fast_path_keeps_the_reference_forward_inline(
     tmp_path: Path, models_dir: Path, monkeypatch: pytest.MonkeyPatch, two_threads: None
 ) -> None:
-    """With LoRA the reference is the policy with its adapters off: it cannot run beside the policy."""
+    """There the reference is the policy with its adapters switched off: not beside the policy."""
+    monkeypatch.setattr(fast_decoder, "supports", lambda model, max_length: False)
     reference_threads = record_threads(monkeypatch, ModelBundle, "reference_logps")
     GRPOTrainer(
         small_config(max_steps=1, beta=0.04, lora={"r": 4, "alpha": 8}),

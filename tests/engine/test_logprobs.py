@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import weakref
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from worker.grpo import logprobs
@@ -107,3 +111,110 @@ class TestCompletionLogprobs:
         model, input_ids, mask, _ = model_and_batch
         with pytest.raises(ValueError, match="completion_length"):
             completion_logprobs(model, input_ids, mask, input_ids.shape[1], temperature=1.0)
+
+
+class TestChunkedHead:
+    """The LM head + selective log-softmax in chunks (large vocabularies) equals the whole computation."""
+
+    @pytest.mark.parametrize(
+        ("dtype", "tolerance"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)], ids=["fp32", "bf16"]
+    )
+    def test_chunks_match_the_whole_head_with_gradients(
+        self, monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, tolerance: float
+    ) -> None:
+        gen = torch.Generator().manual_seed(0)
+        hidden = torch.randn(3, 7, 16, generator=gen).to(dtype).requires_grad_(True)
+        weight = torch.randn(50, 16, generator=gen).to(dtype).requires_grad_(True)
+        bias = torch.randn(50, generator=gen).to(dtype).requires_grad_(True)
+        targets = torch.randint(0, 50, (3, 7), generator=gen)
+        upstream = torch.randn(3, 7, generator=gen)  # a loss that weighs every token differently
+
+        def run() -> tuple[torch.Tensor, torch.Tensor | None, list[torch.Tensor]]:
+            logps, entropy = logprobs.head_logprobs(
+                hidden, weight, bias, targets, temperature=0.7, with_entropy=True
+            )
+            grads = torch.autograd.grad((logps * upstream).sum(), [hidden, weight, bias])
+            return logps, entropy, list(grads)
+
+        monkeypatch.setattr(logprobs, "HEAD_CHUNK_ELEMENTS", 50 * 4)  # 4 rows per chunk, 6 chunks
+        chunked = run()
+        monkeypatch.setattr(logprobs, "HEAD_CHUNK_ELEMENTS", 2**24)  # one chunk: plain autograd
+        whole = run()
+        torch.testing.assert_close(chunked[0], whole[0], atol=tolerance, rtol=tolerance)
+        assert chunked[1] is not None and whole[1] is not None
+        torch.testing.assert_close(chunked[1], whole[1], atol=tolerance, rtol=tolerance)
+        for ours, theirs in zip(chunked[2], whole[2], strict=True):
+            scale = float(theirs.abs().max())
+            torch.testing.assert_close(ours.float(), theirs.float(), atol=tolerance * scale, rtol=0)
+
+    def test_frozen_head_gets_no_gradient_but_hidden_does(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch.setattr(logprobs, "HEAD_CHUNK_ELEMENTS", 40)
+        hidden = torch.randn(10, 8, requires_grad=True)
+        weight = torch.randn(20, 8)  # LoRA: the LM head is frozen
+        logps, _ = logprobs.head_logprobs(hidden, weight, None, torch.randint(0, 20, (10,)), temperature=1.0)
+        logps.sum().backward()
+        assert hidden.grad is not None and weight.grad is None
+
+
+class PeakMemory(TorchDispatchMode):
+    """Peak bytes of the tensor storages created inside the block (alive at the same time)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = 0
+        self.peak = 0
+        self._refs: dict[int, int] = {}  # storage address -> tensors created here that use it
+
+    def _release(self, key: int, nbytes: int) -> None:
+        self._refs[key] -= 1
+        if self._refs[key] == 0:
+            del self._refs[key]
+            self.live -= nbytes
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for tensor in tree_leaves(out):
+            if isinstance(tensor, torch.Tensor):
+                storage = tensor.untyped_storage()
+                key, nbytes = storage.data_ptr(), storage.nbytes()
+                if key not in self._refs:
+                    self._refs[key] = 0
+                    self.live += nbytes
+                    self.peak = max(self.peak, self.live)
+                self._refs[key] += 1
+                weakref.finalize(tensor, self._release, key, nbytes)
+        return out
+
+
+def test_peak_memory_of_a_32k_vocabulary_step_does_not_grow_with_completion_length(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Forward and backward of the completion log-probs on a 32k-token vocabulary: 4x the completion
+    length adds less than one chunk of logits to the peak (the whole logits would add 24 MiB)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    chunk_elements = 2**20  # 4 MiB of float32 logits
+    monkeypatch.setattr(logprobs, "HEAD_CHUNK_ELEMENTS", chunk_elements)
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=32_000,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+    )
+    model = LlamaForCausalLM(config)
+
+    def peak(completion_length: int) -> int:
+        ids = torch.randint(0, 32_000, (8, 4 + completion_length), generator=torch.Generator().manual_seed(1))
+        mask = torch.ones_like(ids)
+        model.zero_grad(set_to_none=True)
+        with PeakMemory() as memory:
+            logps, _ = completion_logprobs(model, ids, mask, completion_length, temperature=0.9)
+            logps.sum().backward()
+        return memory.peak
+
+    short, long = peak(16), peak(64)
+    assert long - short < chunk_elements * 4, (short, long)

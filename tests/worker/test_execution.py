@@ -64,6 +64,35 @@ class TestEndToEnd:
         tokenizer = AutoTokenizer.from_pretrained(local)
         assert model.num_parameters() > 0 and tokenizer("hi")["input_ids"]
 
+    def test_lora_job_checkpoint_loads_as_adapter_and_as_merged_model(
+        self, api: ApiClient, stack: Stack, tmp_path: Path
+    ) -> None:
+        """The adapter on the base model (PeftModel.from_pretrained) and the merged weights
+        (AutoModelForCausalLM.from_pretrained) decode the same tokens greedily."""
+        import torch
+        from peft import PeftModel
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from worker.grpo.tiny import resolve_model_path
+
+        dataset = api.upload_dataset(PROMPTS)
+        job_id = api.submit(tiny_spec(dataset, max_steps=2, checkpoint_every=2, lora={"r": 4, "alpha": 8}))
+        job = api.wait_status(job_id, {"succeeded"}, timeout=240)
+        assert job["progress"]["step"] == 2, stack.logs()
+        local = api.download_checkpoint(api.checkpoints(job_id)[-1], tmp_path / "ckpt")
+        # builtin:tiny is deterministic: the worker trained on these very base weights.
+        base = AutoModelForCausalLM.from_pretrained(resolve_model_path("builtin:tiny", tmp_path / "models"))
+        adapter = PeftModel.from_pretrained(base, local).eval()
+        merged = AutoModelForCausalLM.from_pretrained(local / "merged").eval()
+        prompt = AutoTokenizer.from_pretrained(local / "merged")(PROMPTS[0]["prompt"], return_tensors="pt")
+        with torch.no_grad():
+            tokens = [
+                lm.generate(**prompt, do_sample=False, max_new_tokens=8, pad_token_id=0)
+                for lm in (adapter, merged)
+            ]
+        assert tokens[0].shape[1] > prompt["input_ids"].shape[1]
+        assert torch.equal(tokens[0], tokens[1])
+
 
 class TestRetentionAndDelete:
     def test_save_total_limit_keeps_three_and_delete_removes_the_files(self, api: ApiClient, stack: Stack) -> None:

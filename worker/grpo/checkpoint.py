@@ -1,8 +1,11 @@
 """Checkpoints: atomic, self-verifying directories a run can resume from exactly.
 
 Layout of ``<output_dir>/checkpoint-<step>/``:
-- model weights via ``save_pretrained`` as safetensors (only the adapter with LoRA);
+- model weights via ``save_pretrained`` as safetensors (only the adapter with LoRA: it loads with
+  ``PeftModel.from_pretrained``);
 - the tokenizer files;
+- with LoRA, ``merged/``: the base model with the adapters added to its weights (W + s * B @ A) and
+  the tokenizer, a plain model for ``AutoModelForCausalLM.from_pretrained``;
 - ``grpo_config.json``: the run's GRPOConfig (plus any extra metadata the caller passes);
 - ``trainer_state.pt``: step, optimiser, scheduler, Python/NumPy/torch RNG states, data cursor, metrics history;
 - ``manifest.json``: every other file with its size and sha256.
@@ -33,6 +36,7 @@ from worker.grpo.config import GRPOConfig
 MANIFEST_NAME = "manifest.json"
 STATE_NAME = "trainer_state.pt"
 CONFIG_NAME = "grpo_config.json"
+MERGED_DIR = "merged"
 MANIFEST_FORMAT = 1
 _DIR_PATTERN = re.compile(r"^checkpoint-(\d+)$")
 _HASH_CHUNK = 1 << 20
@@ -202,6 +206,9 @@ def save_checkpoint(
     try:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
+        if _is_peft(model):
+            save_merged(model, tmp / MERGED_DIR)
+            tokenizer.save_pretrained(tmp / MERGED_DIR)
         config_doc = {"step": step, "config": config.model_dump(mode="json"), "metadata": metadata or {}}
         (tmp / CONFIG_NAME).write_text(json.dumps(config_doc, indent=2, sort_keys=True), encoding="utf-8")
         torch.save({**trainer_state, "step": step}, tmp / STATE_NAME)
@@ -214,6 +221,41 @@ def save_checkpoint(
         raise
     prune_checkpoints(output_dir, save_total_limit, keep=final)
     return final, manifest
+
+
+def _is_peft(model: Any) -> bool:
+    from peft import PeftModel
+
+    return isinstance(model, PeftModel)
+
+
+@torch.no_grad()
+def save_merged(model: Any, directory: Path) -> None:
+    """Save a peft LoRA model as the plain transformers model it computes: each adapted weight
+    becomes W + (its active adapters' deltas). `model` itself is left untouched (merging in place
+    and back would round the base weights)."""
+    from peft.tuners.lora import LoraLayer
+
+    inner = model.get_base_model()
+    # Every LoRA layer type (linear, embedding, ...) gives its delta in its base weight's shape.
+    deltas = {
+        f"{name}.weight": sum(
+            cast(Any, module).get_delta_weight(a)
+            for a in module.active_adapters
+            if a in module.lora_A or a in module.lora_embedding_A
+        )
+        for name, module in inner.named_modules()
+        if isinstance(module, LoraLayer) and not module.merged
+    }
+    # Wrapped layers keep their original weight under `base_layer`; adapter tensors are dropped.
+    state = {
+        key.replace(".base_layer.", "."): tensor
+        for key, tensor in inner.state_dict().items()
+        if ".lora_" not in key
+    }
+    for key, delta in deltas.items():
+        state[key] = (state[key] + delta).to(state[key].dtype)
+    inner.save_pretrained(directory, state_dict=state, safe_serialization=True)
 
 
 def _fsync_tree(directory: Path) -> None:

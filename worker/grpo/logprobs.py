@@ -7,11 +7,14 @@ so we gather one value per row and compute the logsumexp over row chunks.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 from transformers import PreTrainedModel
 
-from worker.grpo import fast_llama
+from worker.grpo import fast_decoder
 
 # Rows (positions) per chunk: bounds the float32 temporaries to about CHUNK_ROWS * V floats
 # when logits are in a lower precision.
@@ -60,8 +63,12 @@ def completion_logprobs(
     temperature: float,
     with_entropy: bool = False,
     entropy_grad: bool = False,
+    adapters: bool = True,
 ) -> tuple[Tensor, Tensor | None]:
     """Log-probs (N, C) of the last C tokens of `input_ids` under `model`, from logits / temperature.
+
+    `adapters=False` scores a peft model's base weights on the fast path, without toggling its
+    adapters (see fast_decoder.DecoderFunctional); only for models `fast_decoder.supports`.
 
     input_ids, attention_mask: (N, P + C), prompt left-padded, completion last. Only the C + 1
     last positions get logits (`logits_to_keep`): position t predicts token t + 1, so the logits
@@ -77,22 +84,144 @@ def completion_logprobs(
         )
     # Positions count real tokens only, as in generate(), so left padding does not shift them.
     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # (N, P+C)
-    if fast_llama.supports(model):
-        # Same logits, far fewer ops (see fast_llama); only the C predicting positions get logits.
-        logits = fast_llama.LlamaFunctional(model).completion_logits(
+    targets = input_ids[:, -completion_length:]  # (N, C)
+    if fast_decoder.supports(model, input_ids.shape[1]):
+        # Same values, far fewer ops (see fast_decoder); the LM head runs chunk by chunk.
+        net = fast_decoder.DecoderFunctional(model, adapters=adapters)
+        hidden = net.completion_hidden(
             input_ids, attention_mask, position_ids, completion_length
-        )  # (N, C, V)
-    else:
-        logits = model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            logits_to_keep=completion_length + 1,
-            use_cache=False,
-        ).logits[:, :-1, :]  # (N, C, V): predictions of the C completion tokens
+        )  # (N, C, E)
+        return head_logprobs(
+            hidden,
+            net.lm_head,
+            net.lm_head_bias,
+            targets,
+            temperature=temperature,
+            with_entropy=with_entropy,
+            entropy_grad=entropy_grad,
+        )
+    if not adapters:
+        raise ValueError("adapters=False needs the fast path; use the peft model's disable_adapter() instead")
+    logits = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        logits_to_keep=completion_length + 1,
+        use_cache=False,
+    ).logits[:, :-1, :]  # (N, C, V): predictions of the C completion tokens
     if temperature != 1.0:
         logits = logits / temperature
-    targets = input_ids[:, -completion_length:]  # (N, C)
     logps = selective_log_softmax(logits, targets)  # (N, C) float32
     entropy = entropy_from_logits(logits if entropy_grad else logits.detach()) if with_entropy else None
     return logps, entropy
+
+
+# Logits per chunk of the LM head (elements): 256 MiB in float32. Up to that the logits are made at
+# once and autograd keeps them (as TRL keeps all of them); above it they are never whole, at the
+# price of recomputing each chunk's logits in backward (see _ChunkedHeadLogprobs): one more head
+# matmul, about a quarter more FLOPs for a 32k vocabulary on a 256-wide, 6-layer model. A step of
+# 32 completions x 48 tokens with a 32k vocabulary (49M logits) stays in one chunk.
+HEAD_CHUNK_ELEMENTS = 2**26
+
+
+def head_logprobs(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    targets: Tensor,
+    *,
+    temperature: float,
+    with_entropy: bool = False,
+    entropy_grad: bool = False,
+) -> tuple[Tensor, Tensor | None]:
+    """Log-probs (...) float32 of `targets` (...) under softmax((hidden @ W^T + b) / temperature),
+    and optionally its entropy: hidden (..., E), W (V, E). The entropy carries gradients only with
+    `entropy_grad` (the entropy bonus).
+
+    Memory stays within one chunk of HEAD_CHUNK_ELEMENTS logits however many rows there are: large
+    vocabularies would otherwise hold (rows, V) logits and their gradient at once. The entropy bonus
+    needs the whole logits' graph, so with `entropy_grad` the head runs unchunked.
+    """
+    rows = hidden.reshape(-1, hidden.shape[-1])  # (R, E)
+    flat_targets = targets.reshape(-1)  # (R,)
+    chunk = max(1, HEAD_CHUNK_ELEMENTS // weight.shape[0])
+    if rows.shape[0] <= chunk or (with_entropy and entropy_grad):
+        logits = F.linear(rows, weight, bias)
+        if temperature != 1.0:
+            logits = logits / temperature
+        logps = selective_log_softmax(logits, flat_targets)
+        entropy = entropy_from_logits(logits if entropy_grad else logits.detach()) if with_entropy else None
+    else:
+        logps, entropy = _ChunkedHeadLogprobs.apply(
+            rows, weight, bias, flat_targets, temperature, chunk, with_entropy
+        )
+    return logps.reshape(targets.shape), None if entropy is None else entropy.reshape(targets.shape)
+
+
+class _ChunkedHeadLogprobs(torch.autograd.Function):
+    """The LM head and the selective log-softmax over row chunks, recomputing each chunk's logits in
+    backward instead of keeping them (one more head matmul per chunk; the memory no longer grows
+    with rows x V). Rounding follows the unchunked path: logits in the weights' dtype, divided by
+    the temperature there, then float32."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        rows: Tensor,
+        weight: Tensor,
+        bias: Tensor | None,
+        targets: Tensor,
+        temperature: float,
+        chunk: int,
+        with_entropy: bool,
+    ) -> tuple[Tensor, Tensor | None]:
+        logps = torch.empty(rows.shape[0], dtype=torch.float32, device=rows.device)
+        lse = torch.empty_like(logps)
+        entropy = torch.empty_like(logps) if with_entropy else None
+        for start in range(0, rows.shape[0], chunk):
+            part = slice(start, start + chunk)
+            logits = _tempered(rows[part], weight, bias, temperature).float()  # (r, V)
+            lse[part] = torch.logsumexp(logits, dim=-1)
+            logps[part] = logits.gather(-1, targets[part, None]).squeeze(-1) - lse[part]
+            if entropy is not None:
+                logits -= lse[part, None]  # log-probs, in place (the chunk's only full-size buffer)
+                entropy[part] = -(logits.exp() * logits).sum(-1)
+        ctx.save_for_backward(rows, weight, bias, targets, lse)
+        ctx.temperature, ctx.chunk = temperature, chunk
+        if entropy is not None:
+            ctx.mark_non_differentiable(entropy)
+        return logps, entropy
+
+    @staticmethod
+    def backward(  # type: ignore[override]
+        ctx: Any, grad_logps: Tensor, _grad_entropy: Tensor | None
+    ) -> tuple[Tensor | None, ...]:
+        rows, weight, bias, targets, lse = ctx.saved_tensors
+        need_rows, need_weight, need_bias = ctx.needs_input_grad[:3]
+        grad_rows = torch.empty_like(rows) if need_rows else None
+        # float32 sums over the chunks, whatever the weights' dtype (as one matmul would accumulate)
+        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if need_weight else None
+        grad_bias = torch.zeros_like(bias) if need_bias else None
+        for start in range(0, rows.shape[0], ctx.chunk):
+            part = slice(start, start + ctx.chunk)
+            logits = _tempered(rows[part], weight, bias, ctx.temperature).float()  # (r, V)
+            # d logp[t] / d logits = onehot(t) - softmax(logits)
+            grad = (logits - lse[part, None]).exp_().mul_(-grad_logps[part, None])
+            grad.scatter_add_(-1, targets[part, None], grad_logps[part, None])
+            grad = grad.to(rows.dtype)
+            if ctx.temperature != 1.0:
+                grad = grad / ctx.temperature
+            if grad_rows is not None:
+                grad_rows[part] = grad @ weight
+            if grad_weight is not None:
+                grad_weight += (grad.t() @ rows[part]).float()
+            if grad_bias is not None:
+                grad_bias += grad.sum(0)
+        if grad_weight is not None:
+            grad_weight = grad_weight.to(weight.dtype)
+        return grad_rows, grad_weight, grad_bias, None, None, None, None
+
+
+def _tempered(rows: Tensor, weight: Tensor, bias: Tensor | None, temperature: float) -> Tensor:
+    logits = F.linear(rows, weight, bias)
+    return logits if temperature == 1.0 else logits / temperature

@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
+from worker.grpo import fast_decoder
 from worker.grpo.config import GRPOConfig
 from worker.grpo.logprobs import completion_logprobs
 from worker.grpo.rollout import Rollout, completion_mask_after_eos, tokenize_prompts
@@ -63,11 +64,27 @@ class ModelBundle:
             raise RuntimeError("no reference model: beta == 0")
         return self.reference, nullcontext()
 
+    def reference_runs_beside_policy(self, max_length: int) -> bool:
+        """Whether reference log-probs over sequences of `max_length` may run while the policy runs
+        a forward: a reference model of its own, or a LoRA policy whose base weights the fast path
+        reads without switching the adapters off (peft's disable_adapter() would change the policy)."""
+        return not self.is_lora or fast_decoder.supports(self.policy, max_length)
+
     @torch.no_grad()
     def reference_logps(
         self, input_ids: Tensor, attention_mask: Tensor, completion_length: int, *, temperature: float
     ) -> Tensor:
         """(N, C) log-probs of the completion tokens under the reference policy."""
+        if self.is_lora and fast_decoder.supports(self.policy, input_ids.shape[1]):
+            logps, _ = completion_logprobs(
+                self.policy,
+                input_ids,
+                attention_mask,
+                completion_length,
+                temperature=temperature,
+                adapters=False,
+            )
+            return logps
         model, context = self._reference_model()
         with context:
             logps, _ = completion_logprobs(

@@ -2,9 +2,10 @@
 
 Sampling runs our own loop (prefill once, then one token per forward with a KV cache,
 temperature / top-k / top-p with a seeded torch.Generator, stop once every row has emitted EOS):
-`generate()` spends most of a small model's generation time in per-token Python machinery. Plain
-Llama models decode through `worker.grpo.fast_llama` (preallocated cache, fused projections);
-any other model through its own forward with a `DynamicCache`. Beam search stays on `generate()`.
+`generate()` spends most of a small model's generation time in per-token Python machinery.
+Llama-family models (plain or LoRA, see `fast_decoder.supports`) decode through
+`worker.grpo.static_decoder` (preallocated cache, fused projections, adapters merged once per
+rollout); any other model through its own forward with a `DynamicCache`. Beam search stays on `generate()`.
 
 The loss trains on the sampled ids exactly; the decoded texts go to reward sources only and are
 never tokenised again (a decode/encode round trip is not the identity for most tokenizers).
@@ -24,7 +25,7 @@ from packaging.version import Version
 from torch import Tensor
 from transformers import DynamicCache, GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
-from worker.grpo import fast_llama
+from worker.grpo import fast_decoder, static_decoder
 from worker.grpo.config import GRPOConfig
 from worker.grpo.cpu_threads import SideThread, intra_op_threads
 
@@ -257,7 +258,7 @@ _CACHE_ARGUMENT = "cache" if Version(transformers.__version__).release >= (5, 24
 
 
 class _CacheDecoder:
-    """Any causal LM through its own forward and a DynamicCache (models fast_llama does not cover)."""
+    """Any causal LM through its own forward and a DynamicCache (models fast_decoder does not cover)."""
 
     def __init__(self, model: Any, prompt_mask: Tensor, max_new_tokens: int) -> None:
         self.model = model
@@ -297,49 +298,64 @@ def _lanes(
     model: Any, prompt_mask: Tensor, max_new_tokens: int, *, parallel: bool
 ) -> list[tuple[slice, _Decoder]]:
     """Decoders, each with the rows it decodes. Two (halves of the batch, decoded side by side)
-    only for plain Llama models whose decoding would otherwise leave a core idle; else one."""
-    if not fast_llama.supports(model):
+    only for Llama-family models whose decoding would otherwise leave a core idle; else one."""
+    if not fast_decoder.supports(model, prompt_mask.shape[1] + max_new_tokens):
         return [(slice(None), _CacheDecoder(model, prompt_mask, max_new_tokens))]
-    net = fast_llama.LlamaFunctional(model)
+    net = fast_decoder.DecoderFunctional(model)
     rows = prompt_mask.shape[0]
-    if not parallel or fast_llama.decode_lanes(net, rows) == 1:
-        return [(slice(None), net.decoder(prompt_mask, max_new_tokens))]
-    weights = fast_llama.DecodeWeights.of(net)
+    if not parallel or static_decoder.decode_lanes(net, rows) == 1:
+        return [(slice(None), static_decoder.StaticDecoder(net, prompt_mask, max_new_tokens))]
+    weights = static_decoder.DecodeWeights.of(net)
     halves = [slice(0, rows // 2), slice(rows // 2, rows)]
-    return [(half, net.decoder(prompt_mask[half], max_new_tokens, weights)) for half in halves]
+    return [
+        (half, static_decoder.StaticDecoder(net, prompt_mask[half], max_new_tokens, weights))
+        for half in halves
+    ]
 
 
 def filter_logits(logits: Tensor, *, temperature: float, top_k: int, top_p: float) -> Tensor:
     """(B, V) logits -> tempered logits with everything outside top-k / the top-p nucleus at -inf.
 
-    Same order and rules as transformers' warpers: temperature, then top-k (0 = off), then top-p
-    (smallest set whose mass reaches top_p; the most likely token is always kept).
+    Same order and rules as transformers' warpers: temperature, then top-k (0 = off; ties with the
+    k-th value are kept), then top-p (smallest set whose mass reaches top_p; the most likely token
+    is always kept). Works in place on `logits` when they are float32 (else on their float32 copy),
+    so that a token costs at most one more full-vocabulary buffer: the sorted copy that top-p over
+    the whole vocabulary needs. After top-k the nucleus is found among the kept tokens only.
     """
-    logits = logits.float()
+    logits = logits.float()  # no copy when already float32
     if temperature != 1.0:
-        logits = logits / temperature
-    if 0 < top_k < logits.shape[-1]:
+        logits.div_(temperature)
+    vocab = logits.shape[-1]
+    kept = vocab
+    if 0 < top_k < vocab:
         kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]  # (B, 1)
-        logits = logits.masked_fill(logits < kth, float("-inf"))
+        logits.masked_fill_(logits < kth, float("-inf"))
+        kept = int((logits > float("-inf")).sum(-1).max())  # k, or more with ties at the k-th value
     if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1)  # ascending
-        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-        drop_sorted = cumulative <= (1 - top_p)
-        drop_sorted[:, -1] = False
-        drop = drop_sorted.scatter(1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
+        if kept < vocab:  # every kept token, in ascending order (rows with fewer end in -inf)
+            values, order = torch.topk(logits, kept, dim=-1, largest=True, sorted=True)
+            values, order = values.flip(-1), order.flip(-1)  # (B, kept)
+        else:
+            values, order = torch.sort(logits, dim=-1)  # (B, V) ascending
+        # softmax and cumulative sum in the sorted buffer itself; the largest value is the last
+        probs = values.sub_(values[:, -1:]).exp_()
+        cumulative = probs.div_(probs.sum(dim=-1, keepdim=True)).cumsum_(dim=-1)
+        drop = cumulative <= (1 - top_p)
+        drop[:, -1] = False
+        logits.masked_fill_(
+            torch.zeros_like(logits, dtype=torch.bool).scatter_(1, order, drop), float("-inf")
+        )
     return logits
 
 
 def sample_tokens(logits: Tensor, draws: Tensor) -> Tensor:
     """One token per row from softmax(logits) (B, V), by inverting the cumulative distribution at
-    `draws` (B,), uniform in [0, 1).
+    `draws` (B,), uniform in [0, 1). Overwrites `logits` (with the unnormalised CDF).
 
     Cheaper than torch.multinomial for small batches (no per-row alias setup) and the same
     distribution. Tokens with zero probability (-inf) are never drawn.
     """
-    weights = (logits - logits.amax(dim=-1, keepdim=True)).exp()  # (B, V) unnormalised
-    cdf = weights.cumsum(dim=-1)
+    cdf = logits.sub_(logits.amax(dim=-1, keepdim=True)).exp_().cumsum_(dim=-1)  # (B, V) unnormalised
     draw = draws.to(cdf.dtype).unsqueeze(1)  # (B, 1)
     tokens = torch.searchsorted(cdf, draw * cdf[:, -1:], right=True).squeeze(1)
     return tokens.clamp(max=logits.shape[-1] - 1)  # draw * total can round up to total itself
@@ -359,7 +375,7 @@ def sample_completions(
 
     Rows that have emitted an EOS get `pad_id` from then on; decoding ends once every row has
     (so C' may be shorter than max_completion_length), as generate() does. With `side`, small
-    Llama models decode the two halves of the batch side by side (see fast_llama.decode_lanes).
+    Llama-family models decode the two halves of the batch side by side (see static_decoder.decode_lanes).
     """
     max_new = config.max_completion_length
     batch, device = prompt_ids.shape[0], prompt_ids.device

@@ -306,11 +306,12 @@ class GRPOTrainer:
     def _start_reference(self, rollout: Rollout, side: SideThread | None) -> Future[Tensor] | None:
         """Reference log-probs (N, C) when beta > 0. They need only the rollout, so with a side thread
         they run beside whatever comes next here (scoring, the old log-probs, the policy's forward).
-        Not with LoRA: there the reference is the policy itself with its adapters off."""
+        Not with a LoRA policy outside the fast path: its reference is the policy itself with the
+        adapters switched off."""
         if self.config.beta == 0:
             return None
         compute = partial(self._reference_logps, rollout)
-        if side is None or self.models.is_lora:
+        if side is None or not self.models.reference_runs_beside_policy(rollout.input_ids.shape[1]):
             return completed(compute())
         return side.submit(compute)
 

@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
-from worker.grpo import fast_llama, rollout
+from worker.grpo import fast_decoder, rollout, static_decoder
 from worker.grpo.config import GRPOConfig
 from worker.grpo.cpu_threads import intra_op_threads
 from worker.grpo.logprobs import completion_logprobs
@@ -55,7 +55,7 @@ def assert_decoder_matches(
     prompt, prompt_mask = ids[:, :P], mask[:, :P]
     hf_positions = (prompt_mask.cumsum(-1) - 1).masked_fill(prompt_mask == 0, 1)
     with torch.inference_mode():
-        decoder = fast_llama.LlamaFunctional(model).decoder(prompt_mask, C)
+        decoder = static_decoder.StaticDecoder(fast_decoder.DecoderFunctional(model), prompt_mask, C)
         cache = DynamicCache(config=model.config)
         ours = decoder.prefill(prompt)
         theirs = model(
@@ -82,8 +82,8 @@ def _grad(parameter: torch.nn.Parameter) -> torch.Tensor:
 
 
 def test_supports_plain_llama_only(model: PreTrainedModel) -> None:
-    assert fast_llama.supports(model)
-    assert not fast_llama.supports(torch.nn.Linear(2, 2))
+    assert fast_decoder.supports(model, P + C)
+    assert not fast_decoder.supports(torch.nn.Linear(2, 2), P + C)
 
 
 @pytest.mark.parametrize("skip_masked", [True, False])
@@ -92,12 +92,12 @@ def test_completion_logits_and_gradients_match_the_module_forward(
 ) -> None:
     """With the masked completion positions left out of the stacked rows (row 5's tail is 10 % of the
     completion positions) and with every position kept."""
-    monkeypatch.setattr(fast_llama, "_MIN_SKIPPED_SHARE", 0.05 if skip_masked else 1.01)
+    monkeypatch.setattr(fast_decoder, "_MIN_SKIPPED_SHARE", 0.05 if skip_masked else 1.01)
     ids, mask = grouped_batch()
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     real = mask[:, P - 1 : -1].bool()  # query positions that predict a completion token
     model.zero_grad()
-    ours = fast_llama.LlamaFunctional(model).completion_logits(ids, mask, positions, C)
+    ours = fast_decoder.DecoderFunctional(model).completion_logits(ids, mask, positions, C)
     (ours.logsumexp(-1) * real).sum().backward()
     ours_grads = {name: _grad(p) for name, p in model.named_parameters()}
     model.zero_grad()
@@ -114,12 +114,12 @@ def test_no_shared_prompt_path_matches_too(model: PreTrainedModel) -> None:
     ids, mask = ids[::2], mask[::2]  # one row per prompt: nothing to share
     with torch.no_grad():
         logps, _ = completion_logprobs(model, ids, mask, C, temperature=0.7)
-        fast = fast_llama.supports
+        fast = fast_decoder.supports
         try:
-            fast_llama.supports = lambda _model: False  # type: ignore[assignment]
+            fast_decoder.supports = lambda _model, _length: False  # type: ignore[assignment]
             expected, _ = completion_logprobs(model, ids, mask, C, temperature=0.7)
         finally:
-            fast_llama.supports = fast  # type: ignore[assignment]
+            fast_decoder.supports = fast  # type: ignore[assignment]
     real = mask[:, P:].bool()
     assert torch.allclose(logps[real], expected[real], atol=1e-5)
 
@@ -140,22 +140,31 @@ def test_fast_and_generic_decoders_sample_the_same_tokens(model: PreTrainedModel
         return rollout.sample_completions(model, ids[:, :P], mask[:, :P], config, [2], 0, generator)
 
     fast = sample()
-    original = fast_llama.supports
+    original = fast_decoder.supports
     try:
-        fast_llama.supports = lambda _model: False  # type: ignore[assignment]
+        fast_decoder.supports = lambda _model, _length: False  # type: ignore[assignment]
         generic = sample()
     finally:
-        fast_llama.supports = original  # type: ignore[assignment]
+        fast_decoder.supports = original  # type: ignore[assignment]
     assert torch.equal(fast, generic)
     assert not fast.is_inference()  # usable as input of a forward that saves it for backward
 
 
-def test_filter_logits_matches_transformers_warpers() -> None:
-    logits = torch.randn(5, 50, generator=torch.Generator().manual_seed(1))
-    ours = rollout.filter_logits(logits, temperature=0.5, top_k=10, top_p=0.8)
-    theirs = TopPLogitsWarper(0.8)(None, TopKLogitsWarper(10)(None, logits / 0.5))
+@pytest.mark.parametrize(("top_k", "top_p"), [(10, 0.8), (0, 0.8), (10, 1.0), (3, 0.3)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_filter_logits_matches_transformers_warpers(top_k: int, top_p: float, dtype: torch.dtype) -> None:
+    """bfloat16 logits have ties (few distinct values): ties with the k-th value stay in."""
+    logits = torch.randn(5, 50, generator=torch.Generator().manual_seed(1)).to(dtype)
+    ours = rollout.filter_logits(logits.clone(), temperature=0.5, top_k=top_k, top_p=top_p)
+    theirs = logits.float() / 0.5
+    if top_k:
+        theirs = TopKLogitsWarper(top_k)(None, theirs)
+    if top_p < 1.0:
+        theirs = TopPLogitsWarper(top_p)(None, theirs)
     assert torch.equal(ours.isinf(), theirs.isinf())
     assert torch.allclose(ours[~ours.isinf()], theirs[~theirs.isinf()])
+    if dtype == torch.bfloat16 and (top_k, top_p) == (10, 1.0):
+        assert int((~ours.isinf()).sum(-1).max()) > top_k  # the data does have ties at the k-th value
 
 
 def test_sample_tokens_follows_the_distribution_and_skips_masked_tokens() -> None:
@@ -201,12 +210,12 @@ def test_gqa_with_biases_matches_in_every_dtype(dtype: torch.dtype, rtol: float)
         ours, theirs = ours.double(), theirs.double()
         return bool((ours - theirs).abs().max() <= rtol * theirs.abs().max())
 
-    assert fast_llama.supports(model)
+    assert fast_decoder.supports(model, P + C)
     ids, mask = grouped_batch()
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     real = mask[:, P - 1 : -1].bool()
     with torch.no_grad():
-        ours = fast_llama.LlamaFunctional(model).completion_logits(ids, mask, positions, C)
+        ours = fast_decoder.DecoderFunctional(model).completion_logits(ids, mask, positions, C)
         theirs = reference_logits(model, ids, mask)
     assert close(ours[real], theirs[real])
     assert_decoder_matches(model, ids, mask, close)
@@ -215,15 +224,15 @@ def test_gqa_with_biases_matches_in_every_dtype(dtype: torch.dtype, rtol: float)
 def test_passive_openmp_decodes_small_models_on_one_thread(
     model: PreTrainedModel, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    net = fast_llama.LlamaFunctional(model)
+    net = fast_decoder.DecoderFunctional(model)
     previous = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
         monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
-        assert fast_llama.decode_threads(net, 32) == 1
-        assert fast_llama.decode_threads(net, 10_000) == 2  # large matmuls: both threads pay off
+        assert static_decoder.decode_threads(net, 32) == 1
+        assert static_decoder.decode_threads(net, 10_000) == 2  # large matmuls: both threads pay off
         monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
-        assert fast_llama.decode_threads(net, 32) == 2
+        assert static_decoder.decode_threads(net, 32) == 2
         with intra_op_threads(1):
             assert torch.get_num_threads() == 1
         assert torch.get_num_threads() == 2

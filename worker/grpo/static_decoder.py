@@ -1,0 +1,233 @@
+"""Incremental decoding for the sampling loop on the functional Llama-family forward
+(`worker.grpo.fast_decoder`): a preallocated KV cache written in place, decode weights prepared
+once per rollout (LoRA adapters merged, RMSNorm weights and the attention scale folded in), and
+how many threads or lanes a CPU decodes with.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from worker.grpo.fast_decoder import DecoderFunctional, FusedLayer, causal_padding_mask
+
+
+class StaticDecoder:
+    """Prefill once, then one token per call, with K/V written into a preallocated (B, KV, S, D) cache.
+
+    Positions follow `generate()`: prompt positions count real tokens (left padding does not
+    shift them) and each new token takes the next position. Call under torch.inference_mode(),
+    with `threads` intra-op threads (see `decode_threads`). A decode step works on (B, E)
+    matrices with weights prepared once per rollout (`_DecodeLinear`), RoPE
+    applied in place, the residual adds fused into the matmuls after attention and MLP, and
+    attention as two batched matmuls over the cache (cheaper than SDPA's kernel for one query).
+    """
+
+    def __init__(
+        self,
+        net: DecoderFunctional,
+        prompt_mask: Tensor,
+        max_new_tokens: int,
+        weights: DecodeWeights | None = None,
+    ) -> None:
+        """Decoders of one rollout's lanes share `weights` (prepared here when not given)."""
+        weights = weights or DecodeWeights.of(net)
+        self.net = net
+        batch, prompt_length = prompt_mask.shape
+        total = prompt_length + max_new_tokens
+        device, dtype = prompt_mask.device, net.embed.dtype
+        shape = (batch, net.num_kv_heads, total, net.head_dim)
+        self.keys = [torch.empty(shape, dtype=dtype, device=device) for _ in net.layers]
+        self.values = [torch.empty(shape, dtype=dtype, device=device) for _ in net.layers]
+        # Additive key mask over the whole horizon: prompt padding -inf, generated tokens visible.
+        bias = torch.zeros(batch, total, dtype=dtype, device=device)
+        bias[:, :prompt_length].masked_fill_(prompt_mask == 0, float("-inf"))
+        self.bias = bias.repeat_interleave(net.num_kv_heads, dim=0).unsqueeze(1)  # (B*KV, 1, S)
+        prompt_positions = (prompt_mask.long().cumsum(-1) - 1).clamp(min=0)  # (B, P)
+        last = prompt_positions[:, -1:]  # left padding: the last column is a real token
+        steps = torch.arange(1, max_new_tokens + 1, device=device)
+        self.rotary = net.rotary(torch.cat([prompt_positions, last + steps], dim=1), dtype)  # (B, S, D/2)
+        self.prompt_mask = prompt_mask
+        self.fold, self.linears, self.head = weights.fold, weights.layers, weights.head
+        self.threads = decode_threads(net, batch)
+        self.length = 0  # filled cache positions
+
+    def prefill(self, prompt_ids: Tensor) -> Tensor:
+        """(B, P) -> logits (B, V) of the next token.
+
+        Consecutive identical prompts (a GRPO group) are run once and their keys/values copied
+        to every row of the group.
+        """
+        net, length = self.net, prompt_ids.shape[1]
+        unique = torch.cat([prompt_ids, self.prompt_mask], dim=1)
+        _, counts = torch.unique_consecutive(unique, dim=0, return_counts=True)
+        firsts = torch.cumsum(counts, 0) - counts  # (n,) first row of each group
+        mask = causal_padding_mask(self.prompt_mask[firsts])
+        rotary = self.rotary.select(firsts, length)
+        x = net.embed_ids(prompt_ids[firsts])  # (n, P, E)
+        for index, layer in enumerate(net.layers):
+            q, k, v = net.qkv(layer, net.norm(x, layer.input_norm), rotary)
+            self.keys[index][:, :, :length] = k.repeat_interleave(counts, dim=0)
+            self.values[index][:, :, :length] = v.repeat_interleave(counts, dim=0)
+            x = x + net.attention_out(layer, net.sdpa(q, k, v, mask))
+            x = x + net.mlp(layer, x)
+        self.length = length
+        return self._logits(x[:, -1]).repeat_interleave(counts, dim=0)
+
+    def step(self, tokens: Tensor) -> Tensor:
+        """(B,) tokens just sampled -> logits (B, V) of the next one."""
+        net, position = self.net, self.length
+        end = position + 1
+        batch = tokens.shape[0]
+        heads, kv_heads, dim = net.num_heads, net.num_kv_heads, net.head_dim
+        rotary = self.rotary.at(position)  # (B, 1, D/2): broadcasts over heads
+        bias = self.bias[..., :end]  # (B*KV, 1, end)
+        x = net.embed_ids(tokens)  # (B, E)
+        for index, (layer, t) in enumerate(zip(net.layers, self.linears, strict=True)):
+            fused = t.qkv(self._norm(x, layer.input_norm)).view(batch, heads + 2 * kv_heads, dim)
+            qk = fused[:, : heads + kv_heads]
+            if t.qk_norm is not None:
+                qk.copy_(net.head_norm(qk, t.qk_norm))
+            rotary.apply_(qk)
+            self.keys[index][:, :, position] = fused[:, heads : heads + kv_heads]
+            self.values[index][:, :, position] = fused[:, heads + kv_heads :]
+            # Heads of one KV group are adjacent: (B*KV, groups, D) queries against (B*KV, end, D) keys.
+            q = fused[:, :heads].reshape(batch * kv_heads, heads // kv_heads, dim)
+            keys = self.keys[index][:, :, :end].reshape(batch * kv_heads, end, dim)
+            values = self.values[index][:, :, :end].reshape(batch * kv_heads, end, dim)
+            # 1/sqrt(D) is folded into the q rows of the qkv matrix or of the q norm (RoPE is linear).
+            probs = torch.baddbmm(bias, q, keys.transpose(1, 2)).softmax(dim=-1)
+            attn = torch.bmm(probs, values).view(batch, heads * dim)
+            x = t.o(attn, residual=x)
+            gate, up = t.gate_up(self._norm(x, layer.post_norm)).split(net.intermediate, dim=-1)
+            x = t.down(net.act(gate).mul_(up), residual=x)
+        self.length = end
+        return self._logits(x)
+
+    def _logits(self, hidden: Tensor) -> Tensor:
+        """(B, E) last hidden states -> (B, V) logits."""
+        return self.head(self._norm(hidden, self.net.final_norm))
+
+    def _norm(self, x: Tensor, weight: Tensor) -> Tensor:
+        """RMSNorm; with folded weights only the row scale x * rsqrt(mean(x^2) + eps) (4 tiny ops)."""
+        if not self.fold:
+            return self.net.norm(x, weight)
+        sum_sq = (x * x).sum(dim=-1, keepdim=True)
+        return x * sum_sq.add_(self.net.hidden * self.net.eps).rsqrt_()  # sqrt(E) is in the weights
+
+
+@dataclass
+class DecodeWeights:
+    """The decode step's matrices, prepared once per rollout (shared by its lanes, read only)."""
+
+    fold: bool  # RMSNorm weights folded into the matrices after them
+    layers: list[_DecodeLayer]
+    head: _DecodeLinear
+
+    @classmethod
+    def of(cls, net: DecoderFunctional) -> DecodeWeights:
+        # float32: fold each RMSNorm weight into the matrix after it, so a norm is one row scale
+        # (same rounding class as LlamaRMSNorm; in lower precision its cast order would differ).
+        fold = net.embed.dtype == torch.float32
+        # Folded norm weights also carry sqrt(E): rsqrt(mean(x^2) + eps) = sqrt(E) * rsqrt(sum(x^2) + E*eps).
+        norm_gain = net.hidden**0.5 if fold else 1.0
+        layers = [_DecodeLayer.of(layer, net, fold=fold, norm_gain=norm_gain) for layer in net.layers]
+        head = net.lm_head * (net.final_norm * norm_gain) if fold else net.lm_head
+        return cls(fold, layers, _DecodeLinear(head, net.lm_head_bias))
+
+
+# With OpenMP's passive waiting (what `grpo` processes run with, see service/cli), every parallel
+# region wakes the sleeping pool threads, which costs more than a second core saves on a decode
+# step's small matmuls. Measured on a 2-core EPYC (torch 2.13, 32 rows): one thread decodes the
+# tiny and small presets (largest decode matmul 3 and 17 MFLOP) 1.2-2.9x faster than two; two win on
+# medium (90 MFLOP). Spinning (the default policy) keeps the pool awake, and every thread helps.
+_PASSIVE_PARALLEL_MIN_FLOP = 2**25
+
+
+# Two lanes (half the rows each, one thread each, on two cores) pay when each lane's largest decode
+# matmul is at least this: below it the GIL hand-offs between the lanes (a futex wake per op) cost
+# more than the second core saves. Measured as above: the small preset (8.4 MFLOP per lane of 16
+# rows) decodes 1.15x faster in two lanes than on one thread; tiny (2.1 MFLOP) 1.7x slower.
+_LANE_MIN_FLOP = 2**22
+
+
+def _largest_matmul_flop(net: DecoderFunctional, rows: int) -> int:
+    widest = max(layer.qkv.weight.shape[0] for layer in net.layers)
+    return 2 * rows * net.hidden * max(widest, 2 * net.intermediate)
+
+
+def decode_threads(net: DecoderFunctional, rows: int) -> int:
+    """Intra-op threads for decoding `rows` sequences with `net`: all of them, except one when the
+    OpenMP pool sleeps between ops (OMP_WAIT_POLICY=PASSIVE) and the largest matmul is small."""
+    threads = torch.get_num_threads()
+    passive = os.environ.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE"
+    if threads == 1 or not passive or net.embed.device.type != "cpu":
+        return threads
+    return 1 if _largest_matmul_flop(net, rows) < _PASSIVE_PARALLEL_MIN_FLOP else threads
+
+
+def decode_lanes(net: DecoderFunctional, rows: int) -> int:
+    """2 when `rows` should be decoded as two halves side by side (each on one thread and its own
+    core): decoding would otherwise run on one thread of several, and half the rows still make
+    matmuls worth a core. Else 1."""
+    if rows < 2 or torch.get_num_threads() < 2 or decode_threads(net, rows) != 1:
+        return 1
+    return 2 if _largest_matmul_flop(net, rows // 2) >= _LANE_MIN_FLOP else 1
+
+
+class _DecodeLinear:
+    """x @ W^T (+ b) (+ residual) for the decode step's (B, in) rows.
+
+    Holds a contiguous transposed copy of W, made once per rollout, so each call is one GEMM with
+    the residual added by the GEMM itself (`addmm`). MKL's packed weights (`_mkl_linear`) were
+    measured no faster here at these row counts, and packing cost ~0.5 ms per matrix per rollout.
+    """
+
+    def __init__(self, weight: Tensor, bias: Tensor | None) -> None:
+        self.weight_t = weight.t().contiguous()
+        self.bias = bias
+
+    def __call__(self, x: Tensor, *, residual: Tensor | None = None) -> Tensor:
+        out = torch.mm(x, self.weight_t) if residual is None else torch.addmm(residual, x, self.weight_t)
+        return out if self.bias is None else out.add_(self.bias)
+
+
+@dataclass
+class _DecodeLayer:
+    qkv: _DecodeLinear
+    qk_norm: Tensor | None  # (H + KV, D), the q rows times 1/sqrt(D)
+    o: _DecodeLinear
+    gate_up: _DecodeLinear
+    down: _DecodeLinear
+
+    @classmethod
+    def of(cls, layer: FusedLayer, net: DecoderFunctional, *, fold: bool, norm_gain: float) -> _DecodeLayer:
+        """LoRA adapters are merged into the weights. The attention scale 1/sqrt(D) goes into the q
+        rows of qkv, or of the per-head q norm after it when there is one (RMSNorm would undo it).
+        With `fold`, the RMSNorm weights (times `norm_gain`) scale the columns of the matrices that
+        follow them: RMSNorm(x) @ W^T == (x * rstd(x)) @ (W * g)^T."""
+        qkv, qkv_bias = layer.qkv.merged_weight(), layer.qkv.bias
+        qk_norm = None
+        if layer.qk_norm is None:
+            row_scale = torch.ones(qkv.shape[0], dtype=qkv.dtype, device=qkv.device)
+            row_scale[: net.num_heads * net.head_dim] = net.head_dim**-0.5
+            qkv = qkv * row_scale[:, None]
+            qkv_bias = None if qkv_bias is None else qkv_bias * row_scale
+        else:
+            head_scale = torch.ones(layer.qk_norm.shape[0], 1, dtype=qkv.dtype, device=qkv.device)
+            head_scale[: net.num_heads] = net.head_dim**-0.5
+            qk_norm = layer.qk_norm * head_scale
+        gate_up = layer.gate_up.merged_weight()
+        if fold:
+            qkv = qkv * (layer.input_norm * norm_gain)
+            gate_up = gate_up * (layer.post_norm * norm_gain)
+        return cls(
+            _DecodeLinear(qkv, qkv_bias),
+            qk_norm,
+            _DecodeLinear(layer.o.merged_weight(), layer.o.bias),
+            _DecodeLinear(gate_up, layer.gate_up.bias),
+            _DecodeLinear(layer.down.merged_weight(), layer.down.bias),
+        )
