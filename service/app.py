@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from http import HTTPMethod
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 from service.checkpoints.endpoints import router as checkpoints_router
 from service.datasets.endpoints import router as datasets_router
@@ -18,6 +20,7 @@ from service.kit.config import get_settings
 from service.kit.errors import DomainError
 from service.kit.heap import startup_objects_frozen
 from service.kit.reads import open_reads
+from service.kit.unhandled import UnhandledErrors
 from service.observability.endpoints import router as metrics_router
 from service.observability.middleware import PrometheusMiddleware
 from service.ops.endpoints import router as ops_router
@@ -59,10 +62,26 @@ async def _validation_error(_request: Request, exc: Exception) -> JSONResponse:
     return _error(422, "validation_error", f"{first['field']}: {first['message']}", errors)
 
 
-async def _http_error(_request: Request, exc: Exception) -> JSONResponse:
+async def _http_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, StarletteHTTPException)
     code = {401: "unauthenticated", 404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
-    return _error(exc.status_code, code, str(exc.detail), None)
+    response = _error(exc.status_code, code, str(exc.detail), None)
+    response.headers.update(exc.headers or {})
+    if exc.status_code == 405:
+        response.headers["Allow"] = ", ".join(allowed_methods(request))
+    return response
+
+
+def allowed_methods(request: Request) -> list[str]:
+    """The methods some route serves at this path, found by matching the path once per method. Starlette's
+    own `Allow` names only the methods of the first route whose path matched, while e.g. GET and POST
+    /v1/jobs are two routes."""
+    routes = request.app.router.routes
+    return [
+        method
+        for method in HTTPMethod
+        if any(route.matches({**request.scope, "method": method.value})[0] is Match.FULL for route in routes)
+    ]
 
 
 @asynccontextmanager
@@ -99,5 +118,6 @@ def create_app() -> FastAPI:
     app.include_router(checkpoints_router, prefix="/v1")
     app.include_router(webhooks_router, prefix="/v1")
     app.include_router(metrics_router)
+    app.add_middleware(UnhandledErrors)  # added before the metrics middleware: inside it, so 500s are counted
     app.add_middleware(PrometheusMiddleware)
     return app

@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from service.kit.urlpolicy import is_grpc_url
 from service.rewards.models import RewardFunction
+from worker.grpo.fields import HeaderValue
 from worker.reward_client.grpc_source import metadata_problem
 
 # Headers the worker sets itself (Standard Webhooks signature, body framing) or that change routing or
@@ -68,10 +69,11 @@ class RewardFunctionCreate(BaseModel):
     timeout_s: float = Field(10.0, gt=0, le=300, allow_inf_nan=False, description="Per-request timeout.")
     max_batch_size: int = Field(64, ge=1, le=4096, description="Most samples sent in one request.")
     max_concurrency: int = Field(4, ge=1, le=64, description="Most requests in flight at once per job.")
-    headers: dict[str, str] = Field(
+    headers: dict[str, HeaderValue] = Field(
         default_factory=dict,
         description="Extra request headers (e.g. Authorization). Content-Type, webhook-*, Host, framing and "
-        "proxy headers are reserved. Values of credential-like headers are never shown again.",
+        "proxy headers are reserved. Values are HTTP header text (visible ASCII, space, tab). Values of "
+        "credential-like headers are never shown again.",
     )
 
     @field_validator("headers")
@@ -89,8 +91,8 @@ class RewardFunctionCreate(BaseModel):
             if lowered in seen:
                 raise ValueError(f"header {name!r} is given twice (names are case-insensitive)")
             seen.add(lowered)
-            if len(value) > 4096 or any(ch in value for ch in "\r\n\x00"):
-                raise ValueError(f"header {name!r} value is longer than 4096 or contains CR, LF or NUL")
+            if len(value) > 4096:
+                raise ValueError(f"header {name!r} value is longer than 4096")
         return headers
 
     @model_validator(mode="after")

@@ -17,6 +17,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from worker.grpo.config import GRPOConfig, LoraConfig
+from worker.grpo.fields import Int32, Text
 
 TINY_PRESETS = ("tiny", "small", "medium")
 _NAME = r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$"
@@ -25,8 +26,8 @@ _NAME = r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$"
 class BoxedAnswerParams(BaseModel):
     """+format_reward for a ``\\boxed{...}`` answer, +correct_reward when it matches the answer column."""
 
-    model_config = ConfigDict(extra="forbid")
-    answer_column: str = "answer"
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    answer_column: Text = "answer"
     format_reward: float = 0.5
     correct_reward: float = 1.0
     tolerance: float = Field(1e-6, ge=0, description="Absolute tolerance when both sides parse as numbers.")
@@ -35,8 +36,8 @@ class BoxedAnswerParams(BaseModel):
 class ExactMatchParams(BaseModel):
     """1.0 when the stripped completion equals the answer column, else 0.0."""
 
-    model_config = ConfigDict(extra="forbid")
-    answer_column: str = "answer"
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    answer_column: Text = "answer"
     case_sensitive: bool = True
     strip: bool = True
 
@@ -44,8 +45,8 @@ class ExactMatchParams(BaseModel):
 class RegexMatchParams(BaseModel):
     """1.0 when the pattern matches the completion (re.search, or re.fullmatch when fullmatch)."""
 
-    model_config = ConfigDict(extra="forbid")
-    pattern: str
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    pattern: Text
     fullmatch: bool = False
 
     @field_validator("pattern")
@@ -61,8 +62,8 @@ class RegexMatchParams(BaseModel):
 class LengthPenaltyParams(BaseModel):
     """-scale x |len(completion) - target_length| / target_length (characters, or tokens when unit=tokens)."""
 
-    model_config = ConfigDict(extra="forbid")
-    target_length: int = Field(64, ge=1)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    target_length: Int32 = Field(64, ge=1)
     scale: float = Field(1.0, ge=0)
     unit: Literal["chars", "tokens"] = "tokens"
 
@@ -77,7 +78,7 @@ BuiltinName = Literal["boxed_answer", "exact_match", "regex_match", "length_pena
 
 
 class BuiltinRewardSpec(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     type: Literal["builtin"] = "builtin"
     name: BuiltinName
     weight: float = Field(1.0, allow_inf_nan=False)
@@ -95,9 +96,9 @@ class BuiltinRewardSpec(BaseModel):
 
 
 class RemoteRewardSpec(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     type: Literal["remote"] = "remote"
-    reward_function_id: str = Field(min_length=1, max_length=64)
+    reward_function_id: Text = Field(min_length=1, max_length=64)
     weight: float = Field(1.0, allow_inf_nan=False)
 
     @property
@@ -108,9 +109,9 @@ class RemoteRewardSpec(BaseModel):
 class ModelRewardSpec(BaseModel):
     """A sequence-classification reward model scoring prompt + completion (logit 0)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     type: Literal["model"] = "model"
-    model: str = Field(min_length=1, max_length=512, description="Hugging Face id or local path.")
+    model: Text = Field(min_length=1, max_length=512, description="Hugging Face id or local path.")
     weight: float = Field(1.0, allow_inf_nan=False)
     batch_size: int = Field(16, ge=1, le=1024)
 
@@ -127,6 +128,7 @@ class JobSpec(BaseModel):
 
     model_config = ConfigDict(
         extra="forbid",
+        allow_inf_nan=False,
         json_schema_extra={
             "examples": [
                 {
@@ -152,13 +154,13 @@ class JobSpec(BaseModel):
     )
 
     name: str | None = Field(None, pattern=_NAME, description="Optional human-readable name.")
-    base_model: str = Field(min_length=1, max_length=512)
-    train_dataset: str = Field(min_length=1, max_length=1024)
-    eval_dataset: str | None = Field(None, min_length=1, max_length=1024)
+    base_model: Text = Field(min_length=1, max_length=512)
+    train_dataset: Text = Field(min_length=1, max_length=1024)
+    eval_dataset: Text | None = Field(None, min_length=1, max_length=1024)
     rewards: list[RewardSpec] = Field(min_length=1, max_length=16)
     hyperparameters: GRPOConfig
     lora: LoraConfig | None = Field(None, description="Shorthand for hyperparameters.lora.")
-    metadata: dict[str, str] = Field(default_factory=dict, max_length=32)
+    metadata: dict[Text, Text] = Field(default_factory=dict, max_length=32)
 
     @field_validator("base_model")
     @classmethod
