@@ -90,7 +90,7 @@ def rotate_secret(
             "`reward_endpoint_invalid_response`, `reward_endpoint_http_error`, `reward_endpoint_grpc_error`, "
             "`reward_endpoint_url_rejected`; or an invalid body."
         },
-        502: {"description": "`reward_endpoint_unavailable`: no answer (refused, timed out, 5xx)."},
+        424: {"description": "`reward_endpoint_unavailable`: no answer (refused, timed out, 5xx); a retry may help."},
     },
 )
 def test_reward_function(

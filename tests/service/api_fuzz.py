@@ -37,7 +37,7 @@ from tests.worker.reward_servers import RewardServer
 
 SOCKET_DIR = os.environ.get("GRPO_TEST_POSTGRES_SOCKET_DIR", "/var/run/postgresql")
 SEED = 20261125
-MAX_EXAMPLES = 25
+MAX_EXAMPLES = 100
 
 # Drawn in place of a generated value with the probability below: the classes of input that reached a 500.
 HOSTILE_VALUES: list[str | int] = [
