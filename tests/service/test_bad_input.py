@@ -102,6 +102,17 @@ class TestNulCharacters:
         assert_invalid(client.post("/v1/jobs", json=spec, headers=tenant_a), field)
 
 
+class TestGeneratedText:
+    def test_a_nul_in_a_logged_completion_is_stored_as_a_replacement_character(
+        self, client: TestClient, tenant_a: TenantHeaders, job_id: str
+    ) -> None:
+        """A model can generate U+0000: the step's samples are still logged (PostgreSQL text cannot hold it)."""
+        with session_scope() as session:  # attempt 1: the job_id fixture's start_job
+            progress.record_samples(session, job_id, 1, 2, [SampleIn(prompt="p\x00", completion="a\x00b")])
+        [sample] = client.get(f"/v1/jobs/{job_id}/samples?step=2", headers=tenant_a).json()["data"]
+        assert (sample["prompt"], sample["completion"]) == ("p\ufffd", "a\ufffdb")
+
+
 class TestIntegerRanges:
     @pytest.mark.parametrize(
         ("query", "field"),

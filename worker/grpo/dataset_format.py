@@ -22,6 +22,8 @@ MAX_REPORTED_ERRORS = 20
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 
 Prompt = str | list[dict[str, str]]
+# Prompts are stored with the completions a job logs, in text columns that cannot hold NUL on PostgreSQL.
+NUL_IN_PROMPT = "'prompt' contains a NUL (U+0000) character"
 
 
 @dataclass(frozen=True)
@@ -63,6 +65,8 @@ class DatasetSummary:
 def check_prompt(prompt: Any) -> str | None:
     """Return why ``prompt`` is not a valid prompt, or None when it is."""
     if isinstance(prompt, str):
+        if "\x00" in prompt:
+            return NUL_IN_PROMPT
         return None if prompt.strip() else "'prompt' is an empty string"
     if not isinstance(prompt, list):
         return f"'prompt' must be a string or a list of messages, got {type(prompt).__name__}"
@@ -86,6 +90,8 @@ def _check_message(message: Any) -> str | None:
         return f"'role' must be one of {', '.join(CHAT_ROLES)}, got {role!r}"
     if not isinstance(content, str):
         return f"'content' must be a string, got {type(content).__name__}"
+    if "\x00" in content:
+        return "'content' contains a NUL (U+0000) character"
     return None
 
 
