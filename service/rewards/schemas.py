@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from datetime import datetime
 from typing import Any, Literal
@@ -10,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from service.kit.urlpolicy import is_grpc_url
 from service.rewards.models import RewardFunction
-from worker.grpo.fields import HeaderValue
+from worker.grpo.fields import HeaderValue, Text
 from worker.reward_client.grpc_source import metadata_problem
 
 # Headers the worker sets itself (Standard Webhooks signature, body framing) or that change routing or
@@ -170,10 +171,20 @@ class RewardTestItem(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    prompt: str = Field(max_length=100_000, description="The prompt (as rendered for the model).")
-    completion: str = Field(max_length=100_000, description="The completion to score.")
+    prompt: Text = Field(max_length=100_000, description="The prompt (as rendered for the model).")
+    completion: Text = Field(max_length=100_000, description="The completion to score.")
     metadata: dict[str, Any] = Field(default_factory=dict, description="The dataset row's other columns.")
     group_id: int = Field(0, ge=0, le=2**31 - 1, description="Completions of the same prompt share a group id.")
+
+    @field_validator("metadata")
+    @classmethod
+    def _sendable(cls, metadata: dict[str, Any]) -> dict[str, Any]:
+        # Sent on as JSON text: Python's json reads NaN/Infinity and "\udXXX" escapes that it cannot write back.
+        try:
+            json.dumps(metadata, ensure_ascii=False, allow_nan=False).encode("utf-8")
+        except ValueError as exc:  # UnicodeEncodeError is one
+            raise ValueError("must be JSON text: no NaN or Infinity, no unpaired surrogates") from exc
+        return metadata
 
 
 class RewardTestRequest(BaseModel):

@@ -102,6 +102,65 @@ class TestNulCharacters:
         assert_invalid(client.post("/v1/jobs", json=spec, headers=tenant_a), field)
 
 
+class TestUnpairedSurrogatesAndNonStandardNumbers:
+    """JSON can escape a lone surrogate (`"\\ud800"`), which no UTF-8 encoder (database, response, outgoing
+    request) accepts, and Python's json reads NaN/Infinity, which JSON has not. Sent as raw bytes: a client
+    library would refuse to encode them."""
+
+    def post(self, client: TestClient, tenant: TenantHeaders, path: str, body: str) -> Any:
+        return client.post(path, content=body.encode(), headers={**tenant, "Content-Type": "application/json"})
+
+    def test_in_a_webhook_description(self, client: TestClient, tenant_a: TenantHeaders) -> None:
+        body = '{"url": "http://127.0.0.1:9/hook", "description": "CI \\ud800"}'
+        assert_invalid(self.post(client, tenant_a, "/v1/webhooks", body), "body.description")
+
+    def test_in_job_metadata(self, client: TestClient, tenant_a: TenantHeaders) -> None:
+        dataset = make_dataset(tenant_a.tenant_id)
+        body = (
+            f'{{"base_model": "builtin:tiny", "train_dataset": "{dataset}", "hyperparameters": {{"max_steps": 5}}, '
+            '"rewards": [{"type": "builtin", "name": "exact_match"}], "metadata": {"team": "\\udc00"}}'
+        )
+        assert_invalid(self.post(client, tenant_a, "/v1/jobs", body), "body.metadata.team")
+
+    def test_in_a_reward_dry_run_item(self, client: TestClient, tenant_a: TenantHeaders) -> None:
+        rf = client.post(
+            "/v1/reward-functions", json={"name": "judge", "url": "http://127.0.0.1:9/score"}, headers=tenant_a
+        ).json()
+        body = '{"items": [{"prompt": "2+2=", "completion": "4\\ud800"}]}'
+        assert_invalid(self.post(client, tenant_a, f"/v1/reward-functions/{rf['id']}/test", body), "body.items.0.completion")
+
+    @pytest.mark.parametrize(
+        ("line", "needle"),
+        [
+            (b'{"prompt": "2+2=\\ud800"}', "surrogate"),
+            (b'{"prompt": "2+2=", "answer": "\\udc00"}', "surrogate"),
+            (b'{"prompt": "2+2=", "answer": NaN}', "NaN is not a JSON number"),
+            (b'{"prompt": "2+2=", "answer": [-Infinity]}', "-Infinity is not a JSON number"),
+            (b'{"prompt": "\\ud83d\\ude00 2+2=", "answer": "\\ud83d\\ude00"}', ""),  # a pair is a character
+        ],
+    )
+    def test_in_a_dataset_line(
+        self, client: TestClient, tenant_a: TenantHeaders, line: bytes, needle: str
+    ) -> None:
+        lines = b'{"prompt": "fine"}\n' + line + b"\n"
+        response = client.post("/v1/datasets", files={"file": ("d.jsonl", lines)}, headers=tenant_a)
+        if not needle:
+            assert response.status_code == 201, response.text
+            return
+        assert response.status_code == 422, response.text
+        [detail] = response.json()["error"]["details"]
+        assert detail["line"] == 2 and needle in detail["error"]
+
+    @pytest.mark.parametrize("metadata", ['{"answer": "\\udc00"}', '{"answer": NaN}', '{"x": [Infinity]}'])
+    def test_in_reward_dry_run_metadata(self, client: TestClient, tenant_a: TenantHeaders, metadata: str) -> None:
+        rf = client.post(
+            "/v1/reward-functions", json={"name": "judge", "url": "http://127.0.0.1:9/score"}, headers=tenant_a
+        ).json()
+        body = f'{{"items": [{{"prompt": "2+2=", "completion": "4", "metadata": {metadata}}}]}}'
+        response = self.post(client, tenant_a, f"/v1/reward-functions/{rf['id']}/test", body)
+        assert_invalid(response, "body.items.0.metadata")
+
+
 class TestGeneratedText:
     def test_a_nul_in_a_logged_completion_is_stored_as_a_replacement_character(
         self, client: TestClient, tenant_a: TenantHeaders, job_id: str

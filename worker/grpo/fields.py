@@ -1,8 +1,9 @@
 """Field types for values that cross a boundary (REST, gRPC, the job spec) and end up in the database or
 in an HTTP request: each refuses, as a validation error naming the field, what would otherwise fail later.
 
-- `Text`: a string without NUL characters. PostgreSQL text cannot hold U+0000 (SQLite can), so a NUL in an
-  id, a cursor or a name would reach the database and fail there.
+- `Text`: a string without NUL characters or unpaired surrogates. PostgreSQL text cannot hold U+0000 (SQLite
+  can), and a lone surrogate (JSON allows the escape `"\ud800"`) cannot be encoded as UTF-8 for any database,
+  response or outgoing request; either would fail there, as a 500.
 - `Int32` / `Int64`: integers that fit an INTEGER / BIGINT column (steps and counts / row ids). Python ints
   are unbounded; PostgreSQL refuses the rest with "out of range".
 - `HeaderValue`: a value an HTTP client can send as a header field: visible ASCII, space and tab
@@ -13,6 +14,7 @@ Pydantic-only and torch-free: the engine's JobSpec and the service's schemas bot
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any
 
 from pydantic import GetCoreSchemaHandler, GetJsonSchemaHandler
@@ -24,13 +26,24 @@ INT64_MAX = 2**63 - 1
 INT64_MIN = -(2**63)
 
 # JSON Schema patterns (ECMA 262) documenting the same rules in OpenAPI.
-NO_NUL_PATTERN = "^[^\\u0000]*$"
+TEXT_PATTERN = "^[^\\u0000\\uD800-\\uDFFF]*$"
+_SURROGATE = re.compile("[\ud800-\udfff]")
 HEADER_VALUE_PATTERN = "^([\\x21-\\x7e]([\\t\\x20-\\x7e]*[\\x21-\\x7e])?)?$"
 
 
-def _no_nul(value: str) -> str:
+def text_problem(value: str) -> str | None:
+    """Why `value` is not `Text`, or None."""
     if "\x00" in value:
-        raise ValueError("must not contain NUL (U+0000) characters")
+        return "contains a NUL (U+0000) character"
+    if _SURROGATE.search(value):
+        return "contains an unpaired surrogate (U+D800 to U+DFFF): not valid Unicode text"
+    return None
+
+
+def _storable(value: str) -> str:
+    problem = text_problem(value)
+    if problem is not None:
+        raise ValueError(problem)
     return value
 
 
@@ -63,7 +76,7 @@ class _Checked:
         return json_schema
 
 
-Text = Annotated[str, _Checked(_no_nul, NO_NUL_PATTERN)]
+Text = Annotated[str, _Checked(_storable, TEXT_PATTERN)]
 HeaderValue = Annotated[str, _Checked(_header_value, HEADER_VALUE_PATTERN)]
 class _Range:
     """Annotated metadata: an integer range checked after the field's own constraints, and added to the JSON
