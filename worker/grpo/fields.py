@@ -26,7 +26,9 @@ INT64_MAX = 2**63 - 1
 INT64_MIN = -(2**63)
 
 # JSON Schema patterns (ECMA 262) documenting the same rules in OpenAPI.
-TEXT_PATTERN = "^[^\\u0000\\uD800-\\uDFFF]*$"
+# Text's pattern names NUL only: unpaired surrogates are not Unicode scalar values, so a JSON Schema string
+# cannot hold one anyway (and regex engines refuse them in a character class).
+TEXT_PATTERN = "^[^\\u0000]*$"
 _SURROGATE = re.compile("[\ud800-\udfff]")
 HEADER_VALUE_PATTERN = "^([\\x21-\\x7e]([\\t\\x20-\\x7e]*[\\x21-\\x7e])?)?$"
 
