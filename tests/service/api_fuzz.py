@@ -11,8 +11,8 @@ tests/service/test_schemathesis.py inside a network namespace that has only loop
 3. Runs the schemathesis CLI (examples, coverage and fuzzing phases, a fixed seed, a bounded number of
    examples per operation) with every check except `positive_data_acceptance`: a schema-valid body may be
    refused with a 422 for reasons a schema cannot state (a dataset id that does not exist, a JSONL line
-   that is not a prompt). Every string and integer the generator draws is, some of the time, a value from
-   HOSTILE_VALUES instead (NUL bytes, integers beyond int64, text that is not HTTP header text...).
+   that is not a prompt). Strings and integers (HOSTILE_PARAMETERS by name, the rest where schemathesis can)
+   are, some of the time, a value from HOSTILE_TEXT / HOSTILE_INTEGERS instead (NUL, integers beyond int64, non-ASCII text...).
 
 Exits with schemathesis' status; prints a one-line JSON summary (operations, cases, failures, seconds) last.
 """
@@ -40,25 +40,22 @@ SEED = 20261125
 MAX_EXAMPLES = 100
 
 # Drawn in place of a generated value with the probability below: the classes of input that reached a 500.
-HOSTILE_VALUES: list[str | int] = [
-    "\x00",
-    "a\x00b",
-    "99999999999999999999",
-    "-99999999999999999999",
-    "9223372036854775808",
-    "null",
-    "café",
-    "\x7f",
-    "\ud7ff",
-    "NaN",
-    "1e309",
-    9223372036854775807,
-    9223372036854775808,
-    -9223372036854775809,
-    2147483648,
-    99999999999999999999,
-]
+# Text and integers apart: in a query string 99999999999999999999 is also a valid string, so an integer drawn for
+# a string parameter would count as a schema violation the API rightly accepts.
+HOSTILE_TEXT = ["\x00", "a\x00b", "99999999999999999999", "-99999999999999999999", "9223372036854775808",
+                "2147483648", "null", "café", "\x7f", "NaN", "1e309"]
+HOSTILE_INTEGERS = [9223372036854775807, 9223372036854775808, -9223372036854775809, 2147483647, 2147483648,
+                    99999999999999999999]
 HOSTILE_PROBABILITY = 0.15
+# schemathesis applies the type-wide bindings only to parameters whose schema has a top-level `type` (not to
+# optional ones, an anyOf with null) and to no JSON body field: these get the text values by name (an
+# integer parameter among them gets them as type violations, which it must refuse).
+HOSTILE_PARAMETERS = [
+    "query.after", "query.names", "query.types", "query.step", "query.since_step",
+    "header.Last-Event-ID", "header.Idempotency-Key",
+    "body.name", "body.description", "body.url", "body.base_model", "body.train_dataset", "body.eval_dataset",
+    "body.items[*].prompt", "body.items[*].completion",
+]
 ID_PROBABILITY = 0.5  # how often a path id is the seeded resource's rather than a generated one
 
 
@@ -154,11 +151,13 @@ def config(ids: dict[str, str], max_examples: int) -> str:
         f"max-examples = {max_examples}",
         "[phases]",
         "stateful.enabled = false",
-        "[dictionaries.hostile]",
-        f"values = {json.dumps(HOSTILE_VALUES, ensure_ascii=True)}",
+        "[dictionaries.hostile_text]",
+        f"values = {json.dumps(HOSTILE_TEXT, ensure_ascii=True)}",
+        "[dictionaries.hostile_integers]",
+        f"values = {json.dumps(HOSTILE_INTEGERS)}",
         "[generation.dictionaries]",
-        f'string = {{ dictionary = "hostile", probability = {HOSTILE_PROBABILITY} }}',
-        f'integer = {{ dictionary = "hostile", probability = {HOSTILE_PROBABILITY} }}',
+        f'string = {{ dictionary = "hostile_text", probability = {HOSTILE_PROBABILITY} }}',
+        f'integer = {{ dictionary = "hostile_integers", probability = {HOSTILE_PROBABILITY} }}',
     ]
     for name in ids:
         lines.append(f"[dictionaries.{name}]")
@@ -166,6 +165,8 @@ def config(ids: dict[str, str], max_examples: int) -> str:
     lines.append("[parameters]")
     for name in ids:
         lines.append(f'"path.{name}" = {{ dictionary = "{name}", probability = {ID_PROBABILITY} }}')
+    for key in HOSTILE_PARAMETERS:
+        lines.append(f'"{key}" = {{ dictionary = "hostile_text", probability = {HOSTILE_PROBABILITY} }}')
     return "\n".join(lines) + "\n"
 
 
