@@ -73,9 +73,13 @@ def endpoint_config(session: Session, tenant_id: str, rf_id: str) -> RemoteRewar
             allow_private=bool(get_settings().allow_private_reward_urls),
         )
     except ValidationError as exc:
-        # E.g. an http:// function registered in development, tested by a server now in production mode.
+        # E.g. an http:// function registered in development, tested by a server now in production mode, or
+        # header values stored before registration checked them.
+        error = exc.errors()[0]
+        where = ".".join(str(part) for part in error["loc"])
         failure = RewardEndpointFailed(
-            f"reward function {rf_id!r} cannot be called under the current policy: {exc.errors()[0]['msg']}",
+            f"reward function {rf_id!r} cannot be called under the current policy: "
+            f"{where + ': ' if where else ''}{error['msg']}",
             details={"reward_function_id": rf_id},
         )
         failure.code = "reward_endpoint_url_rejected"

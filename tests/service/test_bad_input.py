@@ -17,6 +17,7 @@ from fastapi.testclient import TestClient
 from service.jobs import progress
 from service.jobs.schemas import SampleIn
 from service.kit.db import session_scope
+from service.rewards.models import RewardFunction
 from tests.service.factories import TenantHeaders
 from tests.service.jobs_support import job_spec, make_dataset, start_job
 from tests.worker.reward_servers import start_uvicorn, stop_uvicorn
@@ -263,6 +264,22 @@ class TestRewardHeaders:
             assert response.status_code == 201, response.text
         else:
             assert_invalid(response, "body.headers.X-Token")
+
+
+class TestStoredRewardHeaders:
+    def test_a_stored_header_that_is_not_header_text_is_a_422_on_test_not_a_500(
+        self, client: TestClient, tenant_a: TenantHeaders
+    ) -> None:
+        """A reward function stored before registration checked header values: its dry run names the header."""
+        rf = client.post(
+            "/v1/reward-functions", json={"name": "judge", "url": "http://127.0.0.1:9/score"}, headers=tenant_a
+        ).json()
+        with session_scope() as session:
+            session.get(RewardFunction, rf["id"]).headers = {"X-Token": "café"}  # type: ignore[union-attr]
+        body = {"items": [{"prompt": "2+2=", "completion": "4"}]}
+        response = client.post(f"/v1/reward-functions/{rf['id']}/test", json=body, headers=tenant_a)
+        assert response.status_code == 422, response.text
+        assert "X-Token" in response.json()["error"]["message"]
 
 
 class TestUnhandledErrors:
