@@ -2,7 +2,8 @@
 
 tests/service/api_fuzz.py does the work inside `unshare -n` (a network namespace with only loopback; the
 app reaches PostgreSQL through its Unix socket): every operation, examples + coverage + fuzzing phases with a
-fixed seed and a bounded number of examples, every check but `positive_data_acceptance` (see there why).
+fixed seed and a bounded number of examples, every check but `positive_data_acceptance` and
+`negative_data_rejection` (see there why).
 Any 5xx, response-schema violation, undocumented status or content type, missing `Allow` on a 405 fails.
 """
 
