@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from http import HTTPMethod
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 from service.checkpoints.endpoints import router as checkpoints_router
 from service.datasets.endpoints import router as datasets_router
@@ -19,6 +21,7 @@ from service.kit.config import get_settings
 from service.kit.errors import DomainError
 from service.kit.heap import startup_objects_frozen
 from service.kit.reads import open_reads
+from service.kit.unhandled import UnhandledErrors
 from service.observability.endpoints import router as metrics_router
 from service.observability.middleware import PrometheusMiddleware
 from service.ops.endpoints import router as ops_router
@@ -65,7 +68,23 @@ async def _http_error(request: Request, exc: Exception) -> JSONResponse:
     if isinstance(exc, BodyTooLarge):
         return await _domain_error(request, payload_too_large(exc.limit))
     code = {401: "unauthenticated", 404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
-    return _error(exc.status_code, code, str(exc.detail), None)
+    response = _error(exc.status_code, code, str(exc.detail), None)
+    response.headers.update(exc.headers or {})
+    if exc.status_code == 405:
+        response.headers["Allow"] = ", ".join(allowed_methods(request))
+    return response
+
+
+def allowed_methods(request: Request) -> list[str]:
+    """The methods some route serves at this path, found by matching the path once per method. Starlette's
+    own `Allow` names only the methods of the first route whose path matched, while e.g. GET and POST
+    /v1/jobs are two routes."""
+    routes = request.app.router.routes
+    return [
+        method
+        for method in HTTPMethod
+        if any(route.matches({**request.scope, "method": method.value})[0] is Match.FULL for route in routes)
+    ]
 
 
 @asynccontextmanager
@@ -108,5 +127,6 @@ def create_app() -> FastAPI:
         max_bytes=get_settings().max_request_body_bytes,
         exempt={("POST", "/v1/datasets")},
     )
+    app.add_middleware(UnhandledErrors)  # added before the metrics middleware: inside it, so 500s are counted
     app.add_middleware(PrometheusMiddleware)
     return app

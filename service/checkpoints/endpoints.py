@@ -22,6 +22,7 @@ from service.checkpoints.schemas import CheckpointList, CheckpointOut
 from service.kit.deps import SessionDep
 from service.kit.errors import NotFound
 from service.kit.openapi import error_responses
+from service.kit.params import PathId
 from service.storage import get_storage
 from service.tenants.auth import CurrentTenant
 
@@ -36,7 +37,7 @@ _BINARY = {"application/octet-stream": {"schema": {"type": "string", "format": "
     summary="List a job's checkpoints",
     responses=error_responses(401, 404),
 )
-def list_checkpoints(job_id: str, tenant: CurrentTenant, session: SessionDep) -> CheckpointList:
+def list_checkpoints(job_id: PathId, tenant: CurrentTenant, session: SessionDep) -> CheckpointList:
     rows = service.list_job_checkpoints(session, tenant.tenant_id, job_id)
     return CheckpointList(data=[CheckpointOut.from_row(row) for row in rows])
 
@@ -47,7 +48,7 @@ def list_checkpoints(job_id: str, tenant: CurrentTenant, session: SessionDep) ->
     summary="Get a checkpoint: step, files (size, sha256), metrics at that step",
     responses=error_responses(401, 404),
 )
-def get_checkpoint(checkpoint_id: str, tenant: CurrentTenant, session: SessionDep) -> CheckpointOut:
+def get_checkpoint(checkpoint_id: PathId, tenant: CurrentTenant, session: SessionDep) -> CheckpointOut:
     return CheckpointOut.from_row(service.get_checkpoint(session, tenant.tenant_id, checkpoint_id))
 
 
@@ -63,8 +64,8 @@ def get_checkpoint(checkpoint_id: str, tenant: CurrentTenant, session: SessionDe
     },
 )
 def download_file(
-    checkpoint_id: str,
-    path: str,
+    checkpoint_id: PathId,
+    path: PathId,
     tenant: CurrentTenant,
     session: SessionDep,
     range_header: Annotated[
@@ -127,7 +128,7 @@ def download_file(
         **error_responses(401, 404),
     },
 )
-def download_archive(checkpoint_id: str, tenant: CurrentTenant, session: SessionDep) -> StreamingResponse:
+def download_archive(checkpoint_id: PathId, tenant: CurrentTenant, session: SessionDep) -> StreamingResponse:
     checkpoint = service.get_checkpoint(session, tenant.tenant_id, checkpoint_id)
     pin_id = retention.pin(checkpoint.id)
     members = [

@@ -12,6 +12,7 @@ from service.datasets.multipart import check_content_length, multipart_boundary,
 from service.datasets.schemas import DatasetList, DatasetOut
 from service.kit.config import get_settings
 from service.kit.deps import SessionDep
+from service.kit.params import Cursor, PathId
 from service.tenants.auth import CurrentTenant
 
 router = APIRouter(tags=["datasets"])
@@ -40,7 +41,6 @@ _UPLOAD_BODY: dict[str, Any] = {
 }
 
 Limit = Annotated[int, Query(ge=1, le=100, description="Page size.")]
-After = Annotated[str | None, Query(max_length=64, description="`next_after` of the previous page.")]
 
 
 @router.post(
@@ -70,7 +70,7 @@ async def upload_dataset(request: Request, session: SessionDep, tenant: CurrentT
 
 @router.get("/datasets", response_model=DatasetList)
 def list_datasets(
-    session: SessionDep, tenant: CurrentTenant, limit: Limit = 20, after: After = None
+    session: SessionDep, tenant: CurrentTenant, limit: Limit = 20, after: Cursor = None
 ) -> DatasetList:
     """The tenant's datasets, newest first (cursor pagination)."""
     rows, has_more = service.list_datasets(session, tenant.tenant_id, limit=limit, after=after)
@@ -82,7 +82,7 @@ def list_datasets(
 
 
 @router.get("/datasets/{dataset_id}", response_model=DatasetOut)
-def get_dataset(dataset_id: str, session: SessionDep, tenant: CurrentTenant) -> DatasetOut:
+def get_dataset(dataset_id: PathId, session: SessionDep, tenant: CurrentTenant) -> DatasetOut:
     return DatasetOut.from_row(service.get_dataset(session, tenant.tenant_id, dataset_id))
 
 
@@ -92,7 +92,7 @@ def get_dataset(dataset_id: str, session: SessionDep, tenant: CurrentTenant) -> 
     response_class=Response,
     responses={409: {"description": "Used by an unfinished job (`dataset_in_use`)."}},
 )
-def delete_dataset(dataset_id: str, session: SessionDep, tenant: CurrentTenant) -> Response:
+def delete_dataset(dataset_id: PathId, session: SessionDep, tenant: CurrentTenant) -> Response:
     """Delete a dataset (refused while an unfinished job uses it)."""
     service.delete_dataset(session, tenant.tenant_id, dataset_id)
     return Response(status_code=204)

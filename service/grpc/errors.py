@@ -17,12 +17,14 @@ import grpc
 from pydantic import ValidationError
 
 from service.kit.errors import DomainError, ValidationFailed
+from service.kit.ids import new_id
 
 log = logging.getLogger(__name__)
 
 ERROR_CODE_KEY = "grpo-error-code"
 ERROR_FIELD_KEY = "grpo-error-field"
-ERROR_DETAILS_KEY = "grpo-error-details"  # REST's error.details as JSON (e.g. [{line, error}] of a dataset)
+ERROR_DETAILS_KEY = "grpo-error-details"
+REQUEST_ID_KEY = "grpo-request-id"  # of an INTERNAL error: the id its log record carries (REST: X-Request-ID)  # REST's error.details as JSON (e.g. [{line, error}] of a dataset)
 # Metadata shares the default 8 KiB header budget: larger details are cut to their first entries.
 MAX_DETAILS_BYTES = 4096
 
@@ -124,6 +126,11 @@ async def rendered_errors(context: grpc.aio.ServicerContext[Any, Any]) -> AsyncI
     except grpc.aio.AbortError:
         raise  # already a status (context.abort was called)
     except Exception:
-        # A bug, not an expected failure: log it with its traceback, tell the client nothing internal.
-        log.exception("unhandled error in gRPC handler")
-        await context.abort(grpc.StatusCode.INTERNAL, "internal error", trailing_metadata=((ERROR_CODE_KEY, "internal"),))
+        # A bug, not an expected failure: log it with its traceback and a request id, tell the client only the id.
+        request_id = new_id("req")
+        log.exception("unhandled error in gRPC handler (request id %s)", request_id)
+        await context.abort(
+            grpc.StatusCode.INTERNAL,
+            f"internal error (request id {request_id})",
+            trailing_metadata=((ERROR_CODE_KEY, "internal"), (REQUEST_ID_KEY, request_id)),
+        )

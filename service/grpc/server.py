@@ -16,6 +16,7 @@ from grpc_reflection.v1alpha import reflection
 
 from service.grpc import servicers
 from service.grpc.interceptors import AuthInterceptor, ErrorInterceptor
+from service.grpc.validation import TextInterceptor
 from service.kit.config import get_settings
 from service.kit.heap import startup_objects_frozen
 from service.kit.reads import THREADED_READS, Reads, open_reads
@@ -43,8 +44,9 @@ async def create_grpc_server(
     `running_grpc` opens the configured one (the asyncpg pool on PostgreSQL) and closes it with the server.
     """
     server = grpc.aio.server(
-        # Outermost first: errors wraps auth so an invalid key is rendered as UNAUTHENTICATED.
-        interceptors=[ErrorInterceptor(), AuthInterceptor()],
+        # Outermost first: errors wraps auth so an invalid key is rendered as UNAUTHENTICATED; requests are
+        # checked once authenticated.
+        interceptors=[ErrorInterceptor(), AuthInterceptor(), TextInterceptor()],
         options=[
             ("grpc.max_receive_message_length", max_receive_bytes()),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),

@@ -16,9 +16,11 @@ from service.jobs.states import JobStatus
 from service.jobs.stream import job_event_stream, parse_last_event_id
 from service.kit.deps import SessionDep, reads_of
 from service.kit.openapi import error_responses
+from service.kit.params import Cursor, PathId
 from service.kit.queue import JobQueue, get_job_queue
 from service.storage import get_storage
 from service.tenants.auth import CurrentTenant
+from worker.grpo.fields import INT32_MAX, INT64_MAX, Text
 from worker.grpo.spec import JobSpec
 
 router = APIRouter(tags=["jobs"])
@@ -106,9 +108,7 @@ async def list_jobs(
     tenant: CurrentTenant,
     status: Annotated[JobStatus | None, Query(description="Only jobs in this state.")] = None,
     limit: Annotated[int, Query(ge=1, le=100)] = 20,
-    after: Annotated[
-        str | None, Query(max_length=64, description="`next_after` of the previous page.")
-    ] = None,
+    after: Cursor = None,
 ) -> Response:
     data, has_more = await service.list_jobs(
         reads_of(request), tenant.tenant_id, status=status, limit=limit, after=after
@@ -119,7 +119,7 @@ async def list_jobs(
 @router.get(
     "/jobs/{job_id}", response_model=JobOut, summary="Get a job", responses=error_responses(401, 404, 503)
 )
-async def get_job(job_id: str, request: Request, tenant: CurrentTenant) -> Response:
+async def get_job(job_id: PathId, request: Request, tenant: CurrentTenant) -> Response:
     # The hottest route (clients poll it): async, and on PostgreSQL the read is awaited on the event loop
     # with no thread hop (kit.reads).
     return _json(await service.read_job(reads_of(request), tenant.tenant_id, job_id))
@@ -145,7 +145,7 @@ def delete_job(job_id: str, tenant: CurrentTenant, session: SessionDep) -> Respo
     summary="Cancel a job",
     responses=error_responses(401, 404, 409),
 )
-def cancel_job(job_id: str, tenant: CurrentTenant, session: SessionDep) -> JobOut:
+def cancel_job(job_id: PathId, tenant: CurrentTenant, session: SessionDep) -> JobOut:
     """A queued or paused job is cancelled at once; a running one becomes `cancelling` until its worker stops."""
     return JobOut.from_row(service.cancel_job(session, tenant.tenant_id, job_id))
 
@@ -156,7 +156,7 @@ def cancel_job(job_id: str, tenant: CurrentTenant, session: SessionDep) -> JobOu
     summary="Pause a job",
     responses=error_responses(401, 404, 409),
 )
-def pause_job(job_id: str, tenant: CurrentTenant, session: SessionDep) -> JobOut:
+def pause_job(job_id: PathId, tenant: CurrentTenant, session: SessionDep) -> JobOut:
     """A queued job pauses at once; a running one gets `pause_requested` and pauses at its next checkpoint."""
     return JobOut.from_row(service.pause_job(session, tenant.tenant_id, job_id))
 
@@ -167,7 +167,7 @@ def pause_job(job_id: str, tenant: CurrentTenant, session: SessionDep) -> JobOut
     summary="Resume a job",
     responses=error_responses(401, 404, 409),
 )
-def resume_job(job_id: str, tenant: CurrentTenant, session: SessionDep, queue: QueueDep) -> JobOut:
+def resume_job(job_id: PathId, tenant: CurrentTenant, session: SessionDep, queue: QueueDep) -> JobOut:
     """A paused job is queued again and resumes from its latest checkpoint; a pending pause is withdrawn."""
     return JobOut.from_row(service.resume_job(session, tenant.tenant_id, job_id, queue))
 
@@ -179,13 +179,13 @@ def resume_job(job_id: str, tenant: CurrentTenant, session: SessionDep, queue: Q
     responses=error_responses(401, 404, 422),
 )
 def list_events(
-    job_id: str,
+    job_id: PathId,
     tenant: CurrentTenant,
     session: SessionDep,
-    after: Annotated[int | None, Query(ge=0, description="Event id to continue after.")] = None,
+    after: Annotated[int | None, Query(ge=0, le=INT64_MAX, description="Event id to continue after.")] = None,
     limit: Annotated[int, Query(ge=1, le=500)] = 100,
     types: Annotated[
-        str | None, Query(description="Comma-separated event types, e.g. `status,checkpoint`.")
+        Text | None, Query(description="Comma-separated event types, e.g. `status,checkpoint`.")
     ] = None,
     include_superseded: Annotated[
         bool,
@@ -209,11 +209,11 @@ def list_events(
     responses=error_responses(401, 404, 422),
 )
 def get_metrics(
-    job_id: str,
+    job_id: PathId,
     tenant: CurrentTenant,
     session: SessionDep,
-    names: Annotated[str | None, Query(description="Comma-separated metric names; all when omitted.")] = None,
-    since_step: Annotated[int, Query(ge=0, description="First step to include.")] = 0,
+    names: Annotated[Text | None, Query(description="Comma-separated metric names; all when omitted.")] = None,
+    since_step: Annotated[int, Query(ge=0, le=INT32_MAX, description="First step to include.")] = 0,
     limit: Annotated[int, Query(ge=1, le=50_000, description="Most points per page.")] = 10_000,
 ) -> MetricsOut:
     return service.get_metrics(
@@ -228,11 +228,11 @@ def get_metrics(
     responses=error_responses(401, 404, 422),
 )
 def list_samples(
-    job_id: str,
+    job_id: PathId,
     tenant: CurrentTenant,
     session: SessionDep,
-    step: Annotated[int | None, Query(ge=0, description="Only completions logged at this step.")] = None,
-    after: Annotated[int | None, Query(ge=0, description="Sample id to continue after.")] = None,
+    step: Annotated[int | None, Query(ge=0, le=INT32_MAX, description="Only completions logged at this step.")] = None,
+    after: Annotated[int | None, Query(ge=0, le=INT64_MAX, description="Sample id to continue after.")] = None,
     limit: Annotated[int, Query(ge=1, le=500)] = 100,
 ) -> SampleList:
     rows, has_more = service.list_samples(
@@ -240,6 +240,23 @@ def list_samples(
     )
     data = [SampleOut.from_row(row) for row in rows]
     return SampleList(data=data, has_more=has_more, next_after=data[-1].id if has_more else None)
+
+
+# One SSE message (OpenAPI 3.1: a text/event-stream schema describes each message). The first message
+# only sets the client's reconnection delay (`retry:`); every other one is a job event.
+SSE_MESSAGE_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "id": {"type": "string", "pattern": "^[0-9]+$", "description": "The event id."},
+        "event": {"type": "string", "description": "The event type (status, metrics, checkpoint, log...)."},
+        "data": {
+            "type": "string",
+            "contentMediaType": "application/json",
+            "description": "The event as JSON (the shape of GET /v1/jobs/{job_id}/events items).",
+        },
+        "retry": {"type": "integer", "description": "Reconnection delay in milliseconds."},
+    },
+}
 
 
 @router.get(
@@ -251,17 +268,23 @@ def list_samples(
             "description": "`text/event-stream`: one message per job event (`id:` = event id, `event:` = type "
             "(status, metrics, checkpoint, ...), `data:` = the event as JSON). Ends after a terminal state. "
             "Reconnect with `Last-Event-ID` to continue where you left off.",
-            "content": {"text/event-stream": {"schema": {"type": "string"}}},
+            "content": {"text/event-stream": {"schema": SSE_MESSAGE_SCHEMA}},
         },
         **error_responses(401, 404, 422),
     },
 )
 async def stream_job(
-    job_id: str,
+    job_id: PathId,
     request: Request,
     tenant: CurrentTenant,
     last_event_id: Annotated[
-        str | None, Header(alias="Last-Event-ID", description="Resume after this event id.")
+        str | None,
+        Header(
+            alias="Last-Event-ID",
+            description="Resume after this event id (the `id:` of the last message received). A value that is "
+            "not an event id (not a non-negative decimal integer up to 2^63-1) is ignored: the stream starts "
+            "from the first event.",
+        ),
     ] = None,
 ) -> StreamingResponse:
     after = parse_last_event_id(last_event_id)
@@ -288,7 +311,7 @@ PLOTTED_METRICS = ["reward/mean", "reward/std", "kl", "completion_length/mean"]
         **error_responses(401, 404),
     },
 )
-def plot_job(job_id: str, tenant: CurrentTenant, session: SessionDep) -> Response:
+def plot_job(job_id: PathId, tenant: CurrentTenant, session: SessionDep) -> Response:
     from service.plots import render_metrics_png  # matplotlib: loaded on first use, not at start-up
 
     metrics = service.get_metrics(

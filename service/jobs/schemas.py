@@ -173,6 +173,13 @@ class SampleIn(BaseModel):
     reward: float | None = None
     rewards: dict[str, float | None] = Field(default_factory=dict)
 
+    @field_validator("prompt", "completion")
+    @classmethod
+    def _storable(cls, value: str) -> str:
+        # A model can generate U+0000, which PostgreSQL text cannot hold: logged as U+FFFD instead of failing
+        # the step's write.
+        return value.replace("\x00", "\ufffd")
+
     @field_validator("reward")
     @classmethod
     def _finite(cls, value: float | None) -> float | None:

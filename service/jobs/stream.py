@@ -19,7 +19,7 @@ from service.jobs import repository
 from service.jobs.schemas import EventOut
 from service.jobs.states import TERMINAL, JobStatus
 from service.kit.db import session_scope
-from service.kit.errors import ValidationFailed
+from worker.grpo.fields import INT64_MAX
 
 POLL_INTERVAL_S = 0.5
 HEARTBEAT_S = 15.0
@@ -71,16 +71,13 @@ async def job_event_stream(
 
 
 def parse_last_event_id(value: str | None) -> int | None:
-    """`Last-Event-ID` is one of our integer event ids; anything else is a 422 naming the header."""
-    if value is None or value == "":
+    """The event id to resume after, or None (from the first event) when `Last-Event-ID` is absent or is not
+    one of our event ids (a decimal integer that fits BIGINT).
+
+    Not an error: the header is whatever `id:` the client saw last, and an EventSource that gets a 4xx stops
+    reconnecting for good, whereas starting over only repeats events the client can recognise by id.
+    """
+    if value is None or not value.isascii() or not value.isdecimal():
         return None
-    try:
-        parsed = int(value)
-    except ValueError:
-        parsed = -1
-    if parsed < 0:
-        raise ValidationFailed(
-            f"Last-Event-ID: expected a non-negative integer event id, got {value!r}",
-            details=[{"field": "header.Last-Event-ID", "message": "not an event id", "type": "value_error"}],
-        )
-    return parsed
+    parsed = int(value)
+    return parsed if parsed <= INT64_MAX else None

@@ -15,12 +15,13 @@ reward_endpoint_invalid_response    422    FAILED_PRECONDITION  it answered, but
 reward_endpoint_http_error          422    FAILED_PRECONDITION  it answered a non-retryable HTTP status
 reward_endpoint_grpc_error          422    FAILED_PRECONDITION  it answered a non-retryable gRPC status
 reward_endpoint_url_rejected        422    FAILED_PRECONDITION  its host now resolves to a refused address
-reward_endpoint_unavailable         502    UNAVAILABLE          no answer: refused, timed out, 5xx/UNAVAILABLE
+reward_endpoint_unavailable         424    UNAVAILABLE          no answer: refused, timed out, 5xx/UNAVAILABLE
 =================================== ====== ==================== =============================================
 
-422 rather than 502 for an endpoint that answered badly: the request to us was fine, but the registered
-endpoint cannot be used as it is, and retrying will not change that; 502 (Bad Gateway) only when the upstream
-gave no usable answer at all, which a retry might fix.
+422 for an endpoint that answered badly: the request to us was fine, but the registered endpoint cannot be
+used as it is, and retrying will not change that. 424 (Failed Dependency) when it gave no usable answer at
+all, which a retry might fix: the failure is the registered endpoint's, so a 4xx, not a 5xx (which would say
+this service failed, and which clients and monitors treat as such).
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ class RewardEndpointUnreachable(DomainError):
     """No answer from the endpoint (connection refused, timeout, 5xx / UNAVAILABLE)."""
 
     code = "reward_endpoint_unavailable"
-    http_status = 502
+    http_status = 424
     grpc_status = grpc.StatusCode.UNAVAILABLE
 
 
@@ -72,9 +73,13 @@ def endpoint_config(session: Session, tenant_id: str, rf_id: str) -> RemoteRewar
             allow_private=bool(get_settings().allow_private_reward_urls),
         )
     except ValidationError as exc:
-        # E.g. an http:// function registered in development, tested by a server now in production mode.
+        # E.g. an http:// function registered in development, tested by a server now in production mode, or
+        # header values stored before registration checked them.
+        error = exc.errors()[0]
+        where = ".".join(str(part) for part in error["loc"])
         failure = RewardEndpointFailed(
-            f"reward function {rf_id!r} cannot be called under the current policy: {exc.errors()[0]['msg']}",
+            f"reward function {rf_id!r} cannot be called under the current policy: "
+            f"{where + ': ' if where else ''}{error['msg']}",
             details={"reward_function_id": rf_id},
         )
         failure.code = "reward_endpoint_url_rejected"

@@ -7,6 +7,7 @@ from typing import Annotated
 from fastapi import APIRouter, Query, Response
 
 from service.kit.deps import SessionDep
+from service.kit.params import Cursor, PathId
 from service.rewards import dry_run, service
 from service.rewards.schemas import (
     RewardFunctionCreate,
@@ -21,7 +22,6 @@ from service.tenants.auth import CurrentTenant
 router = APIRouter(tags=["reward functions"])
 
 Limit = Annotated[int, Query(ge=1, le=100, description="Page size.")]
-After = Annotated[str | None, Query(max_length=64, description="`next_after` of the previous page.")]
 
 
 @router.post(
@@ -44,7 +44,7 @@ def create_reward_function(
 
 @router.get("/reward-functions", response_model=RewardFunctionList)
 def list_reward_functions(
-    session: SessionDep, tenant: CurrentTenant, limit: Limit = 20, after: After = None
+    session: SessionDep, tenant: CurrentTenant, limit: Limit = 20, after: Cursor = None
 ) -> RewardFunctionList:
     """The tenant's reward functions, newest first (cursor pagination). Never includes secrets."""
     rows, has_more = service.list_reward_functions(session, tenant.tenant_id, limit=limit, after=after)
@@ -57,7 +57,7 @@ def list_reward_functions(
 
 @router.get("/reward-functions/{reward_function_id}", response_model=RewardFunctionOut)
 def get_reward_function(
-    reward_function_id: str, session: SessionDep, tenant: CurrentTenant
+    reward_function_id: PathId, session: SessionDep, tenant: CurrentTenant
 ) -> RewardFunctionOut:
     return RewardFunctionOut.from_row(
         service.get_reward_function(session, tenant.tenant_id, reward_function_id)
@@ -65,7 +65,7 @@ def get_reward_function(
 
 
 @router.delete("/reward-functions/{reward_function_id}", status_code=204, response_class=Response)
-def delete_reward_function(reward_function_id: str, session: SessionDep, tenant: CurrentTenant) -> Response:
+def delete_reward_function(reward_function_id: PathId, session: SessionDep, tenant: CurrentTenant) -> Response:
     """Remove from the registry; jobs already submitted with it keep using it until they finish."""
     service.delete_reward_function(session, tenant.tenant_id, reward_function_id)
     return Response(status_code=204)
@@ -73,7 +73,7 @@ def delete_reward_function(reward_function_id: str, session: SessionDep, tenant:
 
 @router.post("/reward-functions/{reward_function_id}/rotate-secret", response_model=RewardFunctionWithSecret)
 def rotate_secret(
-    reward_function_id: str, session: SessionDep, tenant: CurrentTenant
+    reward_function_id: PathId, session: SessionDep, tenant: CurrentTenant
 ) -> RewardFunctionWithSecret:
     """Issue a new signing secret (returned once); requests signed from now on use it."""
     return RewardFunctionWithSecret.from_row(
@@ -90,11 +90,11 @@ def rotate_secret(
             "`reward_endpoint_invalid_response`, `reward_endpoint_http_error`, `reward_endpoint_grpc_error`, "
             "`reward_endpoint_url_rejected`; or an invalid body."
         },
-        502: {"description": "`reward_endpoint_unavailable`: no answer (refused, timed out, 5xx)."},
+        424: {"description": "`reward_endpoint_unavailable`: no answer (refused, timed out, 5xx); a retry may help."},
     },
 )
 def test_reward_function(
-    reward_function_id: str, body: RewardTestRequest, session: SessionDep, tenant: CurrentTenant
+    reward_function_id: PathId, body: RewardTestRequest, session: SessionDep, tenant: CurrentTenant
 ) -> RewardTestResult:
     """Call the endpoint now with sample items, exactly as a training job would (signed, SSRF-checked,
     validated) but with one attempt per request, and return its rewards and the latency."""

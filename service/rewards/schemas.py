@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from datetime import datetime
 from typing import Annotated, Any, Literal
@@ -11,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from service.kit.urlpolicy import is_grpc_url
 from service.rewards.models import RewardFunction
 from worker.grpo.dataset_format import MAX_COLUMN_NAME_CHARS, MAX_COLUMNS
+from worker.grpo.fields import HeaderValue, Text
 from worker.reward_client.grpc_source import metadata_problem
 
 # Headers the worker sets itself (Standard Webhooks signature, body framing) or that change routing or
@@ -67,10 +69,11 @@ class RewardFunctionCreate(BaseModel):
     timeout_s: float = Field(10.0, gt=0, le=300, allow_inf_nan=False, description="Per-request timeout.")
     max_batch_size: int = Field(64, ge=1, le=4096, description="Most samples sent in one request.")
     max_concurrency: int = Field(4, ge=1, le=64, description="Most requests in flight at once per job.")
-    headers: dict[str, str] = Field(
+    headers: dict[str, HeaderValue] = Field(
         default_factory=dict,
         description="Extra request headers (e.g. Authorization). Content-Type, webhook-*, Host, framing and "
-        "proxy headers are reserved. The values are never shown again (reads return <redacted>).",
+        "proxy headers are reserved. Values are HTTP header text (visible ASCII, space, tab) and are never "
+        "shown again (reads return <redacted>).",
     )
     max_attempts: int = Field(
         5, ge=1, le=10, description="Attempts per request (the first included) on connection errors, timeouts, "
@@ -110,8 +113,8 @@ class RewardFunctionCreate(BaseModel):
             if lowered in seen:
                 raise ValueError(f"header {name!r} is given twice (names are case-insensitive)")
             seen.add(lowered)
-            if len(value) > 4096 or any(ch in value for ch in "\r\n\x00"):
-                raise ValueError(f"header {name!r} value is longer than 4096 or contains CR, LF or NUL")
+            if len(value) > 4096:
+                raise ValueError(f"header {name!r} value is longer than 4096")
         return headers
 
     @model_validator(mode="after")
@@ -198,15 +201,25 @@ class RewardTestItem(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    prompt: str = Field(max_length=100_000, description="The prompt (as rendered for the model).")
-    completion: str = Field(max_length=100_000, description="The completion to score.")
-    metadata: dict[Annotated[str, Field(max_length=MAX_COLUMN_NAME_CHARS)], Any] = Field(
+    prompt: Text = Field(max_length=100_000, description="The prompt (as rendered for the model).")
+    completion: Text = Field(max_length=100_000, description="The completion to score.")
+    metadata: dict[Annotated[Text, Field(max_length=MAX_COLUMN_NAME_CHARS)], Any] = Field(
         default_factory=dict,
         max_length=MAX_COLUMNS,
         description=f"The dataset row's other columns (at most {MAX_COLUMNS}, names up to {MAX_COLUMN_NAME_CHARS} "
         "characters, as in a dataset).",
     )
     group_id: int = Field(0, ge=0, le=2**31 - 1, description="Completions of the same prompt share a group id.")
+
+    @field_validator("metadata")
+    @classmethod
+    def _sendable(cls, metadata: dict[str, Any]) -> dict[str, Any]:
+        # Sent on as JSON text: Python's json reads NaN/Infinity and "\udXXX" escapes that it cannot write back.
+        try:
+            json.dumps(metadata, ensure_ascii=False, allow_nan=False).encode("utf-8")
+        except ValueError as exc:  # UnicodeEncodeError is one
+            raise ValueError("must be JSON text: no NaN or Infinity, no unpaired surrogates") from exc
+        return metadata
 
 
 class RewardTestRequest(BaseModel):

@@ -8,6 +8,7 @@ from fastapi import APIRouter, Query, Response
 
 from service.kit.deps import SessionDep
 from service.kit.openapi import error_responses
+from service.kit.params import Cursor, PathId
 from service.tenants.auth import CurrentTenant
 from service.webhooks import service
 from service.webhooks.schemas import (
@@ -18,6 +19,7 @@ from service.webhooks.schemas import (
     WebhookOut,
     WebhookWithSecret,
 )
+from worker.grpo.fields import INT64_MAX
 
 router = APIRouter(tags=["webhooks"])
 
@@ -47,7 +49,7 @@ def list_webhooks(
     session: SessionDep,
     tenant: CurrentTenant,
     limit: Limit = 20,
-    after: Annotated[str | None, Query(max_length=64, description="`next_after` of the previous page.")] = None,
+    after: Cursor = None,
 ) -> WebhookList:
     rows, has_more = service.list_webhooks(session, tenant.tenant_id, limit=limit, after=after)
     return WebhookList(data=[WebhookOut.from_row(r) for r in rows], has_more=has_more,
@@ -56,13 +58,13 @@ def list_webhooks(
 
 @router.get("/webhooks/{webhook_id}", response_model=WebhookOut, summary="Get a webhook",
             responses=error_responses(401, 404))
-def get_webhook(webhook_id: str, session: SessionDep, tenant: CurrentTenant) -> WebhookOut:
+def get_webhook(webhook_id: PathId, session: SessionDep, tenant: CurrentTenant) -> WebhookOut:
     return WebhookOut.from_row(service.get_webhook(session, tenant.tenant_id, webhook_id))
 
 
 @router.delete("/webhooks/{webhook_id}", status_code=204, response_class=Response, summary="Delete a webhook",
                responses=error_responses(401, 404))
-def delete_webhook(webhook_id: str, session: SessionDep, tenant: CurrentTenant) -> Response:
+def delete_webhook(webhook_id: PathId, session: SessionDep, tenant: CurrentTenant) -> Response:
     """Stops all deliveries to it, including pending retries."""
     service.delete_webhook(session, tenant.tenant_id, webhook_id)
     return Response(status_code=204)
@@ -71,11 +73,11 @@ def delete_webhook(webhook_id: str, session: SessionDep, tenant: CurrentTenant) 
 @router.get("/webhooks/{webhook_id}/deliveries", response_model=DeliveryList,
             summary="A webhook's deliveries, newest first", responses=error_responses(401, 404, 422))
 def list_deliveries(
-    webhook_id: str,
+    webhook_id: PathId,
     session: SessionDep,
     tenant: CurrentTenant,
     limit: Limit = 20,
-    after: Annotated[int | None, Query(ge=0, description="`next_after` of the previous page.")] = None,
+    after: Annotated[int | None, Query(ge=0, le=INT64_MAX, description="`next_after` of the previous page.")] = None,
 ) -> DeliveryList:
     rows, has_more = service.list_deliveries(session, tenant.tenant_id, webhook_id, limit=limit, after=after)
     return DeliveryList(data=[DeliveryOut.from_row(r) for r in rows], has_more=has_more,

@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from service.webhooks.models import WebhookDelivery, WebhookEndpoint
 from service.webhooks.outbox import EVENT_TYPES
+from worker.grpo.fields import Text
 
 
 class WebhookCreate(BaseModel):
@@ -24,7 +25,7 @@ class WebhookCreate(BaseModel):
         "no private or loopback addresses in production, whether written literally or resolved from the "
         "name (the reward endpoints' SSRF policy).",
     )
-    description: str | None = Field(None, max_length=256)
+    description: Text | None = Field(None, max_length=256)
 
 
 class WebhookOut(BaseModel):

@@ -1,36 +1,28 @@
 """gRPC test fixtures: a real grpc.aio server on port 0 over the service test database, and a channel.
 
-Reuses tests/service/conftest.py (migrated database, settings, tenants), on SQLite only: the domain layer's
-own tests cover both databases; here the transport is under test.
+Reuses tests/service/conftest.py (migrated database, settings, tenants): every test runs on SQLite and on
+PostgreSQL (`db_url` is parametrized there), where the polled RPCs read through the asyncpg pool.
 """
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import AsyncIterator
-from pathlib import Path
 
 import grpc
 import pytest
 
 from service.grpc.server import running_grpc
 from tests.service.conftest import (  # noqa: F401  (fixtures, used by name)
+    _postgres_database,
     _sqlite_template,
     app,
     client,
+    db_url,
     make_tenant,
     settings,
     tenant_a,
     tenant_b,
 )
-
-
-@pytest.fixture
-def db_url(_sqlite_template: Path, tmp_path: Path) -> str:  # noqa: F811
-    """A migrated, empty SQLite database (overrides the sqlite+postgres parametrisation)."""
-    path = tmp_path / "grpo.db"
-    shutil.copyfile(_sqlite_template, path)
-    return f"sqlite:///{path}"
 
 
 @pytest.fixture

@@ -10,6 +10,8 @@ from pydantic import BaseModel
 from service.grpc.convert import (
     BUILTIN_REWARDS,
     NONE_FLAGS,
+    _enum_prefix,
+    enum_to_str,
     job_spec_from_proto,
     job_spec_to_proto,
     str_to_enum,
@@ -38,9 +40,19 @@ def test_every_pydantic_field_has_a_proto_field(model: type[BaseModel], message:
 
 @pytest.mark.parametrize("name", [n for n, f in GRPOConfig.model_fields.items() if typing.get_origin(f.annotation) is typing.Literal])
 def test_every_literal_value_has_an_enum_value(name: str) -> None:
-    field = job_spec_pb2.Hyperparameters.DESCRIPTOR.fields_by_name[name]
-    for value in typing.get_args(GRPOConfig.model_fields[name].annotation):
-        str_to_enum(field.enum_type, value)  # KeyError if the proto enum lacks it
+    """Each Literal value maps to its own, specified enum value and back; the enum has no other values."""
+    enum = job_spec_pb2.Hyperparameters.DESCRIPTOR.fields_by_name[name].enum_type
+    values = typing.get_args(GRPOConfig.model_fields[name].annotation)
+    numbers = {}
+    for value in values:
+        assert _enum_prefix(enum) + value.upper().replace("-", "_") in enum.values_by_name, (enum.name, value)
+        numbers[value] = str_to_enum(enum, value)
+        assert numbers[value] != 0, f"{value!r} maps to {enum.name}'s UNSPECIFIED"
+        assert enum_to_str(enum, numbers[value]) == value
+    assert len(set(numbers.values())) == len(values)
+    assert sorted(numbers.values()) == sorted(v.number for v in enum.values if v.number != 0), (
+        f"{enum.name} has values no {name} literal maps to"
+    )
 
 
 def _roundtrip(values: dict[str, typing.Any]) -> None:

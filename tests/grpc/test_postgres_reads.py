@@ -21,7 +21,7 @@ from tests.service.jobs_support import RecordingQueue, start_job
 
 
 @pytest.fixture
-def db_url(_postgres_database: str) -> str:  # noqa: F811  (overrides the SQLite db_url of tests/grpc)
+def db_url(_postgres_database: str) -> str:  # noqa: F811  (PostgreSQL only: overrides the parametrized db_url)
     _truncate_all(_postgres_database)
     return _postgres_database
 
@@ -30,7 +30,10 @@ def _read_pool_sessions(settings: Settings) -> int:
     engine = create_engine(settings.database_url)
     try:
         with engine.connect() as conn:
-            query = text("SELECT count(*) FROM pg_stat_activity WHERE application_name = :name")
+            # This database's only: other test runs may share the server.
+            query = text(
+                "SELECT count(*) FROM pg_stat_activity WHERE application_name = :name AND datname = current_database()"
+            )
             return int(conn.scalar(query, {"name": READS_APPLICATION_NAME}) or 0)
     finally:
         engine.dispose()

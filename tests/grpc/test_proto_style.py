@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -65,13 +66,22 @@ def _buf() -> str | None:
     """A buf binary: $GRPO_BUF, `buf` on PATH, or proto/node_modules (npm @bufbuild/buf, pinned in proto/package.json)."""
     local = PROTO_ROOT / "node_modules" / ".bin" / "buf"
     if not local.exists() and shutil.which("npm"):
-        # `npm install`, not `npm ci`: npm 11 leaves other platforms' optional buf binaries out of the lock
-        # file and then refuses `ci`; the version is pinned exactly in package.json either way.
-        subprocess.run(["npm", "install", "--no-audit", "--no-fund"], cwd=PROTO_ROOT, capture_output=True, timeout=300)
+        # `npm ci`: installs exactly the lock file and never rewrites it (a test run must leave the checkout
+        # clean). It needs every platform's optional buf binary in the lock (test_lock_file_is_complete).
+        subprocess.run(["npm", "ci", "--no-audit", "--no-fund"], cwd=PROTO_ROOT, capture_output=True, timeout=300)
     for candidate in (os.environ.get("GRPO_BUF"), shutil.which("buf"), str(local)):
         if candidate and Path(candidate).exists():
             return candidate
     return None
+
+
+def test_lock_file_is_complete() -> None:
+    """`npm ci` refuses a lock file that lacks an optional dependency of a locked package (npm install would
+    add it, modifying the tracked file): every platform's buf binary must be listed."""
+    packages = json.loads((PROTO_ROOT / "package-lock.json").read_text())["packages"]
+    optional = packages["node_modules/@bufbuild/buf"]["optionalDependencies"]
+    assert len(optional) >= 5
+    assert [name for name in optional if f"node_modules/{name}" not in packages] == []
 
 
 class TestOurChecker:

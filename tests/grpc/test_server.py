@@ -12,7 +12,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from pydantic import BaseModel, Field
 
 from service.grpc.auth import current_tenant
-from service.grpc.errors import ERROR_CODE_KEY, ERROR_FIELD_KEY
+from service.grpc.errors import ERROR_CODE_KEY, ERROR_FIELD_KEY, REQUEST_ID_KEY
 from service.grpc.interceptors import AuthInterceptor, ErrorInterceptor
 from service.kit.errors import (
     DomainError,
@@ -153,10 +153,15 @@ class TestErrorMapping:
             assert _trailer(err.value, ERROR_FIELD_KEY) == field
             assert field in (err.value.details() or "")
 
-    async def test_bugs_do_not_leak_internals(self, test_channel: grpc.aio.Channel, tenant_a: TenantHeaders) -> None:
+    async def test_bugs_do_not_leak_internals(
+        self, test_channel: grpc.aio.Channel, tenant_a: TenantHeaders, caplog: pytest.LogCaptureFixture
+    ) -> None:
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await _who(test_channel)(b"bug", metadata=bearer(tenant_a.api_key))
         assert "secret" not in (err.value.details() or "")
+        request_id = _trailer(err.value, REQUEST_ID_KEY)
+        assert request_id and request_id in (err.value.details() or "")
+        assert any(request_id in record.getMessage() and record.exc_info for record in caplog.records)
 
     async def test_error_mid_stream(self, test_channel: grpc.aio.Channel, tenant_a: TenantHeaders) -> None:
         received = []

@@ -83,6 +83,8 @@ class TestUpload:
             ({"prompt": [{"role": "user"}]}, "content"),
             ({"prompt": [{"role": "user", "content": 3}]}, "content"),
             ({"prompt": 5}, "prompt"),
+            ({"prompt": "2+2=\u0000"}, "NUL"),
+            ({"prompt": [{"role": "user", "content": "\u0000"}]}, "NUL"),
         ],
     )
     def test_bad_prompts_are_rejected(

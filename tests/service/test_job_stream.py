@@ -7,6 +7,7 @@ import threading
 import time
 from typing import Any
 
+import pytest
 from fastapi.testclient import TestClient
 
 from service.jobs import progress
@@ -107,8 +108,14 @@ class TestStream:
         assert messages[-1]["event"] == "status" and messages[-1]["data"]["data"]["to"] == "succeeded"
         assert time.monotonic() - started < 10
 
-    def test_bad_last_event_id_is_422(self, client: TestClient, tenant_a: TenantHeaders) -> None:
+    @pytest.mark.parametrize("value", ["abc", "null", "-1", "1.5", "99999999999999999999"])
+    def test_a_last_event_id_that_is_not_an_event_id_starts_from_the_first_event(
+        self, client: TestClient, tenant_a: TenantHeaders, value: str
+    ) -> None:
         job_id = finished_job(client, tenant_a)
-        response = client.get(f"/v1/jobs/{job_id}/stream", headers={**tenant_a, "Last-Event-ID": "abc"})
-        assert response.status_code == 422
-        assert "Last-Event-ID" in response.json()["error"]["message"]
+        everything = read_stream(client, job_id, tenant_a)
+        assert read_stream(client, job_id, {**tenant_a, "Last-Event-ID": value}) == everything
+
+    def test_the_largest_event_id_is_an_event_id(self, client: TestClient, tenant_a: TenantHeaders) -> None:
+        job_id = finished_job(client, tenant_a)
+        assert read_stream(client, job_id, {**tenant_a, "Last-Event-ID": str(2**63 - 1)}) == []

@@ -85,11 +85,11 @@ class TestDryRunHttp:
         assert response.status_code == 422 and error["code"] == "reward_endpoint_http_error"
         assert error["details"]["status"] == 400 and "answered HTTP 400" in error["message"]
 
-    def test_unreachable_endpoint_is_502(self, client: TestClient, tenant_a: TenantHeaders) -> None:
+    def test_unreachable_endpoint_is_424(self, client: TestClient, tenant_a: TenantHeaders) -> None:
         rf = register(client, tenant_a, f"http://127.0.0.1:{closed_port()}/score")
         response = dry_run(client, tenant_a, rf["id"])
         error = response.json()["error"]
-        assert response.status_code == 502 and error["code"] == "reward_endpoint_unavailable"
+        assert response.status_code == 424 and error["code"] == "reward_endpoint_unavailable"
         assert "connection failed" in error["message"] and "gave up after 1 attempts" in error["message"]
 
     def test_other_tenant_and_unknown_ids_are_the_same_404(
@@ -147,7 +147,8 @@ class TestDryRunGrpc:
         response = client.post(
             "/v1/reward-functions",
             headers=tenant_a,
-            json={"name": "g", "url": "grpc://127.0.0.1:50051", "headers": {"x-name": "café"}},
+            # A tab is HTTP header text, but not gRPC metadata.
+            json={"name": "g", "url": "grpc://127.0.0.1:50051", "headers": {"x-name": "a\tb"}},
         )
         assert response.status_code == 422 and "printable ASCII" in response.text
 

@@ -86,7 +86,7 @@ class TestCreate:
             ({"headers": {"Content-Type": "text/plain"}}, "headers"),
             ({"headers": {"webhook-signature": "v1,x"}}, "headers"),
             ({"headers": {"Host": "internal"}}, "headers"),
-            ({"headers": {"X-A": "a\r\nX-B: b"}}, "headers"),
+            ({"headers": {"X-A": "a\r\nX-B: b"}}, "headers.X-A"),
             ({"headers": {"bad name": "x"}}, "headers"),
             ({"unknown": 1}, "unknown"),
             ({"max_attempts": 0}, "max_attempts"),

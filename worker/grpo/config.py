@@ -13,6 +13,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from worker.grpo.fields import INT32_MAX, Int64, Text
+
 LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"]
 ImportanceSamplingLevel = Literal["token", "sequence"]
 MultiObjectiveAggregation = Literal["sum_then_normalize", "normalize_then_sum"]
@@ -31,12 +33,12 @@ SEQUENCE_LEVEL_LOSSES: tuple[LossType, ...] = ("grpo", "sapo", "luspo")
 class LoraConfig(BaseModel):
     """Low-rank adapters (via `peft`). The reference policy is then the base model with adapters off."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     r: int = Field(16, ge=1, le=1024, description="Adapter rank.")
-    alpha: int = Field(32, ge=1, description="LoRA scaling numerator (lora_alpha).")
+    alpha: int = Field(32, ge=1, le=INT32_MAX, description="LoRA scaling numerator (lora_alpha).")
     dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the adapter input.")
-    target_modules: list[Annotated[str, Field(min_length=1, max_length=256)]] | Literal["all-linear"] = Field(
+    target_modules: list[Annotated[Text, Field(min_length=1, max_length=256)]] | Literal["all-linear"] = Field(
         "all-linear",
         max_length=256,
         description="Module names to adapt (at most 256, each up to 256 characters), or 'all-linear' for every "
@@ -47,20 +49,20 @@ class LoraConfig(BaseModel):
 class GRPOConfig(BaseModel):
     """Every knob of a GRPO run. Validated with errors that name the field."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
     # --- batch shape -------------------------------------------------------------------------
     num_generations: int = Field(8, ge=2, le=256, description="G: completions sampled per prompt (>= 2).")
     prompts_per_step: int = Field(4, ge=1, le=4096, description="Prompts per optimiser step.")
     max_steps: int | None = Field(
-        None, ge=1, description="Optimiser steps to run. If unset, derived from num_epochs and the dataset size."
+        None, ge=1, le=INT32_MAX, description="Optimiser steps to run. If unset, derived from num_epochs and the dataset size."
     )
     num_epochs: float | None = Field(
         None, gt=0, description="Passes over the training prompts (used when max_steps is unset)."
     )
     mini_batch_size: int | None = Field(
         None,
-        ge=1,
+        ge=1, le=INT32_MAX,
         description="Completions per forward/backward pass; gradients are accumulated over the step. "
         "None = all completions of the step in one pass.",
     )
@@ -69,7 +71,7 @@ class GRPOConfig(BaseModel):
     # --- optimiser -----------------------------------------------------------------------------
     learning_rate: float = Field(1e-6, gt=0, lt=1, description="Peak AdamW learning rate (TRL default 1e-6).")
     lr_scheduler: SchedulerType = Field("linear", description="Decay after warmup: constant, linear or cosine to 0.")
-    warmup_steps: int = Field(0, ge=0, description="Linear warmup steps from 0 to learning_rate.")
+    warmup_steps: int = Field(0, ge=0, le=INT32_MAX, description="Linear warmup steps from 0 to learning_rate.")
     max_grad_norm: float | None = Field(1.0, gt=0, description="Global gradient-norm clip; None disables.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW decoupled weight decay.")
     adam_beta1: float = Field(0.9, ge=0, lt=1, description="AdamW beta1.")
@@ -193,9 +195,9 @@ class GRPOConfig(BaseModel):
     )
     temperature: float = Field(1.0, gt=0, le=10, description="Sampling temperature; log-probs use logits / T.")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
-    top_k: int = Field(0, ge=0, description="Top-k sampling; 0 disables.")
+    top_k: int = Field(0, ge=0, le=INT32_MAX, description="Top-k sampling; 0 disables.")
     max_prompt_length: int | None = Field(
-        512, ge=1, description="Prompts longer than this (tokens) are truncated from the left; None = no limit."
+        512, ge=1, le=INT32_MAX, description="Prompts longer than this (tokens) are truncated from the left; None = no limit."
     )
     max_completion_length: int = Field(256, ge=1, le=32768, description="Max new tokens per completion.")
 
@@ -203,14 +205,14 @@ class GRPOConfig(BaseModel):
     lora: LoraConfig | None = Field(None, description="LoRA adapters; None = full fine-tuning.")
     gradient_checkpointing: bool = Field(False, description="Trade compute for activation memory.")
     dtype: DType = Field("float32", description="Weights dtype. Log-probs are always computed in float32.")
-    seed: int = Field(42, description="Seeds data order, sampling and initialisation.")
+    seed: Int64 = Field(42, description="Seeds data order, sampling and initialisation.")
 
     # --- bookkeeping ---------------------------------------------------------------------------
-    checkpoint_every: int = Field(50, ge=1, description="Save a checkpoint every N steps (and at the end).")
+    checkpoint_every: int = Field(50, ge=1, le=INT32_MAX, description="Save a checkpoint every N steps (and at the end).")
     save_total_limit: int | None = Field(
-        3, ge=1, description="Keep the newest N checkpoints (plus the best by metric_for_best_model); None = all.",
+        3, ge=1, le=INT32_MAX, description="Keep the newest N checkpoints (plus the best by metric_for_best_model); None = all.",
     )
-    metric_for_best_model: str | None = Field(
+    metric_for_best_model: Text | None = Field(
         None, min_length=1, max_length=128,
         description="A logged metric (e.g. 'eval/reward/mean'): the checkpoint with its best value is kept beyond "
         "save_total_limit. None = no best checkpoint.",
@@ -219,10 +221,10 @@ class GRPOConfig(BaseModel):
         None, description="Whether a higher metric_for_best_model is better; None = yes unless its name ends "
         "with 'loss' (as in TRL).",
     )
-    eval_every: int | None = Field(None, ge=1, description="Evaluate on the eval dataset every N steps.")
-    eval_samples: int = Field(32, ge=1, description="Eval prompts per evaluation (one greedy completion each).")
-    log_completions_every: int = Field(10, ge=1, description="Record sample completions every N steps.")
-    log_completions_count: int = Field(8, ge=1, description="How many completions to record each time.")
+    eval_every: int | None = Field(None, ge=1, le=INT32_MAX, description="Evaluate on the eval dataset every N steps.")
+    eval_samples: int = Field(32, ge=1, le=INT32_MAX, description="Eval prompts per evaluation (one greedy completion each).")
+    log_completions_every: int = Field(10, ge=1, le=INT32_MAX, description="Record sample completions every N steps.")
+    log_completions_count: int = Field(8, ge=1, le=INT32_MAX, description="How many completions to record each time.")
 
     @model_validator(mode="after")
     def _check_consistency(self) -> GRPOConfig:

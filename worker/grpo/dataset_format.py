@@ -16,9 +16,12 @@ Blank lines are skipped (they still count for line numbers).
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
+
+from worker.grpo.fields import text_problem
 
 MAX_REPORTED_ERRORS = 20
 # Columns are listed with the dataset on every read and passed to every reward call: bounded per row and
@@ -69,6 +72,8 @@ class DatasetSummary:
 def check_prompt(prompt: Any) -> str | None:
     """Return why ``prompt`` is not a valid prompt, or None when it is."""
     if isinstance(prompt, str):
+        if (problem := text_problem(prompt)) is not None:
+            return f"'prompt' {problem}"
         return None if prompt.strip() else "'prompt' is an empty string"
     if not isinstance(prompt, list):
         return f"'prompt' must be a string or a list of messages, got {type(prompt).__name__}"
@@ -92,7 +97,28 @@ def _check_message(message: Any) -> str | None:
         return f"'role' must be one of {', '.join(CHAT_ROLES)}, got {role!r}"
     if not isinstance(content, str):
         return f"'content' must be a string, got {type(content).__name__}"
+    if (problem := text_problem(content)) is not None:
+        return f"'content' {problem}"
     return None
+
+
+class NonStandardNumber(ValueError):
+    """NaN, Infinity or -Infinity: Python's json reads them, JSON has no such numbers."""
+
+
+def _refuse_constant(name: str) -> Any:
+    raise NonStandardNumber(name)
+
+
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
+def _encodable(row: Any) -> bool:
+    try:
+        json.dumps(row, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def parse_row(raw: bytes | str) -> tuple[dict[str, Any] | None, str | None]:
@@ -103,9 +129,15 @@ def parse_row(raw: bytes | str) -> tuple[dict[str, Any] | None, str | None]:
         except UnicodeDecodeError as exc:
             return None, f"not valid UTF-8 ({exc.reason} at byte {exc.start})"
     try:
-        row = json.loads(raw)
+        row = json.loads(raw, parse_constant=_refuse_constant)
     except json.JSONDecodeError as exc:
         return None, f"invalid JSON: {exc.msg} (column {exc.colno})"
+    except NonStandardNumber as exc:
+        return None, f"invalid JSON: {exc} is not a JSON number"
+    # Rows travel on as JSON (to reward endpoints) and text (the database): a `\\udXXX` escape that decodes to
+    # an unpaired surrogate would fail there. Checked only when the line has such an escape at all.
+    if _SURROGATE_ESCAPE.search(raw) and not _encodable(row):
+        return None, "not valid Unicode text: an escape decodes to an unpaired surrogate (U+D800 to U+DFFF)"
     if not isinstance(row, dict):
         return None, f"each line must be a JSON object, got {type(row).__name__}"
     if len(row) > MAX_COLUMNS:

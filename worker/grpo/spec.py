@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from worker.grpo.config import GRPOConfig, LoraConfig
 from worker.grpo.dataset_format import MAX_COLUMN_NAME_CHARS
+from worker.grpo.fields import Int32, Text
 
 TINY_PRESETS = ("tiny", "small", "medium")
 _NAME = r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$"
@@ -33,8 +34,8 @@ MAX_METADATA_JSON_BYTES = 16 * 1024
 class BoxedAnswerParams(BaseModel):
     """+format_reward for a ``\\boxed{...}`` answer, +correct_reward when it matches the answer column."""
 
-    model_config = ConfigDict(extra="forbid")
-    answer_column: str = Field("answer", min_length=1, max_length=MAX_COLUMN_NAME_CHARS)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    answer_column: Text = Field("answer", min_length=1, max_length=MAX_COLUMN_NAME_CHARS)
     format_reward: float = 0.5
     correct_reward: float = 1.0
     tolerance: float = Field(1e-6, ge=0, description="Absolute tolerance when both sides parse as numbers.")
@@ -43,8 +44,8 @@ class BoxedAnswerParams(BaseModel):
 class ExactMatchParams(BaseModel):
     """1.0 when the stripped completion equals the answer column, else 0.0."""
 
-    model_config = ConfigDict(extra="forbid")
-    answer_column: str = Field("answer", min_length=1, max_length=MAX_COLUMN_NAME_CHARS)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    answer_column: Text = Field("answer", min_length=1, max_length=MAX_COLUMN_NAME_CHARS)
     case_sensitive: bool = True
     strip: bool = True
 
@@ -74,8 +75,8 @@ def compile_user_pattern(pattern: str) -> Any:
 class RegexMatchParams(BaseModel):
     """1.0 when the pattern matches the completion (search, or fullmatch when fullmatch). RE2 syntax."""
 
-    model_config = ConfigDict(extra="forbid")
-    pattern: str = Field(max_length=MAX_PATTERN_LENGTH, description="An RE2 regular expression.")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    pattern: Text = Field(max_length=MAX_PATTERN_LENGTH, description="An RE2 regular expression.")
     fullmatch: bool = False
 
     @field_validator("pattern")
@@ -88,8 +89,8 @@ class RegexMatchParams(BaseModel):
 class LengthPenaltyParams(BaseModel):
     """-scale x |len(completion) - target_length| / target_length (characters, or tokens when unit=tokens)."""
 
-    model_config = ConfigDict(extra="forbid")
-    target_length: int = Field(64, ge=1)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    target_length: Int32 = Field(64, ge=1)
     scale: float = Field(1.0, ge=0)
     unit: Literal["chars", "tokens"] = "tokens"
 
@@ -104,7 +105,7 @@ BuiltinName = Literal["boxed_answer", "exact_match", "regex_match", "length_pena
 
 
 class BuiltinRewardSpec(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     type: Literal["builtin"] = "builtin"
     name: BuiltinName
     weight: float = Field(1.0, allow_inf_nan=False)
@@ -122,9 +123,9 @@ class BuiltinRewardSpec(BaseModel):
 
 
 class RemoteRewardSpec(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     type: Literal["remote"] = "remote"
-    reward_function_id: str = Field(min_length=1, max_length=64)
+    reward_function_id: Text = Field(min_length=1, max_length=64)
     weight: float = Field(1.0, allow_inf_nan=False)
 
     @property
@@ -135,9 +136,9 @@ class RemoteRewardSpec(BaseModel):
 class ModelRewardSpec(BaseModel):
     """A sequence-classification reward model scoring prompt + completion (logit 0)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     type: Literal["model"] = "model"
-    model: str = Field(
+    model: Text = Field(
         min_length=1,
         max_length=512,
         description="builtin:<preset>, checkpoint:<id>, a Hugging Face id or a local path (the service accepts "
@@ -159,6 +160,7 @@ class JobSpec(BaseModel):
 
     model_config = ConfigDict(
         extra="forbid",
+        allow_inf_nan=False,
         json_schema_extra={
             "examples": [
                 {
@@ -184,15 +186,15 @@ class JobSpec(BaseModel):
     )
 
     name: str | None = Field(None, pattern=_NAME, description="Optional human-readable name.")
-    base_model: str = Field(min_length=1, max_length=512)
-    train_dataset: str = Field(min_length=1, max_length=1024)
-    eval_dataset: str | None = Field(None, min_length=1, max_length=1024)
+    base_model: Text = Field(min_length=1, max_length=512)
+    train_dataset: Text = Field(min_length=1, max_length=1024)
+    eval_dataset: Text | None = Field(None, min_length=1, max_length=1024)
     rewards: list[RewardSpec] = Field(min_length=1, max_length=16)
     hyperparameters: GRPOConfig
     lora: LoraConfig | None = Field(None, description="Shorthand for hyperparameters.lora.")
     metadata: dict[
-        Annotated[str, Field(min_length=1, max_length=MAX_METADATA_KEY_CHARS)],
-        Annotated[str, Field(max_length=MAX_METADATA_VALUE_CHARS)],
+        Annotated[Text, Field(min_length=1, max_length=MAX_METADATA_KEY_CHARS)],
+        Annotated[Text, Field(max_length=MAX_METADATA_VALUE_CHARS)],
     ] = Field(
         default_factory=dict,
         max_length=MAX_METADATA_KEYS,

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 from service.kit.urlpolicy import UrlRejected, check_url_syntax
+from worker.grpo.fields import HeaderValue
 from worker.reward_client.signing import SIGNING_HEADERS, load_secret
 
 # Headers the client owns; a user-configured header may not override them.
@@ -28,7 +29,7 @@ class RemoteRewardConfig(BaseModel):
     connect_timeout_s: float = Field(5.0, gt=0, description="TCP/TLS connect timeout of one attempt.")
     max_batch_size: int = Field(64, ge=1, le=4096, description="Items per request.")
     max_concurrency: int = Field(4, ge=1, le=64, description="Requests in flight at once.")
-    headers: dict[str, str] = Field(default_factory=dict, description="Extra request headers (e.g. auth).")
+    headers: dict[str, HeaderValue] = Field(default_factory=dict, description="Extra request headers (e.g. auth).")
     allow_private: bool = Field(False, description="Permit loopback/private addresses (development only).")
     max_attempts: int = Field(5, ge=1, le=20, description="Attempts per request, the first included.")
     step_deadline_s: float = Field(

@@ -21,6 +21,7 @@ from service.grpc.convert import (
 from service.grpc.errors import prefix_fields
 from service.grpc.gen.grpo.v1 import jobs_pb2, jobs_pb2_grpc
 from service.grpc.paging import page_size
+from service.grpc.validation import int32_field
 from service.grpc.watch import watch_job
 from service.jobs import service
 from service.jobs.idempotency import request_hash, run_idempotent
@@ -138,7 +139,7 @@ class JobServicer(jobs_pb2_grpc.JobServiceServicer):
                 tenant.tenant_id,
                 request.job_id,
                 names=list(request.names) or None,
-                since_step=max(request.from_step, 0),
+                since_step=max(int32_field(request.from_step, "from_step"), 0),
                 limit=limit,
             )
         )
@@ -150,7 +151,7 @@ class JobServicer(jobs_pb2_grpc.JobServiceServicer):
     ) -> jobs_pb2.ListJobSamplesResponse:
         tenant = current_tenant()
         limit = page_size(request.page_size, 100, 500)
-        step = request.step if request.HasField("step") else None
+        step = int32_field(request.step, "step") if request.HasField("step") else None
 
         def work(s: Session) -> tuple[list[SampleOut], bool]:
             rows, has_more = service.list_samples(
@@ -168,5 +169,6 @@ class JobServicer(jobs_pb2_grpc.JobServiceServicer):
         self, request: jobs_pb2.WatchJobRequest, context: Context
     ) -> AsyncIterator[jobs_pb2.WatchJobResponse]:
         tenant = current_tenant()
-        async for message in watch_job(self._reads, tenant.tenant_id, request.job_id, max(request.from_step, 0)):
+        from_step = max(int32_field(request.from_step, "from_step"), 0)
+        async for message in watch_job(self._reads, tenant.tenant_id, request.job_id, from_step):
             yield message
