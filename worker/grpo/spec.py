@@ -4,8 +4,10 @@ Torch-free on purpose: the service validates submitted specs with these models.
 
 `base_model` forms:
 - a Hugging Face id (``org/name``) or a local directory with ``config.json``;
-- ``builtin:tiny`` / ``builtin:small`` / ``builtin:medium``: a Llama-style model built offline by
-  `worker.grpo.tiny` (no model hub is needed);
+- ``builtin:tiny`` / ``builtin:small`` / ``builtin:medium``: a randomly initialised Llama-style model
+  built offline by `worker.grpo.tiny` (no model hub is needed);
+- ``builtin:tiny-instruct``: the tiny one warm-started by supervised training on synthetic tasks
+  (`worker.grpo.warm`): partly right on held-out prompts, the starting point RL needs;
 - ``checkpoint:<id>`` (service only): a checkpoint of an earlier job.
 """
 
@@ -18,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from worker.grpo.config import GRPOConfig, LoraConfig
 
-TINY_PRESETS = ("tiny", "small", "medium")
+TINY_PRESETS = ("tiny", "small", "medium", "tiny-instruct")
 _NAME = r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$"
 
 
