@@ -157,6 +157,13 @@ class JobSpec(BaseModel):
     base_model: str = Field(min_length=1, max_length=512)
     train_dataset: str = Field(min_length=1, max_length=1024)
     eval_dataset: str | None = Field(None, min_length=1, max_length=1024)
+    retain_dataset: str | None = Field(
+        None,
+        min_length=1,
+        max_length=1024,
+        description="Prompts of skills to keep, evaluated with the eval set (eval/retain/*); a drop fires the "
+        "health guard's forgetting detector.",
+    )
     rewards: list[RewardSpec] = Field(min_length=1, max_length=16)
     hyperparameters: GRPOConfig
     lora: LoraConfig | None = Field(None, description="Shorthand for hyperparameters.lora.")
