@@ -31,7 +31,7 @@ def render_metrics_png(series: Mapping[str, Series], *, title: str) -> bytes:
             ax_reward.fill_between(reward.steps, low, high, alpha=0.25, label="± std")
         ax_reward.legend(loc="best")
     _line(ax_reward, None, "reward")
-    _line(ax_kl, series.get("kl"), "KL to reference")
+    _line(ax_kl, series.get("kl"), "KL to reference", missing="not recorded (beta = 0: no reference model)")
     _line(ax_len, series.get("completion_length/mean"), "completion length (tokens)")
     _eval_lines(ax_eval, series)
     ax_eval.set_xlabel("step")
@@ -42,13 +42,13 @@ def render_metrics_png(series: Mapping[str, Series], *, title: str) -> bytes:
     return buffer.getvalue()
 
 
-def _line(ax: plt.Axes, data: Series | None, label: str) -> None:
+def _line(ax: plt.Axes, data: Series | None, label: str, missing: str = "not recorded") -> None:
     ax.set_ylabel(label)
     ax.grid(alpha=0.3)
     if data is not None and data.steps:
         ax.plot(data.steps, data.values)
     elif not ax.lines:
-        ax.text(0.5, 0.5, "not recorded", ha="center", va="center", transform=ax.transAxes, alpha=0.5)
+        ax.text(0.5, 0.5, missing, ha="center", va="center", transform=ax.transAxes, alpha=0.5)
 
 
 def _eval_lines(ax: plt.Axes, series: Mapping[str, Series]) -> None:
