@@ -97,6 +97,13 @@ class _Progress:
     history: list[dict[str, float]] = field(default_factory=list)
 
     def on_metrics(self, step: int, metrics: dict[str, float], samples: list[dict[str, Any]]) -> None:
+        evals = {k: v for k, v in metrics.items() if k.startswith("eval/") and ("accuracy" in k or "pass@" in k
+                                                                              or k.endswith("reward/mean"))}
+        if evals:
+            self.progress.console.print(f"[dim]step {step} eval[/dim] " + "  ".join(
+                f"{k.removeprefix('eval/')} {v:.3f}" for k, v in sorted(evals.items())))
+        if "reward/mean" not in metrics:  # the evaluation before the first step
+            return
         self.history.append(metrics)
         kl = metrics.get("kl")
         self.progress.update(
