@@ -59,7 +59,16 @@ def score_repeat_letter(request: RewardRequest) -> list[float | None]:
     return rewards
 
 
-SCORERS = {"boxed": score, "repeat_letter": score_repeat_letter}
+def score_exact(request: RewardRequest) -> list[float | None]:
+    """The demo's task: 1.0 when the stripped completion is exactly the row's ``answer``, else 0.0."""
+    rewards: list[float | None] = []
+    for item in request.items:
+        answer = item.metadata.get("answer")
+        rewards.append(None if answer is None else float(item.completion.strip() == str(answer).strip()))
+    return rewards
+
+
+SCORERS = {"boxed": score, "exact": score_exact, "repeat_letter": score_repeat_letter}
 
 
 def main() -> None:

@@ -106,6 +106,7 @@ class JobContext:
     spec: JobSpec
     dataset_key: str
     eval_dataset_key: str | None
+    retain_dataset_key: str | None
     reward_functions: dict[str, RewardFunction]
 
 
@@ -168,6 +169,11 @@ class JobRunner:
             return self._fail(claim, "training_error", training_error_message(exc))
         if heartbeat.lost.is_set():
             raise LeaseLost(claim.job_id, claim.attempt)
+        if result.unhealthy is not None:  # on_unhealthy: pause (the trainer saved a checkpoint)
+            finding = result.unhealthy
+            return reporting.finish(
+                claim, JobStatus.paused, reason=f"unhealthy at step {finding.step}: {finding.kind}: {finding.message}"
+            )
         if not result.stopped:
             return reporting.finish(claim, JobStatus.succeeded, reason=f"trained {result.step} steps")
         control = reporting.read_control(self.job_id)
@@ -189,6 +195,9 @@ class JobRunner:
         eval_rows = None
         if context.eval_dataset_key is not None:
             eval_rows = self._load_rows(context.eval_dataset_key, workdir / "eval.jsonl")
+        retain_rows = None
+        if context.retain_dataset_key is not None:
+            retain_rows = self._load_rows(context.retain_dataset_key, workdir / "retain.jsonl")
         base_model = self._resolve_model(context, "base_model", context.spec.base_model, workdir / "base")
         resume_from = self._prepare_resume(claim, workdir / "resume")
         self._delete_unrecorded_checkpoints(claim)
@@ -210,6 +219,7 @@ class JobRunner:
                 base_model=base_model,
                 train_rows=train_rows,
                 eval_rows=eval_rows,
+                retain_rows=retain_rows,
                 reward=reward,
                 output_dir=workdir / "checkpoints",
                 model_cache_dir=Path(self.settings.data_dir) / "models",
@@ -217,6 +227,9 @@ class JobRunner:
                 on_metrics=lambda step, metrics, samples: self._on_metrics(claim, step, metrics, samples),
                 on_checkpoint=lambda step, path, manifest: self._on_checkpoint(claim, step, path, manifest),
                 should_stop=should_stop,
+                on_health=lambda finding: reporting.record_event(
+                    claim, "health", f"{finding.kind}: {finding.message}", finding.as_event_data()
+                ),
                 device="cpu" if context.queue == "cpu" else None,
                 checkpoint_metadata={"job_id": self.job_id, "attempt": claim.attempt},
             )
@@ -241,7 +254,8 @@ class JobRunner:
                 d.id: d.storage_key
                 for d in session.scalars(select(Dataset).where(
                     Dataset.tenant_id == job.tenant_id,
-                    Dataset.id.in_([spec.train_dataset, spec.eval_dataset or spec.train_dataset]),
+                    Dataset.id.in_([spec.train_dataset, spec.eval_dataset or spec.train_dataset,
+                                    spec.retain_dataset or spec.train_dataset]),
                 ))
             }
             remote_ids = [r.reward_function_id for r in spec.rewards if isinstance(r, RemoteRewardSpec)]
@@ -255,6 +269,8 @@ class JobRunner:
             raise JobFailure("dataset_missing", f"train_dataset {spec.train_dataset!r} no longer exists")
         if spec.eval_dataset is not None and spec.eval_dataset not in datasets:
             raise JobFailure("dataset_missing", f"eval_dataset {spec.eval_dataset!r} no longer exists")
+        if spec.retain_dataset is not None and spec.retain_dataset not in datasets:
+            raise JobFailure("dataset_missing", f"retain_dataset {spec.retain_dataset!r} no longer exists")
         missing = sorted(set(remote_ids) - set(functions))
         if missing:
             raise JobFailure("reward_function_missing", f"reward function {missing[0]!r} no longer exists")
@@ -262,6 +278,7 @@ class JobRunner:
             job_id=job.id, tenant_id=job.tenant_id, queue=job.queue, spec=spec,
             dataset_key=datasets[spec.train_dataset],
             eval_dataset_key=datasets[spec.eval_dataset] if spec.eval_dataset else None,
+            retain_dataset_key=datasets[spec.retain_dataset] if spec.retain_dataset else None,
             reward_functions=functions,
         )
 

@@ -100,6 +100,11 @@ def _apply(bar: Progress, task: Any, event: EventOut, status: str) -> str:
         )
         if "total_steps" in event.data:
             bar.update(task, total=event.data["total_steps"])
+        evals = {k.removeprefix("eval/"): v for k, v in metrics.items()
+                 if k.startswith("eval/") and (k.endswith("accuracy") or "pass@" in k or k.endswith("eval/reward/mean"))}
+        if evals:
+            bar.console.print(f"[dim]step {event.data.get('step', 0)} eval[/dim] "
+                              + "  ".join(f"{name} {value:.3f}" for name, value in sorted(evals.items())))
     elif event.type == "status":
         status = str(event.data.get("to", status))
         bar.update(task, status=status)

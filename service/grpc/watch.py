@@ -20,14 +20,15 @@ from sqlalchemy.orm import Session
 
 from service.checkpoints import service as checkpoints_service
 from service.grpc.calls import in_session
-from service.grpc.convert import job_to_proto, metrics_by_step
+from service.grpc.convert import event_to_proto, job_to_proto, metrics_by_step
 from service.grpc.gen.grpo.v1 import jobs_pb2
 from service.jobs import service as jobs_service
-from service.jobs.schemas import JobOut
+from service.jobs.schemas import EventOut, JobOut
 from service.jobs.states import TERMINAL
 from service.kit.reads import Reads
 
 POLL_INTERVAL_S = 0.5
+HEALTH_EVENT = "health"  # written by the worker (worker.grpo.health findings)
 METRICS_PAGE = 10_000  # (step, name) points per read; a page never ends mid-step
 
 
@@ -37,19 +38,27 @@ class _Poll:
     steps: list[jobs_pb2.StepMetrics]
     more_metrics: bool
     checkpoints: list[tuple[str, int]] = field(default_factory=list)  # (id, step), by step
+    health: list[EventOut] = field(default_factory=list)  # health events after the last one seen, by id
 
 
-async def _poll(reads: Reads, tenant_id: str, job_id: str, next_step: int) -> _Poll:
-    """One poll: the job, then (one transaction) its metrics from next_step and its checkpoints."""
+async def _poll(reads: Reads, tenant_id: str, job_id: str, next_step: int, health_after: int | None) -> _Poll:
+    """One poll: the job, then (one transaction) its metrics from next_step, its checkpoints and new health events."""
     job = await jobs_service.read_job(reads, tenant_id, job_id)
-    return await in_session(partial(_progress, job=job, tenant_id=tenant_id, job_id=job_id, next_step=next_step))
+    return await in_session(partial(
+        _progress, job=job, tenant_id=tenant_id, job_id=job_id, next_step=next_step, health_after=health_after
+    ))
 
 
-def _progress(session: Session, job: JobOut, tenant_id: str, job_id: str, next_step: int) -> _Poll:
+def _progress(
+    session: Session, job: JobOut, tenant_id: str, job_id: str, next_step: int, health_after: int | None
+) -> _Poll:
     metrics = jobs_service.get_metrics(session, tenant_id, job_id, names=None, since_step=next_step, limit=METRICS_PAGE)
     series = {name: (s.steps, s.values) for name, s in metrics.series.items()}
     checkpoints = [(c.id, c.step) for c in checkpoints_service.list_job_checkpoints(session, tenant_id, job_id)]
-    return _Poll(job, metrics_by_step(series), metrics.has_more, checkpoints)
+    health, _ = jobs_service.list_events(
+        session, tenant_id, job_id, after=health_after, limit=METRICS_PAGE, types=[HEALTH_EVENT]
+    )
+    return _Poll(job, metrics_by_step(series), metrics.has_more, checkpoints, [EventOut.from_row(e) for e in health])
 
 
 async def watch_job(
@@ -57,10 +66,11 @@ async def watch_job(
 ) -> AsyncIterator[jobs_pb2.WatchJobResponse]:
     """The WatchJob stream for one job of `tenant_id` (NotFound before anything is sent otherwise)."""
     next_step = from_step
+    health_after: int | None = None  # id of the last health event read
     sent_checkpoints: set[str] = set()
     last_job: jobs_pb2.Job | None = None
     while True:
-        poll = await _poll(reads, tenant_id, job_id, next_step)
+        poll = await _poll(reads, tenant_id, job_id, next_step, health_after)
         job = job_to_proto(poll.job)
         terminal = poll.job.status in TERMINAL
         if not terminal and (last_job is None or _changed(last_job, job)):
@@ -73,6 +83,10 @@ async def watch_job(
             # A checkpoint follows the metrics of its step.
             for message in _checkpoints_up_to(pending, sent_checkpoints, metrics.step):
                 yield message
+        for event in poll.health:  # after the metrics of their step (the worker writes them in that order)
+            health_after = event.id
+            if int(event.data.get("step", from_step)) >= from_step:
+                yield jobs_pb2.WatchJobResponse(health=event_to_proto(event))
         if poll.more_metrics:
             continue  # a backlog is waiting: no sleep
         for message in _checkpoints_up_to(pending, sent_checkpoints, None):

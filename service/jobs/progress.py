@@ -26,6 +26,7 @@ from service.kit.errors import Conflict, NotFound, ValidationFailed
 
 METRICS_EVENT = "metrics"
 CHECKPOINT_EVENT = "checkpoint"
+EVAL_PREFIX = "eval/"
 
 
 class StaleAttempt(Conflict):
@@ -75,7 +76,11 @@ def record_metrics(
     values = {name: float(value) for name, value in metrics.items()}
     repository.replace_metrics(session, job.id, step, values, attempt)
     job.current_step = step
-    job.latest_metrics = values
+    # Evaluations run every eval_every steps: the latest one stays visible between them.
+    latest = dict(values)
+    if not any(name.startswith(EVAL_PREFIX) for name in values):
+        latest.update({k: v for k, v in (job.latest_metrics or {}).items() if k.startswith(EVAL_PREFIX)})
+    job.latest_metrics = latest
     job.updated_at = utcnow()
     event = _append(session, job, METRICS_EVENT, f"step {step}", {"step": step, "metrics": values})
     flush_job(session, job)

@@ -92,7 +92,9 @@ def check_references(session: Session, tenant_id: str, spec: JobSpec) -> None:
     Raises ValidationFailed (422) naming every offending field, e.g. `rewards[1].reward_function_id`.
     """
     errors: list[dict[str, Any]] = []
-    datasets = {"train_dataset": spec.train_dataset, "eval_dataset": spec.eval_dataset}
+    datasets = {
+        "train_dataset": spec.train_dataset, "eval_dataset": spec.eval_dataset, "retain_dataset": spec.retain_dataset
+    }
     wanted = [ds for ds in datasets.values() if ds is not None]
     found = repository.live_dataset_ids(session, tenant_id, wanted)
     for field, dataset_id in datasets.items():

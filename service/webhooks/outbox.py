@@ -12,6 +12,7 @@ Which job events are lifecycle events (`webhook_event_type`):
     status event to queued|running|paused|succeeded|failed|cancelled  ->  job.<state>
     checkpoint event                                                 ->  job.checkpoint_saved
     metrics event carrying eval/* metrics                            ->  job.eval_completed
+    health event (a training-health detector fired)                  ->  job.health
 
 `cancelling` (an intermediate state) is not announced: `job.cancelled` follows when the worker stops.
 
@@ -36,6 +37,7 @@ from service.webhooks.models import DeliveryStatus, WebhookDelivery, WebhookEndp
 STATUS_EVENT = "status"
 CHECKPOINT_EVENT = "checkpoint"
 METRICS_EVENT = "metrics"
+HEALTH_EVENT = "health"
 EVAL_PREFIX = "eval/"
 
 ANNOUNCED_STATES = ("queued", "running", "paused", "succeeded", "failed", "cancelled")
@@ -44,6 +46,7 @@ EVENT_TYPES = (
     "job.running",
     "job.checkpoint_saved",
     "job.eval_completed",
+    "job.health",
     "job.paused",
     "job.succeeded",
     "job.failed",
@@ -58,6 +61,8 @@ def webhook_event_type(type_: str, data: dict[str, Any]) -> str | None:
         return f"job.{to}" if to in ANNOUNCED_STATES else None
     if type_ == CHECKPOINT_EVENT:
         return "job.checkpoint_saved"
+    if type_ == HEALTH_EVENT:
+        return "job.health"
     if type_ == METRICS_EVENT:
         metrics = data.get("metrics") or {}
         return "job.eval_completed" if any(str(k).startswith(EVAL_PREFIX) for k in metrics) else None

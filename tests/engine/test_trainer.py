@@ -32,6 +32,7 @@ EXPECTED_METRICS = {
     "reward/std",
     "reward/spread/mean",
     "frac_zero_std_groups",
+    "groups/dominated_frac",
     "advantage/abs_mean",
     "loss",
     "kl",

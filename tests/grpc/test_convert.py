@@ -19,11 +19,13 @@ from service.grpc.convert import (
 from service.grpc.gen.grpo.v1 import job_spec_pb2
 from service.kit.errors import ValidationFailed
 from worker.grpo.config import GRPOConfig, LoraConfig
+from worker.grpo.health import HealthConfig
 from worker.grpo.spec import BUILTIN_PARAMS, JobSpec, ModelRewardSpec, RemoteRewardSpec
 
 PAIRS: list[tuple[type[BaseModel], type[typing.Any]]] = [
     (GRPOConfig, job_spec_pb2.Hyperparameters),
     (LoraConfig, job_spec_pb2.LoraConfig),
+    (HealthConfig, job_spec_pb2.HealthConfig),
     (JobSpec, job_spec_pb2.JobSpec),
     (RemoteRewardSpec, job_spec_pb2.RemoteReward),
     (ModelRewardSpec, job_spec_pb2.ModelReward),
@@ -58,6 +60,19 @@ def test_every_literal_value_has_an_enum_value(name: str) -> None:
 def _roundtrip(values: dict[str, typing.Any]) -> None:
     spec = JobSpec.model_validate(values)
     assert job_spec_from_proto(job_spec_to_proto(spec)) == spec
+
+
+def test_roundtrip_health_settings_and_retain_dataset() -> None:
+    _roundtrip(
+        {
+            "base_model": "builtin:tiny-instruct",
+            "train_dataset": "ds_1",
+            "eval_dataset": "ds_2",
+            "retain_dataset": "ds_3",
+            "rewards": [{"type": "builtin", "name": "exact_match"}],
+            "hyperparameters": {"max_steps": 3, "on_unhealthy": "pause", "health": {"kl_max": 5.0, "patience": 2}},
+        }
+    )
 
 
 def test_roundtrip_example() -> None:

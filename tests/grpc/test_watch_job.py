@@ -14,7 +14,7 @@ import pytest
 
 from service.grpc import watch
 from service.grpc.gen.grpo.v1 import job_spec_pb2, jobs_pb2, jobs_pb2_grpc
-from service.jobs.progress import record_metrics, worker_transition
+from service.jobs.progress import record_event, record_metrics, worker_transition
 from service.jobs.states import JobStatus
 from service.kit.db import session_scope
 from service.kit.queue import set_job_queue
@@ -59,6 +59,10 @@ def _work(job_id: str, attempt: int, pause_s: float) -> None:
             record_metrics(session, job_id, attempt, step, {"reward": step / 10, "loss": 1.0 / step})
         if step == 3:
             put_checkpoint(get_storage(), job_id, attempt, step, {"weights.bin": b"w" * 10})
+        if step == 4:
+            with session_scope() as session:
+                record_event(session, job_id, attempt, "health", "kl_blowup: KL 3.1 > 2.0",
+                             {"kind": "kl_blowup", "severity": "warning", "step": step, "evidence": {"kl": 3.1}})
         time.sleep(pause_s)
     with session_scope() as session:
         worker_transition(session, job_id, attempt, JobStatus.succeeded, reason="done")
@@ -104,6 +108,10 @@ class TestWatchJob:
         kinds = [(m.WhichOneof("event"), m.metrics.step or m.checkpoint.step) for m in rest]
         assert kinds[kinds.index(("metrics", 3)) + 1] == ("checkpoint", 3)  # right after its step's metrics
         assert rest[-1].WhichOneof("event") == "job" and rest[-1].job.state == jobs_pb2.JOB_STATE_SUCCEEDED
+        health = [m.health for m in rest if m.WhichOneof("event") == "health"]
+        assert [(h.type, h.data["kind"], h.data["evidence"]["kl"]) for h in health] == [("health", "kl_blowup", 3.1)]
+        order = [m.WhichOneof("event") + str(m.metrics.step or "") for m in rest]
+        assert order.index("health") > order.index("metrics4")  # after the metrics of its step
 
     async def test_watching_a_finished_job_replays_and_ends(
         self, channel: grpc.aio.Channel, tenant_a: TenantHeaders, queue: RecordingQueue
@@ -117,3 +125,5 @@ class TestWatchJob:
         tail = await asyncio.wait_for(_collect(stub, tenant_a.api_key, job_id, from_step=5), timeout=10)
         assert _steps(tail) == [5, 6]
         assert [m.checkpoint.step for m in tail if m.WhichOneof("event") == "checkpoint"] == []  # step 3 < 5
+        assert [m for m in tail if m.WhichOneof("event") == "health"] == []  # step 4 < 5
+        assert len([m for m in everything if m.WhichOneof("event") == "health"]) == 1

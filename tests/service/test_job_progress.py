@@ -54,6 +54,22 @@ class TestMetrics:
         assert list(only["series"]) == ["loss"]
         assert only["series"]["loss"]["steps"] == [4, 5]
 
+    def test_the_latest_eval_stays_in_the_job_metrics_between_evals(
+        self, client: TestClient, tenant_a: TenantHeaders
+    ) -> None:
+        job_id = create(client, tenant_a)
+        attempt = start_job(job_id)
+        with session_scope() as session:
+            progress.record_metrics(session, job_id, attempt, 0, {"eval/accuracy": 0.4})
+        record_steps(job_id, attempt, range(1, 3))
+        with session_scope() as session:
+            progress.record_metrics(session, job_id, attempt, 3, {"loss": 0.1, "eval/accuracy": 0.9})
+        record_steps(job_id, attempt, range(4, 5))
+        job = client.get(f"/v1/jobs/{job_id}", headers=tenant_a).json()
+        assert job["metrics"] == {"loss": pytest.approx(0.25), "reward": pytest.approx(0.4), "eval/accuracy": 0.9}
+        events = client.get(f"/v1/jobs/{job_id}/events", params={"types": "metrics"}, headers=tenant_a).json()["data"]
+        assert "eval/accuracy" not in events[-1]["data"]["metrics"]  # the event carries that step's values only
+
     def test_pages_never_split_a_step(self, client: TestClient, tenant_a: TenantHeaders) -> None:
         job_id = create(client, tenant_a)
         record_steps(job_id, start_job(job_id), range(1, 4))  # 2 metrics per step

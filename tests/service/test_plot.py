@@ -45,7 +45,7 @@ class TestPlot:
         assert response.status_code == 200
         assert response.headers["content-type"] == "image/png"
         assert response.content.startswith(PNG_MAGIC)
-        assert png_size(response.content) == (700, 800)  # 7 x 8 inches at 100 dpi: three panels
+        assert png_size(response.content) == (700, 1000)  # 7 x 10 inches at 100 dpi: four panels
 
     def test_job_without_metrics_still_renders(self, client: TestClient, tenant_a: TenantHeaders) -> None:
         job_id = create_job(client, tenant_a)

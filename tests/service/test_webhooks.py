@@ -144,7 +144,8 @@ class TestRegistry:
     ) -> None:
         created = register(client, tenant_a, "https://hooks.example.com/grpo")
         assert created["id"].startswith("wh_") and created["secret"].startswith("whsec_")
-        assert "job.checkpoint_saved" in created["event_types"] and len(created["event_types"]) == 8
+        assert "job.checkpoint_saved" in created["event_types"] and len(created["event_types"]) == 9
+        assert "job.health" in created["event_types"]
         webhook_id = created["id"]
 
         got = client.get(f"/v1/webhooks/{webhook_id}", headers=tenant_a).json()
@@ -196,6 +197,8 @@ class TestOutbox:
         held = claim(job_id)
         reporting.record_step(held, 1, {"reward/mean": 0.5}, [SampleIn(prompt="p", completion="c")])  # not announced
         reporting.record_step(held, 2, {"reward/mean": 0.6, "eval/reward/mean": 0.7}, [])
+        reporting.record_event(held, "health", "kl_blowup: KL to the reference 3.1 > 2.0",
+                               {"kind": "kl_blowup", "severity": "warning", "step": 2, "evidence": {"kl": 3.1}})
         put_checkpoint(get_storage(), job_id, held.attempt, 2, {"model.safetensors": b"weights"})
         reporting.finish(held, JobStatus.succeeded, reason="trained 2 steps")
 
@@ -206,11 +209,12 @@ class TestOutbox:
             assert row.tenant_id == tenant_a.tenant_id and row.status == "pending"
         assert len(per_endpoint) == 2  # both of tenant a's endpoints, none of tenant b's
         for events in per_endpoint.values():
-            assert events == ["job.queued", "job.running", "job.eval_completed", "job.checkpoint_saved",
-                              "job.succeeded"]
+            assert events == ["job.queued", "job.running", "job.eval_completed", "job.health",
+                              "job.checkpoint_saved", "job.succeeded"]
         by_type = {row.event_type: row for row in rows}
         assert by_type["job.eval_completed"].payload["data"]["metrics"] == {"eval/reward/mean": 0.7}
         assert by_type["job.checkpoint_saved"].payload["data"]["step"] == 2
+        assert by_type["job.health"].payload["data"]["evidence"] == {"kl": 3.1}
         succeeded = by_type["job.succeeded"].payload
         assert succeeded["type"] == "job.succeeded"
         assert succeeded["data"]["status"] == "succeeded" and succeeded["data"]["previous_status"] == "running"

@@ -164,6 +164,28 @@ class TestCancelAndPause:
         assert api.metric_steps(job_id) == list(range(1, PAUSED_JOB_STEPS + 1))
 
 
+class TestHealthGuard:
+    def test_on_unhealthy_pause_pauses_with_the_finding_and_resumes(self, api: ApiClient, stack: Stack) -> None:
+        """Exact match on the random tiny model earns nothing: every group is flat at reward 0 ("stuck"),
+        which fires after `patience` (3) steps; with on_unhealthy=pause the job pauses there, resumable."""
+        dataset = api.upload_dataset(PROMPTS)
+        job_id = api.submit(tiny_spec(dataset, max_steps=PAUSED_JOB_STEPS, checkpoint_every=50, on_unhealthy="pause"))
+        paused = api.wait_status(job_id, {"paused"}, timeout=180)
+        assert paused["progress"]["step"] == 3, stack.logs()
+        health = [e for e in api.events(job_id) if e["type"] == "health"]
+        assert [e["data"]["kind"] for e in health] == ["zero_variance_stuck"]
+        assert health[0]["data"]["evidence"]["reward/mean"] == 0.0
+        pause_event = [e for e in api.events(job_id) if e["type"] == "status" and e["data"]["to"] == "paused"][-1]
+        assert "zero_variance_stuck" in pause_event["data"]["reason"]
+        assert api.checkpoints(job_id)[-1]["step"] == 3  # resumable from where it stopped
+
+        api.post(f"/v1/jobs/{job_id}/resume")
+        # The condition persists, so the resumed attempt trains `patience` more steps and pauses again.
+        again = api.wait_status(job_id, {"paused"}, timeout=180)
+        assert again["attempt"] == 2 and again["progress"]["step"] == 6
+        assert api.metric_steps(job_id) == list(range(1, 7))
+
+
 class TestDuplicateDelivery:
     def test_same_message_delivered_to_two_workers_trains_once(self, api: ApiClient, stack: Stack) -> None:
         second = stack.start_worker()

@@ -14,6 +14,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from worker.grpo.fields import INT32_MAX, Int64, Text
+from worker.grpo.health import HealthConfig
 
 LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"]
 ImportanceSamplingLevel = Literal["token", "sequence"]
@@ -225,6 +226,14 @@ class GRPOConfig(BaseModel):
     eval_samples: int = Field(32, ge=1, le=INT32_MAX, description="Eval prompts per evaluation (one greedy completion each).")
     log_completions_every: int = Field(10, ge=1, le=INT32_MAX, description="Record sample completions every N steps.")
     log_completions_count: int = Field(8, ge=1, le=INT32_MAX, description="How many completions to record each time.")
+
+    # --- training health (worker.grpo.health) ---------------------------------------------------
+    on_unhealthy: Literal["warn", "pause"] = Field(
+        "warn",
+        description="What a health warning does: 'warn' records a health event, 'pause' also pauses the "
+        "job (resumable) with the finding as its reason.",
+    )
+    health: HealthConfig = Field(default_factory=HealthConfig, description="Health detector thresholds.")
 
     @model_validator(mode="after")
     def _check_consistency(self) -> GRPOConfig:

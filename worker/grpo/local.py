@@ -49,6 +49,7 @@ class LocalJob:
     output_dir: Path
     train_rows: list[PromptRow]
     eval_rows: list[PromptRow] | None
+    retain_rows: list[PromptRow] | None = None
 
 
 def load_local_job(config_path: Path, output_dir: Path | None) -> LocalJob:
@@ -75,9 +76,10 @@ def load_local_job(config_path: Path, output_dir: Path | None) -> LocalJob:
     try:
         train_rows = load_jsonl(base / spec.train_dataset)
         eval_rows = load_jsonl(base / spec.eval_dataset) if spec.eval_dataset else None
+        retain_rows = load_jsonl(base / spec.retain_dataset) if spec.retain_dataset else None
     except DatasetError as exc:
         raise LocalJobError(str(exc)) from exc
-    return LocalJob(spec, Path(output_dir), train_rows, eval_rows)
+    return LocalJob(spec, Path(output_dir), train_rows, eval_rows, retain_rows)
 
 
 def _describe(exc: ValidationError) -> str:
@@ -95,6 +97,13 @@ class _Progress:
     history: list[dict[str, float]] = field(default_factory=list)
 
     def on_metrics(self, step: int, metrics: dict[str, float], samples: list[dict[str, Any]]) -> None:
+        evals = {k: v for k, v in metrics.items() if k.startswith("eval/") and ("accuracy" in k or "pass@" in k
+                                                                              or k.endswith("reward/mean"))}
+        if evals:
+            self.progress.console.print(f"[dim]step {step} eval[/dim] " + "  ".join(
+                f"{k.removeprefix('eval/')} {v:.3f}" for k, v in sorted(evals.items())))
+        if "reward/mean" not in metrics:  # the evaluation before the first step
+            return
         self.history.append(metrics)
         kl = metrics.get("kl")
         self.progress.update(
@@ -181,12 +190,14 @@ def _train(job: LocalJob, console: Console) -> int:
                 base_model=job.spec.base_model,
                 train_rows=job.train_rows,
                 eval_rows=job.eval_rows,
+                retain_rows=job.retain_rows,
                 reward=reward,
                 output_dir=job.output_dir,
                 model_cache_dir=job.output_dir / "base-models",
                 resume_from=resume,
                 on_metrics=display.on_metrics,
                 should_stop=stop.should_stop,
+                on_health=lambda f: progress.console.print(f"[yellow]health[/yellow] step {f.step} {f.kind}: {f.message}"),
                 checkpoint_metadata={"job_name": job.spec.name or ""},
             )
             progress.update(task, completed=trainer.step)

@@ -7,6 +7,8 @@ Torch-free on purpose: the service validates submitted specs with these models.
   service.jobs.model_sources);
 - ``builtin:tiny`` / ``builtin:small`` / ``builtin:medium``: a Llama-style model built offline by
   `worker.grpo.tiny` (no model hub is needed);
+- ``builtin:tiny-instruct``: the tiny one warm-started by supervised training on synthetic tasks
+  (`worker.grpo.warm`): partly right on held-out prompts, the starting point RL needs;
 - ``checkpoint:<id>`` (service only): a checkpoint of an earlier job.
 """
 
@@ -22,7 +24,7 @@ from worker.grpo.config import GRPOConfig, LoraConfig
 from worker.grpo.dataset_format import MAX_COLUMN_NAME_CHARS
 from worker.grpo.fields import Int32, Text
 
-TINY_PRESETS = ("tiny", "small", "medium")
+TINY_PRESETS = ("tiny", "small", "medium", "tiny-instruct")
 _NAME = r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$"
 # Job metadata is stored with the job and returned by every read of it: bounded like any free text.
 MAX_METADATA_KEYS = 32
@@ -189,6 +191,13 @@ class JobSpec(BaseModel):
     base_model: Text = Field(min_length=1, max_length=512)
     train_dataset: Text = Field(min_length=1, max_length=1024)
     eval_dataset: Text | None = Field(None, min_length=1, max_length=1024)
+    retain_dataset: Text | None = Field(
+        None,
+        min_length=1,
+        max_length=1024,
+        description="Prompts of skills to keep, evaluated with the eval set (eval/retain/*); a drop fires the "
+        "health guard's forgetting detector.",
+    )
     rewards: list[RewardSpec] = Field(min_length=1, max_length=16)
     hyperparameters: GRPOConfig
     lora: LoraConfig | None = Field(None, description="Shorthand for hyperparameters.lora.")

@@ -26,6 +26,7 @@ from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTra
 TinyPreset = Literal["tiny", "small", "medium"]
 
 BUILTIN_PREFIX = "builtin:"
+INSTRUCT_PRESET = "tiny-instruct"  # the tiny preset after offline supervised training (worker.grpo.warm)
 
 PAD, BOS, EOS, UNK = "<pad>", "<s>", "</s>", "<unk>"
 
@@ -114,7 +115,7 @@ def model_config(preset: TinyPreset) -> LlamaConfig:
     )
 
 
-def _is_complete(out_dir: Path) -> bool:
+def is_complete_model(out_dir: Path) -> bool:
     return all((out_dir / name).is_file() for name in _REQUIRED_FILES)
 
 
@@ -128,7 +129,7 @@ def build_tiny_model(preset: TinyPreset, out_dir: Path, *, seed: int = 0) -> Pat
     """
     config = model_config(preset)  # validates the preset name first
     out_dir = Path(out_dir)
-    if _is_complete(out_dir):
+    if is_complete_model(out_dir):
         return out_dir
     if out_dir.exists() and any(out_dir.iterdir()):
         raise FileExistsError(f"{out_dir} exists, is not empty and does not hold a complete model")
@@ -153,7 +154,7 @@ def build_tiny_model(preset: TinyPreset, out_dir: Path, *, seed: int = 0) -> Pat
         os.rename(tmp_dir, out_dir)
     except OSError:
         # Another process may have finished the same build first: that result is as good as ours.
-        if _is_complete(out_dir):
+        if is_complete_model(out_dir):
             return out_dir
         raise
     finally:
@@ -165,14 +166,21 @@ def build_tiny_model(preset: TinyPreset, out_dir: Path, *, seed: int = 0) -> Pat
 def resolve_model_path(base_model: str, cache_dir: Path) -> str:
     """Turn `builtin:<preset>` into a built model directory under `cache_dir`; pass anything else through.
 
+`builtin:tiny-instruct` is the tiny preset warm-started by supervised training (worker.grpo.warm).
+
     Other values (a Hugging Face id or a local path) are returned unchanged for `from_pretrained`.
     """
     if not base_model.startswith(BUILTIN_PREFIX):
         return base_model
     preset = base_model.removeprefix(BUILTIN_PREFIX)
+    if preset == INSTRUCT_PRESET:
+        from worker.grpo.warm import build_instruct_model  # trains on first use: imported only then
+
+        return str(build_instruct_model(Path(cache_dir)))
     if preset not in get_args(TinyPreset):
+        choices = [*get_args(TinyPreset), INSTRUCT_PRESET]
         raise ValueError(
             f"base_model {base_model!r}: unknown builtin preset {preset!r}; "
-            f"expected one of {', '.join(BUILTIN_PREFIX + p for p in get_args(TinyPreset))}"
+            f"expected one of {', '.join(BUILTIN_PREFIX + p for p in choices)}"
         )
     return str(build_tiny_model(preset, Path(cache_dir) / preset))  # type: ignore[arg-type]

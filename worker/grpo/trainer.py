@@ -47,6 +47,8 @@ from worker.grpo.checkpoint import capture_rng_state, load_checkpoint, restore_r
 from worker.grpo.config import GRPOConfig
 from worker.grpo.cpu_threads import SideThread, completed, intra_op_threads, side_thread_helps
 from worker.grpo.data import PromptRow, PromptSampler
+from worker.grpo.evaluation import greedy_metrics, pass_at_k
+from worker.grpo.health import Finding, HealthGuard, dominated_fraction
 from worker.grpo.logprobs import completion_logprobs
 from worker.grpo.loss import AdaptiveEntropy, LossSettings, grpo_loss
 from worker.grpo.modeling import (
@@ -61,6 +63,7 @@ from worker.grpo.rollout import Rollout, generate_rollout, render_prompt
 
 MetricsHook = Callable[[int, dict[str, float], list[dict[str, Any]]], None]
 CheckpointHook = Callable[[int, Path, dict[str, Any]], None]
+HealthHook = Callable[[Finding], None]
 StopHook = Callable[[], bool]
 
 
@@ -72,6 +75,9 @@ class TrainResult:
     stopped: bool  # should_stop() ended the run early
     last_checkpoint: Path | None
     history: list[dict[str, float]] = field(default_factory=list)  # metrics of every step, in order
+    evaluations: dict[int, dict[str, float]] = field(default_factory=dict)  # eval/* by step, 0 = the start
+    findings: list[Finding] = field(default_factory=list)  # health findings, in order
+    unhealthy: Finding | None = None  # the finding that stopped the run (on_unhealthy: pause)
 
 
 class GRPOTrainer:
@@ -86,11 +92,13 @@ class GRPOTrainer:
         reward: CompositeReward,
         output_dir: Path,
         eval_rows: list[PromptRow] | None = None,
+        retain_rows: list[PromptRow] | None = None,
         model_cache_dir: Path | None = None,
         resume_from: Path | None = None,
         on_metrics: MetricsHook | None = None,
         on_checkpoint: CheckpointHook | None = None,
         should_stop: StopHook | None = None,
+        on_health: HealthHook | None = None,
         device: str | None = None,
         checkpoint_metadata: dict[str, Any] | None = None,
     ) -> None:
@@ -99,11 +107,16 @@ class GRPOTrainer:
         self.config = config
         self.train_rows = train_rows
         self.eval_rows = eval_rows or []
+        self.retain_rows = retain_rows or []  # skills to keep: evaluated with the eval set
         self.reward = reward
         self.output_dir = Path(output_dir)
         self.on_metrics = on_metrics
         self.on_checkpoint = on_checkpoint
         self.should_stop = should_stop
+        self.on_health = on_health
+        self.guard = HealthGuard(config.health)
+        self.findings: list[Finding] = []
+        self.unhealthy: Finding | None = None
         self.checkpoint_metadata = checkpoint_metadata or {}
         self.total_steps = config.total_steps(len(train_rows))
         seed_everything(config.seed)
@@ -123,6 +136,7 @@ class GRPOTrainer:
         self.sampler = PromptSampler(len(train_rows), seed=config.seed)
         self.step = 0
         self.history: list[dict[str, float]] = []
+        self.evaluations: dict[int, dict[str, float]] = {}  # eval/* metrics by step (0 = before training)
         self.last_checkpoint: Path | None = None
         self._saved_step = 0  # step of the newest checkpoint written or resumed from
         if checkpoint is not None:
@@ -136,18 +150,25 @@ class GRPOTrainer:
         side = self._side_thread()
         stopped = False
         try:
-            while self.step < self.total_steps:
+            if self.step == 0 and self._evaluates():
+                # The starting point, so every later eval has something to be compared with.
+                self._report_eval(0, self._evaluate(0, runner))
+            while self.step < self.total_steps and self.unhealthy is None:
                 if self.should_stop is not None and self.should_stop():
                     stopped = True
                     break
                 self._run_step(runner, side)
+            stopped = stopped or self.unhealthy is not None
         finally:
             runner.close()
             if side is not None:
                 side.close()
         if self.step > self._saved_step:
             self._save()
-        return TrainResult(self.step, stopped, self.last_checkpoint, list(self.history))
+        return TrainResult(
+            self.step, stopped, self.last_checkpoint, list(self.history), dict(self.evaluations),
+            list(self.findings), self.unhealthy,
+        )
 
     def _side_thread(self) -> SideThread | None:
         """A second CPU lane (see cpu_threads): half of a small model's decoding, and the reference
@@ -174,8 +195,18 @@ class GRPOTrainer:
         metrics = {**batch_metrics(batch), **train_stats, **timings}
         generated_tokens = sum(int(s.rollout.completion_mask.sum()) for s in batch.generated)
         metrics["tokens_per_s"] = generated_tokens / max(timings["time/step_s"], 1e-9)
-        if self.config.eval_every and self.eval_rows and step % self.config.eval_every == 0:
-            metrics.update(self._evaluate(step, runner))
+        health = self.config.health
+        metrics["groups/dominated_frac"] = dominated_fraction(
+            batch.scored.rollout.completion_texts,
+            batch.scored.rewards.tolist(),
+            self.config.num_generations,
+            health.dominance,
+            health.solved_reward,
+        )
+        every = self.config.eval_every
+        if every and self.eval_rows and (step % every == 0 or step == self.total_steps):
+            self.evaluations[step] = self._evaluate(step, runner)
+            metrics.update(self.evaluations[step])
         samples = (
             sample_records(step, batch, self.config.log_completions_count)
             if step % self.config.log_completions_every == 0
@@ -185,6 +216,7 @@ class GRPOTrainer:
         self.history.append(metrics)
         if self.on_metrics is not None:
             self.on_metrics(step, metrics, samples)
+        self._check_health(step, metrics)
         if step % self.config.checkpoint_every == 0:
             self._save()
 
@@ -443,16 +475,51 @@ class GRPOTrainer:
 
     # --- 3. metrics, samples, eval, checkpoint -------------------------------------------------
 
+    def _evaluates(self) -> bool:
+        return bool(self.config.eval_every and self.eval_rows)
+
+    def _report_eval(self, step: int, metrics: dict[str, float]) -> None:
+        """An evaluation outside a training step (step 0): reported, not part of the step history."""
+        self.evaluations[step] = metrics
+        if self.on_metrics is not None:
+            self.on_metrics(step, metrics, [])
+        self._check_health(step, metrics)
+
+    def _check_health(self, step: int, metrics: dict[str, float]) -> None:
+        """Run the detectors (worker.grpo.health); with on_unhealthy=pause a warning stops the run."""
+        for finding in self.guard.observe(step, metrics):
+            self.findings.append(finding)
+            if self.on_health is not None:
+                self.on_health(finding)
+            if finding.severity == "warning" and self.config.on_unhealthy == "pause" and self.unhealthy is None:
+                self.unhealthy = finding
+
     def _evaluate(self, step: int, runner: EventLoopThread) -> dict[str, float]:
-        """Greedy completion of the first eval_samples eval prompts; reports the mean reward."""
-        rows = self.eval_rows[: self.config.eval_samples]
+        """The eval set, and the retain set (skills to keep) under eval/retain/."""
+        metrics = self._evaluate_rows(self.eval_rows, "eval/", step, runner)
+        if self.retain_rows:
+            metrics.update(self._evaluate_rows(self.retain_rows, "eval/retain/", step, runner))
+        return metrics
+
+    def _evaluate_rows(
+        self, all_rows: list[PromptRow], prefix: str, step: int, runner: EventLoopThread
+    ) -> dict[str, float]:
+        """The first eval_samples prompts: one greedy completion each (mean reward, accuracy) and
+        G sampled ones (pass@G); see worker.grpo.evaluation for the names."""
+        rows = all_rows[: self.config.eval_samples]
         prompts = [render_prompt(self.models.tokenizer, row.prompt) for row in rows]
         rollout = greedy_generate(self.models.policy, self.models.tokenizer, prompts, self.config)
         items = reward_inputs(rollout, rows, prompts)
         result = runner.submit(self.reward.score(items, step=step)).result()
-        finite = [v for v in result.total if not math.isnan(v)]
-        metrics = {"eval/reward/mean": sum(finite) / len(finite) if finite else math.nan}
-        metrics.update({f"eval/{name}": value for name, value in result.metrics.items()})
+        metrics = greedy_metrics(result.total, prefix)
+        metrics.update({f"{prefix}{name}": value for name, value in result.metrics.items()})
+        if f"{prefix}accuracy" in metrics:  # binary reward: how often can the model answer at all?
+            seed = (self.config.seed * 1_000_003 + step * 101 + 97) % (2**63)
+            sampled = generate_rollout(
+                self.models.policy, self.models.tokenizer, prompts, self.config, generator_seed=seed
+            )
+            scored = runner.submit(self.reward.score(reward_inputs(sampled, rows, prompts), step=step)).result()
+            metrics.update(pass_at_k(scored.total, sampled.group_size, prefix))
         return metrics
 
     def _save(self) -> None:

@@ -280,6 +280,127 @@ LENGTH_UNIT_TOKENS: LengthUnit.ValueType  # 2
 """Completion tokens."""
 Global___LengthUnit: _TypeAlias = LengthUnit  # noqa: Y015
 
+class _OnUnhealthy:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _OnUnhealthyEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_OnUnhealthy.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    ON_UNHEALTHY_UNSPECIFIED: _OnUnhealthy.ValueType  # 0
+    """Server default (warn)."""
+    ON_UNHEALTHY_WARN: _OnUnhealthy.ValueType  # 1
+    """Record a health event only."""
+    ON_UNHEALTHY_PAUSE: _OnUnhealthy.ValueType  # 2
+    """Also pause the job (resumable) with the finding as its reason."""
+
+class OnUnhealthy(_OnUnhealthy, metaclass=_OnUnhealthyEnumTypeWrapper):
+    """What a training-health warning does (worker/grpo/health.py)."""
+
+ON_UNHEALTHY_UNSPECIFIED: OnUnhealthy.ValueType  # 0
+"""Server default (warn)."""
+ON_UNHEALTHY_WARN: OnUnhealthy.ValueType  # 1
+"""Record a health event only."""
+ON_UNHEALTHY_PAUSE: OnUnhealthy.ValueType  # 2
+"""Also pause the job (resumable) with the finding as its reason."""
+Global___OnUnhealthy: _TypeAlias = OnUnhealthy  # noqa: Y015
+
+@_typing.final
+class HealthConfig(_message.Message):
+    """Thresholds of the training-health detectors (HealthConfig). Unset = the server default."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PATIENCE_FIELD_NUMBER: _builtins.int
+    ENTROPY_MIN_FIELD_NUMBER: _builtins.int
+    KL_MAX_FIELD_NUMBER: _builtins.int
+    EMPTY_LENGTH_FIELD_NUMBER: _builtins.int
+    SOLVED_REWARD_FIELD_NUMBER: _builtins.int
+    STUCK_REWARD_FIELD_NUMBER: _builtins.int
+    DOMINANCE_FIELD_NUMBER: _builtins.int
+    DOMINATED_GROUPS_FIELD_NUMBER: _builtins.int
+    HACKING_MARGIN_FIELD_NUMBER: _builtins.int
+    FORGETTING_DROP_FIELD_NUMBER: _builtins.int
+    patience: _builtins.int
+    """Consecutive steps a per-step condition must hold to fire (default 3)."""
+    entropy_min: _builtins.float
+    """Mean token entropy (nats) below which sampling is ~greedy (default 0.05)."""
+    kl_max: _builtins.float
+    """KL to the reference above which it has blown up (default 2.0)."""
+    empty_length: _builtins.float
+    """Mean completion length (tokens) at or below which completions are empty (default 1.0)."""
+    solved_reward: _builtins.float
+    """Mean reward at or above which the prompts count as solved (default 0.9)."""
+    stuck_reward: _builtins.float
+    """Mean reward at or below which zero-spread groups are stuck (default 0.0)."""
+    dominance: _builtins.float
+    """Share of a group's samples one completion must reach to dominate it (default 0.75)."""
+    dominated_groups: _builtins.float
+    """Share of dominated groups that fires (default 0.75)."""
+    hacking_margin: _builtins.float
+    """Train-reward rise and eval-reward fall between two evals that fire reward_hacking (default 0.1)."""
+    forgetting_drop: _builtins.float
+    """Drop of the retain set's eval reward below its first value that fires forgetting (default 0.2)."""
+    def __init__(
+        self,
+        *,
+        patience: _builtins.int | None = ...,
+        entropy_min: _builtins.float | None = ...,
+        kl_max: _builtins.float | None = ...,
+        empty_length: _builtins.float | None = ...,
+        solved_reward: _builtins.float | None = ...,
+        stuck_reward: _builtins.float | None = ...,
+        dominance: _builtins.float | None = ...,
+        dominated_groups: _builtins.float | None = ...,
+        hacking_margin: _builtins.float | None = ...,
+        forgetting_drop: _builtins.float | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_dominance", b"_dominance", "_dominated_groups", b"_dominated_groups", "_empty_length", b"_empty_length", "_entropy_min", b"_entropy_min", "_forgetting_drop", b"_forgetting_drop", "_hacking_margin", b"_hacking_margin", "_kl_max", b"_kl_max", "_patience", b"_patience", "_solved_reward", b"_solved_reward", "_stuck_reward", b"_stuck_reward", "dominance", b"dominance", "dominated_groups", b"dominated_groups", "empty_length", b"empty_length", "entropy_min", b"entropy_min", "forgetting_drop", b"forgetting_drop", "hacking_margin", b"hacking_margin", "kl_max", b"kl_max", "patience", b"patience", "solved_reward", b"solved_reward", "stuck_reward", b"stuck_reward"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_dominance", b"_dominance", "_dominated_groups", b"_dominated_groups", "_empty_length", b"_empty_length", "_entropy_min", b"_entropy_min", "_forgetting_drop", b"_forgetting_drop", "_hacking_margin", b"_hacking_margin", "_kl_max", b"_kl_max", "_patience", b"_patience", "_solved_reward", b"_solved_reward", "_stuck_reward", b"_stuck_reward", "dominance", b"dominance", "dominated_groups", b"dominated_groups", "empty_length", b"empty_length", "entropy_min", b"entropy_min", "forgetting_drop", b"forgetting_drop", "hacking_margin", b"hacking_margin", "kl_max", b"kl_max", "patience", b"patience", "solved_reward", b"solved_reward", "stuck_reward", b"stuck_reward"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__dominance: _TypeAlias = _typing.Literal["dominance"]  # noqa: Y015
+    _WhichOneofArgType__dominance: _TypeAlias = _typing.Literal["_dominance", b"_dominance"]  # noqa: Y015
+    _WhichOneofReturnType__dominated_groups: _TypeAlias = _typing.Literal["dominated_groups"]  # noqa: Y015
+    _WhichOneofArgType__dominated_groups: _TypeAlias = _typing.Literal["_dominated_groups", b"_dominated_groups"]  # noqa: Y015
+    _WhichOneofReturnType__empty_length: _TypeAlias = _typing.Literal["empty_length"]  # noqa: Y015
+    _WhichOneofArgType__empty_length: _TypeAlias = _typing.Literal["_empty_length", b"_empty_length"]  # noqa: Y015
+    _WhichOneofReturnType__entropy_min: _TypeAlias = _typing.Literal["entropy_min"]  # noqa: Y015
+    _WhichOneofArgType__entropy_min: _TypeAlias = _typing.Literal["_entropy_min", b"_entropy_min"]  # noqa: Y015
+    _WhichOneofReturnType__forgetting_drop: _TypeAlias = _typing.Literal["forgetting_drop"]  # noqa: Y015
+    _WhichOneofArgType__forgetting_drop: _TypeAlias = _typing.Literal["_forgetting_drop", b"_forgetting_drop"]  # noqa: Y015
+    _WhichOneofReturnType__hacking_margin: _TypeAlias = _typing.Literal["hacking_margin"]  # noqa: Y015
+    _WhichOneofArgType__hacking_margin: _TypeAlias = _typing.Literal["_hacking_margin", b"_hacking_margin"]  # noqa: Y015
+    _WhichOneofReturnType__kl_max: _TypeAlias = _typing.Literal["kl_max"]  # noqa: Y015
+    _WhichOneofArgType__kl_max: _TypeAlias = _typing.Literal["_kl_max", b"_kl_max"]  # noqa: Y015
+    _WhichOneofReturnType__patience: _TypeAlias = _typing.Literal["patience"]  # noqa: Y015
+    _WhichOneofArgType__patience: _TypeAlias = _typing.Literal["_patience", b"_patience"]  # noqa: Y015
+    _WhichOneofReturnType__solved_reward: _TypeAlias = _typing.Literal["solved_reward"]  # noqa: Y015
+    _WhichOneofArgType__solved_reward: _TypeAlias = _typing.Literal["_solved_reward", b"_solved_reward"]  # noqa: Y015
+    _WhichOneofReturnType__stuck_reward: _TypeAlias = _typing.Literal["stuck_reward"]  # noqa: Y015
+    _WhichOneofArgType__stuck_reward: _TypeAlias = _typing.Literal["_stuck_reward", b"_stuck_reward"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__dominance) -> _WhichOneofReturnType__dominance | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__dominated_groups) -> _WhichOneofReturnType__dominated_groups | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__empty_length) -> _WhichOneofReturnType__empty_length | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__entropy_min) -> _WhichOneofReturnType__entropy_min | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__forgetting_drop) -> _WhichOneofReturnType__forgetting_drop | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__hacking_margin) -> _WhichOneofReturnType__hacking_margin | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__kl_max) -> _WhichOneofReturnType__kl_max | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__patience) -> _WhichOneofReturnType__patience | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__solved_reward) -> _WhichOneofReturnType__solved_reward | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__stuck_reward) -> _WhichOneofReturnType__stuck_reward | None: ...
+
+Global___HealthConfig: _TypeAlias = HealthConfig  # noqa: Y015
+
 @_typing.final
 class LoraConfig(_message.Message):
     """Low-rank adapters (LoraConfig)."""
@@ -395,6 +516,8 @@ class Hyperparameters(_message.Message):
     LOG_COMPLETIONS_COUNT_FIELD_NUMBER: _builtins.int
     METRIC_FOR_BEST_MODEL_FIELD_NUMBER: _builtins.int
     GREATER_IS_BETTER_FIELD_NUMBER: _builtins.int
+    ON_UNHEALTHY_FIELD_NUMBER: _builtins.int
+    HEALTH_FIELD_NUMBER: _builtins.int
     num_generations: _builtins.int
     """G: completions sampled per prompt (>= 2, default 8)."""
     prompts_per_step: _builtins.int
@@ -517,9 +640,15 @@ class Hyperparameters(_message.Message):
     """A logged metric (e.g. "eval/reward/mean") whose best checkpoint is kept beyond save_total_limit."""
     greater_is_better: _builtins.bool
     """Whether higher is better for metric_for_best_model; unset = yes unless its name ends with "loss"."""
+    on_unhealthy: Global___OnUnhealthy.ValueType
+    """What a health warning does (default warn)."""
     @_builtins.property
     def lora(self) -> Global___LoraConfig:
         """LoRA adapters; unset = full fine-tuning."""
+
+    @_builtins.property
+    def health(self) -> Global___HealthConfig:
+        """Health detector thresholds."""
 
     def __init__(
         self,
@@ -586,10 +715,12 @@ class Hyperparameters(_message.Message):
         log_completions_count: _builtins.int | None = ...,
         metric_for_best_model: _builtins.str | None = ...,
         greater_is_better: _builtins.bool | None = ...,
+        on_unhealthy: Global___OnUnhealthy.ValueType = ...,
+        health: Global___HealthConfig | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_adam_beta1", b"_adam_beta1", "_adam_beta2", b"_adam_beta2", "_adam_epsilon", b"_adam_epsilon", "_advantage_eps", b"_advantage_eps", "_beta", b"_beta", "_checkpoint_every", b"_checkpoint_every", "_delta", b"_delta", "_dynamic_sampling", b"_dynamic_sampling", "_entropy_coef", b"_entropy_coef", "_entropy_coef_delta", b"_entropy_coef_delta", "_entropy_coef_max", b"_entropy_coef_max", "_entropy_coef_min", b"_entropy_coef_min", "_entropy_target", b"_entropy_target", "_epsilon", b"_epsilon", "_epsilon_high", b"_epsilon_high", "_eval_every", b"_eval_every", "_eval_samples", b"_eval_samples", "_gradient_checkpointing", b"_gradient_checkpointing", "_greater_is_better", b"_greater_is_better", "_learning_rate", b"_learning_rate", "_log_completions_count", b"_log_completions_count", "_log_completions_every", b"_log_completions_every", "_mask_truncated_completions", b"_mask_truncated_completions", "_max_completion_length", b"_max_completion_length", "_max_grad_norm", b"_max_grad_norm", "_max_prompt_length", b"_max_prompt_length", "_max_resample_rounds", b"_max_resample_rounds", "_max_steps", b"_max_steps", "_metric_for_best_model", b"_metric_for_best_model", "_mini_batch_size", b"_mini_batch_size", "_num_epochs", b"_num_epochs", "_num_generations", b"_num_generations", "_num_iterations", b"_num_iterations", "_off_policy_mask_threshold", b"_off_policy_mask_threshold", "_prompts_per_step", b"_prompts_per_step", "_sapo_temperature_neg", b"_sapo_temperature_neg", "_sapo_temperature_pos", b"_sapo_temperature_pos", "_save_total_limit", b"_save_total_limit", "_seed", b"_seed", "_temperature", b"_temperature", "_top_entropy_quantile", b"_top_entropy_quantile", "_top_k", b"_top_k", "_top_p", b"_top_p", "_use_adaptive_entropy", b"_use_adaptive_entropy", "_vespo_k_neg", b"_vespo_k_neg", "_vespo_k_pos", b"_vespo_k_pos", "_vespo_lambda_neg", b"_vespo_lambda_neg", "_vespo_lambda_pos", b"_vespo_lambda_pos", "_warmup_steps", b"_warmup_steps", "_weight_decay", b"_weight_decay", "adam_beta1", b"adam_beta1", "adam_beta2", b"adam_beta2", "adam_epsilon", b"adam_epsilon", "advantage_eps", b"advantage_eps", "beta", b"beta", "checkpoint_every", b"checkpoint_every", "delta", b"delta", "dynamic_sampling", b"dynamic_sampling", "entropy_coef", b"entropy_coef", "entropy_coef_delta", b"entropy_coef_delta", "entropy_coef_max", b"entropy_coef_max", "entropy_coef_min", b"entropy_coef_min", "entropy_target", b"entropy_target", "epsilon", b"epsilon", "epsilon_high", b"epsilon_high", "eval_every", b"eval_every", "eval_samples", b"eval_samples", "gradient_checkpointing", b"gradient_checkpointing", "greater_is_better", b"greater_is_better", "learning_rate", b"learning_rate", "log_completions_count", b"log_completions_count", "log_completions_every", b"log_completions_every", "lora", b"lora", "mask_truncated_completions", b"mask_truncated_completions", "max_completion_length", b"max_completion_length", "max_grad_norm", b"max_grad_norm", "max_prompt_length", b"max_prompt_length", "max_resample_rounds", b"max_resample_rounds", "max_steps", b"max_steps", "metric_for_best_model", b"metric_for_best_model", "mini_batch_size", b"mini_batch_size", "num_epochs", b"num_epochs", "num_generations", b"num_generations", "num_iterations", b"num_iterations", "off_policy_mask_threshold", b"off_policy_mask_threshold", "prompts_per_step", b"prompts_per_step", "sapo_temperature_neg", b"sapo_temperature_neg", "sapo_temperature_pos", b"sapo_temperature_pos", "save_total_limit", b"save_total_limit", "seed", b"seed", "temperature", b"temperature", "top_entropy_quantile", b"top_entropy_quantile", "top_k", b"top_k", "top_p", b"top_p", "use_adaptive_entropy", b"use_adaptive_entropy", "vespo_k_neg", b"vespo_k_neg", "vespo_k_pos", b"vespo_k_pos", "vespo_lambda_neg", b"vespo_lambda_neg", "vespo_lambda_pos", b"vespo_lambda_pos", "warmup_steps", b"warmup_steps", "weight_decay", b"weight_decay"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_adam_beta1", b"_adam_beta1", "_adam_beta2", b"_adam_beta2", "_adam_epsilon", b"_adam_epsilon", "_advantage_eps", b"_advantage_eps", "_beta", b"_beta", "_checkpoint_every", b"_checkpoint_every", "_delta", b"_delta", "_dynamic_sampling", b"_dynamic_sampling", "_entropy_coef", b"_entropy_coef", "_entropy_coef_delta", b"_entropy_coef_delta", "_entropy_coef_max", b"_entropy_coef_max", "_entropy_coef_min", b"_entropy_coef_min", "_entropy_target", b"_entropy_target", "_epsilon", b"_epsilon", "_epsilon_high", b"_epsilon_high", "_eval_every", b"_eval_every", "_eval_samples", b"_eval_samples", "_gradient_checkpointing", b"_gradient_checkpointing", "_greater_is_better", b"_greater_is_better", "_learning_rate", b"_learning_rate", "_log_completions_count", b"_log_completions_count", "_log_completions_every", b"_log_completions_every", "_mask_truncated_completions", b"_mask_truncated_completions", "_max_completion_length", b"_max_completion_length", "_max_grad_norm", b"_max_grad_norm", "_max_prompt_length", b"_max_prompt_length", "_max_resample_rounds", b"_max_resample_rounds", "_max_steps", b"_max_steps", "_metric_for_best_model", b"_metric_for_best_model", "_mini_batch_size", b"_mini_batch_size", "_num_epochs", b"_num_epochs", "_num_generations", b"_num_generations", "_num_iterations", b"_num_iterations", "_off_policy_mask_threshold", b"_off_policy_mask_threshold", "_prompts_per_step", b"_prompts_per_step", "_sapo_temperature_neg", b"_sapo_temperature_neg", "_sapo_temperature_pos", b"_sapo_temperature_pos", "_save_total_limit", b"_save_total_limit", "_seed", b"_seed", "_temperature", b"_temperature", "_top_entropy_quantile", b"_top_entropy_quantile", "_top_k", b"_top_k", "_top_p", b"_top_p", "_use_adaptive_entropy", b"_use_adaptive_entropy", "_vespo_k_neg", b"_vespo_k_neg", "_vespo_k_pos", b"_vespo_k_pos", "_vespo_lambda_neg", b"_vespo_lambda_neg", "_vespo_lambda_pos", b"_vespo_lambda_pos", "_warmup_steps", b"_warmup_steps", "_weight_decay", b"_weight_decay", "adam_beta1", b"adam_beta1", "adam_beta2", b"adam_beta2", "adam_epsilon", b"adam_epsilon", "advantage_eps", b"advantage_eps", "beta", b"beta", "checkpoint_every", b"checkpoint_every", "delta", b"delta", "dynamic_sampling", b"dynamic_sampling", "entropy_coef", b"entropy_coef", "entropy_coef_delta", b"entropy_coef_delta", "entropy_coef_max", b"entropy_coef_max", "entropy_coef_min", b"entropy_coef_min", "entropy_target", b"entropy_target", "epsilon", b"epsilon", "epsilon_high", b"epsilon_high", "eval_every", b"eval_every", "eval_samples", b"eval_samples", "gradient_checkpointing", b"gradient_checkpointing", "greater_is_better", b"greater_is_better", "health", b"health", "learning_rate", b"learning_rate", "log_completions_count", b"log_completions_count", "log_completions_every", b"log_completions_every", "lora", b"lora", "mask_truncated_completions", b"mask_truncated_completions", "max_completion_length", b"max_completion_length", "max_grad_norm", b"max_grad_norm", "max_prompt_length", b"max_prompt_length", "max_resample_rounds", b"max_resample_rounds", "max_steps", b"max_steps", "metric_for_best_model", b"metric_for_best_model", "mini_batch_size", b"mini_batch_size", "num_epochs", b"num_epochs", "num_generations", b"num_generations", "num_iterations", b"num_iterations", "off_policy_mask_threshold", b"off_policy_mask_threshold", "prompts_per_step", b"prompts_per_step", "sapo_temperature_neg", b"sapo_temperature_neg", "sapo_temperature_pos", b"sapo_temperature_pos", "save_total_limit", b"save_total_limit", "seed", b"seed", "temperature", b"temperature", "top_entropy_quantile", b"top_entropy_quantile", "top_k", b"top_k", "top_p", b"top_p", "use_adaptive_entropy", b"use_adaptive_entropy", "vespo_k_neg", b"vespo_k_neg", "vespo_k_pos", b"vespo_k_pos", "vespo_lambda_neg", b"vespo_lambda_neg", "vespo_lambda_pos", b"vespo_lambda_pos", "warmup_steps", b"warmup_steps", "weight_decay", b"weight_decay"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_adam_beta1", b"_adam_beta1", "_adam_beta2", b"_adam_beta2", "_adam_epsilon", b"_adam_epsilon", "_advantage_eps", b"_advantage_eps", "_beta", b"_beta", "_checkpoint_every", b"_checkpoint_every", "_delta", b"_delta", "_dynamic_sampling", b"_dynamic_sampling", "_entropy_coef", b"_entropy_coef", "_entropy_coef_delta", b"_entropy_coef_delta", "_entropy_coef_max", b"_entropy_coef_max", "_entropy_coef_min", b"_entropy_coef_min", "_entropy_target", b"_entropy_target", "_epsilon", b"_epsilon", "_epsilon_high", b"_epsilon_high", "_eval_every", b"_eval_every", "_eval_samples", b"_eval_samples", "_gradient_checkpointing", b"_gradient_checkpointing", "_greater_is_better", b"_greater_is_better", "_learning_rate", b"_learning_rate", "_log_completions_count", b"_log_completions_count", "_log_completions_every", b"_log_completions_every", "_mask_truncated_completions", b"_mask_truncated_completions", "_max_completion_length", b"_max_completion_length", "_max_grad_norm", b"_max_grad_norm", "_max_prompt_length", b"_max_prompt_length", "_max_resample_rounds", b"_max_resample_rounds", "_max_steps", b"_max_steps", "_metric_for_best_model", b"_metric_for_best_model", "_mini_batch_size", b"_mini_batch_size", "_num_epochs", b"_num_epochs", "_num_generations", b"_num_generations", "_num_iterations", b"_num_iterations", "_off_policy_mask_threshold", b"_off_policy_mask_threshold", "_prompts_per_step", b"_prompts_per_step", "_sapo_temperature_neg", b"_sapo_temperature_neg", "_sapo_temperature_pos", b"_sapo_temperature_pos", "_save_total_limit", b"_save_total_limit", "_seed", b"_seed", "_temperature", b"_temperature", "_top_entropy_quantile", b"_top_entropy_quantile", "_top_k", b"_top_k", "_top_p", b"_top_p", "_use_adaptive_entropy", b"_use_adaptive_entropy", "_vespo_k_neg", b"_vespo_k_neg", "_vespo_k_pos", b"_vespo_k_pos", "_vespo_lambda_neg", b"_vespo_lambda_neg", "_vespo_lambda_pos", b"_vespo_lambda_pos", "_warmup_steps", b"_warmup_steps", "_weight_decay", b"_weight_decay", "adam_beta1", b"adam_beta1", "adam_beta2", b"adam_beta2", "adam_epsilon", b"adam_epsilon", "advantage_eps", b"advantage_eps", "advantage_std", b"advantage_std", "beta", b"beta", "checkpoint_every", b"checkpoint_every", "delta", b"delta", "disable_grad_clipping", b"disable_grad_clipping", "dtype", b"dtype", "dynamic_sampling", b"dynamic_sampling", "entropy_coef", b"entropy_coef", "entropy_coef_delta", b"entropy_coef_delta", "entropy_coef_max", b"entropy_coef_max", "entropy_coef_min", b"entropy_coef_min", "entropy_target", b"entropy_target", "epsilon", b"epsilon", "epsilon_high", b"epsilon_high", "eval_every", b"eval_every", "eval_samples", b"eval_samples", "generation", b"generation", "gradient_checkpointing", b"gradient_checkpointing", "greater_is_better", b"greater_is_better", "importance_sampling_level", b"importance_sampling_level", "keep_all_checkpoints", b"keep_all_checkpoints", "learning_rate", b"learning_rate", "log_completions_count", b"log_completions_count", "log_completions_every", b"log_completions_every", "lora", b"lora", "loss_type", b"loss_type", "lr_scheduler", b"lr_scheduler", "mask_truncated_completions", b"mask_truncated_completions", "max_completion_length", b"max_completion_length", "max_grad_norm", b"max_grad_norm", "max_prompt_length", b"max_prompt_length", "max_resample_rounds", b"max_resample_rounds", "max_steps", b"max_steps", "metric_for_best_model", b"metric_for_best_model", "mini_batch_size", b"mini_batch_size", "multi_objective_aggregation", b"multi_objective_aggregation", "num_epochs", b"num_epochs", "num_generations", b"num_generations", "num_iterations", b"num_iterations", "off_policy_mask_threshold", b"off_policy_mask_threshold", "prompts_per_step", b"prompts_per_step", "sapo_temperature_neg", b"sapo_temperature_neg", "sapo_temperature_pos", b"sapo_temperature_pos", "save_total_limit", b"save_total_limit", "scale_rewards", b"scale_rewards", "seed", b"seed", "temperature", b"temperature", "top_entropy_quantile", b"top_entropy_quantile", "top_k", b"top_k", "top_p", b"top_p", "unlimited_prompt_length", b"unlimited_prompt_length", "use_adaptive_entropy", b"use_adaptive_entropy", "vespo_k_neg", b"vespo_k_neg", "vespo_k_pos", b"vespo_k_pos", "vespo_lambda_neg", b"vespo_lambda_neg", "vespo_lambda_pos", b"vespo_lambda_pos", "warmup_steps", b"warmup_steps", "weight_decay", b"weight_decay"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_adam_beta1", b"_adam_beta1", "_adam_beta2", b"_adam_beta2", "_adam_epsilon", b"_adam_epsilon", "_advantage_eps", b"_advantage_eps", "_beta", b"_beta", "_checkpoint_every", b"_checkpoint_every", "_delta", b"_delta", "_dynamic_sampling", b"_dynamic_sampling", "_entropy_coef", b"_entropy_coef", "_entropy_coef_delta", b"_entropy_coef_delta", "_entropy_coef_max", b"_entropy_coef_max", "_entropy_coef_min", b"_entropy_coef_min", "_entropy_target", b"_entropy_target", "_epsilon", b"_epsilon", "_epsilon_high", b"_epsilon_high", "_eval_every", b"_eval_every", "_eval_samples", b"_eval_samples", "_gradient_checkpointing", b"_gradient_checkpointing", "_greater_is_better", b"_greater_is_better", "_learning_rate", b"_learning_rate", "_log_completions_count", b"_log_completions_count", "_log_completions_every", b"_log_completions_every", "_mask_truncated_completions", b"_mask_truncated_completions", "_max_completion_length", b"_max_completion_length", "_max_grad_norm", b"_max_grad_norm", "_max_prompt_length", b"_max_prompt_length", "_max_resample_rounds", b"_max_resample_rounds", "_max_steps", b"_max_steps", "_metric_for_best_model", b"_metric_for_best_model", "_mini_batch_size", b"_mini_batch_size", "_num_epochs", b"_num_epochs", "_num_generations", b"_num_generations", "_num_iterations", b"_num_iterations", "_off_policy_mask_threshold", b"_off_policy_mask_threshold", "_prompts_per_step", b"_prompts_per_step", "_sapo_temperature_neg", b"_sapo_temperature_neg", "_sapo_temperature_pos", b"_sapo_temperature_pos", "_save_total_limit", b"_save_total_limit", "_seed", b"_seed", "_temperature", b"_temperature", "_top_entropy_quantile", b"_top_entropy_quantile", "_top_k", b"_top_k", "_top_p", b"_top_p", "_use_adaptive_entropy", b"_use_adaptive_entropy", "_vespo_k_neg", b"_vespo_k_neg", "_vespo_k_pos", b"_vespo_k_pos", "_vespo_lambda_neg", b"_vespo_lambda_neg", "_vespo_lambda_pos", b"_vespo_lambda_pos", "_warmup_steps", b"_warmup_steps", "_weight_decay", b"_weight_decay", "adam_beta1", b"adam_beta1", "adam_beta2", b"adam_beta2", "adam_epsilon", b"adam_epsilon", "advantage_eps", b"advantage_eps", "advantage_std", b"advantage_std", "beta", b"beta", "checkpoint_every", b"checkpoint_every", "delta", b"delta", "disable_grad_clipping", b"disable_grad_clipping", "dtype", b"dtype", "dynamic_sampling", b"dynamic_sampling", "entropy_coef", b"entropy_coef", "entropy_coef_delta", b"entropy_coef_delta", "entropy_coef_max", b"entropy_coef_max", "entropy_coef_min", b"entropy_coef_min", "entropy_target", b"entropy_target", "epsilon", b"epsilon", "epsilon_high", b"epsilon_high", "eval_every", b"eval_every", "eval_samples", b"eval_samples", "generation", b"generation", "gradient_checkpointing", b"gradient_checkpointing", "greater_is_better", b"greater_is_better", "health", b"health", "importance_sampling_level", b"importance_sampling_level", "keep_all_checkpoints", b"keep_all_checkpoints", "learning_rate", b"learning_rate", "log_completions_count", b"log_completions_count", "log_completions_every", b"log_completions_every", "lora", b"lora", "loss_type", b"loss_type", "lr_scheduler", b"lr_scheduler", "mask_truncated_completions", b"mask_truncated_completions", "max_completion_length", b"max_completion_length", "max_grad_norm", b"max_grad_norm", "max_prompt_length", b"max_prompt_length", "max_resample_rounds", b"max_resample_rounds", "max_steps", b"max_steps", "metric_for_best_model", b"metric_for_best_model", "mini_batch_size", b"mini_batch_size", "multi_objective_aggregation", b"multi_objective_aggregation", "num_epochs", b"num_epochs", "num_generations", b"num_generations", "num_iterations", b"num_iterations", "off_policy_mask_threshold", b"off_policy_mask_threshold", "on_unhealthy", b"on_unhealthy", "prompts_per_step", b"prompts_per_step", "sapo_temperature_neg", b"sapo_temperature_neg", "sapo_temperature_pos", b"sapo_temperature_pos", "save_total_limit", b"save_total_limit", "scale_rewards", b"scale_rewards", "seed", b"seed", "temperature", b"temperature", "top_entropy_quantile", b"top_entropy_quantile", "top_k", b"top_k", "top_p", b"top_p", "unlimited_prompt_length", b"unlimited_prompt_length", "use_adaptive_entropy", b"use_adaptive_entropy", "vespo_k_neg", b"vespo_k_neg", "vespo_k_pos", b"vespo_k_pos", "vespo_lambda_neg", b"vespo_lambda_neg", "vespo_lambda_pos", b"vespo_lambda_pos", "warmup_steps", b"warmup_steps", "weight_decay", b"weight_decay"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__adam_beta1: _TypeAlias = _typing.Literal["adam_beta1"]  # noqa: Y015
     _WhichOneofArgType__adam_beta1: _TypeAlias = _typing.Literal["_adam_beta1", b"_adam_beta1"]  # noqa: Y015
@@ -1100,6 +1231,7 @@ class JobSpec(_message.Message):
     HYPERPARAMETERS_FIELD_NUMBER: _builtins.int
     LORA_FIELD_NUMBER: _builtins.int
     METADATA_FIELD_NUMBER: _builtins.int
+    RETAIN_DATASET_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """Optional human-readable name ([A-Za-z0-9][A-Za-z0-9_.-]{0,63})."""
     base_model: _builtins.str
@@ -1110,6 +1242,8 @@ class JobSpec(_message.Message):
     """Dataset id ("ds_...") of the training prompts."""
     eval_dataset: _builtins.str
     """Optional dataset id of evaluation prompts."""
+    retain_dataset: _builtins.str
+    """Optional dataset id of prompts of skills to keep, evaluated with the eval set (eval/retain/*)."""
     @_builtins.property
     def rewards(self) -> _containers.RepeatedCompositeFieldContainer[Global___RewardSpec]:
         """Reward sources (1 to 16)."""
@@ -1137,18 +1271,23 @@ class JobSpec(_message.Message):
         hyperparameters: Global___Hyperparameters | None = ...,
         lora: Global___LoraConfig | None = ...,
         metadata: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        retain_dataset: _builtins.str | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_eval_dataset", b"_eval_dataset", "_name", b"_name", "eval_dataset", b"eval_dataset", "hyperparameters", b"hyperparameters", "lora", b"lora", "name", b"name"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_eval_dataset", b"_eval_dataset", "_name", b"_name", "_retain_dataset", b"_retain_dataset", "eval_dataset", b"eval_dataset", "hyperparameters", b"hyperparameters", "lora", b"lora", "name", b"name", "retain_dataset", b"retain_dataset"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_eval_dataset", b"_eval_dataset", "_name", b"_name", "base_model", b"base_model", "eval_dataset", b"eval_dataset", "hyperparameters", b"hyperparameters", "lora", b"lora", "metadata", b"metadata", "name", b"name", "rewards", b"rewards", "train_dataset", b"train_dataset"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_eval_dataset", b"_eval_dataset", "_name", b"_name", "_retain_dataset", b"_retain_dataset", "base_model", b"base_model", "eval_dataset", b"eval_dataset", "hyperparameters", b"hyperparameters", "lora", b"lora", "metadata", b"metadata", "name", b"name", "retain_dataset", b"retain_dataset", "rewards", b"rewards", "train_dataset", b"train_dataset"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__eval_dataset: _TypeAlias = _typing.Literal["eval_dataset"]  # noqa: Y015
     _WhichOneofArgType__eval_dataset: _TypeAlias = _typing.Literal["_eval_dataset", b"_eval_dataset"]  # noqa: Y015
     _WhichOneofReturnType__name: _TypeAlias = _typing.Literal["name"]  # noqa: Y015
     _WhichOneofArgType__name: _TypeAlias = _typing.Literal["_name", b"_name"]  # noqa: Y015
+    _WhichOneofReturnType__retain_dataset: _TypeAlias = _typing.Literal["retain_dataset"]  # noqa: Y015
+    _WhichOneofArgType__retain_dataset: _TypeAlias = _typing.Literal["_retain_dataset", b"_retain_dataset"]  # noqa: Y015
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__eval_dataset) -> _WhichOneofReturnType__eval_dataset | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__name) -> _WhichOneofReturnType__name | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__retain_dataset) -> _WhichOneofReturnType__retain_dataset | None: ...
 
 Global___JobSpec: _TypeAlias = JobSpec  # noqa: Y015

@@ -965,6 +965,7 @@ class WatchJobResponse(_message.Message):
     JOB_FIELD_NUMBER: _builtins.int
     METRICS_FIELD_NUMBER: _builtins.int
     CHECKPOINT_FIELD_NUMBER: _builtins.int
+    HEALTH_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def job(self) -> Global___Job:
         """The job (first message, and again on each state change); the last message carries a
@@ -979,18 +980,25 @@ class WatchJobResponse(_message.Message):
     def checkpoint(self) -> Global___CheckpointSaved:
         """A checkpoint was saved."""
 
+    @_builtins.property
+    def health(self) -> Global___JobEvent:
+        """A training-health detector fired (event type "health": data has kind, severity, step, evidence);
+        sent after the metrics of its step.
+        """
+
     def __init__(
         self,
         *,
         job: Global___Job | None = ...,
         metrics: Global___StepMetrics | None = ...,
         checkpoint: Global___CheckpointSaved | None = ...,
+        health: Global___JobEvent | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "event", b"event", "job", b"job", "metrics", b"metrics"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "event", b"event", "health", b"health", "job", b"job", "metrics", b"metrics"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "event", b"event", "job", b"job", "metrics", b"metrics"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "event", b"event", "health", b"health", "job", b"job", "metrics", b"metrics"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_event: _TypeAlias = _typing.Literal["job", "metrics", "checkpoint"]  # noqa: Y015
+    _WhichOneofReturnType_event: _TypeAlias = _typing.Literal["job", "metrics", "checkpoint", "health"]  # noqa: Y015
     _WhichOneofArgType_event: _TypeAlias = _typing.Literal["event", b"event"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_event) -> _WhichOneofReturnType_event | None: ...
 
