@@ -21,7 +21,14 @@ from typing import Literal, get_args
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
-from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import (
+    GenerationConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    PreTrainedTokenizerFast,
+)
 
 TinyPreset = Literal["tiny", "small", "medium"]
 
@@ -144,13 +151,23 @@ def build_tiny_model(preset: TinyPreset, out_dir: Path, *, seed: int = 0) -> Pat
         pad_token_id=tokenizer.pad_token_id,
     )
 
+    if out_dir.exists():
+        out_dir.rmdir()  # empty (checked above); rename cannot replace a directory
+    return save_model_atomically(model, tokenizer, out_dir)
+
+
+def save_model_atomically(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out_dir: Path, extra: dict[str, str] | None = None
+) -> Path:
+    """Save `model` and `tokenizer` (and `extra` text files by name) into `out_dir` through a temporary sibling
+    renamed into place, so a concurrent or interrupted build never leaves a half-written model at `out_dir`."""
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp_dir = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     try:
         model.save_pretrained(tmp_dir)
         tokenizer.save_pretrained(tmp_dir)
-        if out_dir.exists():
-            out_dir.rmdir()  # empty (checked above); rename cannot replace a directory
+        for name, text in (extra or {}).items():
+            (tmp_dir / name).write_text(text)
         os.rename(tmp_dir, out_dir)
     except OSError:
         # Another process may have finished the same build first: that result is as good as ours.
@@ -166,8 +183,7 @@ def build_tiny_model(preset: TinyPreset, out_dir: Path, *, seed: int = 0) -> Pat
 def resolve_model_path(base_model: str, cache_dir: Path) -> str:
     """Turn `builtin:<preset>` into a built model directory under `cache_dir`; pass anything else through.
 
-`builtin:tiny-instruct` is the tiny preset warm-started by supervised training (worker.grpo.warm).
-
+    `builtin:tiny-instruct` is the tiny preset warm-started by supervised training (worker.grpo.warm).
     Other values (a Hugging Face id or a local path) are returned unchanged for `from_pretrained`.
     """
     if not base_model.startswith(BUILTIN_PREFIX):

@@ -16,10 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import random
-import shutil
-import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -28,7 +25,14 @@ from transformers import GenerationConfig, LlamaForCausalLM, PreTrainedTokenizer
 
 from worker.grpo.cpu_threads import intra_op_threads
 from worker.grpo.synthetic import TASKS, Item, TaskName, train_items
-from worker.grpo.tiny import INSTRUCT_PRESET, TinyPreset, build_tokenizer, is_complete_model, model_config
+from worker.grpo.tiny import (
+    INSTRUCT_PRESET,
+    TinyPreset,
+    build_tokenizer,
+    is_complete_model,
+    model_config,
+    save_model_atomically,
+)
 
 INSTRUCT_NAME = INSTRUCT_PRESET
 
@@ -67,21 +71,8 @@ def build_instruct_model(cache_dir: Path, recipe: WarmRecipe = DEFAULT_RECIPE) -
         return out_dir
     tokenizer = build_tokenizer()
     model = train_instruct_model(recipe, tokenizer)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp_dir = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
-    try:
-        model.save_pretrained(tmp_dir)
-        tokenizer.save_pretrained(tmp_dir)
-        (tmp_dir / "recipe.json").write_text(json.dumps(asdict(recipe), indent=2, sort_keys=True) + "\n")
-        os.rename(tmp_dir, out_dir)
-    except OSError:
-        if is_complete_model(out_dir):  # a concurrent build of the same recipe won the rename
-            return out_dir
-        raise
-    finally:
-        if tmp_dir.exists():
-            shutil.rmtree(tmp_dir, ignore_errors=True)
-    return out_dir
+    recipe_json = json.dumps(asdict(recipe), indent=2, sort_keys=True) + "\n"
+    return save_model_atomically(model, tokenizer, out_dir, extra={"recipe.json": recipe_json})
 
 
 def train_instruct_model(recipe: WarmRecipe, tokenizer: PreTrainedTokenizerFast) -> LlamaForCausalLM:
