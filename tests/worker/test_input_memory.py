@@ -1,7 +1,7 @@
 """Oversized inputs against a real `grpo serve` process (REST and gRPC on loopback): each is refused within
 seconds, and the server's resident memory stays within RSS_BOUND of what it was before the request.
 
-The bound (documented in README, "Security model"): refusing a 100 MB body costs the server at most the
+The bound (documented in docs/security.md): refusing a 100 MB body costs the server at most the
 8 MiB body limit plus parsing overhead, asserted as under 96 MiB of extra RSS (measured: about 8 MiB for
 the 100 MB JSON body, 48 MiB for the 200k-column dataset line, 2 MiB for the 100 MB gRPC message);
 accepting such a body whole cost over 1 GB before the limit existed.
