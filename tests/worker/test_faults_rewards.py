@@ -43,6 +43,10 @@ class Switchboard:
             return Fault(body=b'{"rewards": [1.0]}')
         if self.mode == "down":
             return Fault(status=503)
+        if self.mode == "down_from_step_2" and request.step >= 2:
+            # Goes down at a fixed step, whatever the speed of the job (switching by hand after step 1 raced a
+            # fast job to its end).
+            return Fault(status=503)
         return None
 
 
@@ -183,10 +187,9 @@ def test_permanent_errors_fail_the_job_and_keep_its_history(api: ApiClient, judg
 
 
 def test_endpoint_down_pauses_then_resume_finishes(api: ApiClient, judge: str, plan: Switchboard) -> None:
-    job_id = api.submit(_spec(api, judge, max_steps=4, checkpoint_every=1))
-    api.wait_step(job_id, 1)
-    plan.mode = "down"
+    plan.mode = "down_from_step_2"
     try:
+        job_id = api.submit(_spec(api, judge, max_steps=4, checkpoint_every=1))
         paused = api.wait_status(job_id, {"paused"}, timeout=240)
     finally:
         plan.mode = "ok"
