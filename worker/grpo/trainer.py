@@ -59,7 +59,9 @@ from worker.grpo.modeling import (
     seed_everything,
 )
 from worker.grpo.rewards import CompositeReward, RewardResult
-from worker.grpo.rollout import Rollout, generate_rollout, render_prompt
+from worker.grpo.rollout import NativeRollout, Rollout, generate_rollout, render_prompt
+from worker.grpo.sampling_correction import SamplingCorrection
+from worker.grpo.vllm_rollout import VLLMRollout
 
 MetricsHook = Callable[[int, dict[str, float], list[dict[str, Any]]], None]
 CheckpointHook = Callable[[int, Path, dict[str, Any]], None]
@@ -132,6 +134,7 @@ class GRPOTrainer:
             resume_dir=None if checkpoint is None else checkpoint.path,
         )
         self.loss_settings = LossSettings.from_config(config)
+        self.correction = SamplingCorrection.from_config(config)  # None unless another engine samples
         self.entropy_control = AdaptiveEntropy.from_config(config)
         self.sampler = PromptSampler(len(train_rows), seed=config.seed)
         self.step = 0
@@ -141,6 +144,12 @@ class GRPOTrainer:
         self._saved_step = 0  # step of the newest checkpoint written or resumed from
         if checkpoint is not None:
             self._restore(checkpoint.trainer_state, checkpoint.path)
+        # Built from the weights just loaded (a checkpoint's when resuming); closed when train() ends.
+        self.rollouts: NativeRollout | VLLMRollout = (
+            VLLMRollout(self.models, config, self.output_dir)
+            if config.use_vllm
+            else NativeRollout(self.models.policy, self.models.tokenizer, config)
+        )
 
     # --- the loop ----------------------------------------------------------------------------
 
@@ -163,6 +172,7 @@ class GRPOTrainer:
             runner.close()
             if side is not None:
                 side.close()
+            self.rollouts.close()
         if self.step > self._saved_step:
             self._save()
         return TrainResult(
@@ -189,6 +199,10 @@ class GRPOTrainer:
         train_started = time.perf_counter()
         train_stats = self._optimise(batch)
         timings["time/train_s"] = time.perf_counter() - train_started
+        if self.config.use_vllm:
+            sync_started = time.perf_counter()
+            self.rollouts.sync_weights()  # the next rollout samples from the updated policy
+            timings["time/weight_sync_s"] = time.perf_counter() - sync_started
 
         # ===== 3. metrics, samples, eval, checkpoint
         timings["time/step_s"] = time.perf_counter() - started
@@ -289,9 +303,7 @@ class GRPOTrainer:
         prompts = [render_prompt(self.models.tokenizer, row.prompt) for row in rows]
         # A seed per (run, step, round): sampling is reproducible across resumes whatever ran before.
         seed = (self.config.seed * 1_000_003 + step * 101 + round_index) % (2**63)
-        rollout = generate_rollout(
-            self.models.policy, self.models.tokenizer, prompts, self.config, generator_seed=seed, side=side
-        )
+        rollout = self.rollouts.generate(prompts, generator_seed=seed, side=side)
         timings["time/generate_s"] += time.perf_counter() - started
         return rollout, rows, prompts
 
@@ -394,11 +406,12 @@ class GRPOTrainer:
         step_tokens = int(batch.loss_mask.sum())
         sums: dict[str, float] = {}
         losses, grad_norms, entropies = [], [], []
+        sampled_by: list[Tensor] = []  # (B, C) log-probs of the weights that sampled, per mini-batch
         for iteration in range(self.config.num_iterations):
             pass_loss, bonus_entropy, bonus_tokens = 0.0, 0.0, 0.0
             for rows in slices:
                 loss, stats, entropy = self._backward_mini_batch(
-                    batch, rows, len(slices), step_tokens, iteration
+                    batch, rows, len(slices), step_tokens, iteration, sampled_by
                 )
                 pass_loss += loss
                 bonus_entropy += stats.pop("entropy/bonus_sum", 0.0)
@@ -418,6 +431,11 @@ class GRPOTrainer:
             metrics["entropy_coef"] = self.entropy_control.coef  # after this step's update, as TRL logs it
         if self.config.beta == 0:
             metrics.pop("kl", None)  # no reference model: there is no KL to report
+        if self.correction is not None:
+            assert rollout.sampler_logps is not None  # another engine sampled
+            metrics.update(
+                self.correction.metrics(torch.cat(sampled_by), rollout.sampler_logps, rollout.completion_mask)
+            )
         mask = rollout.completion_mask
         entropy_sum = sum(e[0] for e in entropies)
         metrics.update(
@@ -429,9 +447,17 @@ class GRPOTrainer:
         return metrics
 
     def _backward_mini_batch(
-        self, batch: StepBatch, rows: slice, num_slices: int, step_tokens: int, iteration: int
+        self,
+        batch: StepBatch,
+        rows: slice,
+        num_slices: int,
+        step_tokens: int,
+        iteration: int,
+        sampled_by: list[Tensor],
     ) -> tuple[float, dict[str, float], tuple[float, int] | None]:
-        """Forward, loss and backward of one mini-batch; returns (loss value, stats, entropy sum/count)."""
+        """Forward, loss and backward of one mini-batch; returns (loss value, stats, entropy sum/count).
+        With the sampling correction, appends (first pass) the trainer's log-probs of the weights that
+        sampled the batch to `sampled_by`."""
         rollout = batch.scored.rollout
         completion_length = rollout.completion_ids.shape[1]
         with _own_core_while(batch.reference):
@@ -444,6 +470,16 @@ class GRPOTrainer:
                 with_entropy=iteration == 0 or self.loss_settings.needs_entropy,
                 entropy_grad=self.config.entropy_bonus,
             )  # (B, C)
+        is_weights = None
+        if self.correction is not None:
+            assert rollout.sampler_logps is not None
+            # pi_old: the weights that sampled (the detached current ones on the first pass when mu = 1).
+            behaviour = logps.detach() if batch.old_logps is None else batch.old_logps[rows]
+            if iteration == 0:
+                sampled_by.append(behaviour)
+            is_weights = self.correction.weights(
+                behaviour, rollout.sampler_logps[rows], rollout.completion_mask[rows]
+            )  # (B, C), or (B, 1) per sequence
         scaled, stats = grpo_loss(
             logps,
             None if batch.old_logps is None else batch.old_logps[rows],
@@ -455,6 +491,7 @@ class GRPOTrainer:
             num_mini_batches=num_slices,
             entropies=entropy,
             entropy_coef=self.entropy_control.coef_to_apply(),
+            is_weights=is_weights,
         )  # already this mini-batch's share of the step's loss
         scaled.backward()
         entropy_sum = None
