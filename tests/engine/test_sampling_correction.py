@@ -82,3 +82,25 @@ def test_correction_is_off_without_vllm_or_when_disabled() -> None:
 def test_contradicting_vllm_options_are_refused_naming_the_field(overrides: dict[str, object], message: str) -> None:
     with pytest.raises(ValidationError, match=message):
         small_config(use_vllm=True, **overrides)
+
+
+def test_weights_scale_the_policy_term_not_the_kl() -> None:
+    """grpo_loss(is_weights=w): the per-token policy term is multiplied by w (as TRL), the KL term is not."""
+    from worker.grpo.loss import LossSettings, grpo_loss
+
+    logps = torch.tensor([[-1.0, -2.0, -0.5], [-1.2, -0.3, -0.7]], requires_grad=True)
+    ref = torch.tensor([[-1.1, -1.8, -0.6], [-1.0, -0.5, -0.9]])
+    advantages = torch.tensor([1.0, -1.0])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    weights = torch.tensor([[0.5, 2.0, 0.0], [1.0, 0.25, 3.0]])
+
+    def loss(beta: float, is_weights: torch.Tensor | None) -> torch.Tensor:
+        settings = LossSettings(loss_type="dapo", epsilon=0.2, epsilon_high=0.2, beta=beta, max_completion_length=3)
+        value, _ = grpo_loss(logps, None, ref, advantages, mask, settings, is_weights=is_weights)
+        return value
+
+    # On-policy (ratio 1): the policy term per token is -A, so the weighted loss is -sum(A w) / tokens.
+    expected = -(1.0 * (0.5 + 2.0 + 0.0) - 1.0 * (1.0 + 0.25)) / 5
+    assert float(loss(0.0, weights)) == pytest.approx(expected)
+    kl_only = float(loss(0.04, None)) - float(loss(0.0, None))
+    assert float(loss(0.04, weights)) == pytest.approx(expected + kl_only)
