@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import pytest
 
-from service.kit.urlpolicy import (
+from outbound.urlpolicy import (
     UrlRejected,
     check_url,
     check_url_syntax,
