@@ -7,13 +7,13 @@ from collections.abc import Callable
 
 import pytest
 
+from contract.spec import JobSpec
 from service.jobs import service as jobs_service
 from service.jobs.models import Job
 from service.kit.config import Settings
 from service.kit.db import session_scope
 from tests.service.factories import TenantHeaders
 from tests.worker.conftest import RecordingQueue, insert_dataset, tiny_spec
-from worker.grpo.spec import JobSpec
 from worker.runner import JobRunner
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from worker.grpo.config import GRPOConfig, VLLMImportanceSamplingMode
+from contract.config import GRPOConfig, VLLMImportanceSamplingMode
 
 
 @dataclass(frozen=True)

@@ -33,8 +33,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from contract.config import GRPOConfig
 from worker.grpo.checkpoint import capture_rng_state, restore_rng_state
-from worker.grpo.config import GRPOConfig
 from worker.grpo.cpu_threads import SideThread
 from worker.grpo.modeling import ModelBundle
 from worker.grpo.rollout import Rollout, completion_mask_after_eos, eos_token_ids, tokenize_prompts
