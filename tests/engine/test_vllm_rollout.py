@@ -146,9 +146,18 @@ def test_engine_follows_the_policy_after_an_optimizer_step(tmp_path: Path, tiny_
     assert moved > 50 * LOGP_TOLERANCE  # the step changed the policy, and the engine followed
 
 
-def test_run_logs_the_sampling_correction(tmp_path: Path, tiny_model_dir: Path) -> None:
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"vllm_importance_sampling_mode": "token_truncate"},
+        # mini-batches, mu = 2 (pi_old from the extra forward) and dynamic sampling (groups merged)
+        {"mini_batch_size": 4, "num_iterations": 2, "dynamic_sampling": True, "beta": 0.04},
+    ],
+    ids=["token_truncate", "mini_batches_mu2_dynamic"],
+)
+def test_run_logs_the_sampling_correction(tmp_path: Path, tiny_model_dir: Path, options: dict[str, Any]) -> None:
     result = GRPOTrainer(
-        small_config(use_vllm=True, max_steps=2, vllm_importance_sampling_mode="token_truncate"),
+        small_config(use_vllm=True, max_steps=2, **options),
         train_rows=word_rows(),
         reward=spread_reward(),
         **trainer_kwargs(tmp_path, tiny_model_dir.parent),
