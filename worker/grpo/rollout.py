@@ -27,7 +27,7 @@ from transformers import DynamicCache, GenerationConfig, PreTrainedModel, PreTra
 
 from contract.config import GRPOConfig
 from worker.grpo import fast_decoder, static_decoder
-from worker.grpo.cpu_threads import SideThread, intra_op_threads
+from worker.grpo.concurrency import SideThread, intra_op_threads
 
 
 def render_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str | list[dict[str, str]]) -> str:
