@@ -7,9 +7,10 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Query, Request, Response
 from starlette.concurrency import run_in_threadpool
 
+from contract.api.datasets import DatasetList, DatasetOut
 from service.datasets import service
 from service.datasets.multipart import check_content_length, multipart_boundary, read_upload
-from service.datasets.schemas import DatasetList, DatasetOut
+from service.datasets.schemas import dataset_out
 from service.kit.config import get_settings
 from service.kit.deps import SessionDep
 from service.kit.params import Cursor, PathId
@@ -65,7 +66,7 @@ async def upload_dataset(request: Request, session: SessionDep, tenant: CurrentT
     except BaseException:
         await run_in_threadpool(ingest.abort)
         raise
-    return DatasetOut.from_row(row)
+    return dataset_out(row)
 
 
 @router.get("/datasets", response_model=DatasetList)
@@ -75,7 +76,7 @@ def list_datasets(
     """The tenant's datasets, newest first (cursor pagination)."""
     rows, has_more = service.list_datasets(session, tenant.tenant_id, limit=limit, after=after)
     return DatasetList(
-        data=[DatasetOut.from_row(r) for r in rows],
+        data=[dataset_out(r) for r in rows],
         has_more=has_more,
         next_after=rows[-1].id if has_more and rows else None,
     )
@@ -83,7 +84,7 @@ def list_datasets(
 
 @router.get("/datasets/{dataset_id}", response_model=DatasetOut)
 def get_dataset(dataset_id: PathId, session: SessionDep, tenant: CurrentTenant) -> DatasetOut:
-    return DatasetOut.from_row(service.get_dataset(session, tenant.tenant_id, dataset_id))
+    return dataset_out(service.get_dataset(session, tenant.tenant_id, dataset_id))
 
 
 @router.delete(

@@ -9,11 +9,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 from sqlalchemy.orm import Session
 
+from contract.api.jobs import EventList, JobList, JobOut, MetricsOut, SampleList
 from contract.fields import INT32_MAX, INT64_MAX, Text
 from contract.spec import JobSpec
 from service.jobs import service
 from service.jobs.idempotency import request_hash, run_idempotent
-from service.jobs.schemas import EventList, EventOut, JobList, JobOut, MetricsOut, SampleList, SampleOut
+from service.jobs.schemas import event_out, job_out, sample_out
 from service.jobs.states import JobStatus
 from service.jobs.stream import job_event_stream, parse_last_event_id
 from service.kit.deps import SessionDep, reads_of
@@ -85,7 +86,7 @@ def create_job(
 
     def work(s: Session) -> tuple[int, dict[str, Any]]:
         job = service.create_job(s, tenant.tenant_id, spec, queue)
-        return 201, JobOut.from_row(job).model_dump(mode="json")
+        return 201, job_out(job).model_dump(mode="json")
 
     if idempotency_key is None:
         status_code, body = work(session)
@@ -147,7 +148,7 @@ def delete_job(job_id: str, tenant: CurrentTenant, session: SessionDep) -> Respo
 )
 def cancel_job(job_id: PathId, tenant: CurrentTenant, session: SessionDep) -> JobOut:
     """A queued or paused job is cancelled at once; a running one becomes `cancelling` until its worker stops."""
-    return JobOut.from_row(service.cancel_job(session, tenant.tenant_id, job_id))
+    return job_out(service.cancel_job(session, tenant.tenant_id, job_id))
 
 
 @router.post(
@@ -158,7 +159,7 @@ def cancel_job(job_id: PathId, tenant: CurrentTenant, session: SessionDep) -> Jo
 )
 def pause_job(job_id: PathId, tenant: CurrentTenant, session: SessionDep) -> JobOut:
     """A queued job pauses at once; a running one gets `pause_requested` and pauses at its next checkpoint."""
-    return JobOut.from_row(service.pause_job(session, tenant.tenant_id, job_id))
+    return job_out(service.pause_job(session, tenant.tenant_id, job_id))
 
 
 @router.post(
@@ -169,7 +170,7 @@ def pause_job(job_id: PathId, tenant: CurrentTenant, session: SessionDep) -> Job
 )
 def resume_job(job_id: PathId, tenant: CurrentTenant, session: SessionDep, queue: QueueDep) -> JobOut:
     """A paused job is queued again and resumes from its latest checkpoint; a pending pause is withdrawn."""
-    return JobOut.from_row(service.resume_job(session, tenant.tenant_id, job_id, queue))
+    return job_out(service.resume_job(session, tenant.tenant_id, job_id, queue))
 
 
 @router.get(
@@ -198,7 +199,7 @@ def list_events(
         session, tenant.tenant_id, job_id, after=after, limit=limit, types=_split(types),
         include_superseded=include_superseded,
     )
-    data = [EventOut.from_row(row) for row in rows]
+    data = [event_out(row) for row in rows]
     return EventList(data=data, has_more=has_more, next_after=data[-1].id if has_more else None)
 
 
@@ -238,7 +239,7 @@ def list_samples(
     rows, has_more = service.list_samples(
         session, tenant.tenant_id, job_id, step=step, after=after, limit=limit
     )
-    data = [SampleOut.from_row(row) for row in rows]
+    data = [sample_out(row) for row in rows]
     return SampleList(data=data, has_more=has_more, next_after=data[-1].id if has_more else None)
 
 

@@ -28,7 +28,7 @@ def get_job(session: Session, tenant_id: str, job_id: str, *, for_update: bool =
 
 
 # Every column of `jobs`, named as the ORM attributes are (`metadata` is `metadata_`), so a plain row renders
-# like a Job entity does (JobOut.from_row).
+# like a Job entity does (schemas.job_out).
 _JOB_COLUMNS = [
     column.label("metadata_") if column.key == "metadata" else column for column in Job.__table__.c
 ]

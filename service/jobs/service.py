@@ -14,13 +14,14 @@ from typing import Any
 from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 
+from contract.api.jobs import JobOut, MetricSeries, MetricsOut
 from contract.spec import JobSpec, ModelRewardSpec, RemoteRewardSpec
 from service.checkpoints import retention
 from service.checkpoints.models import Checkpoint
 from service.jobs import model_sources, repository
 from service.jobs.model_sources import ModelSourceKind, ModelSourcePolicy, ModelSourceRefused
 from service.jobs.models import Job, JobEvent
-from service.jobs.schemas import JobOut, MetricSeries, MetricsOut
+from service.jobs.schemas import job_out
 from service.jobs.states import STATUS_EVENT, TERMINAL, UNFINISHED, JobStatus, transition
 from service.kit.config import get_settings
 from service.kit.db import on_commit, utcnow
@@ -150,7 +151,7 @@ async def read_job(reads: Reads, tenant_id: str, job_id: str) -> JobOut:
     row = await repository.get_job_row(reads, tenant_id, job_id)
     if row is None:
         raise NotFound("job", job_id)
-    return JobOut.from_row(row)
+    return job_out(row)
 
 
 async def list_jobs(
@@ -162,7 +163,7 @@ async def list_jobs(
     rows = await repository.list_jobs(
         reads, tenant_id, status=status.value if status else None, limit=limit + 1, before_id=after
     )
-    return [JobOut.from_row(row) for row in rows[:limit]], len(rows) > limit
+    return [job_out(row) for row in rows[:limit]], len(rows) > limit
 
 
 def list_events(

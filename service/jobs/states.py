@@ -27,12 +27,12 @@ Terminal states (`succeeded`, `failed`, `cancelled`) have no way out.
 
 from __future__ import annotations
 
-from enum import StrEnum
 from typing import Any
 
 from sqlalchemy.orm import Session
 from sqlalchemy.orm.exc import StaleDataError
 
+from contract.api.jobs import JobStatus
 from service.jobs.models import Job, JobEvent
 from service.kit.db import utcnow
 from service.kit.errors import IllegalTransition
@@ -40,17 +40,6 @@ from service.kit.errors import IllegalTransition
 # Imported for its side effect: it registers the webhook outbox listener on JobEvent inserts, and every
 # process that writes job events imports this module.
 from service.webhooks import outbox as _webhook_outbox  # noqa: F401
-
-
-class JobStatus(StrEnum):
-    queued = "queued"
-    running = "running"
-    paused = "paused"
-    succeeded = "succeeded"
-    failed = "failed"
-    cancelling = "cancelling"
-    cancelled = "cancelled"
-
 
 S = JobStatus
 
