@@ -46,12 +46,12 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy import select
 
 from contract.reward_types import RewardError, RewardUnavailable
-from contract.spec import JobSpec, ModelRewardSpec, RemoteRewardSpec
+from contract.spec import BUILTIN_PREFIX, JobSpec, ModelRewardSpec, RemoteRewardSpec
 from outbound.urlpolicy import UrlRejected, check_url_syntax
 from service.checkpoints.models import Checkpoint
 from service.checkpoints.service import new_checkpoint_id
 from service.datasets.models import Dataset
-from service.jobs.model_sources import BUILTIN_PREFIX, ModelSourceKind, ModelSourcePolicy
+from service.jobs.model_sources import ModelSourceKind, ModelSourcePolicy
 from service.jobs.models import Job
 from service.jobs.schemas import SampleIn
 from service.jobs.states import JobStatus

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Any
 
-from fastapi import APIRouter, Query, Request, Response
+from fastapi import APIRouter, Request, Response
 from starlette.concurrency import run_in_threadpool
 
 from contract.api.datasets import DatasetList, DatasetOut
@@ -13,6 +13,7 @@ from service.datasets.multipart import check_content_length, multipart_boundary,
 from service.datasets.schemas import dataset_out
 from service.kit.config import get_settings
 from service.kit.deps import SessionDep
+from service.kit.paging import RESOURCES, Limit
 from service.kit.params import Cursor, PathId
 from service.tenants.auth import CurrentTenant
 
@@ -40,8 +41,6 @@ _UPLOAD_BODY: dict[str, Any] = {
         },
     }
 }
-
-Limit = Annotated[int, Query(ge=1, le=100, description="Page size.")]
 
 
 @router.post(
@@ -71,7 +70,7 @@ async def upload_dataset(request: Request, session: SessionDep, tenant: CurrentT
 
 @router.get("/datasets", response_model=DatasetList)
 def list_datasets(
-    session: SessionDep, tenant: CurrentTenant, limit: Limit = 20, after: Cursor = None
+    session: SessionDep, tenant: CurrentTenant, limit: Limit = RESOURCES.default, after: Cursor = None
 ) -> DatasetList:
     """The tenant's datasets, newest first (cursor pagination)."""
     rows, has_more = service.list_datasets(session, tenant.tenant_id, limit=limit, after=after)

@@ -19,6 +19,7 @@ from service.jobs.states import JobStatus
 from service.jobs.stream import job_event_stream, parse_last_event_id
 from service.kit.deps import SessionDep, reads_of
 from service.kit.openapi import error_responses
+from service.kit.paging import EVENTS, METRIC_POINTS, RESOURCES, EventLimit, Limit, PointLimit
 from service.kit.params import Cursor, PathId
 from service.kit.queue import JobQueue, get_job_queue
 from service.storage import get_storage
@@ -108,7 +109,7 @@ async def list_jobs(
     request: Request,
     tenant: CurrentTenant,
     status: Annotated[JobStatus | None, Query(description="Only jobs in this state.")] = None,
-    limit: Annotated[int, Query(ge=1, le=100)] = 20,
+    limit: Limit = RESOURCES.default,
     after: Cursor = None,
 ) -> Response:
     data, has_more = await service.list_jobs(
@@ -184,7 +185,7 @@ def list_events(
     tenant: CurrentTenant,
     session: SessionDep,
     after: Annotated[int | None, Query(ge=0, le=INT64_MAX, description="Event id to continue after.")] = None,
-    limit: Annotated[int, Query(ge=1, le=500)] = 100,
+    limit: EventLimit = EVENTS.default,
     types: Annotated[
         Text | None, Query(description="Comma-separated event types, e.g. `status,checkpoint`.")
     ] = None,
@@ -215,7 +216,7 @@ def get_metrics(
     session: SessionDep,
     names: Annotated[Text | None, Query(description="Comma-separated metric names; all when omitted.")] = None,
     since_step: Annotated[int, Query(ge=0, le=INT32_MAX, description="First step to include.")] = 0,
-    limit: Annotated[int, Query(ge=1, le=50_000, description="Most points per page.")] = 10_000,
+    limit: PointLimit = METRIC_POINTS.default,
 ) -> MetricsOut:
     return service.get_metrics(
         session, tenant.tenant_id, job_id, names=_split(names), since_step=since_step, limit=limit
@@ -234,7 +235,7 @@ def list_samples(
     session: SessionDep,
     step: Annotated[int | None, Query(ge=0, le=INT32_MAX, description="Only completions logged at this step.")] = None,
     after: Annotated[int | None, Query(ge=0, le=INT64_MAX, description="Sample id to continue after.")] = None,
-    limit: Annotated[int, Query(ge=1, le=500)] = 100,
+    limit: EventLimit = EVENTS.default,
 ) -> SampleList:
     rows, has_more = service.list_samples(
         session, tenant.tenant_id, job_id, step=step, after=after, limit=limit

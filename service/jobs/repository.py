@@ -10,9 +10,9 @@ from typing import Any
 from sqlalchemy import Integer, Select, bindparam, delete, exists, or_, select
 from sqlalchemy.orm import Session
 
+from contract.spec import CHECKPOINT_PREFIX
 from service.checkpoints.models import Checkpoint
 from service.datasets.models import Dataset
-from service.jobs.model_sources import CHECKPOINT_PREFIX
 from service.jobs.models import IdempotencyKey, Job, JobEvent, JobMetric, JobSample
 from service.jobs.states import UNFINISHED
 from service.kit.reads import Reads, one_or_none

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated
-
-from fastapi import APIRouter, Query, Response
+from fastapi import APIRouter, Response
 
 from contract.api.rewards import (
     RewardFunctionList,
@@ -13,6 +11,7 @@ from contract.api.rewards import (
     RewardTestResult,
 )
 from service.kit.deps import SessionDep
+from service.kit.paging import RESOURCES, Limit
 from service.kit.params import Cursor, PathId
 from service.rewards import dry_run, service
 from service.rewards.schemas import (
@@ -24,8 +23,6 @@ from service.rewards.schemas import (
 from service.tenants.auth import CurrentTenant
 
 router = APIRouter(tags=["reward functions"])
-
-Limit = Annotated[int, Query(ge=1, le=100, description="Page size.")]
 
 
 @router.post(
@@ -48,7 +45,7 @@ def create_reward_function(
 
 @router.get("/reward-functions", response_model=RewardFunctionList)
 def list_reward_functions(
-    session: SessionDep, tenant: CurrentTenant, limit: Limit = 20, after: Cursor = None
+    session: SessionDep, tenant: CurrentTenant, limit: Limit = RESOURCES.default, after: Cursor = None
 ) -> RewardFunctionList:
     """The tenant's reward functions, newest first (cursor pagination). Never includes secrets."""
     rows, has_more = service.list_reward_functions(session, tenant.tenant_id, limit=limit, after=after)

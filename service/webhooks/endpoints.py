@@ -10,14 +10,13 @@ from contract.api.webhooks import DeliveryList, WebhookList, WebhookOut, Webhook
 from contract.fields import INT64_MAX
 from service.kit.deps import SessionDep
 from service.kit.openapi import error_responses
+from service.kit.paging import RESOURCES, Limit
 from service.kit.params import Cursor, PathId
 from service.tenants.auth import CurrentTenant
 from service.webhooks import service
 from service.webhooks.schemas import WebhookCreate, delivery_out, webhook_out, webhook_with_secret
 
 router = APIRouter(tags=["webhooks"])
-
-Limit = Annotated[int, Query(ge=1, le=100, description="Page size.")]
 
 
 @router.post(
@@ -42,7 +41,7 @@ def create_webhook(body: WebhookCreate, session: SessionDep, tenant: CurrentTena
 def list_webhooks(
     session: SessionDep,
     tenant: CurrentTenant,
-    limit: Limit = 20,
+    limit: Limit = RESOURCES.default,
     after: Cursor = None,
 ) -> WebhookList:
     rows, has_more = service.list_webhooks(session, tenant.tenant_id, limit=limit, after=after)
@@ -70,7 +69,7 @@ def list_deliveries(
     webhook_id: PathId,
     session: SessionDep,
     tenant: CurrentTenant,
-    limit: Limit = 20,
+    limit: Limit = RESOURCES.default,
     after: Annotated[int | None, Query(ge=0, le=INT64_MAX, description="`next_after` of the previous page.")] = None,
 ) -> DeliveryList:
     rows, has_more = service.list_deliveries(session, tenant.tenant_id, webhook_id, limit=limit, after=after)

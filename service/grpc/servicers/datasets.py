@@ -16,11 +16,10 @@ from service.datasets.schemas import dataset_out
 from service.grpc.auth import current_tenant
 from service.grpc.calls import in_session
 from service.grpc.convert import dataset_to_proto
-from service.grpc.paging import page_size
 from service.kit.errors import ValidationFailed
+from service.kit.paging import RESOURCES, page_size
 
 Context = grpc.aio.ServicerContext[Any, Any]
-DEFAULT_PAGE, MAX_PAGE = 20, 100
 
 
 def _out_of_order(message: str) -> ValidationFailed:
@@ -66,7 +65,7 @@ class DatasetServicer(datasets_pb2_grpc.DatasetServiceServicer):
         self, request: datasets_pb2.ListDatasetsRequest, context: Context
     ) -> datasets_pb2.ListDatasetsResponse:
         tenant = current_tenant()
-        limit = page_size(request.page_size, DEFAULT_PAGE, MAX_PAGE)
+        limit = page_size(request.page_size, RESOURCES)
         rows, has_more = await in_session(
             lambda s: _page(service.list_datasets(s, tenant.tenant_id, limit=limit, after=request.page_token or None))
         )

@@ -22,13 +22,13 @@ from service.grpc.convert import (
     sample_to_proto,
 )
 from service.grpc.errors import prefix_fields
-from service.grpc.paging import page_size
 from service.grpc.validation import int32_field
 from service.grpc.watch import watch_job
 from service.jobs import service
 from service.jobs.idempotency import request_hash, run_idempotent
 from service.jobs.schemas import event_out, job_out, sample_out
 from service.kit.errors import ValidationFailed
+from service.kit.paging import EVENTS, METRIC_POINTS, RESOURCES, page_size
 from service.kit.queue import get_job_queue
 from service.kit.reads import THREADED_READS, Reads
 from service.storage import get_storage
@@ -74,7 +74,7 @@ class JobServicer(jobs_pb2_grpc.JobServiceServicer):
 
     async def ListJobs(self, request: jobs_pb2.ListJobsRequest, context: Context) -> jobs_pb2.ListJobsResponse:
         tenant = current_tenant()
-        limit = page_size(request.page_size, 20, 100)
+        limit = page_size(request.page_size, RESOURCES)
         status = job_status(request.state)
         jobs, has_more = await service.list_jobs(
             self._reads, tenant.tenant_id, status=status, limit=limit, after=request.page_token or None
@@ -109,7 +109,7 @@ class JobServicer(jobs_pb2_grpc.JobServiceServicer):
         self, request: jobs_pb2.ListJobEventsRequest, context: Context
     ) -> jobs_pb2.ListJobEventsResponse:
         tenant = current_tenant()
-        limit = page_size(request.page_size, 100, 500)
+        limit = page_size(request.page_size, EVENTS)
 
         def work(s: Session) -> tuple[list[EventOut], bool]:
             rows, has_more = service.list_events(
@@ -133,7 +133,7 @@ class JobServicer(jobs_pb2_grpc.JobServiceServicer):
         self, request: jobs_pb2.GetJobMetricsRequest, context: Context
     ) -> jobs_pb2.GetJobMetricsResponse:
         tenant = current_tenant()
-        limit = page_size(request.page_size, 10_000, 50_000)
+        limit = page_size(request.page_size, METRIC_POINTS)
         metrics = await in_session(
             lambda s: service.get_metrics(
                 s,
@@ -151,7 +151,7 @@ class JobServicer(jobs_pb2_grpc.JobServiceServicer):
         self, request: jobs_pb2.ListJobSamplesRequest, context: Context
     ) -> jobs_pb2.ListJobSamplesResponse:
         tenant = current_tenant()
-        limit = page_size(request.page_size, 100, 500)
+        limit = page_size(request.page_size, EVENTS)
         step = int32_field(request.step, "step") if request.HasField("step") else None
 
         def work(s: Session) -> tuple[list[SampleOut], bool]:

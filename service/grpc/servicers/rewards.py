@@ -18,7 +18,7 @@ from service.grpc.convert import (
     reward_test_items_from_proto,
     reward_test_result_to_proto,
 )
-from service.grpc.paging import page_size
+from service.kit.paging import RESOURCES, page_size
 from service.rewards import dry_run, service
 from service.rewards.schemas import reward_function_out, reward_function_with_secret
 
@@ -52,7 +52,7 @@ class RewardFunctionServicer(reward_functions_pb2_grpc.RewardFunctionServiceServ
         self, request: pb.ListRewardFunctionsRequest, context: Context
     ) -> pb.ListRewardFunctionsResponse:
         tenant = current_tenant()
-        limit = page_size(request.page_size, 20, 100)
+        limit = page_size(request.page_size, RESOURCES)
 
         def work(s: Session) -> tuple[list[RewardFunctionOut], bool]:
             rows, has_more = service.list_reward_functions(
