@@ -125,7 +125,7 @@ def _generation_config(
         "use_cache": True,
     }
     if config.generation == "beam":
-        # G beams returned per prompt: distinct sequences by construction (seed 001).
+        # G beams returned per prompt: distinct sequences by construction.
         return GenerationConfig(
             do_sample=False,
             num_beams=config.num_generations,
