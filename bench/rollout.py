@@ -39,7 +39,7 @@ def child_main(args: argparse.Namespace) -> None:
     torch.set_num_threads(TORCH_THREADS)
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from contract.config import GRPOConfig
-    from worker.grpo.cpu_threads import SideThread, side_thread_helps
+    from worker.grpo.concurrency import SideThread, side_thread_helps
     from worker.grpo.modeling import build_model_bundle
     from worker.grpo.rollout import NativeRollout, render_prompt
     from worker.grpo.vllm_rollout import VLLMRollout

@@ -37,7 +37,7 @@ from torch import Tensor
 
 from contract.config import GRPOConfig
 from worker.grpo.checkpoint import capture_rng_state, restore_rng_state
-from worker.grpo.cpu_threads import SideThread
+from worker.grpo.concurrency import SideThread
 from worker.grpo.modeling import ModelBundle
 from worker.grpo.rollout import Rollout, completion_mask_after_eos, eos_token_ids, tokenize_prompts
 
