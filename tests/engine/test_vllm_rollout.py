@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from tests.engine.trainer_helpers import small_config, spread_reward, trainer_kwargs, word_rows
+from worker.grpo.concurrency import intra_op_threads
 from worker.grpo.logprobs import completion_logprobs
 from worker.grpo.modeling import build_model_bundle
 from worker.grpo.trainer import GRPOTrainer
@@ -45,7 +46,12 @@ def test_sampled_logprobs_match_the_trainer(tmp_path: Path, tiny_model_dir: Path
     """Same weights: vLLM's log-probs of the tokens it sampled (after temperature) equal the trainer's."""
     config = small_config(use_vllm=True, temperature=0.7, top_k=0, max_completion_length=8)
     models = build_model_bundle("builtin:tiny", config, cache_dir=tiny_model_dir.parent, total_updates=1, device="cpu")
+    rng, threads = torch.random.get_rng_state(), torch.get_num_threads()
     engine = VLLMRollout(models, config, tmp_path)
+    # Building the engine reseeds torch and, on CPU, disables torch.set_num_threads: both are put back.
+    assert torch.equal(torch.random.get_rng_state(), rng) and torch.get_num_threads() == threads
+    with intra_op_threads(threads + 1):
+        assert torch.get_num_threads() == threads + 1
     try:
         prompts = ["cat: ", "a longer prompt, dog: "]
         rollout = engine.generate(prompts, generator_seed=7)
