@@ -14,7 +14,7 @@ from typing import Any
 from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 
-from contract.spec import JobSpec, ModelRewardSpec, RemoteRewardSpec
+from contract.spec import JobSpec, ModelRewardSpec, reward_function_refs
 from service.checkpoints import retention
 from service.checkpoints.models import Checkpoint
 from service.jobs import model_sources, repository
@@ -101,13 +101,11 @@ def check_references(session: Session, tenant_id: str, spec: JobSpec) -> None:
         if dataset_id is not None and dataset_id not in found:
             errors.append(_missing(field, f"dataset {dataset_id!r} not found"))
 
-    remote = {i: r.reward_function_id for i, r in enumerate(spec.rewards) if isinstance(r, RemoteRewardSpec)}
-    found = repository.live_reward_function_ids(session, tenant_id, list(remote.values()))
-    for i, rf_id in remote.items():
+    remote = reward_function_refs(spec.rewards)
+    found = repository.live_reward_function_ids(session, tenant_id, [rf_id for _, rf_id in remote])
+    for field, rf_id in remote:
         if rf_id not in found:
-            errors.append(
-                _missing(f"rewards[{i}].reward_function_id", f"reward function {rf_id!r} not found")
-            )
+            errors.append(_missing(field, f"reward function {rf_id!r} not found"))
 
     models = {"base_model": spec.base_model}
     models.update(
