@@ -244,6 +244,7 @@ def evaluate_formula(tree: ast.Expression, values: Mapping[str, float]) -> float
 
 def _evaluate(node: ast.expr, values: Mapping[str, float]) -> float:
     if isinstance(node, ast.Constant):
+        assert isinstance(node.value, int | float)  # parse_formula admits only numbers
         return float(node.value)
     if isinstance(node, ast.Name):
         return float(values[node.id])

@@ -7,14 +7,14 @@ raise service.kit.errors.*. They never commit; enqueueing is registered to run a
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from functools import partial
 from typing import Any
 
 from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 
-from contract.spec import JobSpec, ModelRewardSpec, reward_function_refs
+from contract.spec import GraderRewardSpec, JobSpec, ModelRewardSpec, reward_function_refs
 from service.checkpoints import retention
 from service.checkpoints.models import Checkpoint
 from service.jobs import model_sources, repository
@@ -96,7 +96,7 @@ def check_references(session: Session, tenant_id: str, spec: JobSpec) -> None:
         "train_dataset": spec.train_dataset, "eval_dataset": spec.eval_dataset, "retain_dataset": spec.retain_dataset
     }
     wanted = [ds for ds in datasets.values() if ds is not None]
-    found = repository.live_dataset_ids(session, tenant_id, wanted)
+    found_datasets = found = repository.live_dataset_ids(session, tenant_id, wanted)
     for field, dataset_id in datasets.items():
         if dataset_id is not None and dataset_id not in found:
             errors.append(_missing(field, f"dataset {dataset_id!r} not found"))
@@ -106,6 +106,10 @@ def check_references(session: Session, tenant_id: str, spec: JobSpec) -> None:
     for field, rf_id in remote:
         if rf_id not in found:
             errors.append(_missing(field, f"reward function {rf_id!r} not found"))
+
+    for i, reward in enumerate(spec.rewards):
+        if isinstance(reward, GraderRewardSpec):
+            errors.extend(_grader_fields(session, tenant_id, spec, i, reward, found_datasets))
 
     models = {"base_model": spec.base_model}
     models.update(
@@ -126,6 +130,31 @@ def check_references(session: Session, tenant_id: str, spec: JobSpec) -> None:
 
     if errors:
         raise ValidationFailed(f"{errors[0]['field']}: {errors[0]['message']}", details=errors)
+
+
+def _grader_fields(
+    session: Session, tenant_id: str, spec: JobSpec, index: int, reward: GraderRewardSpec, found: Collection[str]
+) -> list[dict[str, Any]]:
+    """A grader's ``{{item.*}}`` references must be in every row of the datasets it grades."""
+    # Imported here: the datasets service imports this module (dataset_in_use).
+    from service.datasets.service import first_row_missing
+
+    errors: list[dict[str, Any]] = []
+    graded = {"train_dataset": spec.train_dataset, "eval_dataset": spec.eval_dataset}
+    for field, dataset_id in graded.items():
+        if dataset_id is None or dataset_id not in found:
+            continue
+        missing = first_row_missing(session, tenant_id, dataset_id, reward.parsed)
+        if missing is not None:
+            line, what = missing
+            errors.append({
+                "field": field,
+                "message": f"line {line} of dataset {dataset_id!r} has no field {what.at!r}, which "
+                f"rewards[{index}].grader reads as {what.reference}",
+                "type": "grader_field_missing",
+                "line": line,
+            })
+    return errors
 
 
 def _missing(field: str, message: str) -> dict[str, Any]:

@@ -32,7 +32,7 @@ from contract.spec import (
     RewardSpec,
     compile_user_pattern,
 )
-from worker.grpo.graders import ChatFactory, GraderSource
+from outbound.graders import ChatFactory, GraderSource
 
 __all__ = [
     "CompositeReward",

@@ -1,4 +1,8 @@
-"""Evaluating OpenAI graders (contract.graders) as a reward source, next to the built-in rule rewards.
+"""Evaluating OpenAI graders (contract.graders): the worker's reward source and the service's graders/run.
+
+Here rather than in the engine so that the service's ``POST /openai/v1/fine_tuning/alpha/graders/run`` grades
+with the very code training uses (the service does not import the worker); the engine builds `GraderSource`
+next to its built-in rule rewards (`worker.grpo.rewards.build_reward_sources`).
 
 `grade_local` scores one completion with a string_check or text_similarity grader; `GraderSource` scores a
 batch: the rule graders in a thread under the rule deadline, score_model graders through the chat source the
@@ -187,8 +191,9 @@ class GraderSource:
         remote = [k for k, g in self._parts.items() if isinstance(g, ScoreModelGrader)]
         local_call = asyncio.wait_for(asyncio.to_thread(self._score_local, local, items), self.timeout_s)
         try:
-            local_scores, *answers = await asyncio.gather(
-                local_call, *(self._chat[k](self._json_ready(items, self._parts[k]), step=step) for k in remote)
+            local_scores, answers = await asyncio.gather(
+                local_call,
+                asyncio.gather(*(self._chat[k](self._json_ready(items, self._parts[k]), step=step) for k in remote)),
             )
         except TimeoutError as exc:
             raise RewardTimedOut(self.name, f"grading {len(items)} completions took longer than {self.timeout_s:g}s") from exc
