@@ -15,7 +15,7 @@ Hyperparameters (docs/openai.md has the table; ``auto`` is our default):
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -34,12 +34,12 @@ Auto = Literal["auto"]
 
 class Hyperparameters(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
-    n_epochs: Auto | int = Field("auto", ge=1, le=1000)
-    batch_size: Auto | int = Field("auto", ge=1, le=4096)
-    learning_rate_multiplier: Auto | float = Field("auto", gt=0)
-    compute_multiplier: Auto | float = Field("auto", gt=0)
-    eval_interval: Auto | int = Field("auto", ge=1)
-    eval_samples: Auto | int = Field("auto", ge=1, le=100_000)
+    n_epochs: Auto | Annotated[int, Field(ge=1, le=1000)] = "auto"
+    batch_size: Auto | Annotated[int, Field(ge=1, le=4096)] = "auto"
+    learning_rate_multiplier: Auto | Annotated[float, Field(gt=0)] = "auto"
+    compute_multiplier: Auto | Annotated[float, Field(gt=0)] = "auto"
+    eval_interval: Auto | Annotated[int, Field(ge=1, le=2**31 - 1)] = "auto"
+    eval_samples: Auto | Annotated[int, Field(ge=1, le=100_000)] = "auto"
     reasoning_effort: Literal["default", "low", "medium", "high"] = "default"
 
 
