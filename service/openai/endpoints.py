@@ -23,7 +23,8 @@ from service.datasets.multipart import check_content_length, multipart_boundary,
 from service.jobs import repository as job_rows
 from service.jobs import service as jobs
 from service.jobs.idempotency import request_hash, run_idempotent
-from service.jobs.schemas import EventOut, JobOut
+from contract.api.jobs import JobOut
+from service.jobs.schemas import event_out, job_out
 from service.kit.config import get_settings
 from service.kit.deps import SessionDep, reads_of
 from service.kit.params import Cursor, PathId
@@ -135,7 +136,7 @@ def create_job(
 
     def work(s: Session) -> tuple[int, dict[str, Any]]:
         job = jobs.create_job(s, tenant.tenant_id, spec, queue)
-        return 200, _job(s, JobOut.from_row(job), tenant.tenant_id)
+        return 200, _job(s, job_out(job), tenant.tenant_id)
 
     if idempotency_key is None:
         status_code, content = work(session)
@@ -165,18 +166,18 @@ async def get_job(job_id: PathId, request: Request, tenant: CurrentTenant, sessi
 
 @router.post("/fine_tuning/jobs/{job_id}/cancel", summary="Cancel a job")
 def cancel_job(job_id: PathId, tenant: CurrentTenant, session: SessionDep) -> dict[str, Any]:
-    return _job(session, JobOut.from_row(jobs.cancel_job(session, tenant.tenant_id, job_id)), tenant.tenant_id)
+    return _job(session, job_out(jobs.cancel_job(session, tenant.tenant_id, job_id)), tenant.tenant_id)
 
 
 @router.post("/fine_tuning/jobs/{job_id}/pause", summary="Pause a job (at its next checkpoint when running)")
 def pause_job(job_id: PathId, tenant: CurrentTenant, session: SessionDep) -> dict[str, Any]:
-    return _job(session, JobOut.from_row(jobs.pause_job(session, tenant.tenant_id, job_id)), tenant.tenant_id)
+    return _job(session, job_out(jobs.pause_job(session, tenant.tenant_id, job_id)), tenant.tenant_id)
 
 
 @router.post("/fine_tuning/jobs/{job_id}/resume", summary="Resume a paused job from its latest checkpoint")
 def resume_job(job_id: PathId, tenant: CurrentTenant, session: SessionDep, queue: QueueDep) -> dict[str, Any]:
     job = jobs.resume_job(session, tenant.tenant_id, job_id, queue)
-    return _job(session, JobOut.from_row(job), tenant.tenant_id)
+    return _job(session, job_out(job), tenant.tenant_id)
 
 
 @router.get("/fine_tuning/jobs/{job_id}/events", summary="A job's events, oldest first")
@@ -188,7 +189,7 @@ def list_events(
     except ValueError as exc:
         raise OpenAIInvalid("after", "must be an event id from an earlier page") from exc
     rows, has_more = jobs.list_events(session, tenant.tenant_id, job_id, after=after_id, limit=limit, types=None)
-    return _page([event_object(EventOut.from_row(r)) for r in rows], has_more)
+    return _page([event_object(event_out(r)) for r in rows], has_more)
 
 
 @router.get("/fine_tuning/jobs/{job_id}/checkpoints", summary="A job's checkpoints, newest first")

@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from contract.config import GRPOConfig
 from contract.graders import GraderInvalid, grader_dump, parse_grader
 from contract.spec import GraderRewardSpec, JobSpec
-from service.jobs.schemas import EventOut, JobOut
+from contract.api.jobs import EventOut, JobOut
 from service.openai.errors import OpenAIInvalid, loc_param, openai_param
 
 DEFAULT_LEARNING_RATE = 1e-6
