@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict
 from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
+from contract.api.jobs import JobOut
 from contract.graders import GraderInvalid, grader_dump, parse_grader
 from service.checkpoints import service as checkpoints
 from service.datasets import service as datasets
@@ -23,7 +24,6 @@ from service.datasets.multipart import check_content_length, multipart_boundary,
 from service.jobs import repository as job_rows
 from service.jobs import service as jobs
 from service.jobs.idempotency import request_hash, run_idempotent
-from contract.api.jobs import JobOut
 from service.jobs.schemas import event_out, job_out
 from service.kit.config import get_settings
 from service.kit.deps import SessionDep, reads_of

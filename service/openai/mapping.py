@@ -19,10 +19,10 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from contract.api.jobs import EventOut, JobOut
 from contract.config import GRPOConfig
 from contract.graders import GraderInvalid, grader_dump, parse_grader
 from contract.spec import GraderRewardSpec, JobSpec
-from contract.api.jobs import EventOut, JobOut
 from service.openai.errors import OpenAIInvalid, loc_param, openai_param
 
 DEFAULT_LEARNING_RATE = 1e-6
