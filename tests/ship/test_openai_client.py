@@ -94,7 +94,7 @@ def test_openai_sdk_runs_a_reinforcement_job(tmp_path: Path, processes: Processe
 
     deadline = time.monotonic() + 240
     while (job := client.fine_tuning.jobs.retrieve(job.id)).status not in ("succeeded", "failed", "cancelled"):
-        assert time.monotonic() < deadline, job
+        assert time.monotonic() < deadline, (job.status, processes.logs()[-4000:])
         time.sleep(1)
     assert job.status == "succeeded", (job.error, processes.logs())
     trained = time.monotonic() - started
