@@ -1145,6 +1145,7 @@ class RewardSpec(_message.Message):
     LENGTH_PENALTY_FIELD_NUMBER: _builtins.int
     REMOTE_FIELD_NUMBER: _builtins.int
     MODEL_FIELD_NUMBER: _builtins.int
+    GRADER_FIELD_NUMBER: _builtins.int
     weight: _builtins.float
     """Weight of this source in the summed reward (default 1.0)."""
     @_builtins.property
@@ -1171,6 +1172,10 @@ class RewardSpec(_message.Message):
     def model(self) -> Global___ModelReward:
         """A reward model."""
 
+    @_builtins.property
+    def grader(self) -> Global___GraderReward:
+        """An OpenAI grader (string_check, text_similarity, score_model, multi)."""
+
     def __init__(
         self,
         *,
@@ -1181,14 +1186,15 @@ class RewardSpec(_message.Message):
         length_penalty: Global___LengthPenaltyReward | None = ...,
         remote: Global___RemoteReward | None = ...,
         model: Global___ModelReward | None = ...,
+        grader: Global___GraderReward | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_weight", b"_weight", "boxed_answer", b"boxed_answer", "exact_match", b"exact_match", "length_penalty", b"length_penalty", "model", b"model", "regex_match", b"regex_match", "remote", b"remote", "source", b"source", "weight", b"weight"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_weight", b"_weight", "boxed_answer", b"boxed_answer", "exact_match", b"exact_match", "grader", b"grader", "length_penalty", b"length_penalty", "model", b"model", "regex_match", b"regex_match", "remote", b"remote", "source", b"source", "weight", b"weight"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_weight", b"_weight", "boxed_answer", b"boxed_answer", "exact_match", b"exact_match", "length_penalty", b"length_penalty", "model", b"model", "regex_match", b"regex_match", "remote", b"remote", "source", b"source", "weight", b"weight"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_weight", b"_weight", "boxed_answer", b"boxed_answer", "exact_match", b"exact_match", "grader", b"grader", "length_penalty", b"length_penalty", "model", b"model", "regex_match", b"regex_match", "remote", b"remote", "source", b"source", "weight", b"weight"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__weight: _TypeAlias = _typing.Literal["weight"]  # noqa: Y015
     _WhichOneofArgType__weight: _TypeAlias = _typing.Literal["_weight", b"_weight"]  # noqa: Y015
-    _WhichOneofReturnType_source: _TypeAlias = _typing.Literal["boxed_answer", "exact_match", "regex_match", "length_penalty", "remote", "model"]  # noqa: Y015
+    _WhichOneofReturnType_source: _TypeAlias = _typing.Literal["boxed_answer", "exact_match", "regex_match", "length_penalty", "remote", "model", "grader"]  # noqa: Y015
     _WhichOneofArgType_source: _TypeAlias = _typing.Literal["source", b"source"]  # noqa: Y015
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__weight) -> _WhichOneofReturnType__weight | None: ...
@@ -1196,6 +1202,30 @@ class RewardSpec(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType_source) -> _WhichOneofReturnType_source | None: ...
 
 Global___RewardSpec: _TypeAlias = RewardSpec  # noqa: Y015
+
+@_typing.final
+class GraderReward(_message.Message):
+    """An OpenAI grader object, as OpenAI documents it (docs/openai.md): its union of grader types travels as
+    JSON text, validated by the service like the REST body.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JSON_FIELD_NUMBER: _builtins.int
+    json: _builtins.str
+    """The grader object as JSON, e.g. {"type": "string_check", "name": "exact", ...}."""
+    def __init__(
+        self,
+        *,
+        json: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["json", b"json"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GraderReward: _TypeAlias = GraderReward  # noqa: Y015
 
 @_typing.final
 class JobSpec(_message.Message):
