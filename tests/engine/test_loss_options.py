@@ -22,6 +22,7 @@ from tests.engine.trainer_helpers import small_config, spread_reward, trainer_kw
 from worker.grpo.checkpoint import latest_checkpoint, load_checkpoint
 from worker.grpo.local import EXIT_OK, run_local
 from worker.grpo.loss import AdaptiveEntropy, LossSettings, grpo_loss
+from worker.grpo.reward_types import RewardInput
 from worker.grpo.rewards import CompositeReward, FunctionSource
 from worker.grpo.trainer import GRPOTrainer
 
@@ -500,6 +501,55 @@ def test_normalize_then_sum_reaches_the_trained_batch(tmp_path: Path, models_dir
     assert std > 0, texts
     expected = [(x - mean) / (std + 1e-4) for x in summed]
     assert [s["advantage"] for s in samples] == pytest.approx(expected, rel=1e-4, abs=1e-5)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"multi_objective_aggregation": "normalize_then_sum"}, {"scale_rewards": "batch"}],
+    ids=["normalize_then_sum", "scale_rewards_batch"],
+)
+def test_dynamic_sampling_fillers_stay_out_of_the_batch_statistics(
+    tmp_path: Path, models_dir: Path, options: dict[str, Any]
+) -> None:
+    """The first round's group 0 is flat on both sources (a filler: no refill round), group 1 has
+    spread: the trained advantages are those of group 1 alone, the filler's are 0."""
+
+    def spread(item: RewardInput) -> float:
+        return 3.0 if item.group_id == 0 else float(sum(map(ord, item.completion)) % 17)
+
+    def length(item: RewardInput) -> float:
+        return 1.0 if item.group_id == 0 else float(len(item.completion))
+
+    reward = CompositeReward([(FunctionSource("spread", spread), 1.0), (FunctionSource("length", length), 0.5)])
+    samples: list[dict[str, Any]] = []
+    config = small_config(
+        max_steps=1, dynamic_sampling=True, max_resample_rounds=0, advantage_std="unbiased",
+        log_completions_every=1, log_completions_count=8, **options,
+    )
+    GRPOTrainer(
+        config,
+        train_rows=word_rows(),
+        reward=reward,
+        on_metrics=lambda step, metrics, logged: samples.extend(logged),
+        **trainer_kwargs(tmp_path, models_dir),
+    ).train()
+    live, filler = samples[:4], samples[4:]  # groups with spread come first in the trained batch
+    assert [s["reward"] for s in filler] == [3.5] * 4
+    assert [s["advantage"] for s in filler] == [0.0] * 4
+    texts = [s["completion"] for s in live]
+    if "scale_rewards" in options:
+        totals = [s["reward"] for s in live]
+        centred = [t - statistics.mean(totals) for t in totals]
+        summed, batch_std = centred, statistics.stdev(totals)  # the batch is this one group
+    else:
+        summed = [0.0] * 4
+        for values, weight in (([float(sum(map(ord, t)) % 17) for t in texts], 1.0), ([float(len(t)) for t in texts], 0.5)):
+            mean, std = statistics.mean(values), statistics.stdev(values)
+            summed = [x + (0.0 if std == 0 else weight * (v - mean) / (std + 1e-4)) for x, v in zip(summed, values, strict=True)]
+        centred = [x - statistics.mean(summed) for x in summed]
+        batch_std = statistics.stdev(summed)
+    assert batch_std > 0, texts
+    assert [s["advantage"] for s in live] == pytest.approx([c / (batch_std + 1e-4) for c in centred], rel=1e-4, abs=1e-5)
 
 
 @pytest.mark.parametrize("entropy_coef", [0.0, 0.1])
