@@ -230,7 +230,7 @@ def run_trl(case: Case, model_dir: Path, data: Path, steps: int, record: RunReco
 
 def ours_config(case: Case, steps: int) -> Any:
     """Our GRPOConfig for the bench's workload (the same knobs as TRL's child)."""
-    from worker.grpo.config import GRPOConfig, LoraConfig
+    from contract.config import GRPOConfig, LoraConfig
 
     lora = LoraConfig(r=LORA_RANK, alpha=LORA_ALPHA, dropout=0.0, target_modules="all-linear")
     return GRPOConfig(
@@ -258,7 +258,7 @@ def ours_config(case: Case, steps: int) -> Any:
 
 def ours_reward() -> Any:
     """The digit reward as our CompositeReward."""
-    from worker.grpo.reward_types import RewardInput
+    from contract.reward_types import RewardInput
     from worker.grpo.rewards import CompositeReward, FunctionSource
 
     def score(item: RewardInput) -> float:
@@ -479,7 +479,7 @@ class SleepyBatchedSource:
 
 def bench_reward_phase(repeats: int = 5) -> tuple[float, int]:
     """Median wall time of `CompositeReward.score` over 32 completions, and the calls per score."""
-    from worker.grpo.reward_types import RewardInput
+    from contract.reward_types import RewardInput
     from worker.grpo.rewards import CompositeReward, FunctionSource
 
     items = [

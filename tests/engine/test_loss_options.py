@@ -17,12 +17,12 @@ import pytest
 import torch
 import yaml
 
+from contract.reward_types import RewardInput
 from tests.engine.test_loss import EPS, EPS_HIGH, HAND, batch
 from tests.engine.trainer_helpers import small_config, spread_reward, trainer_kwargs, word_rows
 from worker.grpo.checkpoint import latest_checkpoint, load_checkpoint
 from worker.grpo.local import EXIT_OK, run_local
 from worker.grpo.loss import AdaptiveEntropy, LossSettings, grpo_loss
-from worker.grpo.reward_types import RewardInput
 from worker.grpo.rewards import CompositeReward, FunctionSource
 from worker.grpo.trainer import GRPOTrainer
 
