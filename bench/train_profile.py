@@ -17,7 +17,7 @@ time on its thread, children excluded) goes to one category:
 
 Categories are by operator name and by the autograd function an operator runs under (`_HeadLogprobs`), so
 they need no marks in the engine. The reference runs on a second thread beside the policy's forward when the
-machine has two cores (see worker/grpo/cpu_threads.py): its time is listed apart (`reference forward`) and
+machine has two cores (see worker/grpo/concurrency.py): its time is listed apart (`reference forward`) and
 overlaps the rest. Matmul FLOP/s are torch's own FLOP counts over the matmuls' time, against the same dense
 float32 matmul peak as the step benchmark (timed here, best of several).
 """
@@ -109,11 +109,11 @@ def profile_case(case: Case, steps: int, work: Path) -> dict[str, Any]:
             with record_function("optimizer_update"):
                 return super()._optimizer_update()
 
-        def _run_step(self, runner: Any, side: Any) -> None:
+        def _run_step(self, *args: Any) -> None:
             if self.step == 0:  # warm-up step, not profiled
-                return super()._run_step(runner, side)
+                return super()._run_step(*args)
             with profile(activities=[ProfilerActivity.CPU], with_flops=True) as prof:
-                super()._run_step(runner, side)
+                super()._run_step(*args)
             _collect(prof, seconds, flops)
             return None
 
