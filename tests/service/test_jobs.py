@@ -120,6 +120,10 @@ class TestCreateJob:
             ({"rewards": []}, "body.rewards"),
             ({"hyperparameters": {"max_steps": 5, "loss_type": "luspo"}}, "body.hyperparameters"),
             ({"hyperparameters": {"max_steps": 5, "top_entropy_quantile": 1.5}}, "body.hyperparameters.top_entropy_quantile"),
+            (
+                {"hyperparameters": {"max_steps": 5, "use_bias_correction_kl": "sometimes"}},
+                "body.hyperparameters.use_bias_correction_kl",
+            ),
             ({"base_model": "builtin:huge"}, "body.base_model"),
             ({"unknown": 1}, "body.unknown"),
         ],
