@@ -84,6 +84,14 @@ class GRPOConfig(BaseModel):
     beta: float = Field(
         0.0, ge=0, description="KL weight against the frozen reference (k3 estimator). 0 = no reference model."
     )
+    use_bias_correction_kl: bool = Field(
+        True,
+        description="Multiply each token's KL term by the importance ratio pi / pi_old (before delta's cap), "
+        "so its gradient is the unbiased reverse-KL gradient (DeepSeek-V3.2, https://arxiv.org/abs/2512.02556). "
+        "The ratio is differentiable, so this changes the gradient whenever beta > 0, on-policy too (where the "
+        "ratio is 1 in value); the logged kl is the corrected value. At importance_sampling_level 'sequence' "
+        "the sequence's ratio multiplies each of its tokens' KL. No effect with beta 0.",
+    )
     epsilon: float = Field(0.2, gt=0, lt=1, description="Lower clip: ratio >= 1 - epsilon.")
     epsilon_high: float | None = Field(
         None,

@@ -148,7 +148,7 @@ def test_roundtrip_loss_options() -> None:
                 "max_steps": 1, "loss_type": "luspo", "importance_sampling_level": "sequence", "delta": 2.5,
                 "off_policy_mask_threshold": 0.5, "top_entropy_quantile": 0.2, "entropy_coef": 0.01,
                 "use_adaptive_entropy": True, "entropy_target": 1.5, "entropy_coef_max": 0.1,
-                "multi_objective_aggregation": "normalize_then_sum",
+                "multi_objective_aggregation": "normalize_then_sum", "beta": 0.04, "use_bias_correction_kl": False,
             },
         }
     )

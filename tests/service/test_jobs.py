@@ -140,6 +140,10 @@ class TestCreateJob:
             ({"hyperparameters": {"max_steps": 5, "vllm_gpu_memory_utilization": 1.5}},
              "body.hyperparameters.vllm_gpu_memory_utilization"),
             ({"hyperparameters": {"max_steps": 5, "use_vllm": True, "generation": "beam"}}, "body.hyperparameters"),
+            (
+                {"hyperparameters": {"max_steps": 5, "use_bias_correction_kl": "sometimes"}},
+                "body.hyperparameters.use_bias_correction_kl",
+            ),
             ({"base_model": "builtin:huge"}, "body.base_model"),
             ({"unknown": 1}, "body.unknown"),
         ],

@@ -15,7 +15,9 @@ Per-token policy term by `loss_type` (TRL 1.16's names and definitions):
                                        (k, lambda by the sign of A, https://arxiv.org/abs/2602.10693)
 
 Then, in this order: the off-policy sequence mask and the high-entropy token mask multiply the
-policy term, beta * KL_t is added, and the per-token loss is aggregated:
+policy term, beta * KL_t is added (times r, differentiable, with `use_bias_correction_kl`: the
+unbiased reverse-KL gradient of DeepSeek-V3.2, https://arxiv.org/abs/2512.02556), and the per-token
+loss is aggregated:
 
     grpo, sapo          mean over each sequence's tokens, then mean over sequences (DeepSeekMath)
     bnpo                token mean over the mini-batch
@@ -55,6 +57,7 @@ class LossSettings:
     epsilon: float = 0.2
     epsilon_high: float = 0.2  # resolved: GRPOConfig.clip_high
     beta: float = 0.0
+    use_bias_correction_kl: bool = True
     max_completion_length: int = 256
     importance_sampling_level: ImportanceSamplingLevel = "token"
     delta: float | None = None
@@ -75,6 +78,7 @@ class LossSettings:
             epsilon=config.epsilon,
             epsilon_high=config.clip_high,
             beta=config.beta,
+            use_bias_correction_kl=config.use_bias_correction_kl,
             max_completion_length=config.max_completion_length,
             importance_sampling_level=config.importance_sampling_level,
             delta=config.delta,
@@ -219,6 +223,7 @@ def grpo_loss(
         log_weight = log_ratio  # (B, C)
     ratio = torch.exp(log_weight)  # (B, C), or (B, 1) at sequence level
     adv = advantages.to(logps.dtype).unsqueeze(1)  # (B, 1): the sequence's advantage on every token
+    kl_weight = ratio  # the bias correction's factor: the ratio before delta's cap (as TRL)
     stats: dict[str, float] = {}
 
     # --- per-token policy term ---------------------------------------------------------------------
@@ -266,6 +271,8 @@ def grpo_loss(
     kl: Tensor | None = None
     if ref_logps is not None:
         kl = k3_kl(logps, torch.where(keep, ref_logps, logps.detach()))  # (B, C), 0 where masked
+        if s.use_bias_correction_kl:
+            kl = kl * kl_weight  # (B, C); a sequence-level (B, 1) ratio on each of its tokens
         if s.beta > 0:
             per_token = per_token + s.beta * kl  # added per token, before aggregation (as TRL)
     stats["kl"] = 0.0 if kl is None else _masked_mean(kl.detach(), mask)

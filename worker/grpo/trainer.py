@@ -247,17 +247,17 @@ class GRPOTrainer:
             old_logps = self._old_logps(first.rollout, reference)
             final = pending.result()
             generated, in_loss = [final], torch.ones(len(final.rows), dtype=torch.bool)
-        advantages = self._advantages(final)  # (N,)
+        advantages = self._advantages(final, in_loss)  # (N,), 0 outside the loss
         loss_mask = loss_mask_for(
             final.rollout, in_loss, mask_truncated=self.config.mask_truncated_completions
         )
-        advantages = advantages.to(loss_mask.device) * in_loss.repeat_interleave(
-            self.config.num_generations
-        ).to(loss_mask.device)
+        advantages = advantages.to(loss_mask.device)
         return StepBatch(final, advantages, loss_mask, old_logps, reference, generated)
 
-    def _advantages(self, scored: Scored) -> Tensor:
-        """(N,) group-relative advantages of the scored completions, one reward or several."""
+    def _advantages(self, scored: Scored, in_loss: Tensor) -> Tensor:
+        """(N,) group-relative advantages of the scored completions, one reward or several; groups
+        outside the loss (in_loss (num_groups,) false: dynamic sampling's fillers) get 0 and stay
+        out of the batch-wide statistics."""
         config = self.config
         if config.multi_objective_aggregation == "normalize_then_sum":
             per_source = torch.tensor(
@@ -266,7 +266,12 @@ class GRPOTrainer:
             ).T  # (N, F)
             weights = torch.tensor([weight for _, weight in self.reward.sources], dtype=torch.float32)  # (F,)
             return decoupled_advantages(
-                per_source, weights, config.num_generations, std=config.advantage_std, eps=config.advantage_eps
+                per_source,
+                weights,
+                config.num_generations,
+                std=config.advantage_std,
+                eps=config.advantage_eps,
+                in_batch=in_loss,
             )
         advantages, _ = group_advantages(
             scored.rewards,
@@ -274,6 +279,7 @@ class GRPOTrainer:
             scale=config.scale_rewards,
             std=config.advantage_std,
             eps=config.advantage_eps,
+            in_batch=in_loss,
         )
         return advantages
 
