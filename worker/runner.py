@@ -192,6 +192,11 @@ class JobRunner:
 
     def _train(self, claim: Claim, heartbeat: Heartbeat, workdir: Path) -> TrainResult:
         context = with_db_retry(lambda: self._load_context(claim))
+        if context.spec.hyperparameters.use_vllm:
+            from worker.grpo.vllm_rollout import VLLMUnavailable, vllm_installed  # imports torch
+
+            if not vllm_installed():
+                raise JobFailure("vllm_unavailable", str(VLLMUnavailable()))
         train_rows = self._load_rows(context.dataset_key, workdir / "train.jsonl")
         eval_rows = None
         if context.eval_dataset_key is not None:

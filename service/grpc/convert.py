@@ -46,6 +46,7 @@ NONE_FLAGS = {
     "disable_grad_clipping": "max_grad_norm",
     "unlimited_prompt_length": "max_prompt_length",
     "keep_all_checkpoints": "save_total_limit",
+    "vllm_importance_sampling_no_clip_max": "vllm_importance_sampling_clip_max",
 }
 ALL_LINEAR = "all-linear"
 BUILTIN_REWARDS = ("boxed_answer", "exact_match", "regex_match", "length_penalty")

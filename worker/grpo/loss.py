@@ -172,6 +172,7 @@ def grpo_loss(
     num_mini_batches: int = 1,
     entropies: Tensor | None = None,
     entropy_coef: float = 0.0,
+    is_weights: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """Scalar loss for one mini-batch (ready for backward) and detached statistics.
 
@@ -185,6 +186,8 @@ def grpo_loss(
     entropies: (B, C) per-token entropy of the current policy, needed for the high-entropy mask
         and the entropy bonus (with grad for the bonus). entropy_coef: the bonus's coefficient now
         (the adaptive controller's value, or 0 while it holds the bonus off).
+    is_weights: (B, C) or (B, 1) detached importance-sampling weights pi_old / pi_sampler when another
+        engine sampled the batch (worker.grpo.sampling_correction); they scale the policy term, not the KL.
 
     Stats (means over masked tokens, or over sequences at sequence level): kl, ratio_mean;
     clip_ratio/low (A < 0 and r < 1 - eps), clip_ratio/high (A > 0 and r > 1 + eps_high),
@@ -261,6 +264,8 @@ def grpo_loss(
         policy = policy * token_keep
         bonus_mask = mask * token_keep
         stats["entropy_mask/kept_fraction"] = float(token_keep.sum() / mask.sum().clamp(min=1.0))
+    if is_weights is not None:
+        policy = policy * is_weights  # the sampler's distribution, corrected towards pi_old (as TRL)
     per_token = policy.expand_as(logps)  # (B, C): a sequence-level term is the same on each token
 
     kl: Tensor | None = None
