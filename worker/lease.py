@@ -38,7 +38,6 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import TypeVar
 
-from sqlalchemy import delete, or_, select, update
 from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 from sqlalchemy.orm import Session
 from tenacity import (
@@ -50,7 +49,8 @@ from tenacity import (
 )
 
 from service.checkpoints.models import Checkpoint
-from service.jobs.models import Job, JobEvent, JobMetric, JobSample
+from service.jobs import repository
+from service.jobs.models import JobEvent
 from service.jobs.states import JobStatus, transition
 from service.kit.db import session_scope, utcnow
 
@@ -112,28 +112,14 @@ def _lease_end(lease_seconds: int, now: datetime | None = None) -> datetime:
 def claim_job(session: Session, job_id: str, worker_id: str, lease_seconds: int) -> Claim | None:
     """Take ownership of `job_id` for a new attempt, or return None (duplicate delivery). Never commits."""
     now = utcnow()
-    claimable = or_(
-        Job.status == JobStatus.queued.value,
-        (Job.status == JobStatus.running.value) & (Job.lease_until < now),
-    )
-    result = session.execute(
-        update(Job)
-        .where(Job.id == job_id, claimable)
-        .values(
-            attempt=Job.attempt + 1,
-            lease_until=_lease_end(lease_seconds, now),
-            worker_id=worker_id,
-            updated_at=now,
-            version=Job.version + 1,
-        )
-        .execution_options(synchronize_session=False)
-    )
-    if result.rowcount != 1:  # type: ignore[attr-defined]
+    if not repository.claim_row(session, job_id, worker_id, now=now, lease_until=_lease_end(lease_seconds, now)):
         return None
-    job = session.execute(select(Job).where(Job.id == job_id).execution_options(populate_existing=True)).scalar_one()
+    job = repository.get_job_any_tenant(session, job_id, refresh=True)
+    if job is None:  # cannot happen: the claim's UPDATE holds the row until this transaction ends
+        raise RuntimeError(f"job {job_id!r} vanished under its claim")
     checkpoint = latest_checkpoint(session, job_id)
     resume_step = checkpoint.step if checkpoint is not None else 0
-    _discard_steps_after(session, job_id, resume_step, attempt=job.attempt)
+    repository.discard_steps_after(session, job_id, resume_step, attempt=job.attempt)
     job.current_step = resume_step
     job.resume_checkpoint_id = checkpoint.id if checkpoint is not None else None
     job.error_code = None
@@ -151,38 +137,18 @@ def claim_job(session: Session, job_id: str, worker_id: str, lease_seconds: int)
 
 
 def latest_checkpoint(session: Session, job_id: str, *, before_step: int | None = None) -> Checkpoint | None:
-    query = select(Checkpoint).where(Checkpoint.job_id == job_id)
-    if before_step is not None:
-        query = query.where(Checkpoint.step < before_step)
-    return session.execute(query.order_by(Checkpoint.step.desc()).limit(1)).scalar_one_or_none()
-
-
-def _discard_steps_after(session: Session, job_id: str, step: int, *, attempt: int) -> None:
-    """Forget what a dead attempt recorded after the step the new attempt resumes from.
-
-    Its events for those steps stay in the log, marked superseded (the new attempt writes its own).
-    """
-    session.execute(
-        update(JobEvent)
-        .where(JobEvent.job_id == job_id, JobEvent.step > step, JobEvent.attempt < attempt)
-        .values(superseded=True)
-        .execution_options(synchronize_session=False)
-    )
-    session.execute(delete(JobMetric).where(JobMetric.job_id == job_id, JobMetric.step > step))
-    session.execute(delete(JobSample).where(JobSample.job_id == job_id, JobSample.step > step))
-    session.execute(delete(Checkpoint).where(Checkpoint.job_id == job_id, Checkpoint.step > step))
+    return repository.latest_checkpoint(session, job_id, before_step=before_step)
 
 
 def rewind_to(session: Session, claim: Claim, checkpoint: Checkpoint | None) -> None:
-    """Resume from an older checkpoint than the claim chose (the newer one failed verification). Fenced."""
+    """Resume from an older checkpoint than the claim chose (the newer one failed verification). Fenced.
+
+    What the dead attempts recorded after that step is forgotten (repository.discard_steps_after).
+    """
     fence(session, claim)
     step = checkpoint.step if checkpoint is not None else 0
-    _discard_steps_after(session, claim.job_id, step, attempt=claim.attempt)
-    session.execute(
-        update(Job).where(Job.id == claim.job_id).values(
-            current_step=step, resume_checkpoint_id=checkpoint.id if checkpoint is not None else None
-        )
-    )
+    repository.discard_steps_after(session, claim.job_id, step, attempt=claim.attempt)
+    repository.set_resume_point(session, claim.job_id, step, checkpoint.id if checkpoint is not None else None)
 
 
 # --- fencing -----------------------------------------------------------------------------------
@@ -193,13 +159,7 @@ def fence(session: Session, claim: Claim) -> None:
 
     Call first in the transaction; the row stays locked until the transaction ends.
     """
-    result = session.execute(
-        update(Job)
-        .where(Job.id == claim.job_id, Job.attempt == claim.attempt, Job.status.in_(OWNED_STATES))
-        .values(lease_until=_lease_end(claim.lease_seconds))
-        .execution_options(synchronize_session=False)
-    )
-    if result.rowcount != 1:  # type: ignore[attr-defined]
+    if not repository.renew_lease(session, claim.job_id, claim.attempt, _lease_end(claim.lease_seconds)):
         raise LeaseLost(claim.job_id, claim.attempt)
 
 

@@ -43,16 +43,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import select
-
 from contract.reward_types import RewardError, RewardUnavailable
 from contract.spec import JobSpec, ModelRewardSpec, RemoteRewardSpec
 from outbound.urlpolicy import UrlRejected, check_url_syntax
+from service.checkpoints import repository as checkpoints_repository
 from service.checkpoints.models import Checkpoint
 from service.checkpoints.service import new_checkpoint_id
-from service.datasets.models import Dataset
+from service.jobs import repository
 from service.jobs.model_sources import BUILTIN_PREFIX, ModelSourceKind, ModelSourcePolicy
-from service.jobs.models import Job
 from service.jobs.schemas import SampleIn
 from service.jobs.states import JobStatus
 from service.kit.config import Settings, get_settings
@@ -248,22 +246,15 @@ class JobRunner:
 
     def _load_context(self, claim: Claim) -> JobContext:
         with session_scope() as session:
-            job = session.execute(select(Job).where(Job.id == claim.job_id)).scalar_one()
+            job = repository.get_job_any_tenant(session, claim.job_id)
+            if job is None:
+                raise LeaseLost(claim.job_id, claim.attempt)  # deleted: only a finished job can be
             spec = JobSpec.model_validate(job.spec)
-            datasets = {
-                d.id: d.storage_key
-                for d in session.scalars(select(Dataset).where(
-                    Dataset.tenant_id == job.tenant_id,
-                    Dataset.id.in_([spec.train_dataset, spec.eval_dataset or spec.train_dataset,
-                                    spec.retain_dataset or spec.train_dataset]),
-                ))
-            }
+            datasets = repository.live_dataset_keys(session, job.tenant_id, [
+                spec.train_dataset, spec.eval_dataset or spec.train_dataset, spec.retain_dataset or spec.train_dataset
+            ])
             remote_ids = [r.reward_function_id for r in spec.rewards if isinstance(r, RemoteRewardSpec)]
-            functions = {
-                f.id: f for f in session.scalars(select(RewardFunction).where(
-                    RewardFunction.tenant_id == job.tenant_id, RewardFunction.id.in_(remote_ids)
-                ))
-            }
+            functions = repository.live_reward_functions(session, job.tenant_id, remote_ids)
             session.expunge_all()
         if spec.train_dataset not in datasets:
             raise JobFailure("dataset_missing", f"train_dataset {spec.train_dataset!r} no longer exists")
@@ -311,9 +302,7 @@ class JobRunner:
 
     def _fetch_tenant_checkpoint(self, context: JobContext, field: str, checkpoint_id: str, directory: Path) -> Path:
         with session_scope() as session:
-            checkpoint = session.execute(select(Checkpoint).where(
-                Checkpoint.id == checkpoint_id, Checkpoint.tenant_id == context.tenant_id
-            )).scalar_one_or_none()
+            checkpoint = checkpoints_repository.get(session, context.tenant_id, checkpoint_id)
             if checkpoint is not None:
                 session.expunge(checkpoint)
         if checkpoint is None:
