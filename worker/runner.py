@@ -63,11 +63,13 @@ from worker import reporting
 from worker.lease import (
     OWNED_STATES,
     Claim,
+    ClaimLimits,
     Heartbeat,
     LeaseLost,
-    claim_job,
+    claim_next,
     latest_checkpoint,
     rewind_to,
+    wake_waiting_jobs,
     with_db_retry,
 )
 from worker.model_sources import ModelUnavailable, check_hub_size, check_source
@@ -127,11 +129,15 @@ class JobRunner:
 
     def run(self) -> str:
         """"duplicate" when the claim was refused, "lease_lost" when a newer attempt took over,
-        else the job's final state for this attempt."""
+        else the job's final state for this attempt.
+
+        The job run is the fair choice of this job's queue (worker.lease.claim_next): `job_id` afterwards."""
         claim = with_db_retry(self._claim)
         if claim is None:
-            log.info("job %s: not claimable (duplicate delivery, finished, paused or cancelled)", self.job_id)
+            log.info("job %s: not claimable, nor any other job of its queue (duplicate delivery, finished, paused, "
+                     "cancelled, or every queued job waits for its tenant's quota)", self.job_id)
             return "duplicate"
+        self.job_id = claim.job_id
         log.info("job %s: attempt %d claimed by %s, resuming at step %d",
                  self.job_id, claim.attempt, self.worker_id, claim.resume_step)
         workdir = Path(self.settings.data_dir) / "work" / self.job_id / f"attempt-{claim.attempt}"
@@ -143,10 +149,12 @@ class JobRunner:
             return "lease_lost"
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
+            wake_waiting_jobs()
 
     def _claim(self) -> Claim | None:
+        limits = ClaimLimits(self.settings.quota_max_running_jobs, self.settings.quota_max_devices)
         with session_scope() as session:
-            return claim_job(session, self.job_id, self.worker_id, self.settings.lease_seconds)
+            return claim_next(session, self.job_id, self.worker_id, self.settings.lease_seconds, limits)
 
     def _run_claimed(self, claim: Claim, heartbeat: Heartbeat, workdir: Path) -> JobStatus:
         try:

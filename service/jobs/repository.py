@@ -7,7 +7,7 @@ from datetime import datetime
 from functools import lru_cache
 from typing import Any, NamedTuple
 
-from sqlalchemy import Integer, Select, bindparam, delete, exists, func, or_, select, update
+from sqlalchemy import Integer, Select, bindparam, delete, exists, func, literal, or_, select, text, update
 from sqlalchemy.orm import Session
 
 from service.checkpoints.models import Checkpoint
@@ -16,6 +16,7 @@ from service.jobs.model_sources import CHECKPOINT_PREFIX
 from service.jobs.models import IdempotencyKey, Job, JobEvent, JobMetric, JobSample
 from service.jobs.states import UNFINISHED, WORKER_OWNED, JobStatus
 from service.kit.reads import Reads, one_or_none
+from service.quotas.models import TenantQuota
 from service.rewards.models import RewardFunction
 
 
@@ -262,6 +263,87 @@ def claim_row(session: Session, job_id: str, worker_id: str, *, now: datetime, l
         .execution_options(synchronize_session=False)
     )
     return bool(result.rowcount == 1)  # type: ignore[attr-defined]
+
+
+def claim_target(session: Session, job_id: str) -> tuple[str, str, datetime | None] | None:
+    """(status, queue, lease_until) of the job a delivery names."""
+    row = session.execute(select(Job.status, Job.queue, Job.lease_until).where(Job.id == job_id)).one_or_none()
+    return None if row is None else (row.status, row.queue, row.lease_until)
+
+
+def lock_claims(session: Session, queue: str) -> None:
+    """Serialise fair claims of `queue` until the transaction ends, so two workers choosing at once do not both
+    count a tenant's running jobs before either claim commits. PostgreSQL: a transaction-level advisory lock
+    per queue; SQLite: a write that matches no row takes the database's write lock."""
+    if session.get_bind().dialect.name == "postgresql":
+        session.execute(select(func.pg_advisory_xact_lock(func.hashtext("grpo.claim." + queue))))
+    else:
+        session.execute(text("UPDATE jobs SET queue = queue WHERE 1 = 0"))
+
+
+def next_fair_job(
+    session: Session, queue: str, *, default_max_running: int | None, default_max_devices: int | None
+) -> str | None:
+    """The queued job of `queue` that a free worker should run next, or None when nothing queued may start.
+
+    Among tenants with a queued job in `queue` and still under their running-jobs and devices quotas: the
+    tenant with the fewest running jobs (in any queue); between equals, the one served least recently (its
+    latest job start; never served first), then the one waiting longest. Of that tenant's queued jobs: the
+    highest priority, then the oldest. Priority orders a tenant's own jobs only, so it cannot buy a tenant a
+    place ahead of others."""
+    waiting = (
+        select(Job.tenant_id.label("tenant_id"), func.min(Job.created_at).label("waiting_since"))
+        .where(Job.status == JobStatus.queued.value, Job.queue == queue)
+        .group_by(Job.tenant_id)
+        .subquery()
+    )
+    owned = Job.status.in_(_OWNED)
+    load = (
+        select(
+            Job.tenant_id.label("tenant_id"),
+            func.count().filter(owned).label("running"),
+            func.coalesce(func.sum(Job.devices).filter(owned), 0).label("devices"),
+            func.max(Job.started_at).label("last_started"),
+        )
+        .where(Job.tenant_id.in_(select(waiting.c.tenant_id)))
+        .group_by(Job.tenant_id)
+        .subquery()
+    )
+    max_running = func.coalesce(TenantQuota.max_running_jobs, literal(default_max_running, Integer))
+    max_devices = func.coalesce(TenantQuota.max_devices, literal(default_max_devices, Integer))
+    stmt = (
+        select(Job.id)
+        .join(waiting, waiting.c.tenant_id == Job.tenant_id)
+        .join(load, load.c.tenant_id == Job.tenant_id)
+        .outerjoin(TenantQuota, TenantQuota.tenant_id == Job.tenant_id)
+        .where(
+            Job.status == JobStatus.queued.value,
+            Job.queue == queue,
+            or_(max_running.is_(None), load.c.running < max_running),
+            or_(max_devices.is_(None), load.c.devices + Job.devices <= max_devices),
+        )
+        .order_by(
+            load.c.running,
+            load.c.last_started.asc().nulls_first(),
+            waiting.c.waiting_since,
+            Job.tenant_id,
+            Job.priority.desc(),
+            Job.created_at,
+            Job.id,
+        )
+        .limit(1)
+    )
+    return session.scalar(stmt)
+
+
+def oldest_queued_per_queue(session: Session) -> dict[str, str]:
+    """{queue: id of its oldest queued job} for every queue with a queued job."""
+    stmt = (
+        select(Job.queue, func.min(Job.id).label("job_id"))
+        .where(Job.status == JobStatus.queued.value)
+        .group_by(Job.queue)
+    )
+    return {row.queue: row.job_id for row in session.execute(stmt)}
 
 
 def renew_lease(session: Session, job_id: str, attempt: int, lease_until: datetime) -> bool:

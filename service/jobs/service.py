@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 
 def create_job(session: Session, tenant_id: str, spec: JobSpec, queue: JobQueue) -> Job:
     """Validate what the spec refers to, insert the job `queued`, and enqueue it once committed."""
+    devices = job_devices(spec)
     check_references(session, tenant_id, spec)
     now = utcnow()
     job = Job(
@@ -50,6 +51,7 @@ def create_job(session: Session, tenant_id: str, spec: JobSpec, queue: JobQueue)
         train_dataset_id=spec.train_dataset,
         eval_dataset_id=spec.eval_dataset,
         queue=queue_for(spec),
+        devices=devices,
         metadata_=dict(spec.metadata),
         current_step=0,
         total_steps=spec.hyperparameters.max_steps,
@@ -81,8 +83,21 @@ def queue_for(spec: JobSpec) -> str:
     return "cpu" if spec.base_model.startswith("builtin:") else "gpu"
 
 
+def job_devices(spec: JobSpec) -> int:
+    """Devices the job occupies while it runs: what the max_devices quota counts."""
+    return 1
+
+
 def enqueue_after_commit(session: Session, job: Job, queue: JobQueue) -> None:
     on_commit(session, partial(send_job_logged, queue, job.id, job.queue))
+
+
+def enqueue_waiting(session: Session, queue: JobQueue) -> None:
+    """Once committed, send one delivery to every queue with a queued job (naming its oldest): a job held back
+    by its tenant's running or devices quota had its own message consumed by a claim that could not start it.
+    A delivery that finds nothing it may start returns at once (worker/lease.py)."""
+    for queue_name, job_id in repository.oldest_queued_per_queue(session).items():
+        on_commit(session, partial(send_job_logged, queue, job_id, queue_name))
 
 
 def check_references(session: Session, tenant_id: str, spec: JobSpec) -> None:

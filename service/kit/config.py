@@ -96,6 +96,18 @@ class Settings(BaseSettings):
         "reach (gc.freeze) while serving: its full collections then pause the event loop for milliseconds, not "
         "the 60-90 ms measured without.",
     )
+    quota_max_running_jobs: int | None = Field(
+        None,
+        ge=0,
+        description="Jobs a tenant may have running at once (None = no limit); more wait `queued`. Per-tenant "
+        "overrides: `grpo admin quotas`, PUT /v1/admin/tenants/{id}/quotas.",
+    )
+    quota_max_devices: int | None = Field(
+        None,
+        ge=0,
+        description="Devices a tenant's running jobs may occupy together (None = no limit); a job waits `queued` "
+        "until its devices fit, and one that alone needs more is refused (409 `quota_exceeded`).",
+    )
     log_json: bool = Field(False, description="Structured JSON logs.")
     tensorboard: bool = Field(
         False,
