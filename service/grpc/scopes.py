@@ -47,6 +47,10 @@ _SERVICES: dict[str, dict[str, Scope]] = {
         "RotateRewardFunctionSecret": "write",
         "TestRewardFunction": "write",  # calls the user's endpoint
     },
+    "grpo.v1.QuotaService": {
+        "GetTenantQuotas": "admin",
+        "SetTenantQuotas": "admin",
+    },
     "grpo.v1.ApiKeyService": {
         "CreateApiKey": "admin",
         "ListApiKeys": "admin",

@@ -28,6 +28,7 @@ from service.kit.errors import Conflict, IllegalTransition, NotFound, Validation
 from service.kit.ids import new_id
 from service.kit.queue import JobQueue, send_job_logged
 from service.kit.reads import Reads
+from service.quotas import service as quotas
 from service.storage import Storage, job_prefix
 
 log = logging.getLogger(__name__)
@@ -37,8 +38,10 @@ log = logging.getLogger(__name__)
 
 
 def create_job(session: Session, tenant_id: str, spec: JobSpec, queue: JobQueue) -> Job:
-    """Validate what the spec refers to, insert the job `queued`, and enqueue it once committed."""
+    """Check the tenant's quotas and what the spec refers to, insert the job `queued`, and enqueue it once
+    committed."""
     devices = job_devices(spec)
+    quotas.check_can_queue(session, tenant_id, devices)
     check_references(session, tenant_id, spec)
     now = utcnow()
     job = Job(
@@ -313,6 +316,7 @@ def resume_job(session: Session, tenant_id: str, job_id: str, queue: JobQueue) -
             f"job {job.id!r} is {job.status}: only a paused job can be resumed",
             details={"current_status": job.status, "requested_status": JobStatus.queued.value},
         )
+    quotas.check_can_queue(session, tenant_id, job.devices)
     job.resume_checkpoint_id = repository.latest_checkpoint_id(session, job.id) or job.resume_checkpoint_id
     transition(
         session, job, JobStatus.queued, reason="resumed", data={"checkpoint_id": job.resume_checkpoint_id}

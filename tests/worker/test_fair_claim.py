@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from datetime import timedelta
 
-import pytest
 from sqlalchemy import select, update
 
 from service.jobs.models import Job
