@@ -55,6 +55,7 @@ def create_job(session: Session, tenant_id: str, spec: JobSpec, queue: JobQueue)
         eval_dataset_id=spec.eval_dataset,
         queue=queue_for(spec),
         devices=devices,
+        priority=spec.priority,
         metadata_=dict(spec.metadata),
         current_step=0,
         total_steps=spec.hyperparameters.max_steps,

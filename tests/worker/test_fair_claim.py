@@ -10,13 +10,15 @@ from datetime import timedelta
 
 from sqlalchemy import select, update
 
+from contract.spec import JobSpec
+from service.jobs import service as jobs_service
 from service.jobs.models import Job
 from service.jobs.states import JobStatus
 from service.kit.config import Settings
 from service.kit.db import session_scope, utcnow
 from service.quotas.models import TenantQuota
 from tests.service.factories import TenantHeaders
-from tests.worker.conftest import insert_job
+from tests.worker.conftest import RecordingQueue, insert_dataset, insert_job, tiny_spec
 from worker import reporting
 from worker.lease import Claim, ClaimLimits, claim_next
 
@@ -107,6 +109,19 @@ class TestFairChoice:
         _set(a2, priority=100)
         second = _deliver(a1)
         assert second is not None and second.job_id == b1  # a priority does not jump the tenants' turns
+
+    def test_the_specs_priority_is_what_the_claim_orders_by(self, settings: Settings, tenant_a: TenantHeaders) -> None:
+        with session_scope() as session:
+            dataset_id = insert_dataset(session, tenant_a.tenant_id)
+            low, high = (
+                jobs_service.create_job(
+                    session, tenant_a.tenant_id, JobSpec.model_validate({**tiny_spec(dataset_id), "priority": p}),
+                    RecordingQueue(),
+                ).id
+                for p in (0, 7)
+            )
+        claim = _deliver(low)
+        assert claim is not None and claim.job_id == high
 
     def test_delivery_for_a_cancelled_job_starts_the_fair_choice(
         self, settings: Settings, tenant_a: TenantHeaders
