@@ -1,18 +1,8 @@
-"""`grpo admin ...`: tenants and API keys (on an already migrated database: run `grpo migrate` first)."""
+"""`grpo admin ...`: tenants, API keys and quotas (on an already migrated database: run `grpo migrate` first)."""
 
 from __future__ import annotations
 
 import typer
-from pydantic import ValidationError
-
-from service.grpc.errors import from_validation_error
-from service.kit.db import session_scope
-from service.kit.errors import DomainError
-from service.kit.queue import get_job_queue
-from service.quotas import admin as quota_admin
-from service.quotas import service as quota_service
-from service.quotas.schemas import QUOTA_NAMES, QuotaLimits
-from service.tenants import service as tenants
 
 app = typer.Typer(help="Administration: tenants, API keys and quotas.", no_args_is_help=True)
 
@@ -20,6 +10,10 @@ app = typer.Typer(help="Administration: tenants, API keys and quotas.", no_args_
 @app.command("create-tenant")
 def create_tenant(name: str = typer.Argument(..., help="Unique tenant name.")) -> None:
     """Create a tenant and print its id and a first API key (shown once)."""
+    from service.kit.db import session_scope
+    from service.kit.errors import DomainError
+    from service.tenants import service as tenants
+
     try:
         with session_scope() as session:
             tenant = tenants.create_tenant(session, name)
@@ -35,6 +29,10 @@ def create_tenant(name: str = typer.Argument(..., help="Unique tenant name.")) -
 @app.command("create-key")
 def create_key(tenant: str = typer.Argument(..., help="Tenant name or id.")) -> None:
     """Create a new API key for an existing tenant and print it (shown once)."""
+    from service.kit.db import session_scope
+    from service.kit.errors import DomainError
+    from service.tenants import service as tenants
+
     try:
         with session_scope() as session:
             row = tenants.find_tenant(session, tenant)
@@ -69,6 +67,17 @@ def quotas_command(
     max_dataset_storage_bytes: str | None = typer.Option(None, help=f"Total dataset bytes. {_QUOTA_HELP}"),
 ) -> None:
     """Show a tenant's quotas (limits, overrides, use); with options, change its overrides first."""
+    from pydantic import ValidationError
+
+    from service.grpc.errors import from_validation_error
+    from service.kit.db import session_scope
+    from service.kit.errors import DomainError
+    from service.kit.queue import get_job_queue
+    from service.quotas import admin as quota_admin
+    from service.quotas import service as quota_service
+    from service.quotas.schemas import QUOTA_NAMES, QuotaLimits
+    from service.tenants import service as tenants
+
     changes = {
         "max_running_jobs": max_running_jobs,
         "max_queued_jobs": max_queued_jobs,

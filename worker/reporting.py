@@ -20,6 +20,7 @@ from sqlalchemy.orm import Session
 from service.checkpoints import service as checkpoints
 from service.checkpoints.models import Checkpoint
 from service.jobs import progress, repository
+from service.jobs.repository import JobControl
 from service.jobs.schemas import SampleIn
 from service.jobs.states import JobStatus
 from service.storage import get_storage
@@ -112,10 +113,9 @@ def finish(
     return _fenced(claim, work)
 
 
-def read_control(job_id: str) -> tuple[str, bool, int] | None:
-    """(status, pause_requested, attempt) of the job, read without a lock; None if it is gone."""
+def read_control(job_id: str) -> JobControl | None:
+    """The job's status, pause request and owning attempt, read without a lock; None if it is gone."""
     from service.kit.db import session_scope
 
     with session_scope() as session:
-        control = repository.job_control(session, job_id)
-    return None if control is None else (control.status, control.pause_requested, control.attempt)
+        return repository.job_control(session, job_id)
