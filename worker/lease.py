@@ -17,8 +17,8 @@ starts at most one. When Y ran in X's stead, Y's own message later finds X (or w
 or nothing: a delivery that finds nothing claimable returns quietly. Duplicates, redeliveries and the reaper's
 re-sends are therefore harmless, and the order holds with any number of workers and either broker, because it
 is decided by the rows at claim time, not by the order of messages. A job left waiting by its tenant's running
-quota gets a new message when one of its tenant's jobs finishes (worker.runner wakes every queue with a
-queued job) or when an operator raises the quota; the reaper's re-send of stale queued jobs is the backstop.
+quota gets a new message when one of its tenant's jobs ends (`wake_waiting_jobs`) or when an operator raises
+the quota; the reaper's re-send of stale queued jobs is the backstop.
 
 The claim itself is one conditional UPDATE:
 
@@ -213,12 +213,14 @@ def rewind_to(session: Session, claim: Claim, checkpoint: Checkpoint | None) -> 
     repository.set_resume_point(session, claim.job_id, step, checkpoint.id if checkpoint is not None else None)
 
 
-def wake_waiting_jobs() -> None:
-    """Send one delivery to every queue with a queued job: a job held back by its tenant's quota had its own
-    message consumed by a claim that found nothing it could start. Surplus deliveries find nothing and return."""
+def wake_waiting_jobs(job_id: str) -> None:
+    """After an attempt of `job_id` ends: deliveries for its tenant's queued jobs, which its running-jobs or
+    devices quota may have held back (jobs_service.enqueue_waiting). Surplus deliveries find nothing and return."""
     try:
         with session_scope() as session:
-            jobs_service.enqueue_waiting(session, get_job_queue())
+            job = repository.get_job_any_tenant(session, job_id)
+            if job is not None:
+                jobs_service.enqueue_waiting(session, job.tenant_id, get_job_queue())
     except Exception:
         log.warning("could not look for waiting jobs; the reaper re-sends them", exc_info=True)
 

@@ -150,7 +150,7 @@ class JobRunner:
             return "lease_lost"
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
-            wake_waiting_jobs()
+            wake_waiting_jobs(claim.job_id)
 
     def _claim(self) -> Claim | None:
         limits = ClaimLimits(self.settings.quota_max_running_jobs, self.settings.quota_max_devices)

@@ -336,11 +336,11 @@ def next_fair_job(
     return session.scalar(stmt)
 
 
-def oldest_queued_per_queue(session: Session) -> dict[str, str]:
-    """{queue: id of its oldest queued job} for every queue with a queued job."""
+def oldest_queued_per_queue(session: Session, tenant_id: str) -> dict[str, str]:
+    """{queue: id of the tenant's oldest queued job in it} for every queue where the tenant has one."""
     stmt = (
         select(Job.queue, func.min(Job.id).label("job_id"))
-        .where(Job.status == JobStatus.queued.value)
+        .where(Job.tenant_id == tenant_id, Job.status == JobStatus.queued.value)
         .group_by(Job.queue)
     )
     return {row.queue: row.job_id for row in session.execute(stmt)}

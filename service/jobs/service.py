@@ -98,11 +98,13 @@ def enqueue_after_commit(session: Session, job: Job, queue: JobQueue) -> None:
     on_commit(session, partial(send_job_logged, queue, job.id, job.queue))
 
 
-def enqueue_waiting(session: Session, queue: JobQueue) -> None:
-    """Once committed, send one delivery to every queue with a queued job (naming its oldest): a job held back
-    by its tenant's running or devices quota had its own message consumed by a claim that could not start it.
-    A delivery that finds nothing it may start returns at once (worker/lease.py)."""
-    for queue_name, job_id in repository.oldest_queued_per_queue(session).items():
+def enqueue_waiting(session: Session, tenant_id: str, queue: JobQueue) -> None:
+    """Once committed, send one delivery to every queue where the tenant has a queued job (naming its oldest).
+
+    For when the tenant's running jobs or devices go down, or its quota goes up: a job held back by that quota
+    had its own message consumed by a claim that could not start it. A delivery that finds nothing it may
+    start returns at once (worker/lease.py)."""
+    for queue_name, job_id in repository.oldest_queued_per_queue(session, tenant_id).items():
         on_commit(session, partial(send_job_logged, queue, job_id, queue_name))
 
 

@@ -52,5 +52,5 @@ def write_quotas(
             details={"tenant_id": tenant_id},
         )
     result = quotas.set_overrides(session, tenant_id, overrides)
-    jobs_service.enqueue_waiting(session, queue)
+    jobs_service.enqueue_waiting(session, tenant_id, queue)
     return result
