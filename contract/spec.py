@@ -247,6 +247,13 @@ class JobSpec(BaseModel):
     rewards: list[RewardSpec] = Field(min_length=1, max_length=16)
     hyperparameters: GRPOConfig
     lora: LoraConfig | None = Field(None, description="Shorthand for hyperparameters.lora.")
+    priority: int = Field(
+        0,
+        ge=-100,
+        le=100,
+        description="Among your own queued jobs, a higher priority starts first (then the older job). It does "
+        "not move your jobs ahead of other tenants' (see docs/tenancy.md).",
+    )
     metadata: dict[
         Annotated[Text, Field(min_length=1, max_length=MAX_METADATA_KEY_CHARS)],
         Annotated[Text, Field(max_length=MAX_METADATA_VALUE_CHARS)],

@@ -27,6 +27,7 @@ from service.observability.middleware import PrometheusMiddleware
 from service.openai import errors as openai_errors
 from service.openai.endpoints import router as openai_router
 from service.ops.endpoints import router as ops_router
+from service.quotas.endpoints import router as quotas_router
 from service.rewards.endpoints import router as rewards_router
 from service.webhooks.endpoints import router as webhooks_router
 
@@ -131,6 +132,7 @@ def create_app() -> FastAPI:
     app.include_router(rewards_router, prefix="/v1")
     app.include_router(checkpoints_router, prefix="/v1")
     app.include_router(webhooks_router, prefix="/v1")
+    app.include_router(quotas_router, prefix="/v1")
     app.include_router(metrics_router)
     # The OpenAI-compatible door (docs/openai.md): OpenAI's shapes over the same domain services.
     app.include_router(openai_router, prefix=openai_errors.PREFIX)

@@ -13,16 +13,14 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 
 from service.checkpoints import service as checkpoints
 from service.checkpoints.models import Checkpoint
-from service.jobs import progress
-from service.jobs.models import Job, JobSample
+from service.jobs import progress, repository
+from service.jobs.repository import JobControl
 from service.jobs.schemas import SampleIn
 from service.jobs.states import JobStatus
 from service.storage import get_storage
@@ -50,7 +48,7 @@ def record_step(claim: Claim, step: int, metrics: Mapping[str, float], samples: 
 
     def work(session: Session) -> None:
         progress.record_metrics(session, claim.job_id, claim.attempt, step, values)
-        session.execute(delete(JobSample).where(JobSample.job_id == claim.job_id, JobSample.step == step))
+        repository.delete_step_samples(session, claim.job_id, step)
         if samples:
             progress.record_samples(session, claim.job_id, claim.attempt, step, samples)
 
@@ -102,7 +100,7 @@ def finish(
     """
 
     def work(session: Session) -> JobStatus:
-        status = session.scalar(select(Job.status).where(Job.id == claim.job_id))
+        status = repository.job_status(session, claim.job_id)
         target = to
         if status == JobStatus.cancelling.value and to is not JobStatus.failed:
             target = JobStatus.cancelled
@@ -115,21 +113,9 @@ def finish(
     return _fenced(claim, work)
 
 
-@dataclass(frozen=True)
-class JobControl:
-    """What the runner polls between steps to know whether to go on."""
-
-    status: str  # a JobStatus value
-    pause_requested: bool
-    attempt: int  # the attempt that owns the job
-
-
 def read_control(job_id: str) -> JobControl | None:
     """The job's status, pause request and owning attempt, read without a lock; None if it is gone."""
     from service.kit.db import session_scope
 
     with session_scope() as session:
-        row = session.execute(
-            select(Job.status, Job.pause_requested, Job.attempt).where(Job.id == job_id)
-        ).one_or_none()
-    return None if row is None else JobControl(row[0], bool(row[1]), int(row[2]))
+        return repository.job_control(session, job_id)

@@ -43,16 +43,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import select
-
 from contract.reward_types import RewardError, RewardUnavailable
 from contract.spec import BUILTIN_PREFIX, JobSpec, ModelRewardSpec, RemoteRewardSpec, reward_function_refs
 from outbound.urlpolicy import UrlRejected, check_url_syntax
+from service.checkpoints import repository as checkpoints_repository
 from service.checkpoints.models import Checkpoint
 from service.checkpoints.service import new_checkpoint_id
-from service.datasets.models import Dataset
+from service.jobs import repository
 from service.jobs.model_sources import ModelSourceKind, ModelSourcePolicy
-from service.jobs.models import Job
 from service.jobs.schemas import SampleIn
 from service.jobs.states import JobStatus
 from service.kit.config import Settings, get_settings
@@ -65,11 +63,13 @@ from worker import reporting
 from worker.lease import (
     OWNED_STATES,
     Claim,
+    ClaimLimits,
     Heartbeat,
     LeaseLost,
-    claim_job,
+    claim_next,
     latest_checkpoint,
     rewind_to,
+    wake_waiting_jobs,
     with_db_retry,
 )
 from worker.model_sources import ModelUnavailable, check_hub_size, check_source
@@ -130,11 +130,15 @@ class JobRunner:
 
     def run(self) -> str:
         """"duplicate" when the claim was refused, "lease_lost" when a newer attempt took over,
-        else the job's final state for this attempt."""
+        else the job's final state for this attempt.
+
+        The job run is the fair choice of this job's queue (worker.lease.claim_next): `job_id` afterwards."""
         claim = with_db_retry(self._claim)
         if claim is None:
-            log.info("job %s: not claimable (duplicate delivery, finished, paused or cancelled)", self.job_id)
+            log.info("job %s: not claimable, nor any other job of its queue (duplicate delivery, finished, paused, "
+                     "cancelled, or every queued job waits for its tenant's quota)", self.job_id)
             return "duplicate"
+        self.job_id = claim.job_id
         log.info("job %s: attempt %d claimed by %s, resuming at step %d",
                  self.job_id, claim.attempt, self.worker_id, claim.resume_step)
         workdir = Path(self.settings.data_dir) / "work" / self.job_id / f"attempt-{claim.attempt}"
@@ -146,10 +150,12 @@ class JobRunner:
             return "lease_lost"
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
+            wake_waiting_jobs(claim.job_id)
 
     def _claim(self) -> Claim | None:
+        limits = ClaimLimits(self.settings.quota_max_running_jobs, self.settings.quota_max_devices)
         with session_scope() as session:
-            return claim_job(session, self.job_id, self.worker_id, self.settings.lease_seconds)
+            return claim_next(session, self.job_id, self.worker_id, self.settings.lease_seconds, limits)
 
     def _run_claimed(self, claim: Claim, heartbeat: Heartbeat, workdir: Path) -> JobStatus:
         try:
@@ -254,22 +260,15 @@ class JobRunner:
 
     def _load_context(self, claim: Claim) -> JobContext:
         with session_scope() as session:
-            job = session.execute(select(Job).where(Job.id == claim.job_id)).scalar_one()
+            job = repository.get_job_any_tenant(session, claim.job_id)
+            if job is None:
+                raise LeaseLost(claim.job_id, claim.attempt)  # deleted: only a finished job can be
             spec = JobSpec.model_validate(job.spec)
-            datasets = {
-                d.id: d.storage_key
-                for d in session.scalars(select(Dataset).where(
-                    Dataset.tenant_id == job.tenant_id,
-                    Dataset.id.in_([spec.train_dataset, spec.eval_dataset or spec.train_dataset,
-                                    spec.retain_dataset or spec.train_dataset]),
-                ))
-            }
+            datasets = repository.live_dataset_keys(session, job.tenant_id, [
+                spec.train_dataset, spec.eval_dataset or spec.train_dataset, spec.retain_dataset or spec.train_dataset
+            ])
             remote_ids = [rf_id for _, rf_id in reward_function_refs(spec.rewards)]
-            functions = {
-                f.id: f for f in session.scalars(select(RewardFunction).where(
-                    RewardFunction.tenant_id == job.tenant_id, RewardFunction.id.in_(remote_ids)
-                ))
-            }
+            functions = repository.live_reward_functions(session, job.tenant_id, remote_ids)
             session.expunge_all()
         if spec.train_dataset not in datasets:
             raise JobFailure("dataset_missing", f"train_dataset {spec.train_dataset!r} no longer exists")
@@ -317,9 +316,7 @@ class JobRunner:
 
     def _fetch_tenant_checkpoint(self, context: JobContext, field: str, checkpoint_id: str, directory: Path) -> Path:
         with session_scope() as session:
-            checkpoint = session.execute(select(Checkpoint).where(
-                Checkpoint.id == checkpoint_id, Checkpoint.tenant_id == context.tenant_id
-            )).scalar_one_or_none()
+            checkpoint = checkpoints_repository.get(session, context.tenant_id, checkpoint_id)
             if checkpoint is not None:
                 session.expunge(checkpoint)
         if checkpoint is None:

@@ -12,6 +12,7 @@ from contextlib import asynccontextmanager
 from contextvars import ContextVar
 
 from service.tenants.auth import TenantContext, authenticate_on_loop
+from service.tenants.scopes import InsufficientScope, Scope, require_scope
 
 _TENANT: ContextVar[TenantContext | None] = ContextVar("grpo_grpc_tenant", default=None)
 
@@ -47,9 +48,15 @@ def peer_address(peer: str | None) -> str | None:
 
 
 @asynccontextmanager
-async def authenticated(token: str | None, address: str | None = None) -> AsyncIterator[TenantContext]:
-    """Resolve `token` (raises Unauthenticated) and bind the tenant for the enclosed call."""
+async def authenticated(
+    token: str | None, address: str | None, scope: Scope | None
+) -> AsyncIterator[TenantContext]:
+    """Resolve `token` (raises Unauthenticated), check it has `scope` (raises InsufficientScope; None: the method
+    declares no scope, refused whatever the key) and bind the tenant for the enclosed call."""
     tenant = await authenticate_on_loop(token, address)
+    if scope is None:
+        raise InsufficientScope("this method declares no scope (service.grpc.scopes), so no key may call it")
+    require_scope(tenant, scope)
     binding = _TENANT.set(tenant)
     try:
         yield tenant

@@ -8,7 +8,7 @@ also renders authentication failures.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import AbstractAsyncContextManager
 from typing import Any
 
@@ -16,6 +16,8 @@ import grpc
 
 from service.grpc.auth import authenticated, bearer_token, peer_address
 from service.grpc.errors import rendered_errors
+from service.grpc.scopes import METHOD_SCOPES
+from service.tenants.scopes import Scope
 
 Context = grpc.aio.ServicerContext[Any, Any]
 # Builds the context manager a call runs inside, given that call's context.
@@ -75,13 +77,20 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
 
 
 class AuthInterceptor(grpc.aio.ServerInterceptor):
-    """`authorization: Bearer <key>` on every call except health and reflection; same keys as REST."""
+    """`authorization: Bearer <key>` on every call except health and reflection; same keys as REST. The key
+    must have the scope `scopes` names for the method (service.grpc.scopes); a method missing there is
+    refused with any key (PERMISSION_DENIED), never let through."""
+
+    def __init__(self, scopes: Mapping[str, Scope] = METHOD_SCOPES) -> None:
+        self._scopes = scopes
 
     async def intercept_service(
         self, continuation: Continuation, handler_call_details: grpc.HandlerCallDetails
     ) -> grpc.RpcMethodHandler | None:
         handler = await continuation(handler_call_details)
-        if handler is None or handler_call_details.method.startswith(PUBLIC_METHOD_PREFIXES):
+        method = handler_call_details.method
+        if handler is None or method.startswith(PUBLIC_METHOD_PREFIXES):
             return handler
         token = bearer_token(handler_call_details.invocation_metadata)
-        return wrap_handler(handler, lambda context: authenticated(token, peer_address(context.peer())))
+        scope = self._scopes.get(method)
+        return wrap_handler(handler, lambda context: authenticated(token, peer_address(context.peer()), scope))

@@ -11,11 +11,13 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import grpc
+from google.protobuf import descriptor_pool
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from service.grpc import servicers
 from service.grpc.interceptors import AuthInterceptor, ErrorInterceptor
+from service.grpc.scopes import check_scopes_declared
 from service.grpc.validation import TextInterceptor
 from service.kit.config import get_settings
 from service.kit.heap import startup_objects_frozen
@@ -53,6 +55,7 @@ async def create_grpc_server(
         ],
     )
     service_names = servicers.register_all(server, reads)
+    check_scopes_declared(descriptor_pool.Default().FindServiceByName(name) for name in service_names)
 
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

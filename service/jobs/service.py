@@ -30,6 +30,7 @@ from service.kit.ids import new_id
 from service.kit.paging import page
 from service.kit.queue import JobQueue, send_job_logged
 from service.kit.reads import Reads
+from service.quotas import service as quotas
 from service.storage import Storage, job_prefix
 
 log = logging.getLogger(__name__)
@@ -39,7 +40,10 @@ log = logging.getLogger(__name__)
 
 
 def create_job(session: Session, tenant_id: str, spec: JobSpec, queue: JobQueue) -> Job:
-    """Validate what the spec refers to, insert the job `queued`, and enqueue it once committed."""
+    """Check the tenant's quotas and what the spec refers to, insert the job `queued`, and enqueue it once
+    committed."""
+    devices = job_devices(spec)
+    quotas.check_can_queue(session, tenant_id, devices)
     check_references(session, tenant_id, spec)
     now = utcnow()
     job = Job(
@@ -52,6 +56,8 @@ def create_job(session: Session, tenant_id: str, spec: JobSpec, queue: JobQueue)
         train_dataset_id=spec.train_dataset,
         eval_dataset_id=spec.eval_dataset,
         queue=queue_for(spec),
+        devices=devices,
+        priority=spec.priority,
         metadata_=dict(spec.metadata),
         current_step=0,
         total_steps=spec.hyperparameters.max_steps,
@@ -83,8 +89,23 @@ def queue_for(spec: JobSpec) -> str:
     return "cpu" if spec.base_model.startswith(BUILTIN_PREFIX) else "gpu"
 
 
+def job_devices(spec: JobSpec) -> int:
+    """Devices the job occupies while it runs: what the max_devices quota counts."""
+    return 1
+
+
 def enqueue_after_commit(session: Session, job: Job, queue: JobQueue) -> None:
     on_commit(session, partial(send_job_logged, queue, job.id, job.queue))
+
+
+def enqueue_waiting(session: Session, tenant_id: str, queue: JobQueue) -> None:
+    """Once committed, send one delivery to every queue where the tenant has a queued job (naming its oldest).
+
+    For when the tenant's running jobs or devices go down, or its quota goes up: a job held back by that quota
+    had its own message consumed by a claim that could not start it. A delivery that finds nothing it may
+    start returns at once (worker/lease.py)."""
+    for queue_name, job_id in repository.oldest_queued_per_queue(session, tenant_id).items():
+        on_commit(session, partial(send_job_logged, queue, job_id, queue_name))
 
 
 def check_references(session: Session, tenant_id: str, spec: JobSpec) -> None:
@@ -328,6 +349,7 @@ def resume_job(session: Session, tenant_id: str, job_id: str, queue: JobQueue) -
             f"job {job.id!r} is {job.status}: only a paused job can be resumed",
             details={"current_status": job.status, "requested_status": JobStatus.queued.value},
         )
+    quotas.check_can_queue(session, tenant_id, job.devices)
     job.resume_checkpoint_id = repository.latest_checkpoint_id(session, job.id) or job.resume_checkpoint_id
     transition(
         session, job, JobStatus.queued, reason="resumed", data={"checkpoint_id": job.resume_checkpoint_id}

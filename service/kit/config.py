@@ -96,6 +96,31 @@ class Settings(BaseSettings):
         "reach (gc.freeze) while serving: its full collections then pause the event loop several times less "
         "(see service/kit/heap.py).",
     )
+    quota_max_running_jobs: int | None = Field(
+        None,
+        ge=0,
+        description="Jobs a tenant may have running at once (None = no limit); more wait `queued`. Per-tenant "
+        "overrides: `grpo admin quotas`, PUT /v1/admin/tenants/{id}/quotas.",
+    )
+    quota_max_queued_jobs: int | None = Field(
+        1000, ge=0, description="Jobs a tenant may have queued (None = no limit); beyond: 429 `quota_exceeded`."
+    )
+    quota_max_devices: int | None = Field(
+        None,
+        ge=0,
+        description="Devices a tenant's running jobs may occupy together (None = no limit); a job waits `queued` "
+        "until its devices fit, and one that alone needs more is refused (409 `quota_exceeded`).",
+    )
+    quota_max_dataset_storage_bytes: int | None = Field(
+        100 * 1024**3,
+        ge=0,
+        description="Total bytes of a tenant's datasets (None = no limit); an upload past it: 409 `quota_exceeded`.",
+    )
+    operator_tenants: list[str] = Field(
+        [],
+        description="Tenants (names or ids) whose `admin` keys manage every tenant's quotas over the API "
+        "(JSON list). Other admin keys may only read their own tenant's.",
+    )
     log_json: bool = Field(False, description="Structured JSON logs.")
     tensorboard: bool = Field(
         False,

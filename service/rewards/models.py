@@ -36,6 +36,9 @@ class RewardFunction(Base):
     step_deadline_s: Mapped[float] = mapped_column(Float, server_default="300")
     max_abstain_fraction: Mapped[float] = mapped_column(Float, server_default="0.25")
     signing_secret: Mapped[str] = mapped_column(String(128))
+    # The secret a rotation replaced: requests are signed with both until previous_secret_expires_at.
+    previous_signing_secret: Mapped[str | None] = mapped_column(String(128), nullable=True)
+    previous_secret_expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
     deleted_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)

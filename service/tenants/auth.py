@@ -7,6 +7,7 @@ import hmac
 import logging
 import weakref
 from dataclasses import dataclass
+from datetime import datetime
 from functools import partial
 from typing import Annotated, Any
 
@@ -15,12 +16,13 @@ from fastapi.security import HTTPBearer
 from sqlalchemy.orm import Session
 
 from service.kit.config import get_settings
-from service.kit.db import session_scope
+from service.kit.db import session_scope, utcnow
 from service.kit.errors import ServiceUnavailable, Unauthenticated
 from service.kit.reads import unavailable_database_is_503
 from service.tenants import repository
 from service.tenants.failures import FailedLookups, TooManyAuthFailures
 from service.tenants.keycache import KeyCache
+from service.tenants.scopes import Scope, parse_scopes, require_scope
 from service.tenants.service import hash_key, lookup_prefix
 
 # Compared against when no row matches, so a miss costs about what a hit costs.
@@ -37,6 +39,9 @@ class TenantContext:
     tenant_id: str
     tenant_name: str
     api_key_id: str
+    # What the key may do (service.tenants.scopes).
+    scopes: frozenset[str] = frozenset()
+    expires_at: datetime | None = None
 
 
 # Recently authenticated keys of this process (see keycache for the revocation delay this implies).
@@ -51,17 +56,27 @@ def look_up_key(session: Session, bearer_token: str) -> TenantContext:
     generation = KEY_CACHE.generation
     presented = hash_key(bearer_token)
     prefix = lookup_prefix(bearer_token)
-    candidates = repository.active_keys_with_prefix(session, prefix) if prefix else []
+    now = utcnow()
+    candidates = repository.active_keys_with_prefix(session, prefix, now) if prefix else []
     match: TenantContext | None = None
     for key, tenant in candidates:
         # Constant-time comparison of the hashes; the prefix only narrowed the candidates.
         if hmac.compare_digest(presented, key.key_hash):
-            match = TenantContext(tenant_id=tenant.id, tenant_name=tenant.name, api_key_id=key.id)
+            match = TenantContext(
+                tenant_id=tenant.id,
+                tenant_name=tenant.name,
+                api_key_id=key.id,
+                scopes=parse_scopes(key.scopes),
+                expires_at=key.expires_at,
+            )
     if not candidates:
         hmac.compare_digest(presented, _DUMMY_HASH)
     if match is None:
         raise Unauthenticated("invalid API key")
-    KEY_CACHE.put(presented, match, get_settings().auth_cache_seconds, generation)
+    ttl = get_settings().auth_cache_seconds
+    if match.expires_at is not None:  # an expiring key leaves the cache when it expires, not up to ttl later
+        ttl = min(ttl, (match.expires_at - now).total_seconds())
+    KEY_CACHE.put(presented, match, ttl, generation)
     return match
 
 
@@ -172,14 +187,30 @@ class _BearerTenant(HTTPBearer):
     Async so that a cached key costs no thread-pool hop (see `authenticate_on_loop`).
     """
 
+    def __init__(self, scope: Scope | None) -> None:
+        super().__init__(
+            auto_error=False, scheme_name="HTTPBearer", description="An API key (`grpo admin create-key`, "
+            "POST /v1/api-keys) with the scope the route needs: `read` for GET, `write` for other methods, "
+            "`admin` for key management."
+        )
+        self.scope = scope
+
     async def __call__(self, request: Request) -> TenantContext:  # type: ignore[override]
         credentials = await super().__call__(request)
         address = request.client.host if request.client else None
-        return await authenticate_on_loop(credentials.credentials if credentials else None, address)
+        tenant = await authenticate_on_loop(credentials.credentials if credentials else None, address)
+        require_scope(tenant, self.scope or scope_of_method(request.method))
+        return tenant
 
 
-current_tenant = _BearerTenant(
-    auto_error=False, scheme_name="HTTPBearer", description="An API key from `grpo admin create-key`."
-)
+def scope_of_method(method: str) -> Scope:
+    """The scope a route needs unless it names one: GET/HEAD read, every other method changes something."""
+    return "read" if method in ("GET", "HEAD") else "write"
 
-CurrentTenant = Annotated[TenantContext, Depends(current_tenant)]
+
+CurrentTenant = Annotated[TenantContext, Depends(_BearerTenant(scope=None))]
+"""The caller, with the scope its HTTP method implies (`scope_of_method`): what every route uses by default."""
+ReadTenant = Annotated[TenantContext, Depends(_BearerTenant(scope="read"))]
+"""For a route that only reads whatever its method (e.g. a POST that computes an estimate)."""
+AdminTenant = Annotated[TenantContext, Depends(_BearerTenant(scope="admin"))]
+"""For routes that manage the tenant itself (API keys, quotas)."""

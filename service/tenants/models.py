@@ -32,3 +32,9 @@ class ApiKey(Base):
     key_hash: Mapped[str] = mapped_column(String(64))  # hex sha256 of the whole key
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
     revoked_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
+    name: Mapped[str] = mapped_column(String(128), server_default="")
+    # Space-separated (service.tenants.scopes); keys made before scopes existed have all of them.
+    scopes: Mapped[str] = mapped_column(String(64), server_default="read write admin")
+    expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
+    # Written at most once a minute per key (service.tenants.lastused), not on every request.
+    last_used_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)

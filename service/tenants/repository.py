@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from datetime import datetime
 
-from sqlalchemy import select
+from sqlalchemy import or_, select
 from sqlalchemy.orm import Session
 
 from service.tenants.models import ApiKey, Tenant
@@ -22,12 +23,16 @@ def get_api_key(session: Session, tenant_id: str, key_id: str) -> ApiKey | None:
     return session.scalars(select(ApiKey).where(ApiKey.id == key_id, ApiKey.tenant_id == tenant_id)).one_or_none()
 
 
-def active_keys_with_prefix(session: Session, prefix: str) -> Sequence[tuple[ApiKey, Tenant]]:
-    """Unrevoked keys sharing a lookup prefix, with their tenant (one query)."""
+def active_keys_with_prefix(session: Session, prefix: str, now: datetime) -> Sequence[tuple[ApiKey, Tenant]]:
+    """Keys sharing a lookup prefix that are neither revoked nor expired at `now`, with their tenant (one query)."""
     rows = session.execute(
         select(ApiKey, Tenant)
         .join(Tenant, Tenant.id == ApiKey.tenant_id)
-        .where(ApiKey.prefix == prefix, ApiKey.revoked_at.is_(None))
+        .where(
+            ApiKey.prefix == prefix,
+            ApiKey.revoked_at.is_(None),
+            or_(ApiKey.expires_at.is_(None), ApiKey.expires_at > now),
+        )
     ).all()
     return [(key, tenant) for key, tenant in rows]
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 import hashlib
 import re
 import secrets
+from collections.abc import Iterable
+from datetime import datetime
 
 from sqlalchemy.orm import Session
 
@@ -17,6 +19,7 @@ from service.kit.errors import Conflict, NotFound, ValidationFailed
 from service.kit.ids import new_id
 from service.tenants import repository
 from service.tenants.models import ApiKey, Tenant
+from service.tenants.scopes import ALL_SCOPES, normalize_scopes
 
 KEY_PREFIX = "grpo_sk_"
 PREFIX_LEN = 12
@@ -55,12 +58,31 @@ def find_tenant(session: Session, name_or_id: str) -> Tenant:
     return tenant
 
 
-def create_api_key(session: Session, tenant: Tenant) -> tuple[ApiKey, str]:
-    """A new key for `tenant`: returns the row and the plaintext, which is never stored or shown again."""
+def create_api_key(
+    session: Session,
+    tenant: Tenant,
+    *,
+    scopes: Iterable[str] = ALL_SCOPES,
+    name: str = "",
+    expires_at: datetime | None = None,
+) -> tuple[ApiKey, str]:
+    """A new key for `tenant`: returns the row and the plaintext, which is never stored or shown again.
+
+    The default scopes are all of them: what `grpo admin` makes (the server's shell is trusted with the
+    tenant). Keys made over the API default to DEFAULT_SCOPES instead (service.tenants.keys)."""
+    stored_scopes = normalize_scopes(scopes)
     token = KEY_PREFIX + secrets.token_urlsafe(32)
     prefix = lookup_prefix(token)
     assert prefix is not None  # our own format
-    key = ApiKey(id=new_id("key"), tenant_id=tenant.id, prefix=prefix, key_hash=hash_key(token))
+    key = ApiKey(
+        id=new_id("key"),
+        tenant_id=tenant.id,
+        prefix=prefix,
+        key_hash=hash_key(token),
+        name=name,
+        scopes=stored_scopes,
+        expires_at=expires_at,
+    )
     repository.add(session, key)
     return key, token
 

@@ -28,6 +28,9 @@ class WebhookEndpoint(Base):
     url: Mapped[str] = mapped_column(String(2048))
     description: Mapped[str | None] = mapped_column(String(256), nullable=True)
     secret: Mapped[str] = mapped_column(String(128))
+    # The secret a rotation replaced: deliveries are signed with both until previous_secret_expires_at.
+    previous_secret: Mapped[str | None] = mapped_column(String(128), nullable=True)
+    previous_secret_expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
 
 

@@ -13,15 +13,17 @@ from types import ModuleType
 import pytest
 from fastapi import FastAPI
 
-from contract.gen.grpo.v1 import checkpoints_pb2, datasets_pb2, jobs_pb2, reward_functions_pb2
+from contract.gen.grpo.v1 import checkpoints_pb2, datasets_pb2, jobs_pb2, quotas_pb2, reward_functions_pb2
 from service.checkpoints import endpoints as checkpoints_rest
 from service.datasets import endpoints as datasets_rest
 from service.grpc import watch
 from service.grpc.servicers import checkpoints as checkpoints_grpc
 from service.grpc.servicers import datasets as datasets_grpc
 from service.grpc.servicers import jobs as jobs_grpc
+from service.grpc.servicers import quotas as quotas_grpc
 from service.grpc.servicers import rewards as rewards_grpc
 from service.jobs import endpoints as jobs_rest
+from service.quotas import endpoints as quotas_rest
 from service.rewards import endpoints as rewards_rest
 
 # (REST route, REST module, RPC, gRPC modules, domain function both must call)
@@ -52,6 +54,8 @@ OPERATIONS: list[tuple[str, ModuleType, str, tuple[ModuleType, ...], str]] = [
     ("GET /v1/checkpoints/{checkpoint_id}", checkpoints_rest, "CheckpointService.GetCheckpoint", (checkpoints_grpc,), "service.get_checkpoint"),
     # Per-file Range download over REST; DownloadCheckpoint streams every (or the chosen) files with offsets.
     ("GET /v1/checkpoints/{checkpoint_id}/files/{path}", checkpoints_rest, "CheckpointService.DownloadCheckpoint", (checkpoints_grpc,), "service.manifest_entry"),
+    ("GET /v1/admin/tenants/{tenant_id}/quotas", quotas_rest, "QuotaService.GetTenantQuotas", (quotas_grpc,), "admin.read_quotas"),
+    ("PUT /v1/admin/tenants/{tenant_id}/quotas", quotas_rest, "QuotaService.SetTenantQuotas", (quotas_grpc,), "admin.write_quotas"),
 ]
 # The tar archive is a REST convenience for browsers and curl; gRPC clients use DownloadCheckpoint.
 # The plot is a PNG for browsers (gRPC clients plot GetJobMetrics). Webhook registration is REST-only:
@@ -75,6 +79,7 @@ SERVICES = [
         (jobs_pb2.DESCRIPTOR, "JobService"),
         (checkpoints_pb2.DESCRIPTOR, "CheckpointService"),
         (reward_functions_pb2.DESCRIPTOR, "RewardFunctionService"),
+        (quotas_pb2.DESCRIPTOR, "QuotaService"),
     )
 ]
 

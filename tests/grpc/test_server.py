@@ -22,6 +22,7 @@ from service.kit.errors import (
     NotFound,
     ValidationFailed,
 )
+from service.tenants.scopes import Scope
 from tests.grpc.helpers import bearer
 from tests.service.factories import TenantHeaders
 
@@ -59,7 +60,8 @@ async def _whoami_stream(request: bytes, context: Any) -> AsyncIterator[bytes]:
 @pytest.fixture
 async def test_channel(settings: object) -> AsyncIterator[grpc.aio.Channel]:
     """A server with the production interceptors and a test-only service calling current_tenant()."""
-    server = grpc.aio.server(interceptors=[ErrorInterceptor(), AuthInterceptor()])
+    scopes: dict[str, Scope] = {"/test.Probe/Who": "read", "/test.Probe/WhoStream": "read"}
+    server = grpc.aio.server(interceptors=[ErrorInterceptor(), AuthInterceptor(scopes)])
     handlers: dict[str, grpc.RpcMethodHandler] = {
         "Who": grpc.unary_unary_rpc_method_handler(_whoami),
         "WhoStream": grpc.unary_stream_rpc_method_handler(_whoami_stream),

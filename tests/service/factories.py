@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from typing import Any
+
 from sqlalchemy.orm import Session
 
 from service.tenants import service as tenants
@@ -21,10 +24,17 @@ class TenantHeaders(dict[str, str]):
 
 
 def create_tenant(session: Session, name: str) -> tuple[Tenant, str]:
-    """A tenant and a fresh plaintext API key for it (flushed, not committed)."""
+    """A tenant and a fresh plaintext API key for it with every scope (flushed, not committed)."""
     tenant = tenants.create_tenant(session, name)
     _row, token = tenants.create_api_key(session, tenant)
     return tenant, token
+
+
+def create_key(session: Session, tenant_id: str, scopes: Iterable[str], **fields: Any) -> str:
+    """Another plaintext key for an existing tenant, with exactly `scopes` (flushed, not committed)."""
+    tenant = tenants.find_tenant(session, tenant_id)
+    _row, token = tenants.create_api_key(session, tenant, scopes=scopes, **fields)
+    return token
 
 
 def auth_headers(api_key: str) -> dict[str, str]:

@@ -107,6 +107,7 @@ class Stack:
     procs: list[Proc] = field(default_factory=list)
     api_port: int = 0
     grpc_port: int = 0  # 0 = no gRPC server
+    extra_env: dict[str, str] = field(default_factory=dict)  # more GRPO_* settings for every process
     _worker_count: int = 0
 
     @property
@@ -128,6 +129,7 @@ class Stack:
                 "TOKENIZERS_PARALLELISM": "false",
                 "HF_HUB_OFFLINE": "1",
                 "PYTHONUNBUFFERED": "1",
+                **self.extra_env,
             }
         )
         return env

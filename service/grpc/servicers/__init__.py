@@ -15,12 +15,15 @@ from contract.gen.grpo.v1 import (
     datasets_pb2_grpc,
     jobs_pb2,
     jobs_pb2_grpc,
+    quotas_pb2,
+    quotas_pb2_grpc,
     reward_functions_pb2,
     reward_functions_pb2_grpc,
 )
 from service.grpc.servicers.checkpoints import CheckpointServicer
 from service.grpc.servicers.datasets import DatasetServicer
 from service.grpc.servicers.jobs import JobServicer
+from service.grpc.servicers.quotas import QuotaServicer
 from service.grpc.servicers.rewards import RewardFunctionServicer
 from service.kit.reads import THREADED_READS, Reads
 
@@ -33,9 +36,11 @@ def register_all(server: grpc.aio.Server, reads: Reads = THREADED_READS) -> tupl
     jobs_pb2_grpc.add_JobServiceServicer_to_server(JobServicer(reads), server)
     checkpoints_pb2_grpc.add_CheckpointServiceServicer_to_server(CheckpointServicer(), server)
     reward_functions_pb2_grpc.add_RewardFunctionServiceServicer_to_server(RewardFunctionServicer(), server)
+    quotas_pb2_grpc.add_QuotaServiceServicer_to_server(QuotaServicer(), server)
     return (
         checkpoints_pb2.DESCRIPTOR.services_by_name["CheckpointService"].full_name,
         datasets_pb2.DESCRIPTOR.services_by_name["DatasetService"].full_name,
         jobs_pb2.DESCRIPTOR.services_by_name["JobService"].full_name,
         reward_functions_pb2.DESCRIPTOR.services_by_name["RewardFunctionService"].full_name,
+        quotas_pb2.DESCRIPTOR.services_by_name["QuotaService"].full_name,
     )

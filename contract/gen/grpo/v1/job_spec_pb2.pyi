@@ -1370,6 +1370,7 @@ class JobSpec(_message.Message):
     LORA_FIELD_NUMBER: _builtins.int
     METADATA_FIELD_NUMBER: _builtins.int
     RETAIN_DATASET_FIELD_NUMBER: _builtins.int
+    PRIORITY_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """Optional human-readable name ([A-Za-z0-9][A-Za-z0-9_.-]{0,63})."""
     base_model: _builtins.str
@@ -1382,6 +1383,8 @@ class JobSpec(_message.Message):
     """Optional dataset id of evaluation prompts."""
     retain_dataset: _builtins.str
     """Optional dataset id of prompts of skills to keep, evaluated with the eval set (eval/retain/*)."""
+    priority: _builtins.int
+    """Among the tenant's own queued jobs, higher starts first (-100 to 100, default 0); never ahead of other tenants."""
     @_builtins.property
     def rewards(self) -> _containers.RepeatedCompositeFieldContainer[Global___RewardSpec]:
         """Reward sources (1 to 16)."""
@@ -1410,21 +1413,26 @@ class JobSpec(_message.Message):
         lora: Global___LoraConfig | None = ...,
         metadata: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
         retain_dataset: _builtins.str | None = ...,
+        priority: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_eval_dataset", b"_eval_dataset", "_name", b"_name", "_retain_dataset", b"_retain_dataset", "eval_dataset", b"eval_dataset", "hyperparameters", b"hyperparameters", "lora", b"lora", "name", b"name", "retain_dataset", b"retain_dataset"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_eval_dataset", b"_eval_dataset", "_name", b"_name", "_priority", b"_priority", "_retain_dataset", b"_retain_dataset", "eval_dataset", b"eval_dataset", "hyperparameters", b"hyperparameters", "lora", b"lora", "name", b"name", "priority", b"priority", "retain_dataset", b"retain_dataset"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_eval_dataset", b"_eval_dataset", "_name", b"_name", "_retain_dataset", b"_retain_dataset", "base_model", b"base_model", "eval_dataset", b"eval_dataset", "hyperparameters", b"hyperparameters", "lora", b"lora", "metadata", b"metadata", "name", b"name", "retain_dataset", b"retain_dataset", "rewards", b"rewards", "train_dataset", b"train_dataset"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_eval_dataset", b"_eval_dataset", "_name", b"_name", "_priority", b"_priority", "_retain_dataset", b"_retain_dataset", "base_model", b"base_model", "eval_dataset", b"eval_dataset", "hyperparameters", b"hyperparameters", "lora", b"lora", "metadata", b"metadata", "name", b"name", "priority", b"priority", "retain_dataset", b"retain_dataset", "rewards", b"rewards", "train_dataset", b"train_dataset"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__eval_dataset: _TypeAlias = _typing.Literal["eval_dataset"]  # noqa: Y015
     _WhichOneofArgType__eval_dataset: _TypeAlias = _typing.Literal["_eval_dataset", b"_eval_dataset"]  # noqa: Y015
     _WhichOneofReturnType__name: _TypeAlias = _typing.Literal["name"]  # noqa: Y015
     _WhichOneofArgType__name: _TypeAlias = _typing.Literal["_name", b"_name"]  # noqa: Y015
+    _WhichOneofReturnType__priority: _TypeAlias = _typing.Literal["priority"]  # noqa: Y015
+    _WhichOneofArgType__priority: _TypeAlias = _typing.Literal["_priority", b"_priority"]  # noqa: Y015
     _WhichOneofReturnType__retain_dataset: _TypeAlias = _typing.Literal["retain_dataset"]  # noqa: Y015
     _WhichOneofArgType__retain_dataset: _TypeAlias = _typing.Literal["_retain_dataset", b"_retain_dataset"]  # noqa: Y015
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__eval_dataset) -> _WhichOneofReturnType__eval_dataset | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__name) -> _WhichOneofReturnType__name | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__priority) -> _WhichOneofReturnType__priority | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__retain_dataset) -> _WhichOneofReturnType__retain_dataset | None: ...
 
