@@ -46,6 +46,7 @@ def write_spec(path: Path, dataset_id: str, reward_function_id: str) -> Path:
             "prompts_per_step": 2,
             "max_completion_length": 8,
             "checkpoint_every": 3,
+            "log_completions_every": 3,
             "seed": 0,
         },
     }
