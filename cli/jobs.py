@@ -16,6 +16,7 @@ from contract.api.jobs import EventOut, JobOut
 app = typer.Typer(help="Training jobs.", no_args_is_help=True)
 COLUMNS = ["id", "name", "status", "base_model", "progress", "attempt", "error", "created_at", "finished_at"]
 LIST_COLUMNS = ["id", "name", "status", "progress", "created_at"]
+SAMPLE_COLUMNS = ["step", "prompt", "completion", "reward", "rewards"]
 OUTCOME_EXIT = {"succeeded": 0, "failed": 1, "cancelled": 3, "paused": 4}
 
 
@@ -175,7 +176,7 @@ def metrics(
 def samples(job_id: str, step: int | None = None, as_json: JsonOpt = False) -> None:
     """Show logged sample completions with their rewards."""
     with api_client() as client:
-        emit(client.list_job_samples(job_id, step).data, ["step", "prompt", "completion", "reward", "rewards"], as_json=as_json)
+        emit(client.list_job_samples(job_id, step).data, SAMPLE_COLUMNS, as_json=as_json)
 
 
 @app.command()

@@ -48,7 +48,7 @@ RETRY_STATUSES = {429, 502, 503, 504}
 
 
 class APIError(Exception):
-    """An error answer from the API, with its stable code (see README: error shape)."""
+    """An error answer from the API, with its stable code (error shape: docs/jobs-api.md)."""
 
     def __init__(self, status: int, code: str, message: str, details: Any = None) -> None:
         super().__init__(f"{status} {code}: {message}")

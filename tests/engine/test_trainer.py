@@ -161,7 +161,9 @@ class TestMetricsAndHooks:
             assert all(math.isfinite(v) for v in metrics.values())
         assert seen[0][2] == [] and len(seen[1][2]) == 3
         sample = seen[1][2][0]
-        assert set(sample) == {"step", "group", "prompt", "completion", "reward", "advantage"}
+        assert set(sample) == {"step", "group", "prompt", "completion", "reward", "rewards", "advantage"}
+        for logged in seen[1][2]:  # one source: its reward, by name, is the total
+            assert logged["rewards"] == {"spread": logged["reward"]}
         assert [s for s, _, _ in checkpoints] == [1, 2]
         for _, path, manifest in checkpoints[1:]:
             assert verify_manifest(path) == manifest
