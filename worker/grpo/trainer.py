@@ -13,7 +13,7 @@ old log-probs are the detached current ones and no extra forward pass runs (as i
 
 Model plumbing (loading, LoRA, reference, optimiser, scheduler) lives in `worker.grpo.modeling`,
 the step's data containers and metric helpers in `worker.grpo.batch`, checkpoint files in
-`worker.grpo.checkpoint`.
+`worker.grpo.checkpoint`, what changes on several devices (ranks) in `worker.grpo.distributed`.
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ from worker.grpo.checkpoint import capture_rng_state, load_checkpoint, restore_r
 from worker.grpo.config import GRPOConfig
 from worker.grpo.cpu_threads import SideThread, completed, intra_op_threads, side_thread_helps
 from worker.grpo.data import PromptRow, PromptSampler
+from worker.grpo.distributed import SHARDED_DIR, Parallel, Ranks, group_seeds, main_first, share
 from worker.grpo.evaluation import greedy_metrics, pass_at_k
 from worker.grpo.health import Finding, HealthGuard, dominated_fraction
 from worker.grpo.logprobs import completion_logprobs
@@ -101,6 +102,7 @@ class GRPOTrainer:
         on_health: HealthHook | None = None,
         device: str | None = None,
         checkpoint_metadata: dict[str, Any] | None = None,
+        ranks: Ranks | None = None,
     ) -> None:
         if not train_rows:
             raise ValueError("train_rows is empty")
@@ -123,14 +125,18 @@ class GRPOTrainer:
         keep_freed_memory()  # each step reuses the last one's pages (no page faults per tensor)
         checkpoint = load_checkpoint(resume_from) if resume_from is not None else None
         cache_dir = model_cache_dir or self.output_dir / "models"
-        self.models: ModelBundle = build_model_bundle(
-            base_model,
-            config,
-            cache_dir=cache_dir,
-            total_updates=self.total_steps * config.num_iterations,
-            device=device,
-            resume_dir=None if checkpoint is None else checkpoint.path,
-        )
+        ranks = ranks or Ranks()
+        with main_first(ranks):  # rank 0 fills the shared model cache
+            self.models: ModelBundle = build_model_bundle(
+                base_model,
+                config,
+                cache_dir=cache_dir,
+                total_updates=self.total_steps * config.num_iterations,
+                device=device,
+                resume_dir=None if checkpoint is None else checkpoint.path,
+            )
+        # One process, or this rank's part of a job on several devices (hooks: rank 0 only).
+        self.parallel = Parallel.wrap(self.models, ranks, config.resolved_parallelism(), config.loss_type)
         self.loss_settings = LossSettings.from_config(config)
         self.entropy_control = AdaptiveEntropy.from_config(config)
         self.sampler = PromptSampler(len(train_rows), seed=config.seed)
@@ -152,9 +158,9 @@ class GRPOTrainer:
         try:
             if self.step == 0 and self._evaluates():
                 # The starting point, so every later eval has something to be compared with.
-                self._report_eval(0, self._evaluate(0, runner))
+                self._report_eval(0, self.parallel.on_main(lambda: self._evaluate(0, runner)))
             while self.step < self.total_steps and self.unhealthy is None:
-                if self.should_stop is not None and self.should_stop():
+                if self.parallel.from_main(self.should_stop is not None and self.should_stop()):
                     stopped = True
                     break
                 self._run_step(runner, side)
@@ -192,6 +198,7 @@ class GRPOTrainer:
 
         # ===== 3. metrics, samples, eval, checkpoint
         timings["time/step_s"] = time.perf_counter() - started
+        batch = self.parallel.gather_batch(batch)  # the global batch: metrics as one process reports them
         metrics = {**batch_metrics(batch), **train_stats, **timings}
         generated_tokens = sum(int(s.rollout.completion_mask.sum()) for s in batch.generated)
         metrics["tokens_per_s"] = generated_tokens / max(timings["time/step_s"], 1e-9)
@@ -205,8 +212,9 @@ class GRPOTrainer:
         )
         every = self.config.eval_every
         if every and self.eval_rows and (step % every == 0 or step == self.total_steps):
-            self.evaluations[step] = self._evaluate(step, runner)
+            self.evaluations[step] = self.parallel.on_main(lambda: self._evaluate(step, runner))
             metrics.update(self.evaluations[step])
+        metrics = self.parallel.from_main(metrics)  # rank 0's timings: every rank decides on the same values
         samples = (
             sample_records(step, batch, self.config.log_completions_count)
             if step % self.config.log_completions_every == 0
@@ -285,12 +293,15 @@ class GRPOTrainer:
         timings: dict[str, float],
     ) -> tuple[Rollout, list[PromptRow], list[str]]:
         started = time.perf_counter()
-        rows = [self.train_rows[i] for i in self.sampler.next_indices(num_prompts)]
+        indices = self.sampler.next_indices(num_prompts)  # the global batch, the same on every rank
+        mine = share(len(indices), self.parallel.ranks)  # this rank's whole groups
+        rows = [self.train_rows[indices[i]] for i in mine]
         prompts = [render_prompt(self.models.tokenizer, row.prompt) for row in rows]
-        # A seed per (run, step, round): sampling is reproducible across resumes whatever ran before.
-        seed = (self.config.seed * 1_000_003 + step * 101 + round_index) % (2**63)
+        # A seed per (run, step, round, group position): sampling is reproducible across resumes whatever
+        # ran before, and a group samples the same tokens on any number of ranks.
+        seeds = [s % (2**63) for s in group_seeds(self.config.seed, step, round_index, mine)]
         rollout = generate_rollout(
-            self.models.policy, self.models.tokenizer, prompts, self.config, generator_seed=seed, side=side
+            self.models.policy, self.models.tokenizer, prompts, self.config, generator_seed=seeds, side=side
         )
         timings["time/generate_s"] += time.perf_counter() - started
         return rollout, rows, prompts
@@ -384,14 +395,16 @@ class GRPOTrainer:
         return logps
 
     def _mini_batches(self, total: int) -> list[slice]:
-        return list(iter_chunks(total, self.config.mini_batch_size or total))
+        """This rank's share of each global mini-batch: every rank makes the same number of passes."""
+        size = (self.config.mini_batch_size or 0) // self.parallel.ranks.world_size
+        return list(iter_chunks(total, size or total))
 
     # --- 2. optimise ---------------------------------------------------------------------------
 
     def _optimise(self, batch: StepBatch) -> dict[str, float]:
         rollout = batch.scored.rollout
         slices = self._mini_batches(rollout.completion_ids.shape[0])
-        step_tokens = int(batch.loss_mask.sum())
+        step_tokens = int(self.parallel.sum([float(batch.loss_mask.sum())])[0])  # over all ranks
         sums: dict[str, float] = {}
         losses, grad_norms, entropies = [], [], []
         for iteration in range(self.config.num_iterations):
@@ -410,6 +423,7 @@ class GRPOTrainer:
             grad_norms.append(self._optimizer_update())
             losses.append(pass_loss)
             if self.config.use_adaptive_entropy:
+                bonus_entropy, bonus_tokens = self.parallel.sum([bonus_entropy, bonus_tokens])
                 self.entropy_control.update(bonus_entropy / max(bonus_tokens, 1.0))
         passes = self.config.num_iterations * len(slices)
         metrics = {key: value / passes for key, value in sums.items()}
@@ -418,14 +432,16 @@ class GRPOTrainer:
             metrics["entropy_coef"] = self.entropy_control.coef  # after this step's update, as TRL logs it
         if self.config.beta == 0:
             metrics.pop("kl", None)  # no reference model: there is no KL to report
-        mask = rollout.completion_mask
-        entropy_sum = sum(e[0] for e in entropies)
+        entropy_sum, entropy_tokens = self.parallel.sum(
+            [sum(e[0] for e in entropies), float(rollout.completion_mask.sum())]
+        )
         metrics.update(
             loss=sum(losses) / len(losses),
             grad_norm=sum(grad_norms) / len(grad_norms),
             learning_rate=self.models.optimizer.param_groups[0]["lr"],
-            entropy=entropy_sum / max(float(mask.sum()), 1.0),
         )
+        metrics = self.parallel.merge_stats(metrics, float(batch.loss_mask.sum()))  # the global batch's
+        metrics["entropy"] = entropy_sum / max(entropy_tokens, 1.0)
         return metrics
 
     def _backward_mini_batch(
@@ -435,8 +451,7 @@ class GRPOTrainer:
         rollout = batch.scored.rollout
         completion_length = rollout.completion_ids.shape[1]
         with _own_core_while(batch.reference):
-            logps, entropy = completion_logprobs(
-                self.models.policy,
+            logps, entropy = self.parallel.completion_logprobs(
                 rollout.input_ids[rows],
                 rollout.attention_mask[rows],
                 completion_length,
@@ -456,6 +471,7 @@ class GRPOTrainer:
             entropies=entropy,
             entropy_coef=self.entropy_control.coef_to_apply(),
         )  # already this mini-batch's share of the step's loss
+        scaled = scaled * self.parallel.loss_scale  # over several ranks: this rank's share of the global loss
         scaled.backward()
         entropy_sum = None
         if entropy is not None and iteration == 0:  # the entropy metric: the policy before this step's updates
@@ -465,12 +481,12 @@ class GRPOTrainer:
 
     def _optimizer_update(self) -> float:
         """Clip, step the optimiser and the scheduler; returns the pre-clip gradient norm."""
-        params = self.models.trainable_parameters
         max_norm = self.config.max_grad_norm if self.config.max_grad_norm is not None else math.inf
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        grad_norm = self.parallel.clip_gradients(max_norm)  # averaged over ranks first
         self.models.optimizer.step()
         self.models.scheduler.step()
         self.models.optimizer.zero_grad(set_to_none=True)
+        self.parallel.after_update()
         return grad_norm
 
     # --- 3. metrics, samples, eval, checkpoint -------------------------------------------------
@@ -523,8 +539,13 @@ class GRPOTrainer:
         return metrics
 
     def _save(self) -> None:
+        # Sharded state first (every rank writes its shards); rank 0 then writes the checkpoint around it.
+        sharded = self.parallel.save_sharded(self.output_dir / f".sharded-{self.step}")
+        self._saved_step = self.step
+        if not self.parallel.ranks.is_main:
+            return
         state = {
-            "optimizer": self.models.optimizer.state_dict(),
+            "optimizer": self.parallel.optimizer_state(),
             "scheduler": self.models.scheduler.state_dict(),
             "rng": capture_rng_state(),
             "sampler": self.sampler.state_dict(),
@@ -540,6 +561,7 @@ class GRPOTrainer:
             trainer_state=state,
             save_total_limit=self.config.save_total_limit,
             metadata=self.checkpoint_metadata,
+            extra_dirs=None if sharded is None else {SHARDED_DIR: sharded},
         )
         self.last_checkpoint = path
         self._saved_step = self.step
@@ -548,7 +570,7 @@ class GRPOTrainer:
 
     def _restore(self, state: dict[str, Any], path: Path) -> None:
         """Continue exactly: optimiser, scheduler, data cursor, metrics history and RNG states."""
-        self.models.optimizer.load_state_dict(state["optimizer"])
+        self.parallel.load_optimizer(state.get("optimizer"), path)
         self.models.scheduler.load_state_dict(state["scheduler"])
         self.sampler.load_state_dict(state["sampler"])
         self.history = list(state["history"])
