@@ -25,7 +25,7 @@ from service.kit.config import get_settings
 from service.kit.db import on_commit, utcnow
 from service.kit.errors import Conflict, IllegalTransition, NotFound, ValidationFailed
 from service.kit.ids import new_id
-from service.kit.queue import JobQueue, send_job_logged
+from service.kit.queue import JobQueue, queue_name, send_job_logged
 from service.kit.reads import Reads
 from service.storage import Storage, job_prefix
 from worker.grpo.spec import JobSpec, ModelRewardSpec, RemoteRewardSpec
@@ -77,8 +77,11 @@ def create_job(session: Session, tenant_id: str, spec: JobSpec, queue: JobQueue)
 
 
 def queue_for(spec: JobSpec) -> str:
-    """The builtin: models are small enough for CPU workers; everything else needs a GPU."""
-    return "cpu" if spec.base_model.startswith("builtin:") else "gpu"
+    """The builtin: models are small enough for CPU workers; everything else needs a GPU. A job needing N
+    devices goes to the queue of that device count (service.kit.queue), which only workers with N or more
+    devices consume."""
+    kind = "cpu" if spec.base_model.startswith("builtin:") else "gpu"
+    return queue_name(kind, spec.resources.devices)
 
 
 def enqueue_after_commit(session: Session, job: Job, queue: JobQueue) -> None:
@@ -125,6 +128,11 @@ def check_references(session: Session, tenant_id: str, spec: JobSpec) -> None:
             session, tenant_id, source.value
         ):
             errors.append(_missing(field, f"checkpoint {source.value!r} not found"))
+
+    if spec.resources.nodes > 1:
+        # A job's ranks run under one worker (docs/distributed.md, "Several nodes").
+        errors.append({"field": "resources.nodes", "message": "must be 1: a job runs on the devices of one worker",
+                       "type": "unsupported"})
 
     if errors:
         raise ValidationFailed(f"{errors[0]['field']}: {errors[0]['message']}", details=errors)

@@ -33,6 +33,7 @@ from __future__ import annotations
 import copy
 import os
 import pickle
+import socket
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -71,6 +72,7 @@ class Ranks:
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
+    device: str | None = None  # this rank's device; None = the trainer's default (one process)
 
     @property
     def is_main(self) -> bool:
@@ -81,20 +83,23 @@ class Ranks:
         return self.world_size > 1
 
 
-def init_from_env(timeout_s: float = DEFAULT_TIMEOUT_S) -> Ranks:
-    """Join the process group the launcher (torch.distributed.run) describes in the environment:
-    NCCL on CUDA, gloo on CPU. Without a launcher (WORLD_SIZE unset or 1): one process, no group."""
+def init_from_env(timeout_s: float = DEFAULT_TIMEOUT_S, *, cpu: bool = False) -> Ranks:
+    """Join the process group the launcher (torch.distributed.run) describes in the environment: NCCL
+    with one GPU per rank (LOCAL_RANK), gloo on CPU (`cpu`, or no GPU). `timeout_s` bounds every
+    collective: a rank that died or hangs makes the others raise after it. Without a launcher
+    (WORLD_SIZE unset or 1): one process, no group."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    ranks = Ranks(int(os.environ.get("RANK", "0")), world_size, int(os.environ.get("LOCAL_RANK", "0")))
-    if world_size == 1 or dist.is_initialized():
-        return ranks
-    if torch.cuda.is_available():
-        torch.cuda.set_device(ranks.local_rank)
-        backend = "nccl"
+    rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
+    if world_size == 1:
+        return Ranks()
+    if torch.cuda.is_available() and not cpu:
+        torch.cuda.set_device(local_rank)
+        backend, device = "nccl", f"cuda:{local_rank}"
     else:
-        backend = "gloo"
-    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
-    return ranks
+        backend, device = "gloo", "cpu"
+    if not dist.is_initialized():
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    return Ranks(rank, world_size, local_rank, device)
 
 
 def launch_command(
@@ -122,10 +127,8 @@ def launch_command(
 
 
 def device_for(ranks: Ranks) -> str | None:
-    """This rank's device: its own GPU, or None (the trainer's default) for one process."""
-    if ranks.distributed and torch.cuda.is_available():
-        return f"cuda:{ranks.local_rank}"
-    return "cpu" if ranks.distributed else None
+    """This rank's device, or None (the trainer's default) for one process."""
+    return ranks.device
 
 
 @contextmanager
@@ -136,6 +139,30 @@ def main_first(ranks: Ranks) -> Iterator[None]:
     yield
     if ranks.distributed and ranks.is_main:
         dist.barrier()
+
+
+def broadcast_object(value: T | None) -> T | None:
+    """Rank 0's `value` on every rank (objects that pickle)."""
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def is_collective_failure(exc: BaseException) -> bool:
+    """Whether `exc` comes from a collective whose peer died or did not answer in time (gloo raises plain
+    RuntimeErrors naming its sources; NCCL and the c10d store raise torch.distributed.DistError)."""
+    if isinstance(exc, dist.DistError):
+        return True
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and ("gloo" in text or "NCCL" in text or "ProcessGroup" in text)
+
+
+def local_peer_pids(ranks: Ranks) -> list[int]:
+    """The process ids of the other ranks on this machine (a collective: call it on every rank)."""
+    parts: list[Any] = [None] * ranks.world_size
+    dist.all_gather_object(parts, (socket.gethostname(), os.getpid()))
+    host = socket.gethostname()
+    return [pid for name, pid in parts if name == host and pid != os.getpid()]
 
 
 def shutdown() -> None:
