@@ -18,6 +18,7 @@ import signal
 import sys
 from pathlib import Path
 
+import service.models  # noqa: F401  # every table, so the ORM mappers configure (as in worker.tasks)
 from service.kit.config import get_settings
 from worker.lease import Claim
 

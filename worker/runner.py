@@ -212,15 +212,13 @@ class JobRunner:
         )
         launcher = subprocess.Popen(command)
         while launcher.poll() is None:
-            if heartbeat.lost.wait(1.0):  # a newer attempt owns the job: stop the ranks
-                launcher.terminate()
-                try:
-                    launcher.wait(60)
-                except subprocess.TimeoutExpired:
-                    launcher.kill()
-                    launcher.wait()
-                raise LeaseLost(claim.job_id, claim.attempt)
+            # The job left this attempt's hands: rank 0 finished it (the ranks are exiting), or a newer
+            # attempt took it over (they must stop).
+            if heartbeat.lost.wait(1.0):
+                _stop(launcher, grace_s=30)
         control = with_db_retry(lambda: reporting.read_control(self.job_id))
+        if control is None or control[2] != claim.attempt:
+            raise LeaseLost(claim.job_id, claim.attempt)
         if control is not None and control[2] == claim.attempt and control[0] in OWNED_STATES:
             log.warning("job %s: attempt %d: ranks exited (%d) before the job ended; it resumes when the lease lapses",
                         self.job_id, claim.attempt, launcher.returncode)
@@ -230,7 +228,7 @@ class JobRunner:
                 {"exit_code": launcher.returncode, "devices": resources.devices},
             )
             return "rank_failed"
-        return "lease_lost" if control is None or control[2] != claim.attempt else control[0]
+        return control[0]
 
     def run_rank0(self, claim: Claim, workdir: Path, ranks: Ranks) -> tuple[str, bool]:
         """Rank 0 of a multi-device job: the claimed attempt, as `run()` would train it in one process.
@@ -638,6 +636,18 @@ def checkpoint_problem(exc: Exception) -> str:
     if isinstance(exc, CheckpointCorrupt):
         return f"corrupt: {exc.problem}"
     return "could not be downloaded"
+
+
+def _stop(process: subprocess.Popen[bytes], *, grace_s: float) -> None:
+    """Let `process` exit by itself for `grace_s`, then terminate it, then kill it."""
+    for stop in (None, process.terminate, process.kill):
+        if stop is not None:
+            stop()
+        try:
+            process.wait(grace_s)
+            return
+        except subprocess.TimeoutExpired:
+            continue
 
 
 def _default_device() -> str:

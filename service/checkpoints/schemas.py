@@ -34,7 +34,7 @@ class CheckpointOut(BaseModel):
             id=checkpoint.id,
             job_id=checkpoint.job_id,
             step=checkpoint.step,
-            files=[CheckpointFile.model_validate(entry) for entry in checkpoint.manifest],
+            files=[CheckpointFile.model_validate(entry) for entry in checkpoint.downloadable],
             total_bytes=checkpoint.total_bytes,
             metrics=checkpoint.metrics,
             created_at=checkpoint.created_at,

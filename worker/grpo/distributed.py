@@ -387,7 +387,9 @@ class ShardedPolicy(torch.nn.Module):
         register_fsdp_forward_method(self, "completion_logprobs")
 
     def completion_logprobs(self, *args: Any, **kwargs: Any) -> tuple[Tensor, Tensor | None]:
-        return completion_logprobs(self.policy, *args, **kwargs)
+        logps, entropy = completion_logprobs(self.policy, *args, **kwargs)
+        # Fresh tensors, not views: FSDP's backward hooks sit on the outputs (an in-place op on a view drops them).
+        return logps.clone(), None if entropy is None else entropy.clone()
 
 
 _PREFIX = "policy."
