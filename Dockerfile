@@ -22,6 +22,10 @@ RUN pip install --no-cache-dir --upgrade pip && \
 COPY pyproject.toml README.md ./
 COPY service ./service
 COPY worker ./worker
+COPY contract ./contract
+COPY outbound ./outbound
+COPY cli ./cli
+COPY client ./client
 COPY proto ./proto
 COPY migrations ./migrations
 COPY alembic.ini ./

@@ -32,7 +32,7 @@ lint: install
 	$(VENV)/bin/ruff check .
 
 typecheck: install
-	$(VENV)/bin/mypy service worker
+	$(VENV)/bin/mypy service worker contract outbound cli client
 
 pytest: install
 	$(VENV)/bin/pytest -q -ra $(PYTEST_ARGS)

@@ -309,13 +309,13 @@ LIST_LIMIT = 20
 
 def seed(database_url: str) -> tuple[str, str, str]:
     """Migrate, then create a tenant, an API key, a dataset and 21 jobs. Returns (key, dataset id, a job id)."""
-    from service.cli.migrate import upgrade_head
+    from cli.migrate import upgrade_head
+    from contract.spec import JobSpec
     from service.datasets.models import Dataset
     from service.jobs import service as jobs_service
     from service.kit.db import session_scope, utcnow
     from service.kit.ids import new_id
     from service.tenants import service as tenants
-    from worker.grpo.spec import JobSpec
 
     class NoQueue:
         def send_job(self, job_id: str, *, queue: str) -> None:

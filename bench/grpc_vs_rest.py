@@ -44,7 +44,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from api_load import Call, Result, _free_port, _load, seed, server_cpu_seconds, throwaway_database  # noqa: E402
 
-from service.grpc.gen.grpo.v1 import jobs_pb2, jobs_pb2_grpc  # noqa: E402
+from contract.gen.grpo.v1 import jobs_pb2, jobs_pb2_grpc  # noqa: E402
 
 # --- the server: both APIs on one loop, as `grpo serve` --------------------------------------------
 

@@ -230,9 +230,9 @@ def run_trl(case: Case, model_dir: Path, data: Path, steps: int, record: RunReco
 
 def run_ours(case: Case, model_dir: Path, data: Path, steps: int, record: RunRecord, work: Path) -> None:
     """Our GRPOTrainer with the same workload, timed from outside (between metric callbacks)."""
-    from worker.grpo.config import GRPOConfig, LoraConfig
+    from contract.config import GRPOConfig, LoraConfig
+    from contract.reward_types import RewardInput
     from worker.grpo.data import load_jsonl
-    from worker.grpo.reward_types import RewardInput
     from worker.grpo.rewards import CompositeReward, FunctionSource
     from worker.grpo.trainer import GRPOTrainer
 
@@ -468,7 +468,7 @@ class SleepyBatchedSource:
 
 def bench_reward_phase(repeats: int = 5) -> tuple[float, int]:
     """Median wall time of `CompositeReward.score` over 32 completions, and the calls per score."""
-    from worker.grpo.reward_types import RewardInput
+    from contract.reward_types import RewardInput
     from worker.grpo.rewards import CompositeReward, FunctionSource
 
     items = [

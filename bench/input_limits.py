@@ -50,7 +50,7 @@ def start_server(data_dir: Path, limit: int | None) -> tuple[subprocess.Popen[by
     if limit is not None:
         env["GRPO_MAX_REQUEST_BODY_BYTES"] = str(limit)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "service.cli", "serve", "--port", str(port), "--migrate", "--no-worker"],
+        [sys.executable, "-m", "cli", "serve", "--port", str(port), "--migrate", "--no-worker"],
         env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
     )
     deadline = time.monotonic() + 90

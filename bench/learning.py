@@ -68,10 +68,10 @@ def _train_rows(task: str) -> list[dict[str, Any]]:
 
 
 def run_ours(model_dir: Path, task: str, seed: int, steps: int, work: Path) -> float:
-    from worker.grpo.config import GRPOConfig
+    from contract.config import GRPOConfig
+    from contract.spec import BuiltinRewardSpec
     from worker.grpo.data import PromptRow
     from worker.grpo.rewards import build_reward_sources
-    from worker.grpo.spec import BuiltinRewardSpec
     from worker.grpo.trainer import GRPOTrainer
 
     config = GRPOConfig(

@@ -24,8 +24,8 @@ import uvicorn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from worker.grpo.reward_types import RewardInput  # noqa: E402
-from worker.reward_client import RemoteRewardConfig, RemoteRewardSource  # noqa: E402
+from contract.reward_types import RewardInput  # noqa: E402
+from outbound.rewards import RemoteRewardConfig, RemoteRewardSource  # noqa: E402
 from worker.reward_server import RewardRequest, make_reward_app  # noqa: E402
 
 LATENCY_S = 0.100

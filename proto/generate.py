@@ -1,14 +1,14 @@
 """Generate the Python gRPC code for `proto/grpo/v1/*.proto` (run by `make proto`).
 
-Output: `service/grpc/gen/grpo/v1/{name}_pb2.py, {name}_pb2_grpc.py, {name}_pb2.pyi, {name}_pb2_grpc.pyi`
+Output: `contract/gen/grpo/v1/{name}_pb2.py, {name}_pb2_grpc.py, {name}_pb2.pyi, {name}_pb2_grpc.pyi`
 (protoc's Python and gRPC plugins from grpcio-tools, `.pyi` stubs from mypy-protobuf), committed to git.
 
 protoc writes imports relative to the proto root (`from grpo.v1 import jobs_pb2`); they are rewritten
-to the absolute package (`from service.grpc.gen.grpo.v1 import jobs_pb2`) so the generated code needs
+to the absolute package (`from contract.gen.grpo.v1 import jobs_pb2`) so the generated code needs
 no sys.path tricks. Output is deterministic (sorted inputs, no timestamps), which is what lets
 `tests/grpc/test_proto_drift.py` regenerate into a temporary directory and compare byte for byte.
 
-Usage: python proto/generate.py [--out DIR]   (DIR defaults to service/grpc/gen)
+Usage: python proto/generate.py [--out DIR]   (DIR defaults to contract/gen)
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ from grpc_tools import protoc
 REPO = Path(__file__).resolve().parent.parent
 PROTO_ROOT = REPO / "proto"
 PROTO_PACKAGE_DIR = PROTO_ROOT / "grpo" / "v1"
-DEFAULT_OUT = REPO / "service" / "grpc" / "gen"
+DEFAULT_OUT = REPO / "contract" / "gen"
 # The Python package that `DEFAULT_OUT` is; generated imports are made absolute to it.
-PYTHON_PACKAGE = "service.grpc.gen"
+PYTHON_PACKAGE = "contract.gen"
 GENERATED_SUFFIXES = ("_pb2.py", "_pb2_grpc.py", "_pb2.pyi", "_pb2_grpc.pyi")
 
 # `from grpo.v1 import x_pb2 as ...` in _pb2.py / _pb2_grpc.py.
@@ -100,7 +100,7 @@ def generate(out: Path) -> list[Path]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output root (default service/grpc/gen)")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output root (default contract/gen)")
     written = generate(parser.parse_args().out)
     sys.stdout.write(f"wrote {len(written)} files\n")
 

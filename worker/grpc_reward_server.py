@@ -31,8 +31,8 @@ import grpc
 from google.protobuf.message import DecodeError
 from standardwebhooks.webhooks import WebhookVerificationError
 
-from service.grpc.gen.grpo.v1 import reward_pb2
-from worker.reward_client.signing import grpc_signed_content, load_secret
+from contract.gen.grpo.v1 import reward_pb2
+from outbound.signing import grpc_signed_content, load_secret
 from worker.reward_server import RewardRequestRejected
 
 __all__ = [

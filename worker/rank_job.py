@@ -52,10 +52,10 @@ def main(claim_json: str, workdir: Path, queue: str) -> int:
 
 def _follow(ranks: object) -> None:
     """A rank other than 0: its share of the training, no hooks."""
+    from outbound.rewards import build_remote_source
     from worker.grpo.distributed import Ranks, broadcast_object, device_for
     from worker.grpo.rewards import build_reward_sources
     from worker.grpo.trainer import GRPOTrainer
-    from worker.reward_client import build_remote_source
     from worker.runner import RankInputs
 
     assert isinstance(ranks, Ranks)

@@ -31,8 +31,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from worker.reward_client.protocol import RewardRequest, encode_response
-from worker.reward_client.signing import load_secret
+from outbound.rewards.protocol import RewardRequest, encode_response
+from outbound.signing import load_secret
 
 __all__ = ["RewardRequest", "RewardRequestRejected", "encode_response", "make_reward_app", "verify_and_parse"]
 

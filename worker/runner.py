@@ -56,6 +56,9 @@ from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import select
 
+from contract.reward_types import RewardError, RewardUnavailable
+from contract.spec import JobSpec, ModelRewardSpec, RemoteRewardSpec
+from outbound.urlpolicy import UrlRejected, check_url_syntax
 from service.checkpoints.models import Checkpoint
 from service.checkpoints.service import new_checkpoint_id
 from service.datasets.models import Dataset
@@ -65,14 +68,11 @@ from service.jobs.schemas import SampleIn
 from service.jobs.states import JobStatus
 from service.kit.config import Settings, get_settings
 from service.kit.db import session_scope
-from service.kit.urlpolicy import UrlRejected, check_url_syntax
 from service.observability.logs import job_context
 from service.rewards.models import RewardFunction
 from service.storage import Storage, checkpoint_key, checkpoint_prefix, get_storage, tensorboard_key
 from worker import metrics as worker_metrics
 from worker import reporting
-from worker.grpo.reward_types import RewardError, RewardUnavailable
-from worker.grpo.spec import JobSpec, ModelRewardSpec, RemoteRewardSpec
 from worker.lease import (
     OWNED_STATES,
     Claim,
@@ -86,12 +86,12 @@ from worker.lease import (
 from worker.model_sources import ModelUnavailable, check_hub_size, check_source
 
 if TYPE_CHECKING:
+    from contract.spec import Resources
+    from outbound.rewards import RetryEvent
+    from outbound.rewards.source import DegradedEvent
     from worker.grpo.data import PromptRow
     from worker.grpo.distributed import Ranks
     from worker.grpo.rewards import CompositeReward
-    from worker.grpo.spec import Resources
-    from worker.reward_client import RetryEvent
-    from worker.reward_client.source import DegradedEvent
     from worker.tensorboard import TensorBoardLog
 
 log = logging.getLogger(__name__)
@@ -555,10 +555,10 @@ class JobRunner:
     def _build_rewards(self, claim: Claim, context: JobContext, models_dir: Path) -> CompositeReward:
         """The job's reward sources (and, for the other ranks of a multi-device job, what they need to build
         the same: endpoint configurations and local reward-model paths)."""
+        from outbound.rewards import RemoteRewardConfig, build_remote_source
+        from outbound.rewards.errors import RewardEndpointRefused
+        from outbound.rewards.source import EndpointRewardSource
         from worker.grpo.rewards import build_reward_sources
-        from worker.reward_client import RemoteRewardConfig, build_remote_source
-        from worker.reward_client.errors import RewardEndpointRefused
-        from worker.reward_client.source import EndpointRewardSource
 
         async def on_retry(event: RetryEvent) -> None:
             import asyncio

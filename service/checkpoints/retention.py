@@ -25,12 +25,12 @@ from functools import partial
 from sqlalchemy import delete, select, update
 from sqlalchemy.orm import Session
 
+from contract.spec import JobSpec
 from service.checkpoints.models import Checkpoint, CheckpointPin
 from service.jobs import repository as jobs_repository
 from service.jobs.models import Job
 from service.kit.db import on_commit, session_scope, utcnow
 from service.storage import Storage, job_prefix
-from worker.grpo.spec import JobSpec
 
 log = logging.getLogger(__name__)
 

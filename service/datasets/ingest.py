@@ -1,7 +1,7 @@
 """Streaming dataset ingestion: bytes in, one pass, constant memory.
 
 Each chunk is size-checked, hashed, written to storage and split into lines that are validated with the
-engine's own rules (`worker.grpo.dataset_format`), so a dataset the service accepts never fails later in
+engine's own rules (`contract.dataset_format`), so a dataset the service accepts never fails later in
 a job. Transport-free: the REST multipart reader and the gRPC upload stream both feed it.
 """
 
@@ -10,10 +10,10 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 
+from contract.dataset_format import DatasetIssue, JsonlValidator
 from service.datasets.errors import DatasetInvalid
 from service.kit.errors import PayloadTooLarge
 from service.storage import Storage, dataset_key
-from worker.grpo.dataset_format import DatasetIssue, JsonlValidator
 
 # One line is held in memory while it is being completed; longer lines are refused rather than buffered.
 MAX_LINE_BYTES = 8 * 1024 * 1024

@@ -1,6 +1,6 @@
 """Converters between grpo.v1 messages and the pydantic schemas of the REST API (the one place they meet).
 
-Inbound: the typed JobSpec message becomes the plain dict that `worker.grpo.spec.JobSpec` validates, so
+Inbound: the typed JobSpec message becomes the plain dict that `contract.spec.JobSpec` validates, so
 gRPC and REST run the very same validation (and report the same field paths, prefixed with "spec.").
 Only fields the client set are passed on (proto3 `optional` presence, enum `*_UNSPECIFIED`), so the
 pydantic defaults stay the single source of defaults.
@@ -22,10 +22,7 @@ from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 from pydantic import ValidationError
 
-from service.checkpoints.schemas import CheckpointOut
-from service.datasets.schemas import DatasetOut
-from service.grpc.errors import from_validation_error
-from service.grpc.gen.grpo.v1 import (
+from contract.gen.grpo.v1 import (
     checkpoints_pb2,
     common_pb2,
     datasets_pb2,
@@ -34,6 +31,10 @@ from service.grpc.gen.grpo.v1 import (
     reward_functions_pb2,
     reward_pb2,
 )
+from contract.spec import JobSpec
+from service.checkpoints.schemas import CheckpointOut
+from service.datasets.schemas import DatasetOut
+from service.grpc.errors import from_validation_error
 from service.jobs.schemas import EventOut, JobOut, SampleOut
 from service.jobs.states import JobStatus
 from service.kit.errors import ValidationFailed
@@ -44,7 +45,6 @@ from service.rewards.schemas import (
     RewardTestRequest,
     RewardTestResult,
 )
-from worker.grpo.spec import JobSpec
 
 # Hyperparameters whose `None` means something other than "default": proto flag -> GRPOConfig field.
 NONE_FLAGS = {

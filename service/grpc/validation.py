@@ -1,4 +1,4 @@
-"""Request checks every RPC gets, the gRPC twin of REST's field types (worker.grpo.fields).
+"""Request checks every RPC gets, the gRPC twin of REST's field types (contract.fields).
 
 - Text: no string field of a request, at any depth, may contain NUL (PostgreSQL text cannot hold it). One
   interceptor walks each request message, so ids, page tokens, names and filters are covered in every RPC,
@@ -15,9 +15,9 @@ import grpc
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 
+from contract.fields import INT32_MAX
 from service.grpc.interceptors import Continuation
 from service.kit.errors import ValidationFailed
-from worker.grpo.fields import INT32_MAX
 
 Context = grpc.aio.ServicerContext[Any, Any]
 

@@ -18,10 +18,10 @@ from functools import partial
 
 from sqlalchemy.orm import Session
 
+from contract.gen.grpo.v1 import jobs_pb2
 from service.checkpoints import service as checkpoints_service
 from service.grpc.calls import in_session
 from service.grpc.convert import event_to_proto, job_to_proto, metrics_by_step
-from service.grpc.gen.grpo.v1 import jobs_pb2
 from service.jobs import service as jobs_service
 from service.jobs.schemas import EventOut, JobOut
 from service.jobs.states import TERMINAL

@@ -9,6 +9,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 from sqlalchemy.orm import Session
 
+from contract.fields import INT32_MAX, INT64_MAX, Text
+from contract.spec import JobSpec
 from service.jobs import service
 from service.jobs.idempotency import request_hash, run_idempotent
 from service.jobs.schemas import EventList, EventOut, JobList, JobOut, MetricsOut, SampleList, SampleOut
@@ -20,8 +22,6 @@ from service.kit.params import Cursor, PathId
 from service.kit.queue import JobQueue, get_job_queue
 from service.storage import get_storage
 from service.tenants.auth import CurrentTenant
-from worker.grpo.fields import INT32_MAX, INT64_MAX, Text
-from worker.grpo.spec import JobSpec
 
 router = APIRouter(tags=["jobs"])
 

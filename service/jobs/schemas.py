@@ -1,4 +1,4 @@
-"""Pydantic shapes of the jobs API (inputs are worker.grpo.spec.JobSpec, shared with the engine)."""
+"""Pydantic shapes of the jobs API (inputs are contract.spec.JobSpec, shared with the engine)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from sqlalchemy import Row
 
+from contract.spec import JobSpec
 from service.jobs.models import Job, JobEvent, JobSample
 from service.jobs.states import JobStatus
-from worker.grpo.spec import JobSpec
 
 
 class Progress(BaseModel):

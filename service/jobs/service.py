@@ -14,6 +14,7 @@ from typing import Any
 from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 
+from contract.spec import JobSpec, ModelRewardSpec, RemoteRewardSpec
 from service.checkpoints import retention
 from service.checkpoints.models import Checkpoint
 from service.jobs import model_sources, repository
@@ -28,7 +29,6 @@ from service.kit.ids import new_id
 from service.kit.queue import JobQueue, queue_name, send_job_logged
 from service.kit.reads import Reads
 from service.storage import Storage, job_prefix
-from worker.grpo.spec import JobSpec, ModelRewardSpec, RemoteRewardSpec
 
 log = logging.getLogger(__name__)
 

@@ -15,11 +15,11 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 from starlette.concurrency import run_in_threadpool
 
+from contract.fields import INT64_MAX
 from service.jobs import repository
 from service.jobs.schemas import EventOut
 from service.jobs.states import TERMINAL, JobStatus
 from service.kit.db import session_scope
-from worker.grpo.fields import INT64_MAX
 
 POLL_INTERVAL_S = 0.5
 HEARTBEAT_S = 15.0

@@ -39,6 +39,12 @@ class ValidationFailed(DomainError):
     grpc_status = grpc.StatusCode.INVALID_ARGUMENT
 
 
+class UrlNotAllowed(ValidationFailed):
+    """A URL the SSRF policy refuses at registration (the policy's own `outbound.urlpolicy.UrlRejected`)."""
+
+    code = "url_rejected"
+
+
 class Unauthenticated(DomainError):
     code = "unauthenticated"
     http_status = 401

@@ -1,4 +1,4 @@
-"""Annotated request-parameter types shared by the routes (see worker.grpo.fields for the rules)."""
+"""Annotated request-parameter types shared by the routes (see contract.fields for the rules)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from typing import Annotated
 
 from fastapi import Path, Query
 
-from worker.grpo.fields import Text
+from contract.fields import Text
 
 # A resource id in the path: compared with stored ids, so it must be text the database can hold.
 PathId = Annotated[Text, Path()]

@@ -29,7 +29,7 @@ class RewardFunction(Base):
     max_batch_size: Mapped[int] = mapped_column(Integer)
     max_concurrency: Mapped[int] = mapped_column(Integer)
     headers: Mapped[dict[str, Any]] = mapped_column(JSON)
-    # Failure policy of a job's calls (see worker.reward_client.source); bounds in service/rewards/schemas.py.
+    # Failure policy of a job's calls (see outbound.rewards.source); bounds in service/rewards/schemas.py.
     max_attempts: Mapped[int] = mapped_column(Integer, server_default="5")
     backoff_s: Mapped[float] = mapped_column(Float, server_default="0.5")
     breaker_threshold: Mapped[int] = mapped_column(Integer, server_default="3")

@@ -9,11 +9,11 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from service.kit.urlpolicy import is_grpc_url
+from contract.dataset_format import MAX_COLUMN_NAME_CHARS, MAX_COLUMNS
+from contract.fields import HeaderValue, Text
+from outbound.rewards.grpc_source import metadata_problem
+from outbound.urlpolicy import is_grpc_url
 from service.rewards.models import RewardFunction
-from worker.grpo.dataset_format import MAX_COLUMN_NAME_CHARS, MAX_COLUMNS
-from worker.grpo.fields import HeaderValue, Text
-from worker.reward_client.grpc_source import metadata_problem
 
 # Headers the worker sets itself (Standard Webhooks signature, body framing) or that change routing or
 # connection handling: a user value would break signing or smuggle requests. `Authorization` is allowed:

@@ -15,11 +15,11 @@ from typing import Any, TypeVar
 
 from sqlalchemy.orm import Session
 
+from outbound.urlpolicy import Resolver, UrlRejected, check_url, check_url_syntax
 from service.kit.config import get_settings
 from service.kit.db import utcnow
-from service.kit.errors import NotFound
+from service.kit.errors import NotFound, UrlNotAllowed
 from service.kit.ids import new_id
-from service.kit.urlpolicy import Resolver, check_url, check_url_syntax
 from service.rewards import repository
 from service.rewards.models import RewardFunction
 from service.rewards.schemas import RewardFunctionCreate
@@ -42,16 +42,19 @@ def run_blocking(coroutine: Coroutine[Any, Any, T]) -> T:
 
 
 def check_registration_url(url: str, *, allow_private: bool, resolver: Resolver | None = None) -> str:
-    """The SSRF policy at registration; returns the normalised URL or raises UrlRejected.
+    """The SSRF policy at registration; returns the normalised URL or raises UrlNotAllowed.
 
     Production (`allow_private=False`): the static rules, then the host is resolved and every A/AAAA answer
     must be globally routable (`check_url`), so a name pointing at a private address is refused now rather
     than at the first training step. Development: static rules only; the name of a local reward server need
-    not resolve yet. Every call resolves and checks again in both modes (`worker.reward_client`).
+    not resolve yet. Every call resolves and checks again in both modes (`outbound.rewards`).
     """
-    if allow_private:
-        return check_url_syntax(url, allow_private=True)
-    return run_blocking(check_url(url, allow_private=False, resolver=resolver))
+    try:
+        if allow_private:
+            return check_url_syntax(url, allow_private=True)
+        return run_blocking(check_url(url, allow_private=False, resolver=resolver))
+    except UrlRejected as exc:
+        raise UrlNotAllowed(exc.message, details=exc.details) from exc
 
 
 def new_signing_secret() -> str:
@@ -61,7 +64,7 @@ def new_signing_secret() -> str:
 def create_reward_function(session: Session, tenant_id: str, spec: RewardFunctionCreate) -> RewardFunction:
     """Register an endpoint (URL checked against the SSRF policy, see `check_registration_url`).
 
-    Raises UrlRejected. The check runs before any SQL, so no transaction is open during the DNS lookup.
+    Raises UrlNotAllowed. The check runs before any SQL, so no transaction is open during the DNS lookup.
     """
     url = check_registration_url(spec.url, allow_private=bool(get_settings().allow_private_reward_urls))
     now = utcnow()

@@ -7,9 +7,9 @@ Runs as a thread with its own event loop in the API process (`grpo serve`, next 
    processes share the outbox) and push their `next_attempt_at` past the send (a lease: if this process
    dies mid-send, they become due again and are re-sent; delivery is at least once, and `webhook-id`
    stays the same so receivers can deduplicate);
-2. send them concurrently: JSON body, Standard Webhooks headers from worker.reward_client.signing
-   (timestamp and signature fresh per attempt), through worker.reward_client.transport's
-   `PinnedResolutionTransport` (every DNS answer checked by service.kit.urlpolicy, the socket opened to
+2. send them concurrently: JSON body, Standard Webhooks headers from outbound.signing
+   (timestamp and signature fresh per attempt), through outbound.transport's
+   `PinnedResolutionTransport` (every DNS answer checked by outbound.urlpolicy, the socket opened to
    the validated address), no redirects, no proxies;
 3. record outcomes in a second transaction: 2xx -> `delivered`; a URL the policy refuses -> `failed`
    at once (retrying cannot help); anything else -> `pending` again after an exponential backoff with
@@ -32,14 +32,14 @@ from datetime import datetime, timedelta
 import httpx
 from tenacity import RetryCallState, Retrying, wait_exponential_jitter
 
+from outbound.signing import load_secret, sign_headers
+from outbound.transport import PinnedResolutionTransport
+from outbound.urlpolicy import Resolver, UrlRejected
 from service.kit.config import Settings
 from service.kit.db import session_scope, utcnow
-from service.kit.urlpolicy import Resolver, UrlRejected
 from service.observability.metrics import WEBHOOK_DELIVERIES
 from service.webhooks import repository
 from service.webhooks.models import DeliveryStatus, WebhookDelivery, WebhookEndpoint
-from worker.reward_client.signing import load_secret, sign_headers
-from worker.reward_client.transport import PinnedResolutionTransport
 
 log = logging.getLogger(__name__)
 

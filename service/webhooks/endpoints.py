@@ -6,6 +6,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query, Response
 
+from contract.fields import INT64_MAX
 from service.kit.deps import SessionDep
 from service.kit.openapi import error_responses
 from service.kit.params import Cursor, PathId
@@ -19,7 +20,6 @@ from service.webhooks.schemas import (
     WebhookOut,
     WebhookWithSecret,
 )
-from worker.grpo.fields import INT64_MAX
 
 router = APIRouter(tags=["webhooks"])
 

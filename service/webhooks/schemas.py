@@ -7,9 +7,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from contract.fields import Text
 from service.webhooks.models import WebhookDelivery, WebhookEndpoint
 from service.webhooks.outbox import EVENT_TYPES
-from worker.grpo.fields import Text
 
 
 class WebhookCreate(BaseModel):

@@ -23,7 +23,7 @@ from service.webhooks.schemas import WebhookCreate
 
 
 def create_webhook(session: Session, tenant_id: str, spec: WebhookCreate) -> WebhookEndpoint:
-    """Register a URL under the reward endpoints' policy; raises UrlRejected naming the problem.
+    """Register a URL under the reward endpoints' policy; raises UrlNotAllowed naming the problem.
 
     The check (a DNS lookup in production) runs before any SQL, so no transaction waits on it.
     """

@@ -12,6 +12,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from contract.config import GRPOConfig, LoraConfig
 from worker.grpo.checkpoint import (
     MANIFEST_NAME,
     STATE_NAME,
@@ -23,7 +24,6 @@ from worker.grpo.checkpoint import (
     save_checkpoint,
     verify_manifest,
 )
-from worker.grpo.config import GRPOConfig, LoraConfig
 from worker.grpo.tiny import build_tiny_model
 
 torch.set_num_threads(1)

@@ -14,10 +14,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
+from contract.config import GRPOConfig
 from tests.engine.test_trainer import _capture_gradients
 from tests.engine.trainer_helpers import small_config, spread_reward, trainer_kwargs, word_rows
 from worker.grpo import fast_decoder, rollout, static_decoder, trainer
-from worker.grpo.config import GRPOConfig
 from worker.grpo.cpu_threads import SideThread
 from worker.grpo.modeling import ModelBundle
 from worker.grpo.trainer import GRPOTrainer

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from contract.dataset_format import validate_jsonl_lines
 from worker.grpo.data import DatasetError, PromptRow, PromptSampler, load_jsonl, parse_jsonl_lines
-from worker.grpo.dataset_format import validate_jsonl_lines
 
 
 def _write(path: Path, lines: list[str]) -> Path:
@@ -90,7 +90,7 @@ class TestValidateJsonlLines:
         import subprocess
         import sys
 
-        code = "import sys, worker.grpo.dataset_format; assert 'torch' not in sys.modules"
+        code = "import sys, contract.dataset_format; assert 'torch' not in sys.modules"
         subprocess.run([sys.executable, "-c", code], check=True)
 
 

@@ -20,9 +20,9 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
+from contract.spec import JobSpec
 from worker.grpo.checkpoint import verify_manifest
 from worker.grpo.distributed import SHARDED_DIR, merge_rank_stats
-from worker.grpo.spec import JobSpec
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 WORDS = ["cat", "dog", "sun", "map", "hat", "pen", "cup", "box"]

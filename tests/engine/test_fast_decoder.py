@@ -11,8 +11,8 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
+from contract.config import GRPOConfig
 from worker.grpo import fast_decoder, rollout, static_decoder
-from worker.grpo.config import GRPOConfig
 from worker.grpo.cpu_threads import intra_op_threads
 from worker.grpo.logprobs import completion_logprobs
 

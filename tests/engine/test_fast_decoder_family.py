@@ -26,8 +26,8 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
+from contract.config import GRPOConfig
 from worker.grpo import fast_decoder, logprobs, rollout, static_decoder
-from worker.grpo.config import GRPOConfig
 from worker.grpo.logprobs import completion_logprobs
 
 P, C = 9, 11  # prompt and completion lengths of the hand-made batch

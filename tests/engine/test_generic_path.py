@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers import GenerationConfig, GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
 
-from worker.grpo.config import GRPOConfig
+from contract.config import GRPOConfig
 from worker.grpo.rollout import generate_rollout
 from worker.grpo.tiny import build_tokenizer
 

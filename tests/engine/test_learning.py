@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from contract.reward_types import RewardInput
 from tests.engine.trainer_helpers import WORDS, char_count_reward, small_config
 from worker.grpo.data import PromptRow
-from worker.grpo.reward_types import RewardInput
 from worker.grpo.rewards import CompositeReward, FunctionSource
 from worker.grpo.trainer import GRPOTrainer
 

@@ -17,15 +17,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from worker.grpo.reward_types import RewardError, RewardInput, RewardUnavailable
-from worker.grpo.rewards import CompositeReward, FunctionSource, build_reward_sources, extract_boxed
-from worker.grpo.spec import (
+from contract.reward_types import RewardError, RewardInput, RewardUnavailable
+from contract.spec import (
     MAX_PATTERN_LENGTH,
     BuiltinRewardSpec,
     ModelRewardSpec,
     RemoteRewardSpec,
     RewardSpec,
 )
+from worker.grpo.rewards import CompositeReward, FunctionSource, build_reward_sources, extract_boxed
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from worker.grpo.config import GRPOConfig
+from contract.config import GRPOConfig
 from worker.grpo.rollout import (
     Rollout,
     completion_mask_after_eos,

@@ -5,9 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from worker.grpo.config import GRPOConfig
+from contract.config import GRPOConfig
+from contract.reward_types import RewardInput
 from worker.grpo.data import PromptRow
-from worker.grpo.reward_types import RewardInput
 from worker.grpo.rewards import CompositeReward, FunctionSource
 
 WORDS = ["cat", "dog", "sun", "map", "hat", "pen", "cup", "box"]

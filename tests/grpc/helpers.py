@@ -8,8 +8,8 @@ from typing import Any
 
 import grpc
 
+from contract.gen.grpo.v1 import datasets_pb2, datasets_pb2_grpc
 from service.grpc.errors import ERROR_CODE_KEY, ERROR_DETAILS_KEY, ERROR_FIELD_KEY
-from service.grpc.gen.grpo.v1 import datasets_pb2, datasets_pb2_grpc
 
 
 def bearer(api_key: str) -> tuple[tuple[str, str], ...]:

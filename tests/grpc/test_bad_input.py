@@ -10,7 +10,7 @@ import grpc
 import pytest
 from google.protobuf.message import Message
 
-from service.grpc.gen.grpo.v1 import (
+from contract.gen.grpo.v1 import (
     checkpoints_pb2,
     checkpoints_pb2_grpc,
     datasets_pb2,

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import grpc
 import pytest
 
-from service.grpc.gen.grpo.v1 import (
+from contract.gen.grpo.v1 import (
     checkpoints_pb2,
     checkpoints_pb2_grpc,
     job_spec_pb2,

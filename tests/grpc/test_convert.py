@@ -1,4 +1,4 @@
-"""The typed proto spec stays in step with the pydantic contract (worker/grpo/spec.py, config.py)."""
+"""The typed proto spec stays in step with the pydantic contract (contract/spec.py, config.py)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,9 @@ import typing
 import pytest
 from pydantic import BaseModel
 
+from contract.config import GRPOConfig, LoraConfig
+from contract.gen.grpo.v1 import job_spec_pb2
+from contract.spec import BUILTIN_PARAMS, JobSpec, ModelRewardSpec, RemoteRewardSpec
 from service.grpc.convert import (
     BUILTIN_REWARDS,
     NONE_FLAGS,
@@ -16,11 +19,8 @@ from service.grpc.convert import (
     job_spec_to_proto,
     str_to_enum,
 )
-from service.grpc.gen.grpo.v1 import job_spec_pb2
 from service.kit.errors import ValidationFailed
-from worker.grpo.config import GRPOConfig, LoraConfig
 from worker.grpo.health import HealthConfig
-from worker.grpo.spec import BUILTIN_PARAMS, JobSpec, ModelRewardSpec, RemoteRewardSpec
 
 PAIRS: list[tuple[type[BaseModel], type[typing.Any]]] = [
     (GRPOConfig, job_spec_pb2.Hyperparameters),

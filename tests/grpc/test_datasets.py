@@ -9,7 +9,7 @@ import grpc
 import pytest
 from fastapi.testclient import TestClient
 
-from service.grpc.gen.grpo.v1 import datasets_pb2, datasets_pb2_grpc
+from contract.gen.grpo.v1 import datasets_pb2, datasets_pb2_grpc
 from tests.grpc.helpers import (
     bearer,
     error_code,

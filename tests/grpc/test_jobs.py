@@ -8,7 +8,7 @@ import grpc
 import pytest
 from fastapi.testclient import TestClient
 
-from service.grpc.gen.grpo.v1 import job_spec_pb2, jobs_pb2, jobs_pb2_grpc
+from contract.gen.grpo.v1 import job_spec_pb2, jobs_pb2, jobs_pb2_grpc
 from service.jobs.models import JobSample
 from service.jobs.progress import record_metrics, worker_transition
 from service.jobs.states import JobStatus

@@ -11,9 +11,9 @@ import grpc
 import pytest
 from fastapi.testclient import TestClient
 
+from contract.gen.grpo.v1 import job_spec_pb2, jobs_pb2, jobs_pb2_grpc
 from service.checkpoints.models import Checkpoint
 from service.grpc.errors import ERROR_DETAILS_KEY
-from service.grpc.gen.grpo.v1 import job_spec_pb2, jobs_pb2, jobs_pb2_grpc
 from service.kit.config import Settings
 from service.kit.queue import set_job_queue
 from service.storage import checkpoint_prefix, get_storage

@@ -13,10 +13,10 @@ from types import ModuleType
 import pytest
 from fastapi import FastAPI
 
+from contract.gen.grpo.v1 import checkpoints_pb2, datasets_pb2, jobs_pb2, reward_functions_pb2
 from service.checkpoints import endpoints as checkpoints_rest
 from service.datasets import endpoints as datasets_rest
 from service.grpc import watch
-from service.grpc.gen.grpo.v1 import checkpoints_pb2, datasets_pb2, jobs_pb2, reward_functions_pb2
 from service.grpc.servicers import checkpoints as checkpoints_grpc
 from service.grpc.servicers import datasets as datasets_grpc
 from service.grpc.servicers import jobs as jobs_grpc

@@ -9,7 +9,7 @@ import grpc
 import pytest
 from sqlalchemy import create_engine, text
 
-from service.grpc.gen.grpo.v1 import jobs_pb2, jobs_pb2_grpc
+from contract.gen.grpo.v1 import jobs_pb2, jobs_pb2_grpc
 from service.grpc.server import create_grpc_server
 from service.kit.config import Settings
 from service.kit.reads import READS_APPLICATION_NAME, PostgresReads

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-COMMITTED = REPO / "service" / "grpc" / "gen"
+COMMITTED = REPO / "contract" / "gen"
 
 
 def _tree(root: Path) -> dict[str, bytes]:

@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING
 import grpc
 import pytest
 
-from service.grpc.gen.grpo.v1 import reward_functions_pb2 as pb
-from service.grpc.gen.grpo.v1 import reward_functions_pb2_grpc
+from contract.gen.grpo.v1 import reward_functions_pb2 as pb
+from contract.gen.grpo.v1 import reward_functions_pb2_grpc
 from tests.grpc.helpers import bearer, error_code, error_field
 from tests.service.factories import TenantHeaders
 from tests.worker.grpc_reward_servers import GrpcRewardServer, running_grpc

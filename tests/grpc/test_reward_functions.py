@@ -6,8 +6,8 @@ import grpc
 import pytest
 from fastapi.testclient import TestClient
 
-from service.grpc.gen.grpo.v1 import reward_functions_pb2 as pb
-from service.grpc.gen.grpo.v1 import reward_functions_pb2_grpc
+from contract.gen.grpo.v1 import reward_functions_pb2 as pb
+from contract.gen.grpo.v1 import reward_functions_pb2_grpc
 from tests.grpc.helpers import bearer, error_code, error_field
 from tests.service.factories import TenantHeaders
 

@@ -7,12 +7,12 @@ from collections.abc import Iterator
 import grpc
 import pytest
 
-from service.grpc.gen.grpo.v1 import job_spec_pb2, jobs_pb2, jobs_pb2_grpc
+from contract.gen.grpo.v1 import job_spec_pb2, jobs_pb2, jobs_pb2_grpc
+from contract.spec import MAX_PATTERN_LENGTH
 from service.kit.queue import set_job_queue
 from tests.grpc.helpers import bearer, error_field
 from tests.service.factories import TenantHeaders
 from tests.service.jobs_support import RecordingQueue, make_dataset
-from worker.grpo.spec import MAX_PATTERN_LENGTH
 
 
 @pytest.fixture

@@ -12,8 +12,8 @@ from collections.abc import Iterator
 import grpc
 import pytest
 
+from contract.gen.grpo.v1 import job_spec_pb2, jobs_pb2, jobs_pb2_grpc
 from service.grpc import watch
-from service.grpc.gen.grpo.v1 import job_spec_pb2, jobs_pb2, jobs_pb2_grpc
 from service.jobs.progress import record_event, record_metrics, worker_transition
 from service.jobs.states import JobStatus
 from service.kit.db import session_scope

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import grpc
 import pytest
 
-from service.grpc.gen.grpo.v1 import jobs_pb2, jobs_pb2_grpc
+from contract.gen.grpo.v1 import jobs_pb2, jobs_pb2_grpc
 from tests.grpc.helpers import bearer
 from tests.worker.conftest import PROMPTS, tiny_spec
 from tests.worker.procs import ApiClient, Stack, free_port, private_tmp

@@ -189,7 +189,7 @@ def main() -> int:
         GRPO_BROKER_URL="memory://",
         GRPO_GC_FREEZE="false",
     )
-    from service.cli.migrate import upgrade_head
+    from cli.migrate import upgrade_head
 
     upgrade_head(url)
     base_url, server, thread = serve(url)

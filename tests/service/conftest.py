@@ -23,7 +23,7 @@ from fastapi.testclient import TestClient
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
 
-from service.cli.migrate import upgrade_head
+from cli.migrate import upgrade_head
 from service.kit import db as kit_db
 from service.kit.config import Settings, get_settings
 from service.models import Base

@@ -15,7 +15,7 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import event
 
-from service.grpc.gen.grpo.v1 import jobs_pb2, jobs_pb2_grpc
+from contract.gen.grpo.v1 import jobs_pb2, jobs_pb2_grpc
 from service.grpc.server import running_grpc
 from service.kit import db as kit_db
 from service.kit.config import Settings, get_settings

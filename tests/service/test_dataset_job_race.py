@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from contract.spec import JobSpec
 from service.datasets import service as datasets
 from service.datasets.errors import DatasetInUse
 from service.jobs import service as jobs
@@ -18,7 +19,6 @@ from service.kit.db import session_factory
 from service.kit.errors import ValidationFailed
 from tests.service.factories import TenantHeaders
 from tests.service.jobs_support import RecordingQueue, job_spec, make_dataset
-from worker.grpo.spec import JobSpec
 
 
 @pytest.mark.parametrize("db_url", ["postgres"], indirect=True)

@@ -6,6 +6,7 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import func, select
 
+from contract.spec import JobSpec
 from service.jobs import service as jobs_service
 from service.jobs.models import Job
 from service.kit.config import Settings
@@ -13,7 +14,6 @@ from service.kit.db import session_scope
 from service.kit.queue import get_job_queue
 from tests.service.factories import TenantHeaders
 from tests.service.jobs_support import RecordingQueue, job_spec, make_dataset
-from worker.grpo.spec import JobSpec
 
 
 class CommittedCheckingQueue(RecordingQueue):

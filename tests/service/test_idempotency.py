@@ -123,7 +123,7 @@ class TestIdempotencyKey:
 
 
 def _hash_of(spec: dict[str, object]) -> str:
+    from contract.spec import JobSpec
     from service.jobs.idempotency import request_hash
-    from worker.grpo.spec import JobSpec
 
     return request_hash(JobSpec.model_validate(spec).model_dump(mode="json"))

@@ -15,11 +15,11 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
+from contract.dataset_format import MAX_COLUMN_NAME_CHARS, MAX_COLUMNS
+from contract.spec import MAX_METADATA_JSON_BYTES, MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS
 from service.kit.config import Settings
 from tests.service.factories import TenantHeaders
 from tests.service.jobs_support import job_spec, make_dataset
-from worker.grpo.dataset_format import MAX_COLUMN_NAME_CHARS, MAX_COLUMNS
-from worker.grpo.spec import MAX_METADATA_JSON_BYTES, MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS
 
 MIB = 1024 * 1024
 LIMIT = 8 * MIB  # GRPO_MAX_REQUEST_BODY_BYTES's default

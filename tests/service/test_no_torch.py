@@ -7,7 +7,7 @@ import sys
 
 CHECK = """
 import sys
-import service.app, service.cli, service.models, service.storage
+import service.app, cli, service.models, service.storage
 service.app.create_app()
 heavy = sorted(m for m in ("torch", "transformers", "peft", "safetensors") if m in sys.modules)
 print(",".join(heavy))

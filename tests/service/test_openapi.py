@@ -7,7 +7,7 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from worker.grpo.spec import JobSpec
+from contract.spec import JobSpec
 
 CONTRACT = {
     ("get", "/healthz"),

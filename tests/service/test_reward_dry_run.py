@@ -15,7 +15,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from service.kit.config import Settings
-from service.kit.urlpolicy import UrlRejected
+from service.kit.errors import UrlNotAllowed
 from service.rewards.service import check_registration_url
 from tests.service.factories import TenantHeaders
 from tests.worker.grpc_reward_servers import GrpcRewardServer, running_grpc
@@ -183,7 +183,7 @@ class TestRegistrationResolves:
 
         url = "https://rewards.example.com/score"
         assert check_registration_url(url, allow_private=False, resolver=resolver) == url
-        with pytest.raises(UrlRejected, match=r"rewards.example.com -> 10.0.0.7 is a private address"):
+        with pytest.raises(UrlNotAllowed, match=r"rewards.example.com -> 10.0.0.7 is a private address"):
             check_registration_url(url, allow_private=False, resolver=resolver)
         assert check_registration_url("grpc://reward-dev:50051", allow_private=True, resolver=resolver)
         assert asked == ["rewards.example.com", "rewards.example.com"]  # development: no lookup

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import pytest
 from fastapi.testclient import TestClient
 
-from service.kit import urlpolicy
+from outbound import urlpolicy
 from service.kit.config import get_settings
 from tests.service.factories import TenantHeaders
 

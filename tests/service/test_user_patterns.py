@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
+from contract.spec import MAX_PATTERN_LENGTH
 from tests.service.factories import TenantHeaders
 from tests.service.jobs_support import RecordingQueue, job_spec, make_dataset, recording_queue
-from worker.grpo.spec import MAX_PATTERN_LENGTH
 
 __all__ = ["recording_queue"]
 FIELD = "body.rewards.0.builtin.pattern"

@@ -19,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.service.test_webhooks import Receiver
 from tests.worker.procs import free_port, wait_for
 
-GRPO = [sys.executable, "-c", "from service.cli import main; main()"]
+GRPO = [sys.executable, "-c", "from cli import main; main()"]
 
 
 @pytest.fixture

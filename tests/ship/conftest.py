@@ -22,11 +22,11 @@ import pytest
 import typer.main
 from typer.core import TyperGroup
 
-from service.cli import app as cli_app
+from cli import app as cli_app
 
 REPO = Path(__file__).resolve().parents[2]
 PYTHON = sys.executable
-GRPO = [PYTHON, "-m", "service.cli"]
+GRPO = [PYTHON, "-m", "cli"]
 
 
 def free_port() -> int:
@@ -45,7 +45,7 @@ def clean_env(**overrides: str) -> dict[str, str]:
 
 
 def run_cli(env: dict[str, str], *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    """Run `python -m service.cli <args>` and return it whatever its exit code (the caller asserts)."""
+    """Run `python -m cli <args>` and return it whatever its exit code (the caller asserts)."""
     return subprocess.run([*GRPO, *args], env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout)
 
 

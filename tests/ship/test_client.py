@@ -25,9 +25,9 @@ import uvicorn
 from fastapi import FastAPI
 from fastapi.routing import APIRoute
 
+from cli.migrate import upgrade_head
+from client.sdk import APIError, AsyncGRPOClient, Call, GRPOClient, _calls
 from service.app import create_app
-from service.cli.migrate import upgrade_head
-from service.client import APIError, AsyncGRPOClient, Call, GRPOClient, _calls
 from service.kit import db as kit_db
 from service.kit.config import get_settings
 from tests.service.factories import create_tenant

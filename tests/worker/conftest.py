@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 from sqlalchemy.orm import Session
 
+from contract.spec import JobSpec
 from service.datasets.models import Dataset
 from service.jobs import service as jobs_service
 from service.jobs.models import Job
@@ -32,7 +33,6 @@ from tests.service.conftest import (  # noqa: F401  (fixtures re-exported for te
     tenant_a,
     tenant_b,
 )
-from worker.grpo.spec import JobSpec
 
 PROMPTS = [
     {"prompt": f"Say {word}:", "answer": word} for word in ("yes", "no", "up", "down", "left", "right")

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from service.grpc.gen.grpo.v1 import reward_pb2
+from contract.gen.grpo.v1 import reward_pb2
 from worker.grpc_reward_server import RewardRequestRejected, verify_score_request
 
 

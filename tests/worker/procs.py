@@ -29,7 +29,7 @@ from tests.service.factories import create_tenant
 
 T = TypeVar("T")
 REPO = Path(__file__).resolve().parents[2]
-GRPO = [sys.executable, "-c", "from service.cli import main; main()"]
+GRPO = [sys.executable, "-c", "from cli import main; main()"]
 
 
 def free_port() -> int:

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from worker.grpo.reward_types import RewardInput
-from worker.reward_client import RemoteRewardSource
+from contract.reward_types import RewardInput
+from outbound.rewards import RemoteRewardSource
 
 from .reward_servers import closed_port, new_secret
 from .test_reward_client import make_config

@@ -19,10 +19,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from service.grpc.gen.grpo.v1 import reward_pb2
-from service.kit.urlpolicy import UrlRejected, check_url_syntax, is_grpc_url
-from worker.grpc_reward_server import RewardRequestRejected, add_reward_service, verify_score_request
-from worker.reward_client import (
+from contract.gen.grpo.v1 import reward_pb2
+from outbound.rewards import (
     RetryEvent,
     RewardEndpointInvalidResponse,
     RewardEndpointRefused,
@@ -30,10 +28,12 @@ from worker.reward_client import (
     RewardUnavailable,
     test_endpoint,
 )
-from worker.reward_client.errors import RewardEndpointGrpcError
-from worker.reward_client.factory import build_remote_source
-from worker.reward_client.grpc_source import GrpcRewardSource
-from worker.reward_client.signing import grpc_signed_content, load_secret, sign_headers
+from outbound.rewards.errors import RewardEndpointGrpcError
+from outbound.rewards.factory import build_remote_source
+from outbound.rewards.grpc_source import GrpcRewardSource
+from outbound.signing import grpc_signed_content, load_secret, sign_headers
+from outbound.urlpolicy import UrlRejected, check_url_syntax, is_grpc_url
+from worker.grpc_reward_server import RewardRequestRejected, add_reward_service, verify_score_request
 
 from .grpc_reward_servers import GrpcFault, GrpcRewardServer, encode_rewards, running_grpc
 from .reward_servers import closed_port, new_secret

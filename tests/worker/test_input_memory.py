@@ -19,7 +19,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from service.grpc.gen.grpo.v1 import job_spec_pb2, jobs_pb2, jobs_pb2_grpc
+from contract.gen.grpo.v1 import job_spec_pb2, jobs_pb2, jobs_pb2_grpc
 from tests.worker.conftest import PROMPTS, tiny_spec
 from tests.worker.procs import ApiClient, Proc, Stack, free_port, private_tmp
 

@@ -176,6 +176,6 @@ def test_worker_parent_and_api_never_import_torch() -> None:
     import subprocess
     import sys
 
-    code = "import sys, worker.tasks, service.cli, service.app, worker.reaper; print('torch' in sys.modules)"
+    code = "import sys, worker.tasks, cli, service.app, worker.reaper; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

@@ -11,6 +11,7 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import select, update
 
+from contract.spec import JobSpec
 from service.checkpoints import retention
 from service.checkpoints.models import Checkpoint, CheckpointPin
 from service.checkpoints.retention import best_checkpoint, checkpoints_to_prune
@@ -23,7 +24,6 @@ from service.storage import checkpoint_key, get_storage, job_prefix
 from tests.service.factories import TenantHeaders
 from tests.worker.conftest import insert_job
 from worker import reporting
-from worker.grpo.spec import JobSpec
 from worker.lease import Claim, claim_job
 
 

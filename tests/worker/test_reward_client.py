@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from worker.grpo.reward_types import RewardError, RewardInput
-from worker.reward_client import (
+from contract.reward_types import RewardError, RewardInput
+from outbound.rewards import (
     RemoteRewardConfig,
     RemoteRewardSource,
     RetryEvent,
@@ -26,11 +26,11 @@ from worker.reward_client import (
     RewardUnavailable,
     test_endpoint,
 )
-from worker.reward_client.batching import make_batches
-from worker.reward_client.breaker import CircuitBreaker
-from worker.reward_client.cache import RewardCache, cache_key
-from worker.reward_client.endpoint import parse_retry_after
-from worker.reward_client.source import DegradedEvent
+from outbound.rewards.batching import make_batches
+from outbound.rewards.breaker import CircuitBreaker
+from outbound.rewards.cache import RewardCache, cache_key
+from outbound.rewards.endpoint import parse_retry_after
+from outbound.rewards.source import DegradedEvent
 from worker.reward_server import RewardRequest
 
 from .reward_servers import Fault, RewardServer, closed_port, new_secret, running
@@ -417,7 +417,7 @@ class TestSsrfAtCallTime:
         async def rebinding(host: str, port: int) -> list[str]:
             return next(answers)
 
-        from service.kit.urlpolicy import check_url
+        from outbound.urlpolicy import check_url
 
         url = f"https://rewards.example.com:{server.port}/score"
         assert await check_url(url, allow_private=False, resolver=rebinding) == url  # registration: public

@@ -11,9 +11,9 @@ from datetime import UTC, datetime, timedelta
 import httpx
 import pytest
 
-from worker.reward_client import RemoteRewardConfig, RemoteRewardSource, RewardEndpointHTTPError
-from worker.reward_client.protocol import RewardItem, RewardRequest, encode_request
-from worker.reward_client.signing import load_secret, new_message_id, sign_headers
+from outbound.rewards import RemoteRewardConfig, RemoteRewardSource, RewardEndpointHTTPError
+from outbound.rewards.protocol import RewardItem, RewardRequest, encode_request
+from outbound.signing import load_secret, new_message_id, sign_headers
 from worker.reward_server import RewardRequestRejected, make_reward_app, verify_and_parse
 
 from .reward_servers import new_secret, serving

@@ -14,8 +14,8 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse
 from starlette.routing import Route
 
-from service.kit.urlpolicy import UrlRejected
-from worker.reward_client.transport import PinnedResolutionTransport
+from outbound.transport import PinnedResolutionTransport
+from outbound.urlpolicy import UrlRejected
 
 from .reward_servers import start_uvicorn, stop_uvicorn
 

@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
+from contract.spec import JobSpec
 from service.jobs import service as jobs_service
 from service.jobs.models import Job
 from service.kit.config import Settings, get_settings
@@ -20,7 +21,6 @@ from service.rewards.schemas import RewardFunctionCreate
 from service.rewards.service import create_reward_function
 from tests.service.factories import TenantHeaders
 from tests.worker.conftest import RecordingQueue, insert_dataset, tiny_spec
-from worker.grpo.spec import JobSpec
 from worker.runner import JobRunner
 
 

@@ -11,7 +11,7 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from sqlalchemy import update
 
-from service.client import GRPOClient, JobProgress
+from client.sdk import GRPOClient, JobProgress
 from service.jobs.models import Job
 from service.jobs.schemas import EventOut
 from service.jobs.states import JobStatus

@@ -1,6 +1,6 @@
 """The GRPO engine: a pure library (no database, Celery or HTTP-server imports).
 
 Importing this package must stay cheap and torch-free so that the service can share
-`worker.grpo.config` and `worker.grpo.spec` without pulling in torch. Import the
+`contract.config` and `contract.spec` without pulling in torch. Import the
 submodules (`worker.grpo.trainer`, ...) directly.
 """

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from worker.grpo.config import AdvantageStd, ScaleRewards
+from contract.config import AdvantageStd, ScaleRewards
 
 
 def _nan_std(values: Tensor, mean: Tensor, count: Tensor, std: AdvantageStd) -> Tensor:

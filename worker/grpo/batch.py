@@ -18,9 +18,9 @@ from typing import Any, TypeVar
 import torch
 from torch import Tensor
 
+from contract.reward_types import RewardInput
 from worker.grpo.data import PromptRow
 from worker.grpo.modeling import merge_groups
-from worker.grpo.reward_types import RewardInput
 from worker.grpo.rollout import Rollout
 
 T = TypeVar("T")

@@ -33,7 +33,7 @@ from typing import Any, cast
 import numpy as np
 import torch
 
-from worker.grpo.config import GRPOConfig
+from contract.config import GRPOConfig
 
 MANIFEST_NAME = "manifest.json"
 STATE_NAME = "trainer_state.pt"

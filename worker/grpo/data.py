@@ -1,6 +1,6 @@
 """Prompt datasets for training: loading JSONL files and a resumable, seeded prompt sampler.
 
-The row format and its validation live in `worker.grpo.dataset_format` (torch-free, shared with
+The row format and its validation live in `contract.dataset_format` (torch-free, shared with
 the service). This module adds the engine side: typed rows and the order in which prompts are drawn.
 """
 
@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from worker.grpo.dataset_format import DatasetIssue, JsonlValidator, Prompt
+from contract.dataset_format import DatasetIssue, JsonlValidator, Prompt
 
 
 class DatasetError(ValueError):

@@ -1,6 +1,6 @@
 """`grpo train --config job.yaml`: run the engine locally on a JSONL file with built-in rewards.
 
-The YAML file is the job spec a user would submit to the service (`worker.grpo.spec.JobSpec`),
+The YAML file is the job spec a user would submit to the service (`contract.spec.JobSpec`),
 where `train_dataset` / `eval_dataset` are JSONL paths relative to the YAML file, plus an optional
 `output_dir` (relative to the YAML file too). Re-running with the same output directory resumes
 from its newest checkpoint. Ctrl-C stops after the current step and saves a checkpoint.
@@ -37,10 +37,10 @@ from rich.progress import (
 )
 from rich.table import Table
 
+from contract.reward_types import RewardError
+from contract.spec import JobSpec
 from worker.grpo.checkpoint import CheckpointCorrupt, latest_checkpoint
 from worker.grpo.data import DatasetError, PromptRow, load_jsonl
-from worker.grpo.reward_types import RewardError
-from worker.grpo.spec import JobSpec
 
 if TYPE_CHECKING:
     from worker.grpo.distributed import Ranks

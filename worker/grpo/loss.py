@@ -36,7 +36,7 @@ from typing import get_args
 import torch
 from torch import Tensor
 
-from worker.grpo.config import CLIPPED_LOSSES, GRPOConfig, ImportanceSamplingLevel, LossType
+from contract.config import CLIPPED_LOSSES, GRPOConfig, ImportanceSamplingLevel, LossType
 
 LOSS_TYPES: tuple[str, ...] = get_args(LossType)
 # Normalised by the masked tokens of the whole optimiser step (`step_tokens`), not per mini-batch.

@@ -21,8 +21,8 @@ import torch
 from torch import Tensor
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
+from contract.config import GRPOConfig
 from worker.grpo import fast_decoder
-from worker.grpo.config import GRPOConfig
 from worker.grpo.logprobs import completion_logprobs
 from worker.grpo.rollout import Rollout, completion_mask_after_eos, tokenize_prompts
 from worker.grpo.tiny import resolve_model_path

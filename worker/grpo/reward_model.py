@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, PreTrainedModel
 
-from worker.grpo.reward_types import RewardError, RewardInput, RewardModelLoadFailed
+from contract.reward_types import RewardError, RewardInput, RewardModelLoadFailed
 
 log = logging.getLogger(__name__)
 

@@ -19,8 +19,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from worker.grpo.reward_types import RewardError, RewardInput, RewardSource, RewardTimedOut
-from worker.grpo.spec import (
+from contract.reward_types import RewardError, RewardInput, RewardSource, RewardTimedOut
+from contract.spec import (
     BoxedAnswerParams,
     BuiltinRewardSpec,
     ExactMatchParams,

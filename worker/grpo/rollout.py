@@ -25,8 +25,8 @@ from packaging.version import Version
 from torch import Tensor
 from transformers import DynamicCache, GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
+from contract.config import GRPOConfig
 from worker.grpo import fast_decoder, static_decoder
-from worker.grpo.config import GRPOConfig
 from worker.grpo.cpu_threads import SideThread, intra_op_threads
 
 

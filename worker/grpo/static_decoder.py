@@ -139,7 +139,7 @@ class DecodeWeights:
         return cls(fold, layers, _DecodeLinear(head, net.lm_head_bias))
 
 
-# With OpenMP's passive waiting (what `grpo` processes run with, see service/cli), every parallel
+# With OpenMP's passive waiting (what `grpo` processes run with, see cli/), every parallel
 # region wakes the sleeping pool threads, which costs more than a second core saves on a decode
 # step's small matmuls. Measured on a 2-core EPYC (torch 2.13, 32 rows): one thread decodes the
 # tiny and small presets (largest decode matmul 3 and 17 MFLOP) 1.2-2.9x faster than two; two win on

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from contract.config import GRPOConfig
 from worker.grpo.advantages import decoupled_advantages, group_advantages
 from worker.grpo.allocator import keep_freed_memory
 from worker.grpo.batch import (
@@ -44,7 +45,6 @@ from worker.grpo.batch import (
     select_groups,
 )
 from worker.grpo.checkpoint import capture_rng_state, load_checkpoint, restore_rng_state, save_checkpoint
-from worker.grpo.config import GRPOConfig
 from worker.grpo.cpu_threads import SideThread, completed, intra_op_threads, side_thread_helps
 from worker.grpo.data import PromptRow, PromptSampler
 from worker.grpo.distributed import SHARDED_DIR, Parallel, Ranks, group_seeds, main_first, share

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import grpc
 
-from service.grpc.gen.grpo.v1 import (
+from contract.gen.grpo.v1 import (
     checkpoints_pb2,
     checkpoints_pb2_grpc,
     datasets_pb2,

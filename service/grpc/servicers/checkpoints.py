@@ -15,13 +15,13 @@ from typing import IO, Any
 import grpc
 from sqlalchemy.orm import Session
 
+from contract.gen.grpo.v1 import checkpoints_pb2, checkpoints_pb2_grpc, common_pb2
 from service.checkpoints import retention, service
 from service.checkpoints.download import iter_file
 from service.checkpoints.schemas import CheckpointOut
 from service.grpc.auth import current_tenant
 from service.grpc.calls import in_session
 from service.grpc.convert import checkpoint_to_proto
-from service.grpc.gen.grpo.v1 import checkpoints_pb2, checkpoints_pb2_grpc, common_pb2
 from service.kit.errors import DomainError, NotFound, ValidationFailed
 from service.storage import get_storage
 

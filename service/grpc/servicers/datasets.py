@@ -8,13 +8,13 @@ from typing import Any
 
 import grpc
 
+from contract.gen.grpo.v1 import datasets_pb2, datasets_pb2_grpc
 from service.datasets import service
 from service.datasets.ingest import DatasetIngest
 from service.datasets.schemas import DatasetOut
 from service.grpc.auth import current_tenant
 from service.grpc.calls import in_session
 from service.grpc.convert import dataset_to_proto
-from service.grpc.gen.grpo.v1 import datasets_pb2, datasets_pb2_grpc
 from service.grpc.paging import page_size
 from service.kit.errors import ValidationFailed
 

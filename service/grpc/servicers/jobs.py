@@ -8,6 +8,8 @@ from typing import Any
 import grpc
 from sqlalchemy.orm import Session
 
+from contract.gen.grpo.v1 import jobs_pb2, jobs_pb2_grpc
+from contract.spec import JobSpec
 from service.grpc.auth import current_tenant, metadata_value
 from service.grpc.calls import in_session
 from service.grpc.convert import (
@@ -19,7 +21,6 @@ from service.grpc.convert import (
     sample_to_proto,
 )
 from service.grpc.errors import prefix_fields
-from service.grpc.gen.grpo.v1 import jobs_pb2, jobs_pb2_grpc
 from service.grpc.paging import page_size
 from service.grpc.validation import int32_field
 from service.grpc.watch import watch_job
@@ -30,7 +31,6 @@ from service.kit.errors import ValidationFailed
 from service.kit.queue import get_job_queue
 from service.kit.reads import THREADED_READS, Reads
 from service.storage import get_storage
-from worker.grpo.spec import JobSpec
 
 Context = grpc.aio.ServicerContext[Any, Any]
 IDEMPOTENCY_KEY = "idempotency-key"  # the REST Idempotency-Key header, as metadata

@@ -7,6 +7,8 @@ from typing import Any
 import grpc
 from sqlalchemy.orm import Session
 
+from contract.gen.grpo.v1 import reward_functions_pb2 as pb
+from contract.gen.grpo.v1 import reward_functions_pb2_grpc
 from service.grpc.auth import current_tenant
 from service.grpc.calls import in_session
 from service.grpc.convert import (
@@ -15,8 +17,6 @@ from service.grpc.convert import (
     reward_test_items_from_proto,
     reward_test_result_to_proto,
 )
-from service.grpc.gen.grpo.v1 import reward_functions_pb2 as pb
-from service.grpc.gen.grpo.v1 import reward_functions_pb2_grpc
 from service.grpc.paging import page_size
 from service.rewards import dry_run, service
 from service.rewards.schemas import RewardFunctionOut, RewardFunctionWithSecret

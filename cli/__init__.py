@@ -1,0 +1,28 @@
+"""The `grpo` command line. Each subcommand group lives in its own module and registers here."""
+
+from __future__ import annotations
+
+import os
+
+import typer
+
+from cli import admin, checkpoints, datasets, demo, jobs, migrate, rewards, serve, train, worker
+
+app = typer.Typer(help="GRPO training service: run the engine locally, serve the API, drive jobs.", no_args_is_help=True)
+app.add_typer(admin.app, name="admin")
+app.add_typer(datasets.app, name="datasets")
+app.add_typer(rewards.app, name="rewards")
+app.add_typer(jobs.app, name="jobs")
+app.add_typer(checkpoints.app, name="checkpoints")
+app.command("train")(train.train)
+app.command("migrate")(migrate.migrate)
+app.command("serve")(serve.serve)
+app.command("worker")(worker.worker)
+app.command("demo")(demo.demo)
+
+
+def main() -> None:
+    # Before torch is imported anywhere (workers, `grpo train`): OpenMP's default spin-waiting burns 5-20x the
+    # CPU of the work itself when cores are shared (measured in bench/README.md). Users can still override it.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    app()

@@ -1,0 +1,263 @@
+"""`grpo demo`: the whole product end to end on embedded defaults, in a few minutes on a laptop CPU.
+
+Stages (each printed; any failure exits non-zero and everything started is stopped):
+migrate + tenant/key -> `grpo serve` (REST + gRPC + embedded worker, SQLite, embedded broker, local storage)
+-> example reward server (signature-verifying, exact match) -> upload train and held-out eval datasets ->
+register the endpoint -> submit a job on `builtin:tiny-instruct` -> live progress -> held-out accuracy before
+and after -> download the final checkpoint -> load it with from_pretrained and answer held-out questions ->
+training-curve PNG (reward, KL, length, held-out eval).
+
+The task is conditional ("Larger of 6 and 7?" -> "7") with an exact-match reward, so a rising reward means
+the model answers the question asked. The model starts warm (supervised on synthetic tasks, partly right on
+the held-out questions, which it never saw); GRPO sharpens what it can sometimes do into what it does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+from typing import Final
+
+import httpx
+import typer
+from rich.console import Console
+
+from cli.jobs import follow
+from client.sdk import APIError, GRPOClient
+
+console = Console()
+PYTHON = sys.executable
+DEMO_TASK: Final = "larger"
+DEMO_QUESTIONS_SHOWN = 6
+DEMO_STEPS = 120
+DEMO_LEARNING_RATE = 1e-3
+DEMO_BETA = 0.0
+
+
+def demo(
+    out: Path = typer.Option(Path("demo-out"), "--out", help="Working directory (wiped first)."),
+    model: str = typer.Option(
+        "builtin:tiny-instruct", "--model", help="Base model: builtin:tiny-instruct, a Hugging Face id or a local path."
+    ),
+    steps: int = typer.Option(DEMO_STEPS, "--steps", help="Training steps."),
+) -> None:
+    """Run the main job end to end on embedded defaults and print the outcome."""
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    env = _demo_env(out)
+    with ExitStack() as stack:
+        try:
+            _run(stack, out.resolve(), env, model, steps)
+        except (APIError, DemoFailed, httpx.HTTPError, subprocess.CalledProcessError) as exc:
+            console.print(f"[red]demo failed:[/red] {exc}")
+            raise typer.Exit(1) from None
+
+
+class DemoFailed(Exception):
+    pass
+
+
+def _stage(text: str) -> None:
+    console.rule(f"[bold cyan]{text}")
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _demo_env(out: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GRPO_")}
+    env.update(
+        GRPO_DATA_DIR=str((out / "data").resolve()),
+        GRPO_API_PORT=str(_free_port()),
+        GRPO_GRPC_PORT=str(_free_port()),
+        GRPO_ENV="development",
+    )
+    return env
+
+
+def _grpo(env: dict[str, str], *args: str) -> str:
+    done = subprocess.run([PYTHON, "-m", "cli", *args], env=env, check=True, capture_output=True, text=True)
+    return done.stdout.strip()
+
+
+@contextmanager
+def _process(args: list[str], env: dict[str, str], log: Path) -> Iterator[subprocess.Popen[bytes]]:
+    with log.open("wb") as handle:
+        process = subprocess.Popen(args, env=env, stdout=handle, stderr=subprocess.STDOUT)
+    try:
+        yield process
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def _wait_http(url: str, process: subprocess.Popen[bytes], log: Path, timeout: float = 90) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise DemoFailed(f"process exited with {process.returncode}; see {log}:\n{log.read_text()[-2000:]}")
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    raise DemoFailed(f"{url} not ready after {timeout:.0f}s; see {log}")
+
+
+def _wait_started(
+    client: GRPOClient, job_id: str, serve: subprocess.Popen[bytes], log: Path, timeout: float = 180
+) -> None:
+    """Fail fast (instead of waiting forever) when no worker picks the job up."""
+    deadline = time.monotonic() + timeout
+    while client.get_job(job_id).status == "queued":
+        if serve.poll() is not None or time.monotonic() > deadline:
+            raise DemoFailed(f"no worker started {job_id} within {timeout:.0f}s; see {log}")
+        time.sleep(0.5)
+
+
+def write_demo_datasets(directory: Path) -> tuple[Path, Path]:
+    """(train, held-out eval) JSONL of the demo task; the eval questions were never trained on, not even
+    by the warm model's supervised training (worker.grpo.synthetic)."""
+    from worker.grpo.synthetic import split  # torch-free
+
+    train, held_out = split(DEMO_TASK)
+    paths = directory / f"{DEMO_TASK}-train.jsonl", directory / f"{DEMO_TASK}-eval.jsonl"
+    for path, items in zip(paths, (train, held_out), strict=True):
+        path.write_text("".join(json.dumps(item.row()) + "\n" for item in items))
+    return paths
+
+
+def demo_hyperparameters(steps: int) -> dict[str, object]:
+    """A warm model needs a small learning rate with warm-up: Adam's first steps are full size, and a few
+    of them at 2e-3 undo a partly trained model. The linear decay keeps the late steps from undoing solved
+    prompts (with a constant rate held-out accuracy oscillated around 80-87 %). beta 0: no reference model,
+    as in DAPO and TRL's default."""
+    return {
+        "max_steps": steps,
+        "num_generations": 8,
+        "prompts_per_step": 16,
+        "max_completion_length": 4,
+        "learning_rate": DEMO_LEARNING_RATE,
+        "warmup_steps": 10,
+        "lr_scheduler": "linear",
+        "beta": DEMO_BETA,
+        "temperature": 1.0,
+        "eval_every": 10,
+        "eval_samples": 64,
+        "checkpoint_every": steps,
+        "save_total_limit": 2,
+        "log_completions_every": 10,
+        "seed": 0,
+    }
+
+
+def _run(stack: ExitStack, out: Path, env: dict[str, str], model: str, steps: int) -> None:
+    api_url = f"http://127.0.0.1:{env['GRPO_API_PORT']}"
+
+    _stage("1/8 database and API key")
+    _grpo(env, "migrate")
+    api_key = _grpo(env, "admin", "create-tenant", "demo").splitlines()[-1]
+    env.update(GRPO_API_URL=api_url, GRPO_API_KEY=api_key)
+    console.print(f"tenant 'demo', key {api_key[:12]}...  data in {env['GRPO_DATA_DIR']}")
+
+    _stage("2/8 grpo serve (REST + gRPC + embedded worker)")
+    serve_log = out / "serve.log"
+    serve = stack.enter_context(
+        _process([PYTHON, "-m", "cli", "serve", "--worker", "--no-migrate"], env, serve_log)
+    )
+    _wait_http(f"{api_url}/readyz", serve, serve_log)
+    console.print(f"REST {api_url}  gRPC 127.0.0.1:{env['GRPO_GRPC_PORT']}  (logs: {serve_log})")
+    client = stack.enter_context(GRPOClient(api_url, api_key))
+
+    _stage("3/8 datasets")
+    train_path, eval_path = write_demo_datasets(out)
+    train = client.upload_dataset(train_path, name=f"{DEMO_TASK}-train")
+    held_out = client.upload_dataset(eval_path, name=f"{DEMO_TASK}-eval")
+    console.print(f"{train.id}: {train.num_rows} training questions; {held_out.id}: {held_out.num_rows} held-out")
+
+    _stage("4/8 reward endpoint (example server, exact match, verifies every signature)")
+    reward_port = _free_port()
+    created = client.register_reward_function(
+        "exact-answer", f"http://127.0.0.1:{reward_port}/score", max_batch_size=64, max_concurrency=4
+    )
+    reward_log = out / "reward_server.log"
+    reward_env = {**env, "GRPO_REWARD_SECRET": created.signing_secret}
+    server = stack.enter_context(
+        _process(
+            [PYTHON, "examples/reward_server.py", "--port", str(reward_port), "--task", "exact"],
+            reward_env,
+            reward_log,
+        )
+    )
+    _wait_http(f"http://127.0.0.1:{reward_port}/healthz", server, reward_log, timeout=30)
+    console.print(f"{created.id} -> {created.url}")
+
+    _stage("5/8 job")
+    job = client.create_job(
+        {
+            "name": f"demo-{DEMO_TASK}",
+            "base_model": model,
+            "train_dataset": train.id,
+            "eval_dataset": held_out.id,
+            "rewards": [{"type": "remote", "reward_function_id": created.id, "weight": 1.0}],
+            "hyperparameters": demo_hyperparameters(steps),
+        }
+    )
+    console.print(f"{job.id} queued")
+    _wait_started(client, job.id, serve, serve_log)
+    outcome = follow(client, job)
+    if outcome != 0:
+        events = client.list_job_events(job.id).data
+        raise DemoFailed(f"job ended {client.get_job(job.id).status}: " + "; ".join(e.message for e in events[-5:]))
+    series = client.get_job_metrics(job.id).series
+    accuracy = series.get("eval/accuracy")
+    if accuracy is None or not accuracy.steps:
+        raise DemoFailed("the job recorded no held-out accuracy")
+    console.print(
+        f"[bold]held-out accuracy ({held_out.num_rows} questions never trained on): "
+        f"{accuracy.values[0]:.0%} at step {accuracy.steps[0]} -> {accuracy.values[-1]:.0%} at step {accuracy.steps[-1]}"
+    )
+
+    _stage("6/8 download the final checkpoint")
+    checkpoints = client.list_checkpoints(job.id).data
+    if not checkpoints:
+        raise DemoFailed("the job recorded no checkpoint")
+    final = checkpoints[-1]
+    checkpoint_dir = client.download_checkpoint(final.id, out / "checkpoint")
+    console.print(f"{final.id} (step {final.step}, {final.total_bytes} bytes) -> {checkpoint_dir}")
+
+    _stage("7/8 load it with from_pretrained and answer held-out questions")
+    from worker.grpo.sample import answer_questions  # torch only here, never in the API process
+    from worker.grpo.synthetic import held_out_items
+
+    shown = held_out_items(DEMO_TASK)[:DEMO_QUESTIONS_SHOWN]
+    answers = answer_questions(checkpoint_dir, [item.question for item in shown], max_new_tokens=4)
+    for item, answer in zip(shown, answers, strict=True):
+        mark = "[green]right[/green]" if answer.strip() == item.answer else f"[red]wrong (expected {item.answer})[/red]"
+        console.print(f"{item.question!r} -> {answer!r}  {mark}")
+
+    _stage("8/8 training curves")
+    from service.plots import render_metrics_png  # matplotlib is slow to import: only when needed
+
+    png = out / "training_curves.png"
+    png.write_bytes(render_metrics_png(series, title=f"{job.id} (demo)"))
+    rewards = series["reward/mean"].values
+    first, last = sum(rewards[:5]) / len(rewards[:5]), sum(rewards[-5:]) / len(rewards[-5:])
+    console.print(f"training reward: first 5 steps {first:.3f} -> last 5 steps {last:.3f}")
+    console.print(f"curves (reward, KL, length, held-out eval): {png}\ncheckpoint: {checkpoint_dir}")

@@ -1,0 +1,189 @@
+"""`grpo jobs create|list|get|watch|cancel|pause|resume|delete|events|metrics|samples|plot`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import typer
+import yaml
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+from cli.output import JsonOpt, api_client, console, emit
+from client.sdk import GRPOClient
+from service.jobs.schemas import EventOut, JobOut
+
+app = typer.Typer(help="Training jobs.", no_args_is_help=True)
+COLUMNS = ["id", "name", "status", "base_model", "progress", "attempt", "error", "created_at", "finished_at"]
+LIST_COLUMNS = ["id", "name", "status", "progress", "created_at"]
+OUTCOME_EXIT = {"succeeded": 0, "failed": 1, "cancelled": 3, "paused": 4}
+
+
+def load_spec(path: Path) -> dict[str, Any]:
+    """A job spec from YAML or JSON; validated by the server (422 names the field)."""
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise typer.BadParameter(f"{path}: not valid YAML: {exc}") from exc
+    if not isinstance(data, dict):
+        raise typer.BadParameter(f"{path}: a job spec is a mapping, got {type(data).__name__}")
+    data.pop("output_dir", None)  # local-only (`grpo train`) key
+    return data
+
+
+@app.command()
+def create(
+    file: Path = typer.Option(..., "-f", "--file", exists=True, dir_okay=False, help="Job spec YAML/JSON."),
+    idempotency_key: str | None = typer.Option(None, help="Retry-safe key (one is generated if omitted)."),
+    watch_: bool = typer.Option(False, "--watch", help="Follow the job until it ends."),
+    as_json: JsonOpt = False,
+) -> None:
+    """Submit a job."""
+    with api_client() as client:
+        job = client.create_job(load_spec(file), idempotency_key)
+        emit(job, COLUMNS, as_json=as_json)
+        if watch_:
+            raise typer.Exit(follow(client, job))
+
+
+@app.command("list")
+def list_(status: str | None = None, limit: int = 20, after: str | None = None, as_json: JsonOpt = False) -> None:
+    """List jobs, newest first."""
+    with api_client() as client:
+        emit(client.list_jobs(status, limit, after).data, LIST_COLUMNS, as_json=as_json)
+
+
+@app.command()
+def get(job_id: str, as_json: JsonOpt = False) -> None:
+    """Show a job: status, progress, latest metrics, error."""
+    with api_client() as client:
+        job = client.get_job(job_id)
+    emit(job, COLUMNS, as_json=as_json)
+    if not as_json and job.metrics:
+        console.print({k: v for k, v in sorted(job.metrics.items()) if v is not None})
+
+
+@app.command()
+def watch(job_id: str) -> None:
+    """Follow a job live (progress bar with reward, KL, ETA); exits with the job's outcome (0 = succeeded)."""
+    with api_client() as client:
+        raise typer.Exit(follow(client, client.get_job(job_id)))
+
+
+def follow(client: GRPOClient, job: JobOut) -> int:
+    total = job.progress.total_steps
+    columns = (
+        TextColumn("[bold]{task.fields[status]}"),
+        BarColumn(),
+        TextColumn("step {task.completed:.0f}/{task.total}"),
+        TextColumn("reward {task.fields[reward]}  kl {task.fields[kl]}"),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+    )
+    status = str(job.status)
+    with Progress(*columns, console=console) as bar:
+        task = bar.add_task(job.id, total=total, completed=job.progress.step, status=status, reward="-", kl="-")
+        for event in client.stream_job(job.id):
+            status = _apply(bar, task, event, status)
+    console.print(f"{job.id}: {status}")
+    return OUTCOME_EXIT.get(status, 2)
+
+
+def _apply(bar: Progress, task: Any, event: EventOut, status: str) -> str:
+    if event.type == "metrics":
+        metrics = event.data.get("metrics", {})
+        bar.update(
+            task,
+            completed=event.data.get("step", 0),
+            reward=_fmt(metrics.get("reward/mean")),
+            kl=_fmt(metrics.get("kl")),
+        )
+        if "total_steps" in event.data:
+            bar.update(task, total=event.data["total_steps"])
+        evals = {k.removeprefix("eval/"): v for k, v in metrics.items()
+                 if k.startswith("eval/") and (k.endswith("accuracy") or "pass@" in k or k.endswith("eval/reward/mean"))}
+        if evals:
+            bar.console.print(f"[dim]step {event.data.get('step', 0)} eval[/dim] "
+                              + "  ".join(f"{name} {value:.3f}" for name, value in sorted(evals.items())))
+    elif event.type == "status":
+        status = str(event.data.get("to", status))
+        bar.update(task, status=status)
+        bar.console.print(f"[dim]{event.created_at:%H:%M:%S}[/dim] {event.message}")
+    else:
+        bar.console.print(f"[dim]{event.created_at:%H:%M:%S}[/dim] {event.type}: {event.message}")
+    return status
+
+
+def _fmt(value: Any) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
+@app.command()
+def cancel(job_id: str, as_json: JsonOpt = False) -> None:
+    """Cancel a job (a queued job never starts; a running one stops at its next step)."""
+    with api_client() as client:
+        emit(client.cancel_job(job_id), COLUMNS, as_json=as_json)
+
+
+@app.command()
+def pause(job_id: str, as_json: JsonOpt = False) -> None:
+    """Pause a running job at its next step (after a checkpoint)."""
+    with api_client() as client:
+        emit(client.pause_job(job_id), COLUMNS, as_json=as_json)
+
+
+@app.command()
+def resume(job_id: str, as_json: JsonOpt = False) -> None:
+    """Resume a paused job from its last checkpoint."""
+    with api_client() as client:
+        emit(client.resume_job(job_id), COLUMNS, as_json=as_json)
+
+
+@app.command()
+def delete(job_id: str) -> None:
+    """Delete a finished job with its checkpoints (files included)."""
+    with api_client() as client:
+        client.delete_job(job_id)
+    typer.echo(f"deleted {job_id}")
+
+
+@app.command()
+def events(job_id: str, after: int | None = None, limit: int = 100, as_json: JsonOpt = False) -> None:
+    """List a job's events."""
+    with api_client() as client:
+        emit(client.list_job_events(job_id, after, limit).data, ["id", "type", "message", "created_at"], as_json=as_json)
+
+
+@app.command()
+def metrics(
+    job_id: str,
+    names: str | None = typer.Option(None, help="Comma-separated metric names (default: all)."),
+    since_step: int | None = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Print metric time series."""
+    with api_client() as client:
+        out = client.get_job_metrics(job_id, names.split(",") if names else None, since_step)
+    if as_json:
+        emit(out, [], as_json=True)
+        return
+    for name, series in sorted(out.series.items()):
+        console.print(f"[bold]{name}[/bold]: " + ", ".join(f"{s}:{v:.4g}" for s, v in zip(series.steps, series.values, strict=True)))
+
+
+@app.command()
+def samples(job_id: str, step: int | None = None, as_json: JsonOpt = False) -> None:
+    """Show logged sample completions with their rewards."""
+    with api_client() as client:
+        emit(client.list_job_samples(job_id, step).data, ["step", "prompt", "completion", "reward", "rewards"], as_json=as_json)
+
+
+@app.command()
+def plot(job_id: str, out: Path = typer.Option(Path("reward_curve.png"), "--out", "-o")) -> None:
+    """Render reward mean ± std, KL and completion length over steps to a PNG."""
+    from service.plots import render_metrics_png
+
+    with api_client() as client:
+        series = client.get_job_metrics(job_id).series
+    out.write_bytes(render_metrics_png(series, title=job_id))
+    typer.echo(str(out))

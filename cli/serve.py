@@ -1,0 +1,149 @@
+"""`grpo serve`: the API process. REST (uvicorn) and gRPC on one event loop, the reaper, and by default an
+embedded worker.
+
+- REST on settings.api_host:api_port, gRPC on settings.grpc_port (0 disables it).
+- The reaper (worker/reaper.py) runs as a thread here: it re-enqueues jobs whose worker lost its lease and
+  re-sends jobs whose message was lost. Several API processes may each run one; they do not conflict.
+- `--worker` (default) starts `grpo worker` as a child process, so `grpo serve` alone is a complete
+  single-machine install (embedded SQLite database and broker, local storage). Production runs
+  `grpo serve --no-worker` and GPU workers elsewhere. The worker is a separate process (never a fork of
+  this one) and is stopped when this process exits normally.
+- With a SQLite database the schema is migrated at start-up (`--migrate` forces it for any database).
+
+This module imports the worker's reaper, which is torch-free; torch is never imported here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import logging
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import typer
+
+from service.kit.config import Settings, get_settings
+
+log = logging.getLogger("grpo.serve")
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+WORKER_STOP_TIMEOUT_S = 30.0
+
+
+def serve(
+    worker: bool = typer.Option(True, "--worker/--no-worker", help="Also run an embedded worker process."),
+    queues: str = typer.Option("gpu,cpu", "--queues", help="Queues the embedded worker consumes."),
+    host: str | None = typer.Option(None, "--host", help="REST bind address (default GRPO_API_HOST)."),
+    port: int | None = typer.Option(None, "--port", help="REST port (default GRPO_API_PORT)."),
+    grpc_port: int | None = typer.Option(None, "--grpc-port", help="gRPC port, 0 = off (default GRPO_GRPC_PORT)."),
+    migrate: bool | None = typer.Option(None, "--migrate/--no-migrate",
+                                        help="Migrate the schema first (default: only for SQLite)."),
+    reaper: bool = typer.Option(True, "--reaper/--no-reaper", help="Run the lease/lost-message reaper."),
+) -> None:
+    """Serve the REST and gRPC APIs (and, by default, run a worker next to them)."""
+    from cli.worker import parse_queues
+
+    settings = get_settings()
+    from service.observability.logs import setup_logging
+
+    setup_logging(json_logs=settings.log_json)
+    worker_queues = parse_queues(queues)
+    if migrate if migrate is not None else settings.database_url.startswith("sqlite"):
+        from cli.migrate import upgrade_head
+
+        upgrade_head(settings.database_url)
+    if settings.allow_private_reward_urls:
+        log.warning("reward endpoints on loopback/private addresses are ALLOWED (GRPO_ALLOW_PRIVATE_REWARD_URLS; "
+                    "development default). Set GRPO_ENV=production to refuse them.")
+    with _reaper(settings, enabled=reaper), _webhooks(settings), _embedded_worker(worker_queues, enabled=worker):
+        asyncio.run(_serve_apis(settings, host or settings.api_host, port or settings.api_port,
+                                settings.grpc_port if grpc_port is None else grpc_port))
+
+
+async def _serve_apis(settings: Settings, host: str, port: int, grpc_port: int) -> None:
+    import uvicorn
+
+    from service.app import create_app
+
+    server = uvicorn.Server(uvicorn.Config(create_app(), host=host, port=port, log_level="info"))
+    grpc_task: asyncio.Task[None] | None = None
+    if grpc_port:
+        from service.grpc.server import serve_grpc
+
+        grpc_task = asyncio.create_task(serve_grpc(grpc_port, host))
+    try:
+        await server.serve()  # returns on SIGINT/SIGTERM (uvicorn's handlers)
+    finally:
+        if grpc_task is not None:
+            grpc_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await grpc_task
+
+
+@contextlib.contextmanager
+def _reaper(settings: Settings, *, enabled: bool) -> Iterator[None]:
+    if not enabled:
+        yield
+        return
+    from service.kit.queue import get_job_queue
+    from worker.reaper import start_reaper_thread
+
+    thread, stop = start_reaper_thread(get_job_queue(), settings)
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(timeout=10)
+
+
+@contextlib.contextmanager
+def _webhooks(settings: Settings) -> Iterator[None]:
+    """The webhook dispatcher (service/webhooks/delivery.py): sends the outbox, with retries."""
+    from service.webhooks.delivery import start_dispatcher_thread
+
+    thread, stop = start_dispatcher_thread(settings)
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(timeout=10)
+
+
+@contextlib.contextmanager
+def _embedded_worker(queues: list[str], *, enabled: bool) -> Iterator[None]:
+    if not enabled:
+        yield
+        return
+    # A fresh interpreter (not a fork of this process): same environment, so the same settings.
+    command = [sys.executable, "-c", "from cli import main; main()", "worker", "--queues", ",".join(queues)]
+    process = subprocess.Popen(command, preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+    log.info("embedded worker started (pid %d, queues %s)", process.pid, ",".join(queues))
+    try:
+        yield
+    finally:
+        _stop(process)
+
+
+def _die_with_parent() -> None:
+    """In the embedded worker, before exec (Linux): SIGQUIT, Celery's cold shutdown, when `grpo serve` dies,
+    even by SIGKILL, so no orphaned worker keeps polling. Its running job's lease then expires and resumes."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGQUIT)
+
+
+def _stop(process: subprocess.Popen[bytes]) -> None:
+    """Cold-stop the worker: SIGQUIT makes Celery terminate at once; a running job's lease then expires
+    and the job resumes from its last checkpoint on the next worker."""
+    if process.poll() is not None:
+        return
+    import signal
+
+    process.send_signal(signal.SIGQUIT)
+    try:
+        process.wait(timeout=WORKER_STOP_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()

@@ -1,0 +1,2 @@
+"""The torch-free contract the API, the engine and the client share: the job spec, the training options, the
+dataset line format, the reward protocol's types, and the generated gRPC code. Imports nothing of the project."""

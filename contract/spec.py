@@ -1,0 +1,285 @@
+"""The job spec: what a user submits (REST, gRPC) or runs locally (`grpo train --config job.yaml`).
+
+Torch-free on purpose: the service validates submitted specs with these models.
+
+`base_model` forms:
+- a Hugging Face id (``org/name``) or a local directory with ``config.json`` (the service restricts both:
+  service.jobs.model_sources);
+- ``builtin:tiny`` / ``builtin:small`` / ``builtin:medium``: a Llama-style model built offline by
+  `worker.grpo.tiny` (no model hub is needed);
+- ``builtin:tiny-instruct``: the tiny one warm-started by supervised training on synthetic tasks
+  (`worker.grpo.warm`): partly right on held-out prompts, the starting point RL needs;
+- ``checkpoint:<id>`` (service only): a checkpoint of an earlier job.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal
+
+import re2
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from contract.config import GRPOConfig, LoraConfig
+from contract.dataset_format import MAX_COLUMN_NAME_CHARS
+from contract.fields import Int32, Text
+
+TINY_PRESETS = ("tiny", "small", "medium", "tiny-instruct")
+_NAME = r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$"
+# Job metadata is stored with the job and returned by every read of it: bounded like any free text.
+MAX_METADATA_KEYS = 32
+MAX_METADATA_KEY_CHARS = 64
+MAX_METADATA_VALUE_CHARS = 1024
+MAX_METADATA_JSON_BYTES = 16 * 1024
+
+
+class BoxedAnswerParams(BaseModel):
+    """+format_reward for a ``\\boxed{...}`` answer, +correct_reward when it matches the answer column."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    answer_column: Text = Field("answer", min_length=1, max_length=MAX_COLUMN_NAME_CHARS)
+    format_reward: float = 0.5
+    correct_reward: float = 1.0
+    tolerance: float = Field(1e-6, ge=0, description="Absolute tolerance when both sides parse as numbers.")
+
+
+class ExactMatchParams(BaseModel):
+    """1.0 when the stripped completion equals the answer column, else 0.0."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    answer_column: Text = Field("answer", min_length=1, max_length=MAX_COLUMN_NAME_CHARS)
+    case_sensitive: bool = True
+    strip: bool = True
+
+
+# User patterns run on RE2 (linear time in the text, no backtracking), so no pattern can stall a worker:
+# `(.|.)*ZQ` takes microseconds where Python's `re` takes centuries. RE2 has no backreferences or
+# lookaround; such patterns are refused at submission.
+MAX_PATTERN_LENGTH = 1000
+# Memory RE2 may use for the compiled program and its DFA cache (patterns needing more fail to compile).
+RE2_MAX_MEM = 8 << 20
+
+
+def compile_user_pattern(pattern: str) -> Any:
+    """A compiled RE2 pattern, or ValueError saying what RE2 refused."""
+    options = re2.Options()
+    options.log_errors = False
+    options.max_mem = RE2_MAX_MEM
+    try:
+        return re2.compile(pattern, options)
+    except re2.error as exc:
+        reason = exc.args[0] if exc.args else exc  # RE2's message comes as bytes
+        if isinstance(reason, bytes):
+            reason = reason.decode(errors="replace")
+        raise ValueError(f"invalid or unsupported regular expression (RE2 syntax): {reason}") from exc
+
+
+class RegexMatchParams(BaseModel):
+    """1.0 when the pattern matches the completion (search, or fullmatch when fullmatch). RE2 syntax."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    pattern: Text = Field(max_length=MAX_PATTERN_LENGTH, description="An RE2 regular expression.")
+    fullmatch: bool = False
+
+    @field_validator("pattern")
+    @classmethod
+    def _compiles(cls, value: str) -> str:
+        compile_user_pattern(value)
+        return value
+
+
+class LengthPenaltyParams(BaseModel):
+    """-scale x |len(completion) - target_length| / target_length (characters, or tokens when unit=tokens)."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    target_length: Int32 = Field(64, ge=1)
+    scale: float = Field(1.0, ge=0)
+    unit: Literal["chars", "tokens"] = "tokens"
+
+
+BUILTIN_PARAMS: dict[str, type[BaseModel]] = {
+    "boxed_answer": BoxedAnswerParams,
+    "exact_match": ExactMatchParams,
+    "regex_match": RegexMatchParams,
+    "length_penalty": LengthPenaltyParams,
+}
+BuiltinName = Literal["boxed_answer", "exact_match", "regex_match", "length_penalty"]
+
+
+class BuiltinRewardSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    type: Literal["builtin"] = "builtin"
+    name: BuiltinName
+    weight: float = Field(1.0, allow_inf_nan=False)
+    params: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _check_params(self) -> BuiltinRewardSpec:
+        # Validate now so a bad parameter is a 422 at submission, not a failed job later.
+        self.params = BUILTIN_PARAMS[self.name].model_validate(self.params).model_dump()
+        return self
+
+    @property
+    def source_name(self) -> str:
+        return self.name
+
+
+class RemoteRewardSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    type: Literal["remote"] = "remote"
+    reward_function_id: Text = Field(min_length=1, max_length=64)
+    weight: float = Field(1.0, allow_inf_nan=False)
+
+    @property
+    def source_name(self) -> str:
+        return f"remote:{self.reward_function_id}"
+
+
+class ModelRewardSpec(BaseModel):
+    """A sequence-classification reward model scoring prompt + completion (logit 0)."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    type: Literal["model"] = "model"
+    model: Text = Field(
+        min_length=1,
+        max_length=512,
+        description="builtin:<preset>, checkpoint:<id>, a Hugging Face id or a local path (the service accepts "
+        "only its own tenant's checkpoints, allowlisted hub ids and paths under its model roots).",
+    )
+    weight: float = Field(1.0, allow_inf_nan=False)
+    batch_size: int = Field(16, ge=1, le=1024)
+
+    @property
+    def source_name(self) -> str:
+        return f"model:{self.model}"
+
+
+RewardSpec = Annotated[BuiltinRewardSpec | RemoteRewardSpec | ModelRewardSpec, Field(discriminator="type")]
+
+
+MAX_DEVICES = 1024
+MAX_NODES = 128
+
+
+class Resources(BaseModel):
+    """Devices one job trains on (docs/distributed.md). The job goes to a worker with at least that many."""
+
+    model_config = ConfigDict(extra="forbid")
+    devices: int = Field(
+        1, ge=1, le=MAX_DEVICES,
+        description="Devices (GPUs, or CPU ranks) for the whole job, across all nodes; one rank per device.",
+    )
+    nodes: int = Field(1, ge=1, le=MAX_NODES, description="Machines the devices are spread over (equally).")
+
+    @model_validator(mode="after")
+    def _check_split(self) -> Resources:
+        if self.devices % self.nodes != 0:
+            raise ValueError(f"devices ({self.devices}) must be a multiple of nodes ({self.nodes})")
+        return self
+
+    @property
+    def devices_per_node(self) -> int:
+        return self.devices // self.nodes
+
+
+class JobSpec(BaseModel):
+    """One training job. `train_dataset` is a dataset id in the service and a JSONL path locally."""
+
+    model_config = ConfigDict(
+        extra="forbid",
+        allow_inf_nan=False,
+        json_schema_extra={
+            "examples": [
+                {
+                    "name": "gsm8k-boxed",
+                    "base_model": "Qwen/Qwen2.5-0.5B-Instruct",
+                    "train_dataset": "ds_01J9Z3K2Q8",
+                    "rewards": [
+                        {"type": "builtin", "name": "boxed_answer", "weight": 1.0, "params": {}},
+                        {"type": "remote", "reward_function_id": "rf_01J9Z3M4", "weight": 0.5},
+                    ],
+                    "hyperparameters": {
+                        "num_generations": 8,
+                        "prompts_per_step": 4,
+                        "max_steps": 200,
+                        "learning_rate": 1e-6,
+                        "beta": 0.04,
+                        "max_completion_length": 256,
+                    },
+                    "lora": {"r": 16, "alpha": 32},
+                }
+            ]
+        },
+    )
+
+    name: str | None = Field(None, pattern=_NAME, description="Optional human-readable name.")
+    base_model: Text = Field(min_length=1, max_length=512)
+    train_dataset: Text = Field(min_length=1, max_length=1024)
+    eval_dataset: Text | None = Field(None, min_length=1, max_length=1024)
+    retain_dataset: Text | None = Field(
+        None,
+        min_length=1,
+        max_length=1024,
+        description="Prompts of skills to keep, evaluated with the eval set (eval/retain/*); a drop fires the "
+        "health guard's forgetting detector.",
+    )
+    rewards: list[RewardSpec] = Field(min_length=1, max_length=16)
+    hyperparameters: GRPOConfig
+    resources: Resources = Field(default_factory=Resources, description="Devices and nodes for this job.")
+    lora: LoraConfig | None = Field(None, description="Shorthand for hyperparameters.lora.")
+    metadata: dict[
+        Annotated[Text, Field(min_length=1, max_length=MAX_METADATA_KEY_CHARS)],
+        Annotated[Text, Field(max_length=MAX_METADATA_VALUE_CHARS)],
+    ] = Field(
+        default_factory=dict,
+        max_length=MAX_METADATA_KEYS,
+        description=f"Free-form labels: at most {MAX_METADATA_KEYS} keys of 1-{MAX_METADATA_KEY_CHARS} characters, "
+        f"values up to {MAX_METADATA_VALUE_CHARS} characters, {MAX_METADATA_JSON_BYTES} bytes as JSON in all.",
+    )
+
+    @field_validator("base_model")
+    @classmethod
+    def _check_base_model(cls, value: str) -> str:
+        if value.startswith("builtin:") and value.removeprefix("builtin:") not in TINY_PRESETS:
+            raise ValueError(f"unknown builtin model {value!r}; choose one of {', '.join(TINY_PRESETS)}")
+        return value
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata_size(cls, value: dict[str, str]) -> dict[str, str]:
+        size = len(json.dumps(value, ensure_ascii=False).encode())
+        if size > MAX_METADATA_JSON_BYTES:
+            raise ValueError(f"metadata is {size} bytes as JSON; the limit is {MAX_METADATA_JSON_BYTES}")
+        return value
+
+    @model_validator(mode="after")
+    def _merge_lora(self) -> JobSpec:
+        if self.lora is not None:
+            if self.hyperparameters.lora is not None and self.hyperparameters.lora != self.lora:
+                raise ValueError("lora is set both at the top level and in hyperparameters, differently")
+            self.hyperparameters.lora = self.lora
+        names = [r.source_name for r in self.rewards]
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise ValueError(f"reward sources listed twice: {', '.join(duplicates)}")
+        self._check_devices()
+        return self
+
+    def _check_devices(self) -> None:
+        """Every rank trains an equal share of whole groups, so each runs the same forward passes."""
+        devices, config = self.resources.devices, self.hyperparameters
+        if devices == 1:
+            return
+        if config.prompts_per_step % devices != 0:
+            raise ValueError(
+                f"hyperparameters.prompts_per_step ({config.prompts_per_step}) must be a multiple of "
+                f"resources.devices ({devices}): each device trains whole groups"
+            )
+        if config.mini_batch_size is not None and config.mini_batch_size % devices != 0:
+            raise ValueError(
+                f"hyperparameters.mini_batch_size ({config.mini_batch_size}) must be a multiple of "
+                f"resources.devices ({devices})"
+            )
+        for name in ("dynamic_sampling", "entropy_bonus"):
+            if getattr(config, name):
+                raise ValueError(f"hyperparameters.{name} is not supported with resources.devices > 1")
