@@ -88,16 +88,23 @@ def assert_same_metrics(one: list[dict[str, float]], two: list[dict[str, float]]
                 assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), (step, key)
 
 
+class Runs(dict[str, Path]):
+    """"single-full", "fsdp-lora"...: each run made the first time a test asks for it, then shared."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__()
+        self.root = root
+
+    def __missing__(self, name: str) -> Path:
+        scheme, kind = name.split("-")
+        devices, parallelism = (1, "auto") if scheme == "single" else (2, scheme)
+        self[name] = grpo_train(self.root, name, _spec(devices, parallelism, kind == "lora"))
+        return self[name]
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("dist")
-    out = {}
-    for lora in (False, True):
-        kind = "lora" if lora else "full"
-        out[f"single-{kind}"] = grpo_train(root, f"single-{kind}", _spec(1, "auto", lora))
-        for parallelism in ("ddp", "fsdp"):
-            out[f"{parallelism}-{kind}"] = grpo_train(root, f"{parallelism}-{kind}", _spec(2, parallelism, lora))
-    return out
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
+    return Runs(tmp_path_factory.mktemp("dist"))
 
 
 @pytest.mark.parametrize("kind", ["full", "lora"])

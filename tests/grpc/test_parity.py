@@ -54,8 +54,8 @@ OPERATIONS: list[tuple[str, ModuleType, str, tuple[ModuleType, ...], str]] = [
     ("GET /v1/checkpoints/{checkpoint_id}/files/{path}", checkpoints_rest, "CheckpointService.DownloadCheckpoint", (checkpoints_grpc,), "service.manifest_entry"),
 ]
 # The tar archive is a REST convenience for browsers and curl; gRPC clients use DownloadCheckpoint.
-# The plot is a PNG for browsers (gRPC clients plot GetJobMetrics). Webhook registration is REST-only
-# for now (issue 6): it configures HTTP callbacks, which gRPC clients can register over REST too.
+# The plot is a PNG for browsers (gRPC clients plot GetJobMetrics). Webhook registration is REST-only:
+# it configures HTTP callbacks, which gRPC clients can register over REST too.
 REST_ONLY = {
     "GET /v1/checkpoints/{checkpoint_id}/archive",
     "GET /v1/jobs/{job_id}/plot.png",

@@ -1,4 +1,4 @@
-"""SSRF policy (acceptance 7): syntax at registration, every resolved address at call time."""
+"""SSRF policy: syntax at registration, every resolved address at call time."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from service.rewards.service import check_registration_url
 PUBLIC_V4 = "93.184.215.14"
 PUBLIC_V6 = "2606:2800:21f:cb07:6820:80da:af6b:8b2c"
 
-# Every literal form of a forbidden address that acceptance 7 names, plus the IPv6 disguises of them.
+# Every literal form of a forbidden address (loopback, private, link-local, metadata...), plus their IPv6 disguises.
 FORBIDDEN_LITERALS = [
     "https://127.0.0.1/score",
     "https://127.1/score",
