@@ -57,7 +57,7 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy import select
 
 from contract.reward_types import RewardError, RewardUnavailable
-from contract.spec import BUILTIN_PREFIX, JobSpec, ModelRewardSpec, RemoteRewardSpec
+from contract.spec import BUILTIN_PREFIX, JobSpec, ModelRewardSpec, RemoteRewardSpec, reward_function_refs
 from outbound.urlpolicy import UrlRejected, check_url_syntax
 from service.checkpoints.models import Checkpoint
 from service.checkpoints.service import new_checkpoint_id
@@ -303,6 +303,11 @@ class JobRunner:
 
     def _train(self, claim: Claim, heartbeat: Heartbeat, workdir: Path) -> TrainResult:
         context = with_db_retry(lambda: self._load_context(claim))
+        if context.spec.hyperparameters.use_vllm:
+            from worker.grpo.vllm_rollout import VLLMUnavailable, vllm_installed  # imports torch
+
+            if not vllm_installed():
+                raise JobFailure("vllm_unavailable", str(VLLMUnavailable()))
         train_rows = self._load_rows(context.dataset_key, workdir / "train.jsonl")
         eval_rows = None
         if context.eval_dataset_key is not None:
@@ -382,7 +387,7 @@ class JobRunner:
                                     spec.retain_dataset or spec.train_dataset]),
                 ))
             }
-            remote_ids = [r.reward_function_id for r in spec.rewards if isinstance(r, RemoteRewardSpec)]
+            remote_ids = [rf_id for _, rf_id in reward_function_refs(spec.rewards)]
             functions = {
                 f.id: f for f in session.scalars(select(RewardFunction).where(
                     RewardFunction.tenant_id == job.tenant_id, RewardFunction.id.in_(remote_ids)
@@ -555,7 +560,9 @@ class JobRunner:
     def _build_rewards(self, claim: Claim, context: JobContext, models_dir: Path) -> CompositeReward:
         """The job's reward sources (and, for the other ranks of a multi-device job, what they need to build
         the same: endpoint configurations and local reward-model paths)."""
+        from contract.graders import ScoreModelGrader
         from outbound.rewards import RemoteRewardConfig, build_remote_source
+        from outbound.rewards.chat import ChatScoreSource
         from outbound.rewards.errors import RewardEndpointRefused
         from outbound.rewards.source import EndpointRewardSource
         from worker.grpo.rewards import build_reward_sources
@@ -584,15 +591,15 @@ class JobRunner:
             except LeaseLost:
                 log.info("job %s: degraded event refused (lease lost)", claim.job_id)
 
-        def remote(spec: RemoteRewardSpec) -> EndpointRewardSource[Any]:
-            row = context.reward_functions[spec.reward_function_id]
+        def endpoint_config(source_name: str, rf_id: str) -> RemoteRewardConfig:
+            row = context.reward_functions[rf_id]
             allow_private = bool(self.settings.allow_private_reward_urls)
             try:
                 # E.g. registered in development, run by a worker in production mode.
                 check_url_syntax(row.url, allow_private=allow_private)
             except UrlRejected as exc:
                 raise RewardEndpointRefused(
-                    spec.source_name, f"the registered url is refused by this worker's policy: {exc.message}"
+                    source_name, f"the registered url is refused by this worker's policy: {exc.message}"
                 ) from exc
             config = self._remote_configs[row.id] = RemoteRewardConfig.model_validate({
                 "reward_function_id": row.id, "url": row.url, "secret": row.signing_secret,
@@ -603,8 +610,17 @@ class JobRunner:
                 "breaker_threshold": row.breaker_threshold, "step_deadline_s": row.step_deadline_s,
                 "max_abstain_fraction": row.max_abstain_fraction,
             })
+            return config
+
+        def remote(spec: RemoteRewardSpec) -> EndpointRewardSource[Any]:
+            config = endpoint_config(spec.source_name, spec.reward_function_id)
             # gRPC for grpc(s):// URLs, else HTTP
             return build_remote_source(config, on_retry=on_retry, on_degraded=on_degraded)
+
+        def chat(grader: ScoreModelGrader) -> ChatScoreSource:
+            name = f"score_model:{grader.name}"
+            config = endpoint_config(name, grader.reward_function_id)
+            return ChatScoreSource(name, grader, config, on_retry=on_retry, on_degraded=on_degraded)
 
         model_paths: dict[str, str] = {}
         for i, spec in enumerate(context.spec.rewards):
@@ -617,7 +633,9 @@ class JobRunner:
                 model_paths[spec.model] = path
         self._model_paths = model_paths
         device = "cpu" if context.queue.startswith("cpu") else _default_device()
-        return build_reward_sources(context.spec.rewards, remote=remote, device=device, model_paths=model_paths)
+        return build_reward_sources(
+            context.spec.rewards, remote=remote, device=device, model_paths=model_paths, chat=chat
+        )
 
 
 def training_error_message(exc: Exception) -> str:
