@@ -203,6 +203,31 @@ def reward_function_refs(rewards: list[RewardSpec]) -> list[tuple[str, str]]:
     return refs
 
 
+MAX_DEVICES = 1024
+MAX_NODES = 128
+
+
+class Resources(BaseModel):
+    """Devices one job trains on (docs/distributed.md). The job goes to a worker with at least that many."""
+
+    model_config = ConfigDict(extra="forbid")
+    devices: int = Field(
+        1, ge=1, le=MAX_DEVICES,
+        description="Devices (GPUs, or CPU ranks) for the whole job, across all nodes; one rank per device.",
+    )
+    nodes: int = Field(1, ge=1, le=MAX_NODES, description="Machines the devices are spread over (equally).")
+
+    @model_validator(mode="after")
+    def _check_split(self) -> Resources:
+        if self.devices % self.nodes != 0:
+            raise ValueError(f"devices ({self.devices}) must be a multiple of nodes ({self.nodes})")
+        return self
+
+    @property
+    def devices_per_node(self) -> int:
+        return self.devices // self.nodes
+
+
 class JobSpec(BaseModel):
     """One training job. `train_dataset` is a dataset id in the service and a JSONL path locally."""
 
@@ -246,6 +271,7 @@ class JobSpec(BaseModel):
     )
     rewards: list[RewardSpec] = Field(min_length=1, max_length=16)
     hyperparameters: GRPOConfig
+    resources: Resources = Field(default_factory=Resources, description="Devices and nodes for this job.")
     lora: LoraConfig | None = Field(None, description="Shorthand for hyperparameters.lora.")
     priority: int = Field(
         0,
@@ -289,4 +315,24 @@ class JobSpec(BaseModel):
         duplicates = sorted({n for n in names if names.count(n) > 1})
         if duplicates:
             raise ValueError(f"reward sources listed twice: {', '.join(duplicates)}")
+        self._check_devices()
         return self
+
+    def _check_devices(self) -> None:
+        """Every rank trains an equal share of whole groups, so each runs the same forward passes."""
+        devices, config = self.resources.devices, self.hyperparameters
+        if devices == 1:
+            return
+        if config.prompts_per_step % devices != 0:
+            raise ValueError(
+                f"hyperparameters.prompts_per_step ({config.prompts_per_step}) must be a multiple of "
+                f"resources.devices ({devices}): each device trains whole groups"
+            )
+        if config.mini_batch_size is not None and config.mini_batch_size % devices != 0:
+            raise ValueError(
+                f"hyperparameters.mini_batch_size ({config.mini_batch_size}) must be a multiple of "
+                f"resources.devices ({devices})"
+            )
+        for name in ("dynamic_sampling", "entropy_bonus", "use_vllm"):
+            if getattr(config, name):
+                raise ValueError(f"hyperparameters.{name} is not supported with resources.devices > 1")

@@ -28,18 +28,29 @@ stops without writing anything more. How the outcome maps to states:
   (`training_error`, with the exception type and message; only the type for filesystem errors).
 Metrics, events and checkpoints already recorded always stay.
 
+A job with `resources.devices: N > 1` (worker.rank_job, docs/distributed.md): this process claims it and
+renews the lease, then launches N ranks (`python -m torch.distributed.run`, a process of its own: the
+launcher cannot run inside a daemonic Celery pool process). Rank 0 runs everything above, talking to the
+database and storage alone, and hands the other ranks their inputs (spec, rows, local model and resume
+paths, reward endpoint configurations). When the launcher exits with the job still running under this
+attempt, a rank died or hung: event `rank_failed`, and the attempt ends without a final state, so that the
+lease lapses and the job resumes from its last checkpoint on the next attempt (any device count).
+
 torch is imported only inside `run()` (through the trainer), never when this module is imported: the
 Celery parent process that forks children must not initialise CUDA.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
 import socket
+import subprocess
+import threading
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -75,9 +86,11 @@ from worker.lease import (
 from worker.model_sources import ModelUnavailable, check_hub_size, check_source
 
 if TYPE_CHECKING:
+    from contract.spec import Resources
     from outbound.rewards import RetryEvent
     from outbound.rewards.source import DegradedEvent
     from worker.grpo.data import PromptRow
+    from worker.grpo.distributed import Ranks
     from worker.grpo.rewards import CompositeReward
     from worker.grpo.trainer import TrainResult
     from worker.tensorboard import TensorBoardLog
@@ -95,6 +108,29 @@ class JobFailure(Exception):
         super().__init__(message)
         self.code = code
         self.message = message
+
+
+@dataclass(frozen=True)
+class RankInputs:
+    """What rank 0 hands the other ranks of a job: everything they need without the database or storage."""
+
+    spec: JobSpec
+    queue: str
+    train_rows: list[PromptRow]
+    eval_rows: list[PromptRow] | None
+    retain_rows: list[PromptRow] | None
+    base_model: str
+    resume_from: Path | None
+    remote_configs: dict[str, Any]  # reward_function_id -> RemoteRewardConfig
+    model_paths: dict[str, str]
+    output_dir: Path
+
+
+class _NoHeartbeat:
+    """A rank's stand-in for Heartbeat: the launching process renews the lease."""
+
+    def __init__(self) -> None:
+        self.lost = threading.Event()
 
 
 @dataclass(frozen=True)
@@ -125,6 +161,11 @@ class JobRunner:
         self.storage: Storage = get_storage()
         self._step_metrics: dict[int, dict[str, float]] = {}
         self._tensorboard: TensorBoardLog | None = None
+        self.ranks: Ranks | None = None  # set in rank 0 of a multi-device job (worker.rank_job)
+        self._inputs_sent = False
+        self._trained = False  # trainer.train() returned: every rank left the loop together
+        self._remote_configs: dict[str, Any] = {}
+        self._model_paths: dict[str, str] = {}
 
     # --- entry point ---------------------------------------------------------------------------
 
@@ -144,6 +185,9 @@ class JobRunner:
         workdir = Path(self.settings.data_dir) / "work" / self.job_id / f"attempt-{claim.attempt}"
         try:
             with Heartbeat(claim) as heartbeat, job_context(self.job_id, claim.attempt):
+                placement = with_db_retry(lambda: self._placement(claim))
+                if placement is not None and placement[0].devices > 1:
+                    return self._run_on_ranks(claim, heartbeat, workdir, *placement)
                 return self._run_claimed(claim, heartbeat, workdir).value
         except LeaseLost:
             log.warning("job %s: attempt %d lost the job to a newer attempt; stopped", self.job_id, claim.attempt)
@@ -151,6 +195,71 @@ class JobRunner:
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
             wake_waiting_jobs(claim.job_id)
+
+    def _placement(self, claim: Claim) -> tuple[Resources, str] | None:
+        """The job's resources and queue; None when its spec no longer validates (the attempt then fails
+        in `_run_claimed` as usual)."""
+        from pydantic import ValidationError
+
+        with session_scope() as session:
+            job = repository.get_job_any_tenant(session, claim.job_id)
+            if job is None:
+                return None
+            spec, queue = job.spec, job.queue
+        try:
+            return JobSpec.model_validate(spec).resources, str(queue)
+        except ValidationError:
+            return None
+
+    def _run_on_ranks(self, claim: Claim, heartbeat: Heartbeat, workdir: Path, resources: Resources, queue: str) -> str:
+        """Launch the ranks and wait; see the module docstring for what their exit means."""
+        from worker.grpo.distributed import launch_command
+
+        command = launch_command(
+            "worker.rank_job", [json.dumps(asdict(claim)), str(workdir), queue],
+            nproc_per_node=resources.devices_per_node, rdzv_id=f"{claim.job_id}-{claim.attempt}",
+        )
+        launcher = subprocess.Popen(command)
+        while launcher.poll() is None:
+            # The job left this attempt's hands: rank 0 finished it (the ranks are exiting), or a newer
+            # attempt took it over (they must stop).
+            if heartbeat.lost.wait(1.0):
+                _stop(launcher, grace_s=30)
+        control = with_db_retry(lambda: reporting.read_control(self.job_id))
+        if control is None or control.attempt != claim.attempt:
+            raise LeaseLost(claim.job_id, claim.attempt)
+        if control.status in OWNED_STATES:
+            log.warning("job %s: attempt %d: ranks exited (%d) before the job ended; it resumes when the lease lapses",
+                        self.job_id, claim.attempt, launcher.returncode)
+            reporting.record_event(
+                claim, "rank_failed",
+                f"a rank of attempt {claim.attempt} died or stopped answering; the job resumes from its last checkpoint",
+                {"exit_code": launcher.returncode, "devices": resources.devices},
+            )
+            return "rank_failed"
+        return control.status
+
+    def run_rank0(self, claim: Claim, workdir: Path, ranks: Ranks) -> tuple[str, bool]:
+        """Rank 0 of a multi-device job: the claimed attempt, as `run()` would train it in one process.
+        Returns (outcome, whether the other ranks left training with it)."""
+        self.ranks = ranks
+        finished = False
+        try:
+            with job_context(self.job_id, claim.attempt):
+                status = self._run_claimed(claim, _NoHeartbeat(), workdir)  # type: ignore[arg-type]
+                finished = self._inputs_sent and self._trained
+                return status.value, finished
+        except LeaseLost:
+            return "lease_lost", False
+        finally:
+            if not self._inputs_sent:
+                self._send_inputs(None)  # the other ranks stop waiting: this attempt ends here
+
+    def _send_inputs(self, inputs: RankInputs | None) -> None:
+        from worker.grpo.distributed import broadcast_object
+
+        self._inputs_sent = True
+        broadcast_object(inputs)
 
     def _claim(self) -> Claim | None:
         limits = ClaimLimits(self.settings.quota_max_running_jobs, self.settings.quota_max_devices)
@@ -172,6 +281,11 @@ class JobRunner:
         except (JobFailure, ModelUnavailable) as exc:
             return self._fail(claim, exc.code, exc.message)
         except Exception as exc:
+            if self.ranks is not None:
+                from worker.grpo.distributed import is_collective_failure
+
+                if is_collective_failure(exc):  # another rank died or hung: not the job's failure
+                    raise
             log.exception("job %s: attempt %d crashed", self.job_id, claim.attempt)
             return self._fail(claim, "training_error", training_error_message(exc))
         if heartbeat.lost.is_set():
@@ -217,6 +331,15 @@ class JobRunner:
 
         from worker.grpo.trainer import GRPOTrainer  # torch is imported here, in the job's process
 
+        device = "cpu" if context.queue.startswith("cpu") else None
+        if self.ranks is not None:
+            from worker.grpo.distributed import device_for
+
+            device = device_for(self.ranks)
+            self._send_inputs(RankInputs(
+                context.spec, context.queue, train_rows, eval_rows, retain_rows, base_model, resume_from,
+                self._remote_configs, self._model_paths, workdir / "checkpoints",
+            ))
         if self.settings.tensorboard:
             from worker.tensorboard import TensorBoardLog
 
@@ -242,8 +365,9 @@ class JobRunner:
                 on_health=lambda finding: reporting.record_event(
                     claim, "health", f"{finding.kind}: {finding.message}", finding.as_event_data()
                 ),
-                device="cpu" if context.queue == "cpu" else None,
+                device=device,
                 checkpoint_metadata={"job_id": self.job_id, "attempt": claim.attempt},
+                ranks=self.ranks,
             )
         except Exception as exc:
             # from_pretrained's errors describe the worker's filesystem: the tenant gets a code, the log the rest.
@@ -253,7 +377,9 @@ class JobRunner:
             ) from exc
         reporting.set_total_steps(claim, trainer.total_steps)
         try:
-            return trainer.train()
+            result = trainer.train()
+            self._trained = True
+            return result
         finally:
             if self._tensorboard is not None:
                 self._tensorboard.close()
@@ -432,6 +558,8 @@ class JobRunner:
     # --- rewards -------------------------------------------------------------------------------
 
     def _build_rewards(self, claim: Claim, context: JobContext, models_dir: Path) -> CompositeReward:
+        """The job's reward sources (and, for the other ranks of a multi-device job, what they need to build
+        the same: endpoint configurations and local reward-model paths)."""
         from contract.graders import ScoreModelGrader
         from outbound.rewards import RemoteRewardConfig, build_remote_source
         from outbound.rewards.chat import ChatScoreSource
@@ -473,7 +601,7 @@ class JobRunner:
                 raise RewardEndpointRefused(
                     source_name, f"the registered url is refused by this worker's policy: {exc.message}"
                 ) from exc
-            return RemoteRewardConfig.model_validate({
+            config = self._remote_configs[row.id] = RemoteRewardConfig.model_validate({
                 "reward_function_id": row.id, "url": row.url, "secret": row.signing_secret,
                 "job_id": context.job_id, "timeout_s": row.timeout_s, "max_batch_size": row.max_batch_size,
                 "max_concurrency": row.max_concurrency, "headers": {str(k): str(v) for k, v in row.headers.items()},
@@ -482,6 +610,7 @@ class JobRunner:
                 "breaker_threshold": row.breaker_threshold, "step_deadline_s": row.step_deadline_s,
                 "max_abstain_fraction": row.max_abstain_fraction,
             })
+            return config
 
         def remote(spec: RemoteRewardSpec) -> EndpointRewardSource[Any]:
             config = endpoint_config(spec.source_name, spec.reward_function_id)
@@ -502,7 +631,8 @@ class JobRunner:
 
                     path = resolve_model_path(path, Path(self.settings.data_dir) / "models")
                 model_paths[spec.model] = path
-        device = "cpu" if context.queue == "cpu" else _default_device()
+        self._model_paths = model_paths
+        device = "cpu" if context.queue.startswith("cpu") else _default_device()
         return build_reward_sources(
             context.spec.rewards, remote=remote, device=device, model_paths=model_paths, chat=chat
         )
@@ -524,6 +654,18 @@ def checkpoint_problem(exc: Exception) -> str:
     if isinstance(exc, CheckpointCorrupt):
         return f"corrupt: {exc.problem}"
     return "could not be downloaded"
+
+
+def _stop(process: subprocess.Popen[bytes], *, grace_s: float) -> None:
+    """Let `process` exit by itself for `grace_s`, then terminate it, then kill it."""
+    for stop in (None, process.terminate, process.kill):
+        if stop is not None:
+            stop()
+        try:
+            process.wait(grace_s)
+            return
+        except subprocess.TimeoutExpired:
+            continue
 
 
 def _default_device() -> str:

@@ -28,7 +28,7 @@ from service.kit.db import on_commit, utcnow
 from service.kit.errors import Conflict, IllegalTransition, NotFound, ValidationFailed
 from service.kit.ids import new_id
 from service.kit.paging import page
-from service.kit.queue import JobQueue, send_job_logged
+from service.kit.queue import JobQueue, queue_name, send_job_logged
 from service.kit.reads import Reads
 from service.quotas import service as quotas
 from service.storage import Storage, job_prefix
@@ -85,13 +85,16 @@ def create_job(session: Session, tenant_id: str, spec: JobSpec, queue: JobQueue)
 
 
 def queue_for(spec: JobSpec) -> str:
-    """The builtin: models are small enough for CPU workers; everything else needs a GPU."""
-    return "cpu" if spec.base_model.startswith(BUILTIN_PREFIX) else "gpu"
+    """The builtin: models are small enough for CPU workers; everything else needs a GPU. A job needing N
+    devices goes to the queue of that device count (service.kit.queue), which only workers with N or more
+    devices consume."""
+    kind = "cpu" if spec.base_model.startswith(BUILTIN_PREFIX) else "gpu"
+    return queue_name(kind, spec.resources.devices)
 
 
 def job_devices(spec: JobSpec) -> int:
     """Devices the job occupies while it runs: what the max_devices quota counts."""
-    return 1
+    return spec.resources.devices
 
 
 def enqueue_after_commit(session: Session, job: Job, queue: JobQueue) -> None:
@@ -104,8 +107,8 @@ def enqueue_waiting(session: Session, tenant_id: str, queue: JobQueue) -> None:
     For when the tenant's running jobs or devices go down, or its quota goes up: a job held back by that quota
     had its own message consumed by a claim that could not start it. A delivery that finds nothing it may
     start returns at once (worker/lease.py)."""
-    for queue_name, job_id in repository.oldest_queued_per_queue(session, tenant_id).items():
-        on_commit(session, partial(send_job_logged, queue, job_id, queue_name))
+    for name, job_id in repository.oldest_queued_per_queue(session, tenant_id).items():
+        on_commit(session, partial(send_job_logged, queue, job_id, name))
 
 
 def check_references(session: Session, tenant_id: str, spec: JobSpec) -> None:
@@ -150,6 +153,11 @@ def check_references(session: Session, tenant_id: str, spec: JobSpec) -> None:
             session, tenant_id, source.value
         ):
             errors.append(_missing(field, f"checkpoint {source.value!r} not found"))
+
+    if spec.resources.nodes > 1:
+        # A job's ranks run under one worker (docs/distributed.md, "Several nodes").
+        errors.append({"field": "resources.nodes", "message": "must be 1: a job runs on the devices of one worker",
+                       "type": "unsupported"})
 
     if errors:
         raise ValidationFailed(f"{errors[0]['field']}: {errors[0]['message']}", details=errors)

@@ -55,6 +55,16 @@ class Settings(BaseSettings):
     idempotency_ttl_hours: int = Field(24, ge=24, description="How long Idempotency-Key records are kept.")
     lease_seconds: int = Field(60, ge=5, description="Worker lease on a running job; renewed by heartbeat.")
     max_attempts: int = Field(3, ge=1, description="Attempts before a job whose worker keeps dying is failed.")
+    worker_devices: int = Field(
+        1, ge=1, le=1024,
+        description="Devices this worker has (GPUs, or CPU ranks): `grpo worker` consumes the queues of jobs needing "
+        "1 to this many devices (service.kit.queue).",
+    )
+    collective_timeout_seconds: float = Field(
+        600.0, gt=0,
+        description="Multi-device jobs: how long a rank waits in a collective for the others before the attempt "
+        "ends (a dead or hung rank); it must exceed the longest evaluation and checkpoint upload on rank 0.",
+    )
     queued_resend_seconds: int = Field(120, ge=5, description="Re-send jobs left queued this long (lost messages).")
     broker_visibility_timeout: int = Field(
         3600, ge=60, description="Redis: seconds a delivered, unacknowledged task stays hidden before redelivery."

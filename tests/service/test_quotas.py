@@ -121,6 +121,18 @@ class TestDevicesQuota:
         assert response.json() == _quota_error("max_devices", 0, 0, 1)
         assert recording_queue.sent == []
 
+    def test_the_job_counts_the_devices_its_spec_asks_for(
+        self, client: TestClient, tenant_a: TenantHeaders, recording_queue: RecordingQueue
+    ) -> None:
+        _override(tenant_a.tenant_id, max_devices=1)
+        spec = job_spec(make_dataset(tenant_a.tenant_id))
+        spec["resources"] = {"devices": 2}
+        spec["hyperparameters"] = {**spec.get("hyperparameters", {}), "prompts_per_step": 2}
+        response = client.post("/v1/jobs", json=spec, headers=tenant_a)
+        assert response.status_code == 409, response.text
+        assert response.json() == _quota_error("max_devices", 1, 0, 2)
+        assert recording_queue.sent == []
+
     def test_devices_in_use_are_reported_but_a_fitting_job_still_queues(
         self, client: TestClient, tenant_a: TenantHeaders, recording_queue: RecordingQueue
     ) -> None:
