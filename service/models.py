@@ -8,6 +8,7 @@ from service.jobs import models as jobs_models
 from service.kit.db import Base
 from service.rewards import models as rewards_models
 from service.tenants import models as tenants_models
+from service.usage import models as usage_models
 from service.webhooks import models as webhooks_models
 
 __all__ = [
@@ -17,5 +18,6 @@ __all__ = [
     "jobs_models",
     "rewards_models",
     "tenants_models",
+    "usage_models",
     "webhooks_models",
 ]

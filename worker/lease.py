@@ -22,7 +22,7 @@ worker frozen with SIGSTOP whose lease expired cannot write anything after it wa
 The heartbeat thread renews the lease every `lease_seconds / 3`; a frozen or dead worker stops renewing
 and the reaper (worker/reaper.py) re-enqueues the job once `lease_until` has passed.
 
-Claiming also prepares the resume: metrics and samples of steps after the latest checkpoint (written by
+Claiming also prepares the resume: metrics, samples and usage records of steps after the latest checkpoint (written by
 the dead attempt) are deleted in the claim transaction, so the new attempt, which restarts from that
 checkpoint, records every later step exactly once.
 
@@ -53,6 +53,7 @@ from service.checkpoints.models import Checkpoint
 from service.jobs.models import Job, JobEvent, JobMetric, JobSample
 from service.jobs.states import JobStatus, transition
 from service.kit.db import session_scope, utcnow
+from service.usage.models import JobUsage
 
 log = logging.getLogger(__name__)
 
@@ -170,6 +171,7 @@ def _discard_steps_after(session: Session, job_id: str, step: int, *, attempt: i
     )
     session.execute(delete(JobMetric).where(JobMetric.job_id == job_id, JobMetric.step > step))
     session.execute(delete(JobSample).where(JobSample.job_id == job_id, JobSample.step > step))
+    session.execute(delete(JobUsage).where(JobUsage.job_id == job_id, JobUsage.step > step))
     session.execute(delete(Checkpoint).where(Checkpoint.job_id == job_id, Checkpoint.step > step))
 
 

@@ -29,6 +29,7 @@ from service.kit.ids import new_id
 from service.kit.queue import JobQueue, send_job_logged
 from service.kit.reads import Reads
 from service.storage import Storage, job_prefix
+from service.usage import budget
 
 log = logging.getLogger(__name__)
 
@@ -286,7 +287,8 @@ def pause_job(session: Session, tenant_id: str, job_id: str) -> Job:
 
 
 def resume_job(session: Session, tenant_id: str, job_id: str, queue: JobQueue) -> Job:
-    """paused -> queued (re-enqueued, resuming from the latest checkpoint); withdraws a pending pause."""
+    """paused -> queued (re-enqueued, resuming from the latest checkpoint); withdraws a pending pause.
+    A job whose budget (or its tenant's monthly cap) is still reached stays paused: 409 `budget_exhausted`."""
     job = get_job(session, tenant_id, job_id, for_update=True)
     if job.status == JobStatus.running and job.pause_requested:
         job.pause_requested = False
@@ -298,6 +300,7 @@ def resume_job(session: Session, tenant_id: str, job_id: str, queue: JobQueue) -
             f"job {job.id!r} is {job.status}: only a paused job can be resumed",
             details={"current_status": job.status, "requested_status": JobStatus.queued.value},
         )
+    budget.refuse_if_exhausted(session, job)
     job.resume_checkpoint_id = repository.latest_checkpoint_id(session, job.id) or job.resume_checkpoint_id
     transition(
         session, job, JobStatus.queued, reason="resumed", data={"checkpoint_id": job.resume_checkpoint_id}
