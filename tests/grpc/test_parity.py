@@ -13,7 +13,7 @@ from types import ModuleType
 import pytest
 from fastapi import FastAPI
 
-from contract.gen.grpo.v1 import checkpoints_pb2, datasets_pb2, jobs_pb2, reward_functions_pb2
+from contract.gen.grpo.v1 import checkpoints_pb2, datasets_pb2, jobs_pb2, reward_functions_pb2, usage_pb2
 from service.checkpoints import endpoints as checkpoints_rest
 from service.datasets import endpoints as datasets_rest
 from service.grpc import watch
@@ -21,8 +21,10 @@ from service.grpc.servicers import checkpoints as checkpoints_grpc
 from service.grpc.servicers import datasets as datasets_grpc
 from service.grpc.servicers import jobs as jobs_grpc
 from service.grpc.servicers import rewards as rewards_grpc
+from service.grpc.servicers import usage as usage_grpc
 from service.jobs import endpoints as jobs_rest
 from service.rewards import endpoints as rewards_rest
+from service.usage import endpoints as usage_rest
 
 # (REST route, REST module, RPC, gRPC modules, domain function both must call)
 OPERATIONS: list[tuple[str, ModuleType, str, tuple[ModuleType, ...], str]] = [
@@ -52,6 +54,10 @@ OPERATIONS: list[tuple[str, ModuleType, str, tuple[ModuleType, ...], str]] = [
     ("GET /v1/checkpoints/{checkpoint_id}", checkpoints_rest, "CheckpointService.GetCheckpoint", (checkpoints_grpc,), "service.get_checkpoint"),
     # Per-file Range download over REST; DownloadCheckpoint streams every (or the chosen) files with offsets.
     ("GET /v1/checkpoints/{checkpoint_id}/files/{path}", checkpoints_rest, "CheckpointService.DownloadCheckpoint", (checkpoints_grpc,), "service.manifest_entry"),
+    ("GET /v1/usage", usage_rest, "UsageService.GetUsage", (usage_grpc,), "service.report"),
+    ("GET /v1/jobs/{job_id}/usage", usage_rest, "UsageService.GetJobUsage", (usage_grpc,), "service.job_usage"),
+    ("POST /v1/jobs/estimate", usage_rest, "UsageService.EstimateJob", (usage_grpc,), "service.estimate"),
+    ("PATCH /v1/jobs/{job_id}", usage_rest, "UsageService.UpdateJobBudget", (usage_grpc,), "service.set_job_budget"),
 ]
 # The tar archive is a REST convenience for browsers and curl; gRPC clients use DownloadCheckpoint.
 # The plot is a PNG for browsers (gRPC clients plot GetJobMetrics). Webhook registration is REST-only
@@ -75,6 +81,7 @@ SERVICES = [
         (jobs_pb2.DESCRIPTOR, "JobService"),
         (checkpoints_pb2.DESCRIPTOR, "CheckpointService"),
         (reward_functions_pb2.DESCRIPTOR, "RewardFunctionService"),
+        (usage_pb2.DESCRIPTOR, "UsageService"),
     )
 ]
 

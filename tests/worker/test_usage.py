@@ -224,6 +224,8 @@ class TestBudget:
             dataset = insert_dataset(session, tenant_a.tenant_id)
         spec = tiny_spec(dataset, max_steps=4, checkpoint_every=100)
         spec["budget"] = {"max_tokens": 1}
+        hook = client.post("/v1/webhooks", json={"url": "https://hooks.example.com/grpo"}, headers=tenant_a)
+        assert hook.status_code == 201, hook.text
         job_id = _submit(client, tenant_a, spec)
 
         assert _run(job_id) == "paused"  # step 1 reaches 1 token
@@ -237,6 +239,10 @@ class TestBudget:
         assert [(e["step"], e["data"]["field"], e["data"]["limit"]) for e in exhausted] == [
             (1, "budget.max_tokens", 1)
         ]
+
+        deliveries = _get(client, tenant_a, f"/v1/webhooks/{hook.json()['id']}/deliveries")["data"]
+        announced = [d["event_type"] for d in deliveries]
+        assert "job.budget_exhausted" in announced and "job.paused" in announced
 
         refused = client.post(f"/v1/jobs/{job_id}/resume", headers=tenant_a)
         assert refused.status_code == 409, refused.text

@@ -17,11 +17,14 @@ from contract.gen.grpo.v1 import (
     jobs_pb2_grpc,
     reward_functions_pb2,
     reward_functions_pb2_grpc,
+    usage_pb2,
+    usage_pb2_grpc,
 )
 from service.grpc.servicers.checkpoints import CheckpointServicer
 from service.grpc.servicers.datasets import DatasetServicer
 from service.grpc.servicers.jobs import JobServicer
 from service.grpc.servicers.rewards import RewardFunctionServicer
+from service.grpc.servicers.usage import UsageServicer
 from service.kit.reads import THREADED_READS, Reads
 
 
@@ -33,9 +36,11 @@ def register_all(server: grpc.aio.Server, reads: Reads = THREADED_READS) -> tupl
     jobs_pb2_grpc.add_JobServiceServicer_to_server(JobServicer(reads), server)
     checkpoints_pb2_grpc.add_CheckpointServiceServicer_to_server(CheckpointServicer(), server)
     reward_functions_pb2_grpc.add_RewardFunctionServiceServicer_to_server(RewardFunctionServicer(), server)
+    usage_pb2_grpc.add_UsageServiceServicer_to_server(UsageServicer(), server)
     return (
         checkpoints_pb2.DESCRIPTOR.services_by_name["CheckpointService"].full_name,
         datasets_pb2.DESCRIPTOR.services_by_name["DatasetService"].full_name,
         jobs_pb2.DESCRIPTOR.services_by_name["JobService"].full_name,
         reward_functions_pb2.DESCRIPTOR.services_by_name["RewardFunctionService"].full_name,
+        usage_pb2.DESCRIPTOR.services_by_name["UsageService"].full_name,
     )
