@@ -29,7 +29,7 @@ COPY client ./client
 COPY proto ./proto
 COPY migrations ./migrations
 COPY alembic.ini ./
-RUN pip install --no-cache-dir .
+RUN pip install --no-cache-dir '.[server,worker]'
 
 FROM ${BASE_IMAGE} AS runtime
 RUN if ! command -v python3.11 >/dev/null; then \

@@ -30,6 +30,7 @@ install: $(STAMP)
 
 lint: install
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/lint-imports
 
 typecheck: install
 	$(VENV)/bin/mypy service worker contract outbound cli client

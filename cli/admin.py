@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import typer
 
-from service.kit.db import session_scope
-from service.kit.errors import DomainError
-from service.tenants import service as tenants
-
 app = typer.Typer(help="Administration: tenants and API keys.", no_args_is_help=True)
 
 
 @app.command("create-tenant")
 def create_tenant(name: str = typer.Argument(..., help="Unique tenant name.")) -> None:
     """Create a tenant and print its id and a first API key (shown once)."""
+    from service.kit.db import session_scope
+    from service.kit.errors import DomainError
+    from service.tenants import service as tenants
+
     try:
         with session_scope() as session:
             tenant = tenants.create_tenant(session, name)
@@ -29,6 +29,10 @@ def create_tenant(name: str = typer.Argument(..., help="Unique tenant name.")) -
 @app.command("create-key")
 def create_key(tenant: str = typer.Argument(..., help="Tenant name or id.")) -> None:
     """Create a new API key for an existing tenant and print it (shown once)."""
+    from service.kit.db import session_scope
+    from service.kit.errors import DomainError
+    from service.tenants import service as tenants
+
     try:
         with session_scope() as session:
             row = tenants.find_tenant(session, tenant)

@@ -7,11 +7,7 @@ from datetime import datetime
 import typer
 
 from cli.output import JsonOpt, api_client, console, emit
-from service.kit.db import session_scope
-from service.kit.errors import DomainError
-from service.tenants import service as tenants
-from service.usage import repository
-from service.usage.schemas import TenantBudgetOut
+from contract.api.usage import TenantBudgetOut
 
 TOTAL_COLUMNS = ["steps", "tokens_generated", "tokens_trained", "tokens", "reward_calls", "device_seconds"]
 
@@ -39,6 +35,11 @@ def set_budget(
     monthly_max_device_seconds: float | None = typer.Option(None, min=0.001, help="Device-seconds per UTC month."),
 ) -> None:
     """Set a tenant's monthly caps (an option left out: the GRPO_MONTHLY_MAX_* default applies)."""
+    from service.kit.db import session_scope
+    from service.kit.errors import DomainError
+    from service.tenants import service as tenants
+    from service.usage import repository
+
     try:
         with session_scope() as session:
             row = tenants.find_tenant(session, tenant)

@@ -192,7 +192,7 @@ class GRPOConfig(BaseModel):
 
     # --- generation ----------------------------------------------------------------------------
     generation: GenerationMode = Field(
-        "sample", description="'sample' (nucleus/top-k sampling) or 'beam' (G distinct beams, seed 001)."
+        "sample", description="'sample' (nucleus/top-k sampling) or 'beam' (G distinct beams)."
     )
     temperature: float = Field(1.0, gt=0, le=10, description="Sampling temperature; log-probs use logits / T.")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")

@@ -24,6 +24,9 @@ from contract.config import GRPOConfig, LoraConfig
 from contract.dataset_format import MAX_COLUMN_NAME_CHARS
 from contract.fields import Int32, Int64, Text
 
+# How base_model names a model other than a Hub id or a local path.
+BUILTIN_PREFIX = "builtin:"  # builtin:<preset>, a tiny model built on the worker (worker.grpo.tiny)
+CHECKPOINT_PREFIX = "checkpoint:"  # checkpoint:<id>, a checkpoint of one of the tenant's jobs
 TINY_PRESETS = ("tiny", "small", "medium", "tiny-instruct")
 _NAME = r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$"
 # Job metadata is stored with the job and returned by every read of it: bounded like any free text.
@@ -242,7 +245,7 @@ class JobSpec(BaseModel):
     @field_validator("base_model")
     @classmethod
     def _check_base_model(cls, value: str) -> str:
-        if value.startswith("builtin:") and value.removeprefix("builtin:") not in TINY_PRESETS:
+        if value.startswith(BUILTIN_PREFIX) and value.removeprefix(BUILTIN_PREFIX) not in TINY_PRESETS:
             raise ValueError(f"unknown builtin model {value!r}; choose one of {', '.join(TINY_PRESETS)}")
         return value
 

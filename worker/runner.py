@@ -48,12 +48,12 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy import select
 
 from contract.reward_types import RewardError, RewardUnavailable
-from contract.spec import JobSpec, ModelRewardSpec, RemoteRewardSpec
+from contract.spec import BUILTIN_PREFIX, JobSpec, ModelRewardSpec, RemoteRewardSpec
 from outbound.urlpolicy import UrlRejected, check_url_syntax
 from service.checkpoints.models import Checkpoint
 from service.checkpoints.service import new_checkpoint_id
 from service.datasets.models import Dataset
-from service.jobs.model_sources import BUILTIN_PREFIX, ModelSourceKind, ModelSourcePolicy
+from service.jobs.model_sources import ModelSourceKind, ModelSourcePolicy
 from service.jobs.models import Job
 from service.jobs.schemas import SampleIn
 from service.jobs.states import JobStatus
@@ -83,6 +83,7 @@ if TYPE_CHECKING:
     from outbound.rewards.source import DegradedEvent
     from worker.grpo.data import PromptRow
     from worker.grpo.rewards import CompositeReward
+    from worker.grpo.trainer import TrainResult
     from worker.tensorboard import TensorBoardLog
 
 log = logging.getLogger(__name__)
@@ -186,9 +187,9 @@ class JobRunner:
         if not result.stopped:
             return reporting.finish(claim, JobStatus.succeeded, reason=f"trained {result.step} steps")
         control = reporting.read_control(self.job_id)
-        if control is None or control[2] != claim.attempt or control[0] not in OWNED_STATES:
+        if control is None or control.attempt != claim.attempt or control.status not in OWNED_STATES:
             raise LeaseLost(claim.job_id, claim.attempt)
-        if control[0] == JobStatus.cancelling.value:
+        if control.status == JobStatus.cancelling.value:
             return reporting.finish(claim, JobStatus.cancelled, reason=f"cancelled at step {result.step}")
         return reporting.finish(claim, JobStatus.paused, reason=f"paused at step {result.step}")
 
@@ -198,7 +199,7 @@ class JobRunner:
 
     # --- training ------------------------------------------------------------------------------
 
-    def _train(self, claim: Claim, heartbeat: Heartbeat, workdir: Path) -> Any:
+    def _train(self, claim: Claim, heartbeat: Heartbeat, workdir: Path) -> TrainResult:
         context = with_db_retry(lambda: self._load_context(claim))
         train_rows = self._load_rows(context.dataset_key, workdir / "train.jsonl")
         eval_rows = None
@@ -445,11 +446,10 @@ class JobRunner:
             return False
         if control is None:
             return True
-        status, pause_requested, attempt = control
-        if attempt != claim.attempt or status not in OWNED_STATES:
+        if control.attempt != claim.attempt or control.status not in OWNED_STATES:
             heartbeat.lost.set()
             return True
-        return status == JobStatus.cancelling.value or pause_requested
+        return control.status == JobStatus.cancelling.value or control.pause_requested
 
     # --- rewards -------------------------------------------------------------------------------
 

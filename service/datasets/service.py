@@ -20,6 +20,7 @@ from service.kit.config import get_settings
 from service.kit.db import on_commit, utcnow
 from service.kit.errors import NotFound, ValidationFailed
 from service.kit.ids import new_id
+from service.kit.paging import page
 from service.storage import get_storage
 
 MAX_NAME_LEN = 256
@@ -71,7 +72,7 @@ def list_datasets(
 ) -> tuple[Sequence[Dataset], bool]:
     """A page, newest first, and whether more follow."""
     rows = repository.list_page(session, tenant_id, limit=limit + 1, after=after)
-    return rows[:limit], len(rows) > limit
+    return page(rows, limit)
 
 
 def delete_dataset(session: Session, tenant_id: str, dataset_id: str) -> None:

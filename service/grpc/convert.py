@@ -22,6 +22,10 @@ from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 from pydantic import ValidationError
 
+from contract.api.checkpoints import CheckpointOut
+from contract.api.datasets import DatasetOut
+from contract.api.jobs import EventOut, JobOut, SampleOut
+from contract.api.rewards import RewardFunctionOut, RewardTestResult
 from contract.gen.grpo.v1 import (
     checkpoints_pb2,
     common_pb2,
@@ -32,19 +36,10 @@ from contract.gen.grpo.v1 import (
     reward_pb2,
 )
 from contract.spec import JobSpec
-from service.checkpoints.schemas import CheckpointOut
-from service.datasets.schemas import DatasetOut
 from service.grpc.errors import from_validation_error
-from service.jobs.schemas import EventOut, JobOut, SampleOut
 from service.jobs.states import JobStatus
 from service.kit.errors import ValidationFailed
-from service.rewards.schemas import (
-    RewardFunctionCreate,
-    RewardFunctionOut,
-    RewardTestItem,
-    RewardTestRequest,
-    RewardTestResult,
-)
+from service.rewards.schemas import RewardFunctionCreate, RewardTestItem, RewardTestRequest
 
 # Hyperparameters whose `None` means something other than "default": proto flag -> GRPOConfig field.
 NONE_FLAGS = {

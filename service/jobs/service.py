@@ -14,18 +14,20 @@ from typing import Any
 from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 
-from contract.spec import JobSpec, ModelRewardSpec, RemoteRewardSpec
+from contract.api.jobs import JobOut, MetricSeries, MetricsOut
+from contract.spec import BUILTIN_PREFIX, JobSpec, ModelRewardSpec, RemoteRewardSpec
 from service.checkpoints import retention
 from service.checkpoints.models import Checkpoint
 from service.jobs import model_sources, repository
 from service.jobs.model_sources import ModelSourceKind, ModelSourcePolicy, ModelSourceRefused
 from service.jobs.models import Job, JobEvent
-from service.jobs.schemas import JobOut, MetricSeries, MetricsOut
+from service.jobs.schemas import job_out
 from service.jobs.states import STATUS_EVENT, TERMINAL, UNFINISHED, JobStatus, transition
 from service.kit.config import get_settings
 from service.kit.db import on_commit, utcnow
 from service.kit.errors import Conflict, IllegalTransition, NotFound, ValidationFailed
 from service.kit.ids import new_id
+from service.kit.paging import page
 from service.kit.queue import JobQueue, send_job_logged
 from service.kit.reads import Reads
 from service.storage import Storage, job_prefix
@@ -79,7 +81,7 @@ def create_job(session: Session, tenant_id: str, spec: JobSpec, queue: JobQueue)
 
 def queue_for(spec: JobSpec) -> str:
     """The builtin: models are small enough for CPU workers; everything else needs a GPU."""
-    return "cpu" if spec.base_model.startswith("builtin:") else "gpu"
+    return "cpu" if spec.base_model.startswith(BUILTIN_PREFIX) else "gpu"
 
 
 def enqueue_after_commit(session: Session, job: Job, queue: JobQueue) -> None:
@@ -151,7 +153,7 @@ async def read_job(reads: Reads, tenant_id: str, job_id: str) -> JobOut:
     row = await repository.get_job_row(reads, tenant_id, job_id)
     if row is None:
         raise NotFound("job", job_id)
-    return JobOut.from_row(row)
+    return job_out(row)
 
 
 async def list_jobs(
@@ -163,7 +165,8 @@ async def list_jobs(
     rows = await repository.list_jobs(
         reads, tenant_id, status=status.value if status else None, limit=limit + 1, before_id=after
     )
-    return [JobOut.from_row(row) for row in rows[:limit]], len(rows) > limit
+    jobs, has_more = page(rows, limit)
+    return [job_out(row) for row in jobs], has_more
 
 
 def list_events(
@@ -180,7 +183,7 @@ def list_events(
     rows = repository.list_events(
         session, job_id, after_id=after, limit=limit + 1, types=types, include_superseded=include_superseded
     )
-    return rows[:limit], len(rows) > limit
+    return page(rows, limit)
 
 
 def get_metrics(
@@ -189,16 +192,16 @@ def get_metrics(
     """Time series from `since_step` on, at most `limit` points; a page never ends mid-step."""
     get_job(session, tenant_id, job_id)
     rows = repository.metric_rows(session, job_id, names=names, since_step=since_step, limit=limit + 1)
-    has_more = len(rows) > limit
+    points, has_more = page(rows, limit)
     next_since_step = None
     if has_more:
         # Drop the (possibly partial) last step; the next page starts at it.
         next_since_step = rows[limit][0]
-        rows = [row for row in rows[:limit] if row[0] < next_since_step]
-        if not rows:
+        points = [row for row in points if row[0] < next_since_step]
+        if not points:
             raise ValidationFailed(f"limit: {limit} is smaller than the number of metrics in one step")
     series: dict[str, MetricSeries] = {}
-    for step, name, value in rows:
+    for step, name, value in points:
         entry = series.setdefault(name, MetricSeries(steps=[], values=[]))
         entry.steps.append(step)
         entry.values.append(value)
@@ -210,7 +213,7 @@ def list_samples(
 ) -> tuple[Sequence[Any], bool]:
     get_job(session, tenant_id, job_id)
     rows = repository.list_samples(session, job_id, step=step, after_id=after, limit=limit + 1)
-    return rows[:limit], len(rows) > limit
+    return page(rows, limit)
 
 
 def dataset_in_use(session: Session, tenant_id: str, dataset_id: str) -> bool:

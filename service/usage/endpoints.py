@@ -7,14 +7,16 @@ from typing import Annotated
 
 from fastapi import APIRouter, Body, Query
 
+from contract.api.jobs import JobOut
+from contract.api.usage import Estimate, JobUsage, UsageReport
 from contract.spec import JobSpec
-from service.jobs.schemas import JobOut
+from service.jobs.schemas import job_out
 from service.kit.deps import SessionDep
 from service.kit.openapi import error_responses
 from service.kit.params import PathId
 from service.tenants.auth import CurrentTenant
 from service.usage import service
-from service.usage.schemas import Estimate, JobPatch, JobUsage, UsageReport
+from service.usage.schemas import JobPatch
 
 router = APIRouter(tags=["usage"])
 
@@ -68,4 +70,4 @@ def estimate_job(spec: Annotated[JobSpec, Body()], tenant: CurrentTenant, sessio
 )
 def patch_job(job_id: PathId, patch: JobPatch, tenant: CurrentTenant, session: SessionDep) -> JobOut:
     """Replace the budget of an unfinished job; resume a job paused with `budget_exhausted` afterwards."""
-    return JobOut.from_row(service.set_job_budget(session, tenant.tenant_id, job_id, patch.budget))
+    return job_out(service.set_job_budget(session, tenant.tenant_id, job_id, patch.budget))

@@ -17,6 +17,16 @@ from typing import Literal
 
 from sqlalchemy.orm import Session
 
+from contract.api.usage import (
+    BudgetState,
+    Calibration,
+    Estimate,
+    JobUsage,
+    StepUsage,
+    UsageGroup,
+    UsageReport,
+    UsageTotals,
+)
 from contract.spec import JobBudget, JobSpec
 from service.datasets.models import Dataset
 from service.jobs import service as jobs
@@ -29,16 +39,6 @@ from service.usage import repository
 from service.usage.budget import Exhausted, exhausted
 from service.usage.models import UsageCalibration
 from service.usage.repository import Sums
-from service.usage.schemas import (
-    BudgetState,
-    Calibration,
-    Estimate,
-    JobUsage,
-    StepUsage,
-    UsageGroup,
-    UsageReport,
-    UsageTotals,
-)
 
 GroupBy = Literal["day", "job"]
 # Parameter-count buckets (upper bound exclusive, name): models of one bucket share a calibration.

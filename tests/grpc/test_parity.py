@@ -60,8 +60,8 @@ OPERATIONS: list[tuple[str, ModuleType, str, tuple[ModuleType, ...], str]] = [
     ("PATCH /v1/jobs/{job_id}", usage_rest, "UsageService.UpdateJobBudget", (usage_grpc,), "service.set_job_budget"),
 ]
 # The tar archive is a REST convenience for browsers and curl; gRPC clients use DownloadCheckpoint.
-# The plot is a PNG for browsers (gRPC clients plot GetJobMetrics). Webhook registration is REST-only
-# for now (issue 6): it configures HTTP callbacks, which gRPC clients can register over REST too.
+# The plot is a PNG for browsers (gRPC clients plot GetJobMetrics). Webhook registration is REST-only:
+# it configures HTTP callbacks, which gRPC clients can register over REST too.
 REST_ONLY = {
     "GET /v1/checkpoints/{checkpoint_id}/archive",
     "GET /v1/jobs/{job_id}/plot.png",

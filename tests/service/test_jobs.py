@@ -8,7 +8,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from service.jobs.repository import get_job_any_tenant
-from service.jobs.schemas import JobOut
+from service.jobs.schemas import job_out
 from service.kit.db import session_scope
 from tests.service.factories import TenantHeaders
 from tests.service.jobs_support import (
@@ -201,7 +201,7 @@ class TestGetJob:
         assert got["error"] == {"code": "reward_endpoint_unavailable", "message": "down"}
         assert got["metadata"] == {"team": "a"}
         # The same rendering as from the ORM entity the write paths return.
-        assert got == JobOut.from_row(load_job(job_id)).model_dump(mode="json")
+        assert got == job_out(load_job(job_id)).model_dump(mode="json")
 
 
 class TestControl:

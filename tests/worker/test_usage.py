@@ -12,13 +12,13 @@ from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
-from sqlalchemy import select, update
+from sqlalchemy import delete, select, update
 
 from service.jobs.models import Job
 from service.kit.config import Settings
 from service.kit.db import session_scope, utcnow
 from service.storage import checkpoint_key, get_storage
-from service.usage.models import JobUsage
+from service.usage.models import JobUsage, UsageCalibration
 from service.usage.service import StepUsageIn
 from tests.service.factories import TenantHeaders
 from tests.worker.conftest import insert_dataset, tiny_spec
@@ -73,9 +73,17 @@ def one_thread() -> Iterator[None]:
 
 class TestUsage:
     def test_usage_is_the_sum_of_step_records_and_of_reported_completion_lengths(
-        self, settings: Settings, tenant_a: TenantHeaders, client: TestClient, one_thread: None
+        self, settings: Settings, tenant_a: TenantHeaders, tenant_b: TenantHeaders, client: TestClient,
+        one_thread: None,
     ) -> None:
+        # In production each job runs in a fresh process and pays torch's first-step warm-up, which its
+        # calibration then includes. Here every job shares this process: warm it up with another tenant's job
+        # and forget what that one measured, so all jobs below run under the same conditions.
         with session_scope() as session:
+            warm_up = _job(session, tenant_b.tenant_id, max_steps=2, checkpoint_every=2)
+        assert _run(warm_up) == "succeeded"
+        with session_scope() as session:
+            session.execute(delete(UsageCalibration))
             dataset = insert_dataset(session, tenant_a.tenant_id)
         first = tiny_spec(dataset, max_steps=3, checkpoint_every=3)
         second = tiny_spec(dataset, max_steps=2, checkpoint_every=2, num_iterations=2, seed=1)

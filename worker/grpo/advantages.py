@@ -1,4 +1,4 @@
-"""Group-relative advantages: each completion's reward compared with its siblings' (GRPO, seed 004).
+"""Group-relative advantages: each completion's reward compared with its siblings' (GRPO).
 
 A_i = (r_i - mean(group)) / (std + eps), one value per completion, shared by all its tokens.
 https://arxiv.org/abs/2402.03300 (DeepSeekMath, section 4.1.2).
@@ -15,7 +15,7 @@ from contract.config import AdvantageStd, ScaleRewards
 def _nan_std(values: Tensor, mean: Tensor, count: Tensor, std: AdvantageStd) -> Tensor:
     """NaN-ignoring std along the last dim given its NaN-ignoring mean and count of valid values.
 
-    population divides by n (the GRPO paper's, seed 004), unbiased by n - 1 (TRL's nanstd).
+    population divides by n (the GRPO paper's, https://arxiv.org/abs/2402.03300), unbiased by n - 1 (TRL's nanstd).
     Fewer values than the estimator needs (0, or 1 for unbiased) give NaN.
     """
     squared = (values - mean.unsqueeze(-1)).square().nansum(dim=-1)

@@ -1,12 +1,14 @@
 """The GRPO objective: a policy-gradient term with a group-relative advantage, plus a k3 KL penalty.
 
 Notation per token t of completion i: ratio r = pi / pi_old (token level; with importance
-sampling level "sequence", GSPO's one ratio per completion, exp(mean_t log r_t)), A_i the
-completion's advantage, KL_t = exp(ref - logp) - (ref - logp) - 1 (Schulman's k3, >= 0).
+sampling level "sequence", GSPO's one ratio per completion, exp(mean_t log r_t),
+https://arxiv.org/abs/2507.18071), A_i the completion's advantage, KL_t = exp(ref - logp) - (ref - logp) - 1
+(Schulman's k3 estimator, >= 0, http://joschu.net/blog/kl-approx.html).
 Per-token policy term by `loss_type` (TRL 1.16's names and definitions):
 
     grpo, bnpo, dr_grpo, dapo, luspo   -min(min(r, delta) * A, clip(r, 1 - eps, 1 + eps_high) * A)
-                                       (delta only when set: INTELLECT-2's two-sided clipping)
+                                       (delta only when set: INTELLECT-2's two-sided clipping,
+                                       https://arxiv.org/abs/2505.07291)
     cispo   -stopgrad(min(r, eps_high)) * A * logp            (MiniMax-M1, https://arxiv.org/abs/2506.13585)
     sapo    -(4 / tau) * sigmoid(tau * (r - 1)) * A           (tau by the sign of A, https://arxiv.org/abs/2511.20347)
     vespo   -stopgrad(phi(w)) * A * logp, phi(w) = e^lambda w^k e^(-lambda w), w = prod_t r_t

@@ -27,7 +27,7 @@ from transformers import DynamicCache, GenerationConfig, PreTrainedModel, PreTra
 
 from contract.config import GRPOConfig
 from worker.grpo import fast_decoder, static_decoder
-from worker.grpo.cpu_threads import SideThread, intra_op_threads
+from worker.grpo.concurrency import SideThread, intra_op_threads
 
 
 def render_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str | list[dict[str, str]]) -> str:
@@ -125,7 +125,7 @@ def _generation_config(
         "use_cache": True,
     }
     if config.generation == "beam":
-        # G beams returned per prompt: distinct sequences by construction (seed 001).
+        # G beams returned per prompt: distinct sequences by construction.
         return GenerationConfig(
             do_sample=False,
             num_beams=config.num_generations,

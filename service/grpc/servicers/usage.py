@@ -9,16 +9,16 @@ from typing import Any
 import grpc
 from pydantic import ValidationError
 
+from contract.api.usage import UsageTotals
 from contract.gen.grpo.v1 import job_spec_pb2, usage_pb2, usage_pb2_grpc
 from contract.spec import JobBudget
 from service.grpc.auth import current_tenant
 from service.grpc.calls import in_session
 from service.grpc.convert import job_spec_from_proto, job_to_proto, timestamp
 from service.grpc.errors import from_validation_error, prefix_fields
-from service.jobs.schemas import JobOut
+from service.jobs.schemas import job_out
 from service.kit.errors import ValidationFailed
 from service.usage import service
-from service.usage.schemas import UsageTotals
 
 Context = grpc.aio.ServicerContext[Any, Any]
 _GROUP_BY: dict[int, service.GroupBy] = {usage_pb2.USAGE_GROUP_BY_UNSPECIFIED: "day", usage_pb2.USAGE_GROUP_BY_DAY: "day",
@@ -98,6 +98,6 @@ class UsageServicer(usage_pb2_grpc.UsageServiceServicer):
         tenant = current_tenant()
         budget = _budget_in(request)
         job = await in_session(
-            lambda s: JobOut.from_row(service.set_job_budget(s, tenant.tenant_id, request.job_id, budget))
+            lambda s: job_out(service.set_job_budget(s, tenant.tenant_id, request.job_id, budget))
         )
         return usage_pb2.UpdateJobBudgetResponse(job=job_to_proto(job))
