@@ -79,12 +79,17 @@ async def _http_error(request: Request, exc: Exception) -> JSONResponse:
 def allowed_methods(request: Request) -> list[str]:
     """The methods some route serves at this path, found by matching the path once per method. Starlette's
     own `Allow` names only the methods of the first route whose path matched, while e.g. GET and POST
-    /v1/jobs are two routes."""
-    routes = request.app.router.routes
-    return [
-        method
+    /v1/jobs are two routes. A path that a route names literally (POST /v1/jobs/estimate) is that route's
+    resource, not an id of a templated one (/v1/jobs/{job_id}): only literal routes count for it."""
+    matching = {
+        method: [r for r in request.app.router.routes if r.matches({**request.scope, "method": method.value})[0]
+                 is Match.FULL]
         for method in HTTPMethod
-        if any(route.matches({**request.scope, "method": method.value})[0] is Match.FULL for route in routes)
+    }
+    literal = any(not getattr(r, "param_convertors", None) for routes in matching.values() for r in routes)
+    return [
+        method for method, routes in matching.items()
+        if any(not literal or not getattr(r, "param_convertors", None) for r in routes)
     ]
 
 

@@ -218,3 +218,11 @@ def test_resume_refused_while_the_budget_is_reached(
     )
     client.patch(f"/v1/jobs/{job_id}", json={"budget": {"max_device_seconds": 11}}, headers=tenant_a)
     assert client.post(f"/v1/jobs/{job_id}/resume", headers=tenant_a).status_code == 200
+
+
+def test_allow_header_of_the_estimate_route_and_of_a_job(client: TestClient, tenant_a: TenantHeaders) -> None:
+    """`/v1/jobs/estimate` is its own resource, not a job id: a 405 there allows POST only."""
+    estimate = client.request("PUT", "/v1/jobs/estimate", headers=tenant_a)
+    assert estimate.status_code == 405 and estimate.headers["Allow"] == "POST"
+    job = client.request("PUT", "/v1/jobs/job_123", headers=tenant_a)
+    assert job.status_code == 405 and job.headers["Allow"] == "DELETE, GET, PATCH"
