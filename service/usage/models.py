@@ -19,6 +19,11 @@ from sqlalchemy.orm import Mapped, mapped_column
 
 from service.jobs.models import BigIntId
 from service.kit.db import Base, UTCDateTime, utcnow
+from service.tenants import models as tenants_models
+
+# The tenants table must be in the metadata wherever these rows are written (a worker imports no API module):
+# flushing resolves every foreign key of the mapped tables.
+__all__ = ["JobUsage", "TenantBudget", "UsageCalibration", "tenants_models"]
 
 
 class JobUsage(Base):
