@@ -7,7 +7,7 @@ raise service.kit.errors.*. They never commit; enqueueing is registered to run a
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from functools import partial
 from typing import Any
 
@@ -15,7 +15,7 @@ from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 
 from contract.api.jobs import JobOut, MetricSeries, MetricsOut
-from contract.spec import BUILTIN_PREFIX, JobSpec, ModelRewardSpec, RemoteRewardSpec
+from contract.spec import BUILTIN_PREFIX, GraderRewardSpec, JobSpec, ModelRewardSpec, reward_function_refs
 from service.checkpoints import retention
 from service.checkpoints.models import Checkpoint
 from service.jobs import model_sources, repository
@@ -99,18 +99,20 @@ def check_references(session: Session, tenant_id: str, spec: JobSpec) -> None:
         "train_dataset": spec.train_dataset, "eval_dataset": spec.eval_dataset, "retain_dataset": spec.retain_dataset
     }
     wanted = [ds for ds in datasets.values() if ds is not None]
-    found = repository.live_dataset_ids(session, tenant_id, wanted)
+    found_datasets = found = repository.live_dataset_ids(session, tenant_id, wanted)
     for field, dataset_id in datasets.items():
         if dataset_id is not None and dataset_id not in found:
             errors.append(_missing(field, f"dataset {dataset_id!r} not found"))
 
-    remote = {i: r.reward_function_id for i, r in enumerate(spec.rewards) if isinstance(r, RemoteRewardSpec)}
-    found = repository.live_reward_function_ids(session, tenant_id, list(remote.values()))
-    for i, rf_id in remote.items():
+    remote = reward_function_refs(spec.rewards)
+    found = repository.live_reward_function_ids(session, tenant_id, [rf_id for _, rf_id in remote])
+    for field, rf_id in remote:
         if rf_id not in found:
-            errors.append(
-                _missing(f"rewards[{i}].reward_function_id", f"reward function {rf_id!r} not found")
-            )
+            errors.append(_missing(field, f"reward function {rf_id!r} not found"))
+
+    for i, reward in enumerate(spec.rewards):
+        if isinstance(reward, GraderRewardSpec):
+            errors.extend(_grader_fields(session, tenant_id, spec, i, reward, found_datasets))
 
     models = {"base_model": spec.base_model}
     models.update(
@@ -131,6 +133,31 @@ def check_references(session: Session, tenant_id: str, spec: JobSpec) -> None:
 
     if errors:
         raise ValidationFailed(f"{errors[0]['field']}: {errors[0]['message']}", details=errors)
+
+
+def _grader_fields(
+    session: Session, tenant_id: str, spec: JobSpec, index: int, reward: GraderRewardSpec, found: Collection[str]
+) -> list[dict[str, Any]]:
+    """A grader's ``{{item.*}}`` references must be in every row of the datasets it grades."""
+    # Imported here: the datasets service imports this module (dataset_in_use).
+    from service.datasets.service import first_row_missing
+
+    errors: list[dict[str, Any]] = []
+    graded = {"train_dataset": spec.train_dataset, "eval_dataset": spec.eval_dataset}
+    for field, dataset_id in graded.items():
+        if dataset_id is None or dataset_id not in found:
+            continue
+        missing = first_row_missing(session, tenant_id, dataset_id, reward.parsed)
+        if missing is not None:
+            line, what = missing
+            errors.append({
+                "field": field,
+                "message": f"line {line} of dataset {dataset_id!r} has no field {what.at!r}, which "
+                f"rewards[{index}].grader reads as {what.reference}",
+                "type": "grader_field_missing",
+                "line": line,
+            })
+    return errors
 
 
 def _missing(field: str, message: str) -> dict[str, Any]:

@@ -70,6 +70,9 @@ class MiniBatchResult:
     loss: float  # this mini-batch's share of the step's loss
     stats: dict[str, float]  # grpo_loss's statistics of this mini-batch
     entropy_sum: float | None  # entropy summed over its completion tokens; first pass only
+    # (B, C) the trainer's log-probs under the weights that sampled, when another engine sampled (vLLM);
+    # first pass only: the step's sampling-correction metrics
+    sampled_by: Tensor | None = None
 
 
 def reward_inputs(rollout: Rollout, rows: list[PromptRow], prompts: list[str]) -> list[RewardInput]:

@@ -23,6 +23,7 @@ import math
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
+from contextlib import closing
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -60,7 +61,9 @@ from worker.grpo.modeling import (
     seed_everything,
 )
 from worker.grpo.rewards import CompositeReward, RewardResult
-from worker.grpo.rollout import Rollout, generate_rollout, render_prompt
+from worker.grpo.rollout import NativeRollout, Rollout, generate_rollout, render_prompt
+from worker.grpo.sampling_correction import SamplingCorrection
+from worker.grpo.vllm_rollout import VLLMRollout
 
 MetricsHook = Callable[[int, dict[str, float], list[dict[str, Any]]], None]
 CheckpointHook = Callable[[int, Path, dict[str, Any]], None]
@@ -133,6 +136,7 @@ class GRPOTrainer:
             resume_dir=None if checkpoint is None else checkpoint.path,
         )
         self.loss_settings = LossSettings.from_config(config)
+        self.correction = SamplingCorrection.from_config(config)  # None unless another engine samples
         self.entropy_control = AdaptiveEntropy.from_config(config)
         self.sampler = PromptSampler(len(train_rows), seed=config.seed)
         self.lanes = StepLanes(self.models.policy.device)  # started by train()
@@ -143,13 +147,19 @@ class GRPOTrainer:
         self._saved_step = 0  # step of the newest checkpoint written or resumed from
         if checkpoint is not None:
             self._restore(checkpoint.trainer_state, checkpoint.path)
+        # Built from the weights just loaded (a checkpoint's when resuming); closed when train() ends.
+        self.rollouts: NativeRollout | VLLMRollout = (
+            VLLMRollout(self.models, config, self.output_dir)
+            if config.use_vllm
+            else NativeRollout(self.models.policy, self.models.tokenizer, config)
+        )
 
     # --- the loop ----------------------------------------------------------------------------
 
     def train(self) -> TrainResult:
         """Run until total_steps (or should_stop()); saves a checkpoint at the end either way."""
         stopped = False
-        with self.lanes:
+        with self.lanes, closing(self.rollouts):
             if self.step == 0 and self._evaluates():
                 # The starting point, so every later eval has something to be compared with.
                 self._report_eval(0, self._evaluate(0))
@@ -178,6 +188,10 @@ class GRPOTrainer:
         train_started = time.perf_counter()
         train_stats = self._optimise(batch)
         timings["time/train_s"] = time.perf_counter() - train_started
+        if self.config.use_vllm:
+            sync_started = time.perf_counter()
+            self.rollouts.sync_weights()  # the next rollout samples from the updated policy
+            timings["time/weight_sync_s"] = time.perf_counter() - sync_started
 
         # ===== 3. metrics, samples, eval, checkpoint
         timings["time/step_s"] = time.perf_counter() - started
@@ -243,17 +257,17 @@ class GRPOTrainer:
             old_logps = self._old_logps(first.rollout, reference)
             final = pending.result()
             generated, in_loss = [final], torch.ones(len(final.rows), dtype=torch.bool)
-        advantages = self._advantages(final)  # (N,)
+        advantages = self._advantages(final, in_loss)  # (N,), 0 outside the loss
         loss_mask = loss_mask_for(
             final.rollout, in_loss, mask_truncated=self.config.mask_truncated_completions
         )
-        advantages = advantages.to(loss_mask.device) * in_loss.repeat_interleave(
-            self.config.num_generations
-        ).to(loss_mask.device)
+        advantages = advantages.to(loss_mask.device)
         return StepBatch(final, advantages, loss_mask, old_logps, reference, generated)
 
-    def _advantages(self, scored: Scored) -> Tensor:
-        """(N,) group-relative advantages of the scored completions, one reward or several."""
+    def _advantages(self, scored: Scored, in_loss: Tensor) -> Tensor:
+        """(N,) group-relative advantages of the scored completions, one reward or several; groups
+        outside the loss (in_loss (num_groups,) false: dynamic sampling's fillers) get 0 and stay
+        out of the batch-wide statistics."""
         config = self.config
         if config.multi_objective_aggregation == "normalize_then_sum":
             per_source = torch.tensor(
@@ -262,7 +276,12 @@ class GRPOTrainer:
             ).T  # (N, F)
             weights = torch.tensor([weight for _, weight in self.reward.sources], dtype=torch.float32)  # (F,)
             return decoupled_advantages(
-                per_source, weights, config.num_generations, std=config.advantage_std, eps=config.advantage_eps
+                per_source,
+                weights,
+                config.num_generations,
+                std=config.advantage_std,
+                eps=config.advantage_eps,
+                in_batch=in_loss,
             )
         advantages, _ = group_advantages(
             scored.rewards,
@@ -270,6 +289,7 @@ class GRPOTrainer:
             scale=config.scale_rewards,
             std=config.advantage_std,
             eps=config.advantage_eps,
+            in_batch=in_loss,
         )
         return advantages
 
@@ -279,9 +299,7 @@ class GRPOTrainer:
         prompts = [render_prompt(self.models.tokenizer, row.prompt) for row in rows]
         # A seed per (run, step, round): sampling is reproducible across resumes whatever ran before.
         seed = (self.config.seed * 1_000_003 + step * 101 + round_index) % (2**63)
-        rollout = generate_rollout(
-            self.models.policy, self.models.tokenizer, prompts, self.config, generator_seed=seed, side=self.lanes.side
-        )
+        rollout = self.rollouts.generate(prompts, generator_seed=seed, side=self.lanes.side)
         timings["time/generate_s"] += time.perf_counter() - started
         return Generated(rollout, rows, prompts)
 
@@ -373,6 +391,7 @@ class GRPOTrainer:
         losses: list[float] = []
         grad_norms: list[float] = []
         entropy_sums: list[float] = []
+        sampled_by: list[Tensor] = []  # (B, C) per mini-batch: the trainer's log-probs of the weights that sampled
         for iteration in range(self.config.num_iterations):
             pass_loss, bonus_entropy, bonus_tokens = 0.0, 0.0, 0.0
             for rows in slices:
@@ -384,6 +403,8 @@ class GRPOTrainer:
                     sums[key] = sums.get(key, 0.0) + value
                 if result.entropy_sum is not None:
                     entropy_sums.append(result.entropy_sum)
+                if result.sampled_by is not None:
+                    sampled_by.append(result.sampled_by)
             grad_norms.append(self._optimizer_update())
             losses.append(pass_loss)
             if self.config.use_adaptive_entropy:
@@ -395,6 +416,11 @@ class GRPOTrainer:
             metrics["entropy_coef"] = self.entropy_control.coef  # after this step's update, as TRL logs it
         if self.config.beta == 0:
             metrics.pop("kl", None)  # no reference model: there is no KL to report
+        if self.correction is not None:
+            assert rollout.sampler_logps is not None  # another engine sampled
+            metrics.update(
+                self.correction.metrics(torch.cat(sampled_by), rollout.sampler_logps, rollout.completion_mask)
+            )
         mask = rollout.completion_mask
         entropy_sum = sum(entropy_sums)
         metrics.update(
@@ -408,7 +434,8 @@ class GRPOTrainer:
     def _backward_mini_batch(
         self, batch: StepBatch, rows: slice, num_slices: int, step_tokens: int, iteration: int
     ) -> MiniBatchResult:
-        """Forward, loss and backward of one mini-batch."""
+        """Forward, loss and backward of one mini-batch (weighted by the sampling correction when
+        another engine sampled)."""
         rollout = batch.scored.rollout
         completion_length = rollout.completion_ids.shape[1]
         with self.lanes.own_core_while(batch.reference):
@@ -421,6 +448,15 @@ class GRPOTrainer:
                 with_entropy=iteration == 0 or self.loss_settings.needs_entropy,
                 entropy_grad=self.config.entropy_bonus,
             )  # (B, C)
+        is_weights, sampled_by = None, None
+        if self.correction is not None:
+            assert rollout.sampler_logps is not None
+            # pi_old: the weights that sampled (the detached current ones on the first pass when mu = 1).
+            behaviour = logps.detach() if batch.old_logps is None else batch.old_logps[rows]
+            sampled_by = behaviour if iteration == 0 else None
+            is_weights = self.correction.weights(
+                behaviour, rollout.sampler_logps[rows], rollout.completion_mask[rows]
+            )  # (B, C), or (B, 1) per sequence
         scaled, stats = grpo_loss(
             logps,
             None if batch.old_logps is None else batch.old_logps[rows],
@@ -432,13 +468,14 @@ class GRPOTrainer:
             num_mini_batches=num_slices,
             entropies=entropy,
             entropy_coef=self.entropy_control.coef_to_apply(),
+            is_weights=is_weights,
         )  # already this mini-batch's share of the step's loss
         scaled.backward()
         entropy_sum = None
         if entropy is not None and iteration == 0:  # the entropy metric: the policy before this step's updates
             mask = rollout.completion_mask[rows]
             entropy_sum = float((entropy.detach() * mask).sum())
-        return MiniBatchResult(float(scaled.detach()), stats, entropy_sum)
+        return MiniBatchResult(float(scaled.detach()), stats, entropy_sum, sampled_by)
 
     def _optimizer_update(self) -> float:
         """Clip, step the optimiser and the scheduler; returns the pre-clip gradient norm."""
