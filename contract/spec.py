@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from contract.config import GRPOConfig, LoraConfig
 from contract.dataset_format import MAX_COLUMN_NAME_CHARS
-from contract.fields import Int32, Text
+from contract.fields import Int32, Int64, Text
 from contract.graders import Grader, GraderInvalid, ScoreModelGrader, grader_dump, parse_grader, sub_graders
 
 # How base_model names a model other than a Hub id or a local path.
@@ -158,6 +158,30 @@ class ModelRewardSpec(BaseModel):
         return f"model:{self.model}"
 
 
+# Bounds of a job's budget: far above any real run, low enough that sums stay exact in a float / BIGINT.
+MAX_BUDGET_DEVICE_SECONDS = 1e9
+MAX_BUDGET_TOKENS = 10**15
+
+
+class JobBudget(BaseModel):
+    """Spending limits of one job. The step that reaches one pauses the job (`budget_exhausted`, checkpoint
+    kept); raise the limit (PATCH /v1/jobs/{id}) and resume it."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    max_device_seconds: float | None = Field(
+        None, gt=0, le=MAX_BUDGET_DEVICE_SECONDS, description="Most device-seconds the job may use, all attempts."
+    )
+    max_tokens: Int64 | None = Field(
+        None, ge=1, le=MAX_BUDGET_TOKENS, description="Most tokens (generated + trained) the job may use."
+    )
+
+    @model_validator(mode="after")
+    def _some_limit(self) -> JobBudget:
+        if self.max_device_seconds is None and self.max_tokens is None:
+            raise ValueError("set max_device_seconds, max_tokens or both")
+        return self
+
+
 class GraderRewardSpec(BaseModel):
     """An OpenAI grader object (contract.graders: string_check, text_similarity, score_model, multi)."""
 
@@ -288,6 +312,10 @@ class JobSpec(BaseModel):
         max_length=MAX_METADATA_KEYS,
         description=f"Free-form labels: at most {MAX_METADATA_KEYS} keys of 1-{MAX_METADATA_KEY_CHARS} characters, "
         f"values up to {MAX_METADATA_VALUE_CHARS} characters, {MAX_METADATA_JSON_BYTES} bytes as JSON in all.",
+    )
+
+    budget: JobBudget | None = Field(
+        None, description="Spending limits; the step that reaches one pauses the job with `budget_exhausted`."
     )
 
     @field_validator("base_model")

@@ -9,6 +9,7 @@ from service.kit.db import Base
 from service.quotas import models as quotas_models
 from service.rewards import models as rewards_models
 from service.tenants import models as tenants_models
+from service.usage import models as usage_models
 from service.webhooks import models as webhooks_models
 
 __all__ = [
@@ -19,5 +20,6 @@ __all__ = [
     "quotas_models",
     "rewards_models",
     "tenants_models",
+    "usage_models",
     "webhooks_models",
 ]

@@ -42,7 +42,7 @@ worker frozen with SIGSTOP whose lease expired cannot write anything after it wa
 The heartbeat thread renews the lease every `lease_seconds / 3`; a frozen or dead worker stops renewing
 and the reaper (worker/reaper.py) re-enqueues the job once `lease_until` has passed.
 
-Claiming also prepares the resume: metrics and samples of steps after the latest checkpoint (written by
+Claiming also prepares the resume: metrics, samples and usage records of steps after the latest checkpoint (written by
 the dead attempt) are deleted in the claim transaction, so the new attempt, which restarts from that
 checkpoint, records every later step exactly once.
 

@@ -14,7 +14,8 @@ stops without writing anything more. How the outcome maps to states:
 
 - trained to the end -> `succeeded` (or `cancelled` if a cancel arrived meanwhile);
 - stopped by should_stop -> the trainer saved a checkpoint; `paused` after a pause request, `cancelled`
-  after a cancel;
+  after a cancel; `paused` with error `budget_exhausted` when the step just recorded reached the job's budget
+  or its tenant's monthly cap (service.usage.budget);
 - `RewardUnavailable` (an endpoint stayed down: its circuit opened, or too many completions of a step went
   unanswered by the step deadline) -> event `reward_endpoint_unavailable`, `paused`; a flaky endpoint whose
   few unanswered completions abstain is only reported (event `reward_degraded`);
@@ -49,6 +50,7 @@ import shutil
 import socket
 import subprocess
 import threading
+import time
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -69,6 +71,8 @@ from service.kit.db import session_scope
 from service.observability.logs import job_context
 from service.rewards.models import RewardFunction
 from service.storage import Storage, checkpoint_key, checkpoint_prefix, get_storage, tensorboard_key
+from service.usage.budget import Exhausted
+from service.usage.service import StepUsageIn
 from worker import metrics as worker_metrics
 from worker import reporting
 from worker.lease import (
@@ -166,6 +170,8 @@ class JobRunner:
         self._trained = False  # trainer.train() returned: every rank left the loop together
         self._remote_configs: dict[str, Any] = {}
         self._model_paths: dict[str, str] = {}
+        self._meter: UsageMeter | None = None
+        self._budget_reached: tuple[Exhausted, int] | None = None  # (the limit, the step that reached it)
 
     # --- entry point ---------------------------------------------------------------------------
 
@@ -290,6 +296,9 @@ class JobRunner:
             return self._fail(claim, "training_error", training_error_message(exc))
         if heartbeat.lost.is_set():
             raise LeaseLost(claim.job_id, claim.attempt)
+        if result.stopped and self._budget_reached is not None:  # the trainer saved a checkpoint
+            reached, step = self._budget_reached
+            return reporting.pause_for_budget(claim, reached, step)
         if result.unhealthy is not None:  # on_unhealthy: pause (the trainer saved a checkpoint)
             finding = result.unhealthy
             return reporting.finish(
@@ -376,6 +385,14 @@ class JobRunner:
                 "model_load_failed", "base_model", context.spec.base_model, "could not be loaded"
             ) from exc
         reporting.set_total_steps(claim, trainer.total_steps)
+        self._meter = UsageMeter(
+            tenant_id=context.tenant_id,
+            num_sources=len(context.spec.rewards),
+            max_completion_length=context.spec.hyperparameters.max_completion_length,
+            num_iterations=context.spec.hyperparameters.num_iterations,
+            parameters=sum(p.numel() for p in trainer.models.policy.parameters()),
+            cpu=context.queue == "cpu",
+        )
         try:
             result = trainer.train()
             self._trained = True
@@ -537,11 +554,18 @@ class JobRunner:
                      rewards={k: _finite_or_none(v) for k, v in dict(s.get("rewards", {})).items()})
             for s in samples
         ]
-        reporting.record_step(claim, step, metrics, logged)
+        usage = self._meter.take(metrics) if self._meter is not None else None
+        reached = reporting.record_step(claim, step, metrics, logged, usage)
+        if usage is not None and self._meter is not None:
+            worker_metrics.observe_usage(self._meter.tenant_id, usage)
+        if reached is not None and self._budget_reached is None:
+            log.info("job %s: %s at step %d; pausing", claim.job_id, reached.message, step)
+            self._budget_reached = (reached, step)
 
     def _should_stop(self, claim: Claim, heartbeat: Heartbeat) -> bool:
-        """Polled between steps: a cancel or pause request, or this attempt no longer owning the job."""
-        if heartbeat.lost.is_set():
+        """Polled between steps: a cancel or pause request, a reached budget, or this attempt no longer owning
+        the job."""
+        if heartbeat.lost.is_set() or self._budget_reached is not None:
             return True
         try:
             control = reporting.read_control(claim.job_id)
@@ -635,6 +659,51 @@ class JobRunner:
         device = "cpu" if context.queue.startswith("cpu") else _default_device()
         return build_reward_sources(
             context.spec.rewards, remote=remote, device=device, model_paths=model_paths, chat=chat
+        )
+
+
+class UsageMeter:
+    """Turns the engine's per-step usage metrics into a usage record, timing the device between reports:
+    a step's device-seconds run from the end of the previous step's report (or the start of training in this
+    attempt) to the end of this one's, so evaluation and checkpoint uploads are counted once, in the step
+    that follows them. A GPU job counts wall-clock seconds (the GPU is held throughout); a CPU job counts the
+    CPU-seconds its process used (cores shared with other work are not billed for the waits)."""
+
+    def __init__(
+        self,
+        *,
+        tenant_id: str,
+        num_sources: int,
+        max_completion_length: int,
+        num_iterations: int,
+        parameters: int,
+        cpu: bool,
+    ) -> None:
+        self.tenant_id = tenant_id
+        self.num_sources = max(num_sources, 1)
+        self.max_completion_length = max_completion_length
+        self.num_iterations = num_iterations
+        self.parameters = parameters
+        self._clock = time.process_time if cpu else time.monotonic
+        self._since = self._clock()
+
+    def take(self, metrics: Mapping[str, float]) -> StepUsageIn | None:
+        """The usage of a training step's metrics; None for reports without usage (the step-0 evaluation)."""
+        if "usage/tokens_generated" not in metrics:
+            return None
+        now = self._clock()
+        seconds, self._since = now - self._since, now
+        reward_calls = int(metrics["usage/reward_calls"])
+        completions = reward_calls // self.num_sources
+        return StepUsageIn(
+            tokens_generated=int(metrics["usage/tokens_generated"]),
+            tokens_trained=int(metrics["usage/tokens_trained"]),
+            reward_calls=reward_calls,
+            device_seconds=seconds,
+            completions=completions,
+            completion_capacity=completions * self.max_completion_length,
+            num_iterations=self.num_iterations,
+            parameters=self.parameters,
         )
 
 

@@ -32,6 +32,7 @@ from service.kit.queue import JobQueue, queue_name, send_job_logged
 from service.kit.reads import Reads
 from service.quotas import service as quotas
 from service.storage import Storage, job_prefix
+from service.usage import budget
 
 log = logging.getLogger(__name__)
 
@@ -345,7 +346,8 @@ def pause_job(session: Session, tenant_id: str, job_id: str) -> Job:
 
 
 def resume_job(session: Session, tenant_id: str, job_id: str, queue: JobQueue) -> Job:
-    """paused -> queued (re-enqueued, resuming from the latest checkpoint); withdraws a pending pause."""
+    """paused -> queued (re-enqueued, resuming from the latest checkpoint); withdraws a pending pause.
+    A job whose budget (or its tenant's monthly cap) is still reached stays paused: 409 `budget_exhausted`."""
     job = get_job(session, tenant_id, job_id, for_update=True)
     if job.status == JobStatus.running and job.pause_requested:
         job.pause_requested = False
@@ -358,6 +360,7 @@ def resume_job(session: Session, tenant_id: str, job_id: str, queue: JobQueue) -
             details={"current_status": job.status, "requested_status": JobStatus.queued.value},
         )
     quotas.check_can_queue(session, tenant_id, job.devices)
+    budget.refuse_if_exhausted(session, job)
     job.resume_checkpoint_id = repository.latest_checkpoint_id(session, job.id) or job.resume_checkpoint_id
     transition(
         session, job, JobStatus.queued, reason="resumed", data={"checkpoint_id": job.resume_checkpoint_id}

@@ -140,6 +140,17 @@ class Settings(BaseSettings):
     worker_metrics_port: int = Field(
         0, ge=0, le=65535, description="Port of the worker's Prometheus /metrics server (0 = off)."
     )
+    monthly_max_tokens: int | None = Field(
+        None, ge=1, description="Default monthly cap of a tenant's tokens (generated + trained; None = no cap); "
+        "`grpo admin set-budget` sets a tenant's own. The step that reaches it pauses the job (`budget_exhausted`)."
+    )
+    monthly_max_device_seconds: float | None = Field(
+        None, gt=0, description="Default monthly cap of a tenant's device-seconds (None = no cap), as above."
+    )
+    estimate_seconds_per_token: float = Field(
+        0.01, gt=0, description="Device-seconds per token (generated or trained) that POST /v1/jobs/estimate assumes for a "
+        "model (or size bucket) no worker has measured yet.",
+    )
     webhook_max_attempts: int = Field(10, ge=1, description="Delivery attempts per webhook event before giving up.")
     webhook_timeout_s: float = Field(10.0, gt=0, le=120, description="Timeout of one webhook delivery request.")
     webhook_backoff_s: float = Field(

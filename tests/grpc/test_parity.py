@@ -13,7 +13,14 @@ from types import ModuleType
 import pytest
 from fastapi import FastAPI
 
-from contract.gen.grpo.v1 import checkpoints_pb2, datasets_pb2, jobs_pb2, quotas_pb2, reward_functions_pb2
+from contract.gen.grpo.v1 import (
+    checkpoints_pb2,
+    datasets_pb2,
+    jobs_pb2,
+    quotas_pb2,
+    reward_functions_pb2,
+    usage_pb2,
+)
 from service.checkpoints import endpoints as checkpoints_rest
 from service.datasets import endpoints as datasets_rest
 from service.grpc import watch
@@ -22,9 +29,11 @@ from service.grpc.servicers import datasets as datasets_grpc
 from service.grpc.servicers import jobs as jobs_grpc
 from service.grpc.servicers import quotas as quotas_grpc
 from service.grpc.servicers import rewards as rewards_grpc
+from service.grpc.servicers import usage as usage_grpc
 from service.jobs import endpoints as jobs_rest
 from service.quotas import endpoints as quotas_rest
 from service.rewards import endpoints as rewards_rest
+from service.usage import endpoints as usage_rest
 
 # (REST route, REST module, RPC, gRPC modules, domain function both must call)
 OPERATIONS: list[tuple[str, ModuleType, str, tuple[ModuleType, ...], str]] = [
@@ -56,6 +65,10 @@ OPERATIONS: list[tuple[str, ModuleType, str, tuple[ModuleType, ...], str]] = [
     ("GET /v1/checkpoints/{checkpoint_id}/files/{path}", checkpoints_rest, "CheckpointService.DownloadCheckpoint", (checkpoints_grpc,), "service.manifest_entry"),
     ("GET /v1/admin/tenants/{tenant_id}/quotas", quotas_rest, "QuotaService.GetTenantQuotas", (quotas_grpc,), "admin.read_quotas"),
     ("PUT /v1/admin/tenants/{tenant_id}/quotas", quotas_rest, "QuotaService.SetTenantQuotas", (quotas_grpc,), "admin.write_quotas"),
+    ("GET /v1/usage", usage_rest, "UsageService.GetUsage", (usage_grpc,), "service.report"),
+    ("GET /v1/jobs/{job_id}/usage", usage_rest, "UsageService.GetJobUsage", (usage_grpc,), "service.job_usage"),
+    ("POST /v1/jobs/estimate", usage_rest, "UsageService.EstimateJob", (usage_grpc,), "service.estimate"),
+    ("PATCH /v1/jobs/{job_id}", usage_rest, "UsageService.UpdateJobBudget", (usage_grpc,), "service.set_job_budget"),
 ]
 # The tar archive is a REST convenience for browsers and curl; gRPC clients use DownloadCheckpoint.
 # The plot is a PNG for browsers (gRPC clients plot GetJobMetrics). Webhook registration is REST-only:
@@ -80,6 +93,7 @@ SERVICES = [
         (checkpoints_pb2.DESCRIPTOR, "CheckpointService"),
         (reward_functions_pb2.DESCRIPTOR, "RewardFunctionService"),
         (quotas_pb2.DESCRIPTOR, "QuotaService"),
+        (usage_pb2.DESCRIPTOR, "UsageService"),
     )
 ]
 

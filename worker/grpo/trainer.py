@@ -206,6 +206,16 @@ class GRPOTrainer:
         metrics = {**batch_metrics(batch), **train_stats, **timings}
         generated_tokens = sum(int(s.rollout.completion_mask.sum()) for s in batch.generated)
         metrics["tokens_per_s"] = generated_tokens / max(timings["time/step_s"], 1e-9)
+        # Usage counts (metered per step by the service): completion tokens of every sampling round; prompt +
+        # completion tokens (no padding) through the policy's forward and backward, once per pass; completions
+        # scored, once per reward source.
+        metrics["usage/tokens_generated"] = float(generated_tokens)
+        metrics["usage/tokens_trained"] = float(
+            int(batch.scored.rollout.attention_mask.sum()) * self.config.num_iterations
+        )
+        metrics["usage/reward_calls"] = float(
+            sum(int(s.rewards.numel()) for s in batch.generated) * len(self.reward.sources)
+        )
         health = self.config.health
         metrics["groups/dominated_frac"] = dominated_fraction(
             batch.scored.rollout.completion_texts,

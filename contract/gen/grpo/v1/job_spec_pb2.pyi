@@ -1437,6 +1437,7 @@ class JobSpec(_message.Message):
     RETAIN_DATASET_FIELD_NUMBER: _builtins.int
     PRIORITY_FIELD_NUMBER: _builtins.int
     RESOURCES_FIELD_NUMBER: _builtins.int
+    BUDGET_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """Optional human-readable name ([A-Za-z0-9][A-Za-z0-9_.-]{0,63})."""
     base_model: _builtins.str
@@ -1471,6 +1472,10 @@ class JobSpec(_message.Message):
     def resources(self) -> Global___Resources:
         """Devices and nodes (default one device)."""
 
+    @_builtins.property
+    def budget(self) -> Global___JobBudget:
+        """Spending limits; the step that reaches one pauses the job with budget_exhausted (resumable after raising it)."""
+
     def __init__(
         self,
         *,
@@ -1485,10 +1490,11 @@ class JobSpec(_message.Message):
         retain_dataset: _builtins.str | None = ...,
         priority: _builtins.int | None = ...,
         resources: Global___Resources | None = ...,
+        budget: Global___JobBudget | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_eval_dataset", b"_eval_dataset", "_name", b"_name", "_priority", b"_priority", "_retain_dataset", b"_retain_dataset", "eval_dataset", b"eval_dataset", "hyperparameters", b"hyperparameters", "lora", b"lora", "name", b"name", "priority", b"priority", "resources", b"resources", "retain_dataset", b"retain_dataset"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_eval_dataset", b"_eval_dataset", "_name", b"_name", "_priority", b"_priority", "_retain_dataset", b"_retain_dataset", "budget", b"budget", "eval_dataset", b"eval_dataset", "hyperparameters", b"hyperparameters", "lora", b"lora", "name", b"name", "priority", b"priority", "resources", b"resources", "retain_dataset", b"retain_dataset"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_eval_dataset", b"_eval_dataset", "_name", b"_name", "_priority", b"_priority", "_retain_dataset", b"_retain_dataset", "base_model", b"base_model", "eval_dataset", b"eval_dataset", "hyperparameters", b"hyperparameters", "lora", b"lora", "metadata", b"metadata", "name", b"name", "priority", b"priority", "resources", b"resources", "retain_dataset", b"retain_dataset", "rewards", b"rewards", "train_dataset", b"train_dataset"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_eval_dataset", b"_eval_dataset", "_name", b"_name", "_priority", b"_priority", "_retain_dataset", b"_retain_dataset", "base_model", b"base_model", "budget", b"budget", "eval_dataset", b"eval_dataset", "hyperparameters", b"hyperparameters", "lora", b"lora", "metadata", b"metadata", "name", b"name", "priority", b"priority", "resources", b"resources", "retain_dataset", b"retain_dataset", "rewards", b"rewards", "train_dataset", b"train_dataset"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__eval_dataset: _TypeAlias = _typing.Literal["eval_dataset"]  # noqa: Y015
     _WhichOneofArgType__eval_dataset: _TypeAlias = _typing.Literal["_eval_dataset", b"_eval_dataset"]  # noqa: Y015
@@ -1508,3 +1514,36 @@ class JobSpec(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__retain_dataset) -> _WhichOneofReturnType__retain_dataset | None: ...
 
 Global___JobSpec: _TypeAlias = JobSpec  # noqa: Y015
+
+@_typing.final
+class JobBudget(_message.Message):
+    """Spending limits of one job (at least one set)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MAX_DEVICE_SECONDS_FIELD_NUMBER: _builtins.int
+    MAX_TOKENS_FIELD_NUMBER: _builtins.int
+    max_device_seconds: _builtins.float
+    """Most device-seconds the job may use over all its attempts (> 0, <= 1e9)."""
+    max_tokens: _builtins.int
+    """Most tokens, generated + trained, the job may use (1 to 1e15)."""
+    def __init__(
+        self,
+        *,
+        max_device_seconds: _builtins.float | None = ...,
+        max_tokens: _builtins.int | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_max_device_seconds", b"_max_device_seconds", "_max_tokens", b"_max_tokens", "max_device_seconds", b"max_device_seconds", "max_tokens", b"max_tokens"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_device_seconds", b"_max_device_seconds", "_max_tokens", b"_max_tokens", "max_device_seconds", b"max_device_seconds", "max_tokens", b"max_tokens"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__max_device_seconds: _TypeAlias = _typing.Literal["max_device_seconds"]  # noqa: Y015
+    _WhichOneofArgType__max_device_seconds: _TypeAlias = _typing.Literal["_max_device_seconds", b"_max_device_seconds"]  # noqa: Y015
+    _WhichOneofReturnType__max_tokens: _TypeAlias = _typing.Literal["max_tokens"]  # noqa: Y015
+    _WhichOneofArgType__max_tokens: _TypeAlias = _typing.Literal["_max_tokens", b"_max_tokens"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__max_device_seconds) -> _WhichOneofReturnType__max_device_seconds | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__max_tokens) -> _WhichOneofReturnType__max_tokens | None: ...
+
+Global___JobBudget: _TypeAlias = JobBudget  # noqa: Y015
