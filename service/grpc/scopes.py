@@ -51,6 +51,12 @@ _SERVICES: dict[str, dict[str, Scope]] = {
         "GetTenantQuotas": "admin",
         "SetTenantQuotas": "admin",
     },
+    "grpo.v1.UsageService": {
+        "GetUsage": "read",
+        "GetJobUsage": "read",
+        "EstimateJob": "write",  # POST /v1/jobs/estimate: REST's rule (only GET reads) holds for its twin
+        "UpdateJobBudget": "write",
+    },
     "grpo.v1.ApiKeyService": {
         "CreateApiKey": "admin",
         "ListApiKeys": "admin",
