@@ -1,8 +1,8 @@
 """Usage metering and cost control: per-step usage records, the per-model calibration estimates come from,
 and per-tenant monthly caps.
 
-Revision ID: 0006_usage
-Revises: 0004_robustness
+Revision ID: 0007_usage
+Revises: 0006_quotas
 Create Date: 2026-11-25
 """
 
@@ -13,8 +13,8 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
-revision: str = "0006_usage"
-down_revision: str | None = "0005_quotas"
+revision: str = "0007_usage"
+down_revision: str | None = "0006_quotas"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 

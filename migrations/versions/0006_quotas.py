@@ -1,8 +1,8 @@
 """Quotas and fair scheduling: per-tenant quota overrides; the devices and priority of a job, and an index
 for the fair claim's scan of queued jobs.
 
-Revision ID: 0005_quotas
-Revises: 0007_api_keys
+Revision ID: 0006_quotas
+Revises: 0005_api_keys
 Create Date: 2026-11-25
 """
 
@@ -13,8 +13,8 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
-revision: str = "0005_quotas"
-down_revision: str | None = "0007_api_keys"
+revision: str = "0006_quotas"
+down_revision: str | None = "0005_api_keys"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
