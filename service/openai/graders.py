@@ -31,7 +31,8 @@ def _model_params(grader: Grader) -> dict[str, ScoreModelGrader]:
 
 
 def chat_configs(session: Session, tenant_id: str, grader: Grader) -> dict[str, RemoteRewardConfig]:
-    """The client configuration of each score_model's endpoint, by grader name; unknown ids name the param."""
+    """The client configuration of each score_model's endpoint, by reward function id (sub-graders' names need
+    not differ); unknown ids name the param."""
     configs: dict[str, RemoteRewardConfig] = {}
     for param, sub in _model_params(grader).items():
         try:
@@ -41,7 +42,7 @@ def chat_configs(session: Session, tenant_id: str, grader: Grader) -> dict[str, 
                 param, f"reward function {sub.reward_function_id!r} not found: register the chat endpoint "
                 "(POST /v1/reward-functions, its chat completions URL) and name it as <id>/<model>"
             ) from exc
-        configs[sub.name] = config.model_copy(update={"max_attempts": 1})
+        configs[sub.reward_function_id] = config.model_copy(update={"max_attempts": 1})
     return configs
 
 
@@ -53,7 +54,7 @@ async def run(grader: Grader, item: dict[str, Any], model_sample: str, chats: di
     """OpenAI's GraderRunResponse for one sample."""
 
     def chat(sub: ScoreModelGrader) -> RewardSource:
-        return ChatScoreSource(f"score_model:{sub.name}", sub, chats[sub.name])
+        return ChatScoreSource(f"score_model:{sub.name}", sub, chats[sub.reward_function_id])
 
     started = time.perf_counter()
     outcome = await run_grader(grader, item, model_sample, chat=chat)
