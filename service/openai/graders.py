@@ -32,7 +32,7 @@ def _model_params(grader: Grader) -> dict[str, ScoreModelGrader]:
 
 def chat_configs(session: Session, tenant_id: str, grader: Grader) -> dict[str, RemoteRewardConfig]:
     """The client configuration of each score_model's endpoint, by reward function id (sub-graders' names need
-    not differ); unknown ids name the param."""
+    not differ); unknown ids name the param. One attempt, no retry of a failed call, no cache, as the dry run."""
     configs: dict[str, RemoteRewardConfig] = {}
     for param, sub in _model_params(grader).items():
         try:
@@ -42,7 +42,9 @@ def chat_configs(session: Session, tenant_id: str, grader: Grader) -> dict[str, 
                 param, f"reward function {sub.reward_function_id!r} not found: register the chat endpoint "
                 "(POST /v1/reward-functions, its chat completions URL) and name it as <id>/<model>"
             ) from exc
-        configs[sub.reward_function_id] = config.model_copy(update={"max_attempts": 1})
+        configs[sub.reward_function_id] = config.model_copy(
+            update={"max_attempts": 1, "breaker_threshold": 1, "cache_max_entries": 0}
+        )
     return configs
 
 
