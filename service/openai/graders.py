@@ -55,11 +55,18 @@ def check_endpoints(session: Session, tenant_id: str, grader: Grader) -> None:
 async def run(grader: Grader, item: dict[str, Any], model_sample: str, chats: dict[str, RemoteRewardConfig]) -> dict[str, Any]:
     """OpenAI's GraderRunResponse for one sample."""
 
+    sources: list[ChatScoreSource] = []
+
     def chat(sub: ScoreModelGrader) -> RewardSource:
-        return ChatScoreSource(f"score_model:{sub.name}", sub, chats[sub.reward_function_id])
+        sources.append(ChatScoreSource(f"score_model:{sub.name}", sub, chats[sub.reward_function_id]))
+        return sources[-1]
 
     started = time.perf_counter()
-    outcome = await run_grader(grader, item, model_sample, chat=chat)
+    try:
+        outcome = await run_grader(grader, item, model_sample, chat=chat)
+    finally:
+        for source in sources:  # their HTTP clients hold connections open until closed
+            await source.aclose()
     errors: dict[str, Any] = {
         "formula_parse_error": False, "invalid_variable_error": False, "model_grader_parse_error": False,
         "model_grader_refusal_error": False, "model_grader_server_error": False,
