@@ -18,6 +18,7 @@ import os
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
@@ -41,6 +42,7 @@ from service.rewards.schemas import (
     RewardFunctionWithSecret,
     RewardTestResult,
 )
+from service.tenants.schemas import ApiKeyList, ApiKeyWithSecret
 from service.webhooks.schemas import DeliveryList, WebhookList, WebhookOut, WebhookWithSecret
 
 T = TypeVar("T", bound=BaseModel)
@@ -211,6 +213,21 @@ class _calls:  # noqa: N801 - a namespace of request builders, one per endpoint
             "GET", f"/v1/webhooks/{webhook_id}/deliveries", DeliveryList, _params(limit=limit, after=after),
             idempotent=True,
         )
+
+    @staticmethod
+    def create_api_key(
+        name: str, scopes: list[str] | None = None, expires_at: datetime | None = None
+    ) -> Call[ApiKeyWithSecret]:
+        body = _params(name=name, scopes=scopes, expires_at=expires_at.isoformat() if expires_at else None)
+        return Call("POST", "/v1/api-keys", ApiKeyWithSecret, json=body)
+
+    @staticmethod
+    def list_api_keys(limit: int = 20, after: str | None = None) -> Call[ApiKeyList]:
+        return Call("GET", "/v1/api-keys", ApiKeyList, _params(limit=limit, after=after), idempotent=True)
+
+    @staticmethod
+    def revoke_api_key(api_key_id: str) -> Call[BaseModel]:
+        return Call("DELETE", f"/v1/api-keys/{api_key_id}", None)
 
 
 def _raise_for_error(response: httpx.Response) -> None:
@@ -494,6 +511,19 @@ class GRPOClient:
     def list_webhook_deliveries(self, webhook_id: str, limit: int = 20, after: int | None = None) -> DeliveryList:
         return self._run(_calls.list_webhook_deliveries(webhook_id, limit, after))
 
+    # --- API keys (an `admin` key)
+    def create_api_key(
+        self, name: str, scopes: list[str] | None = None, expires_at: datetime | None = None
+    ) -> ApiKeyWithSecret:
+        """A new key of your tenant; `.key` is the only time it is shown."""
+        return self._run(_calls.create_api_key(name, scopes, expires_at))
+
+    def list_api_keys(self, limit: int = 20, after: str | None = None) -> ApiKeyList:
+        return self._run(_calls.list_api_keys(limit, after))
+
+    def revoke_api_key(self, api_key_id: str) -> None:
+        self._run(_calls.revoke_api_key(api_key_id))
+
 
 class AsyncGRPOClient:
     """Asynchronous client with the same API calls as GRPOClient (upload, streaming and single-file download included)."""
@@ -701,3 +731,16 @@ class AsyncGRPOClient:
         self, webhook_id: str, limit: int = 20, after: int | None = None
     ) -> DeliveryList:
         return await self._run(_calls.list_webhook_deliveries(webhook_id, limit, after))
+
+    # --- API keys (an `admin` key)
+    async def create_api_key(
+        self, name: str, scopes: list[str] | None = None, expires_at: datetime | None = None
+    ) -> ApiKeyWithSecret:
+        """A new key of your tenant; `.key` is the only time it is shown."""
+        return await self._run(_calls.create_api_key(name, scopes, expires_at))
+
+    async def list_api_keys(self, limit: int = 20, after: str | None = None) -> ApiKeyList:
+        return await self._run(_calls.list_api_keys(limit, after))
+
+    async def revoke_api_key(self, api_key_id: str) -> None:
+        await self._run(_calls.revoke_api_key(api_key_id))

@@ -26,6 +26,7 @@ from service.observability.endpoints import router as metrics_router
 from service.observability.middleware import PrometheusMiddleware
 from service.ops.endpoints import router as ops_router
 from service.rewards.endpoints import router as rewards_router
+from service.tenants.endpoints import router as api_keys_router
 from service.webhooks.endpoints import router as webhooks_router
 
 ERROR_SCHEMA: dict[str, Any] = {
@@ -120,6 +121,7 @@ def create_app() -> FastAPI:
     app.include_router(rewards_router, prefix="/v1")
     app.include_router(checkpoints_router, prefix="/v1")
     app.include_router(webhooks_router, prefix="/v1")
+    app.include_router(api_keys_router, prefix="/v1")
     app.include_router(metrics_router)
     # Dataset uploads stream under their own limit (GRPO_MAX_DATASET_BYTES, service.datasets.multipart).
     app.add_middleware(

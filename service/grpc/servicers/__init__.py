@@ -9,6 +9,8 @@ from __future__ import annotations
 import grpc
 
 from contract.gen.grpo.v1 import (
+    api_keys_pb2,
+    api_keys_pb2_grpc,
     checkpoints_pb2,
     checkpoints_pb2_grpc,
     datasets_pb2,
@@ -18,6 +20,7 @@ from contract.gen.grpo.v1 import (
     reward_functions_pb2,
     reward_functions_pb2_grpc,
 )
+from service.grpc.servicers.api_keys import ApiKeyServicer
 from service.grpc.servicers.checkpoints import CheckpointServicer
 from service.grpc.servicers.datasets import DatasetServicer
 from service.grpc.servicers.jobs import JobServicer
@@ -33,7 +36,9 @@ def register_all(server: grpc.aio.Server, reads: Reads = THREADED_READS) -> tupl
     jobs_pb2_grpc.add_JobServiceServicer_to_server(JobServicer(reads), server)
     checkpoints_pb2_grpc.add_CheckpointServiceServicer_to_server(CheckpointServicer(), server)
     reward_functions_pb2_grpc.add_RewardFunctionServiceServicer_to_server(RewardFunctionServicer(), server)
+    api_keys_pb2_grpc.add_ApiKeyServiceServicer_to_server(ApiKeyServicer(), server)
     return (
+        api_keys_pb2.DESCRIPTOR.services_by_name["ApiKeyService"].full_name,
         checkpoints_pb2.DESCRIPTOR.services_by_name["CheckpointService"].full_name,
         datasets_pb2.DESCRIPTOR.services_by_name["DatasetService"].full_name,
         jobs_pb2.DESCRIPTOR.services_by_name["JobService"].full_name,
