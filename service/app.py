@@ -27,6 +27,7 @@ from service.observability.middleware import PrometheusMiddleware
 from service.ops.endpoints import router as ops_router
 from service.rewards.endpoints import router as rewards_router
 from service.tenants.endpoints import router as api_keys_router
+from service.tenants.ratelimit import RateLimitHeaders, close_buckets
 from service.webhooks.endpoints import router as webhooks_router
 
 ERROR_SCHEMA: dict[str, Any] = {
@@ -51,7 +52,7 @@ def _error(status: int, code: str, message: str, details: Any = None) -> JSONRes
 
 async def _domain_error(_request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, DomainError)
-    return JSONResponse(status_code=exc.http_status, content=exc.to_body())
+    return JSONResponse(status_code=exc.http_status, content=exc.to_body(), headers=exc.http_headers() or None)
 
 
 async def _validation_error(_request: Request, exc: Exception) -> JSONResponse:
@@ -99,6 +100,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     finally:
         await app.state.reads.close()
         del app.state.reads
+        await close_buckets()
 
 
 def create_app() -> FastAPI:
@@ -129,6 +131,7 @@ def create_app() -> FastAPI:
         max_bytes=get_settings().max_request_body_bytes,
         exempt={("POST", "/v1/datasets")},
     )
+    app.add_middleware(RateLimitHeaders)
     app.add_middleware(UnhandledErrors)  # added before the metrics middleware: inside it, so 500s are counted
     app.add_middleware(PrometheusMiddleware)
     return app

@@ -23,6 +23,7 @@ from service.tenants import repository
 from service.tenants.failures import FailedLookups, TooManyAuthFailures
 from service.tenants.keycache import KeyCache
 from service.tenants.lastused import LastUsed
+from service.tenants.ratelimit import STATE_KEY, admit
 from service.tenants.scopes import Scope, parse_scopes, require_scope
 from service.tenants.service import hash_key, lookup_prefix
 
@@ -206,7 +207,11 @@ class _BearerTenant(HTTPBearer):
         credentials = await super().__call__(request)
         address = request.client.host if request.client else None
         tenant = await authenticate_on_loop(credentials.credentials if credentials else None, address)
-        require_scope(tenant, self.scope or scope_of_method(request.method))
+        scope = self.scope or scope_of_method(request.method)
+        require_scope(tenant, scope)
+        decision = await admit(tenant.api_key_id, "read" if scope == "read" else "write")
+        if decision is not None:
+            setattr(request.state, STATE_KEY, decision)  # for the RateLimit-* headers (RateLimitHeaders)
         return tenant
 
 
