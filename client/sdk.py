@@ -212,6 +212,10 @@ class _calls:  # noqa: N801 - a namespace of request builders, one per endpoint
         return Call("DELETE", f"/v1/webhooks/{webhook_id}", None)
 
     @staticmethod
+    def rotate_webhook_secret(webhook_id: str) -> Call[WebhookWithSecret]:
+        return Call("POST", f"/v1/webhooks/{webhook_id}/rotate-secret", WebhookWithSecret)
+
+    @staticmethod
     def list_webhook_deliveries(webhook_id: str, limit: int = 20, after: int | None = None) -> Call[DeliveryList]:
         return Call(
             "GET", f"/v1/webhooks/{webhook_id}/deliveries", DeliveryList, _params(limit=limit, after=after),
@@ -555,6 +559,10 @@ class GRPOClient:
     def delete_webhook(self, webhook_id: str) -> None:
         self._run(_calls.delete_webhook(webhook_id))
 
+    def rotate_webhook_secret(self, webhook_id: str) -> WebhookWithSecret:
+        """A new signing secret (shown once); deliveries carry both signatures until `previous_secret_expires_at`."""
+        return self._run(_calls.rotate_webhook_secret(webhook_id))
+
     def list_webhook_deliveries(self, webhook_id: str, limit: int = 20, after: int | None = None) -> DeliveryList:
         return self._run(_calls.list_webhook_deliveries(webhook_id, limit, after))
 
@@ -774,6 +782,10 @@ class AsyncGRPOClient:
 
     async def delete_webhook(self, webhook_id: str) -> None:
         await self._run(_calls.delete_webhook(webhook_id))
+
+    async def rotate_webhook_secret(self, webhook_id: str) -> WebhookWithSecret:
+        """A new signing secret (shown once); deliveries carry both signatures until `previous_secret_expires_at`."""
+        return await self._run(_calls.rotate_webhook_secret(webhook_id))
 
     async def list_webhook_deliveries(
         self, webhook_id: str, limit: int = 20, after: int | None = None

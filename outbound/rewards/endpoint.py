@@ -16,7 +16,7 @@ from outbound.rewards.errors import (
     RewardEndpointRefused,
 )
 from outbound.rewards.protocol import ResponseInvalid, parse_response
-from outbound.signing import sign_headers
+from outbound.signing import SigningKeys, sign_headers
 from outbound.urlpolicy import UrlRejected
 
 RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
@@ -64,7 +64,7 @@ class EndpointCaller:
     """Sends one attempt of one request and turns every outcome into a value or a typed exception."""
 
     def __init__(
-        self, *, source: str, url: str, signer: Webhook, headers: dict[str, str], max_bytes: int
+        self, *, source: str, url: str, signer: Webhook | SigningKeys, headers: dict[str, str], max_bytes: int
     ) -> None:
         self.source = source
         self.url = url

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import re
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -134,6 +134,11 @@ def redact_headers(headers: dict[str, str]) -> dict[str, str]:
     return dict.fromkeys(headers, REDACTED)
 
 
+def overlap_end(until: datetime | None) -> datetime | None:
+    """A rotation's overlap end while it lasts (a past one is not shown)."""
+    return until if until is not None and until > datetime.now(UTC) else None
+
+
 class RewardFunctionOut(BaseModel):
     id: str = Field(examples=["rf_01J9Z3M4T6V8X0Z2B4D6F8H0K2"])
     name: str
@@ -149,6 +154,11 @@ class RewardFunctionOut(BaseModel):
     max_abstain_fraction: float
     created_at: datetime
     updated_at: datetime
+    previous_secret_expires_at: datetime | None = Field(
+        None,
+        description="After a rotation: until when requests are signed with the replaced secret too (both "
+        "signatures in webhook-signature). None when no overlap is running.",
+    )
 
     @classmethod
     def from_row(cls, row: RewardFunction) -> RewardFunctionOut:
@@ -167,6 +177,7 @@ class RewardFunctionOut(BaseModel):
             max_abstain_fraction=row.max_abstain_fraction,
             created_at=row.created_at,
             updated_at=row.updated_at,
+            previous_secret_expires_at=overlap_end(row.previous_secret_expires_at),
         )
 
 

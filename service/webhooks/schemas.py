@@ -8,6 +8,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from contract.fields import Text
+from service.rewards.schemas import overlap_end
 from service.webhooks.models import WebhookDelivery, WebhookEndpoint
 from service.webhooks.outbox import EVENT_TYPES
 
@@ -35,11 +36,16 @@ class WebhookOut(BaseModel):
     description: str | None
     event_types: list[str] = Field(description="Every job lifecycle event is sent to every webhook.")
     created_at: datetime
+    previous_secret_expires_at: datetime | None = Field(
+        None,
+        description="After a rotation: until when deliveries are signed with the replaced secret too (both "
+        "signatures in webhook-signature). None when no overlap is running.",
+    )
 
     @classmethod
     def from_row(cls, row: WebhookEndpoint) -> WebhookOut:
         return cls(id=row.id, url=row.url, description=row.description, event_types=list(EVENT_TYPES),
-                   created_at=row.created_at)
+                   created_at=row.created_at, previous_secret_expires_at=overlap_end(row.previous_secret_expires_at))
 
 
 class WebhookWithSecret(WebhookOut):

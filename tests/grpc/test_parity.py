@@ -13,16 +13,18 @@ from types import ModuleType
 import pytest
 from fastapi import FastAPI
 
-from contract.gen.grpo.v1 import checkpoints_pb2, datasets_pb2, jobs_pb2, reward_functions_pb2
+from contract.gen.grpo.v1 import api_keys_pb2, checkpoints_pb2, datasets_pb2, jobs_pb2, reward_functions_pb2
 from service.checkpoints import endpoints as checkpoints_rest
 from service.datasets import endpoints as datasets_rest
 from service.grpc import watch
+from service.grpc.servicers import api_keys as api_keys_grpc
 from service.grpc.servicers import checkpoints as checkpoints_grpc
 from service.grpc.servicers import datasets as datasets_grpc
 from service.grpc.servicers import jobs as jobs_grpc
 from service.grpc.servicers import rewards as rewards_grpc
 from service.jobs import endpoints as jobs_rest
 from service.rewards import endpoints as rewards_rest
+from service.tenants import endpoints as api_keys_rest
 
 # (REST route, REST module, RPC, gRPC modules, domain function both must call)
 OPERATIONS: list[tuple[str, ModuleType, str, tuple[ModuleType, ...], str]] = [
@@ -52,6 +54,9 @@ OPERATIONS: list[tuple[str, ModuleType, str, tuple[ModuleType, ...], str]] = [
     ("GET /v1/checkpoints/{checkpoint_id}", checkpoints_rest, "CheckpointService.GetCheckpoint", (checkpoints_grpc,), "service.get_checkpoint"),
     # Per-file Range download over REST; DownloadCheckpoint streams every (or the chosen) files with offsets.
     ("GET /v1/checkpoints/{checkpoint_id}/files/{path}", checkpoints_rest, "CheckpointService.DownloadCheckpoint", (checkpoints_grpc,), "service.manifest_entry"),
+    ("POST /v1/api-keys", api_keys_rest, "ApiKeyService.CreateApiKey", (api_keys_grpc,), "service.create_api_key_for"),
+    ("GET /v1/api-keys", api_keys_rest, "ApiKeyService.ListApiKeys", (api_keys_grpc,), "service.list_api_keys"),
+    ("DELETE /v1/api-keys/{api_key_id}", api_keys_rest, "ApiKeyService.RevokeApiKey", (api_keys_grpc,), "service.revoke_api_key"),
 ]
 # The tar archive is a REST convenience for browsers and curl; gRPC clients use DownloadCheckpoint.
 # The plot is a PNG for browsers (gRPC clients plot GetJobMetrics). Webhook registration is REST-only
@@ -64,6 +69,7 @@ REST_ONLY = {
     "GET /v1/webhooks/{webhook_id}",
     "DELETE /v1/webhooks/{webhook_id}",
     "GET /v1/webhooks/{webhook_id}/deliveries",
+    "POST /v1/webhooks/{webhook_id}/rotate-secret",
 }
 # Declared in the API, waiting for its domain operation: UNIMPLEMENTED until then (none at the moment).
 GRPC_PENDING: set[str] = set()
@@ -75,6 +81,7 @@ SERVICES = [
         (jobs_pb2.DESCRIPTOR, "JobService"),
         (checkpoints_pb2.DESCRIPTOR, "CheckpointService"),
         (reward_functions_pb2.DESCRIPTOR, "RewardFunctionService"),
+        (api_keys_pb2.DESCRIPTOR, "ApiKeyService"),
     )
 ]
 
