@@ -9,8 +9,7 @@ there. Reads are GET/HEAD routes and the `read`-scoped RPCs; everything else is 
 Where the buckets live:
 - Redis (`RedisBuckets`) when the API runs with a Redis (GRPO_RATE_LIMIT_REDIS_URL, or the broker's Redis):
   every API process and the gRPC server share one budget per key. One Lua script refills and takes
-  atomically on the Redis clock. Takes that arrive while a script call is in flight are sent together in
-  the next call (one round trip for all of them), which keeps the cost per request small under load.
+  atomically on the Redis clock; see the class for how the round trips are kept off most requests.
   If Redis cannot be reached the request is let through (logged): limits protect the service, they must
   not take it down with them.
 - in-process (`MemoryBuckets`) otherwise (the embedded mode): the budget is per process.
@@ -26,6 +25,7 @@ import time
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Literal, Protocol
 
 import grpc
@@ -139,20 +139,21 @@ class MemoryBuckets:
             self._buckets.clear()
 
 
-# KEYS: the buckets; ARGV: per bucket (capacity, tokens per second, requests). Returns per bucket the number of
-# requests granted (in order: the first ones) and the tokens left, as a string (Lua numbers become integers).
+# KEYS: the buckets; ARGV: per bucket (capacity, tokens per second, tokens wanted, tokens given back). Returns per
+# bucket the tokens granted (at most those wanted) and the tokens left, as a string (Lua numbers become integers).
 _TAKE_SCRIPT = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 local out = {}
 for i, key in ipairs(KEYS) do
-  local cap = tonumber(ARGV[3 * i - 2])
-  local rate = tonumber(ARGV[3 * i - 1])
-  local wanted = tonumber(ARGV[3 * i])
+  local cap = tonumber(ARGV[4 * i - 3])
+  local rate = tonumber(ARGV[4 * i - 2])
+  local wanted = tonumber(ARGV[4 * i - 1])
+  local refund = tonumber(ARGV[4 * i])
   local state = redis.call('HMGET', key, 'tokens', 'at')
   local tokens = tonumber(state[1]) or cap
   local at = tonumber(state[2]) or now
-  tokens = math.min(cap, tokens + math.max(0, now - at) * rate)
+  tokens = math.min(cap, tokens + refund + math.max(0, now - at) * rate)
   local granted = math.min(wanted, math.floor(tokens))
   tokens = tokens - granted
   redis.call('HSET', key, 'tokens', tostring(tokens), 'at', tostring(now))
@@ -163,24 +164,91 @@ end
 return out
 """
 
+# A process takes tokens from Redis for up to this share of a budget at once, and keeps them this long.
+LEASE_SHARE = 0.01
+LEASE_MAX = 100
+LEASE_SECONDS = 1.0
+
+
+def lease_size(limit: int) -> int:
+    """Tokens fetched per Redis call for a bucket of `limit`: 1 (every request asks Redis) below 200."""
+    return max(1, min(LEASE_MAX, int(limit * LEASE_SHARE)))
+
+
+@dataclass
+class _Lease:
+    """Tokens this process took from a Redis bucket and has not handed out yet."""
+
+    left: int
+    redis_left: float  # the bucket's tokens in Redis after the fetch (for RateLimit-Remaining)
+    until: float  # monotonic: unused tokens go back to Redis with the next fetch after this
+
+
+@dataclass
+class _Want:
+    future: asyncio.Future[tuple[int, float]]  # (granted, tokens left in Redis after this one's share)
+    count: int
+
 
 class RedisBuckets:
-    """Buckets in Redis, shared by every process using the same Redis. Takes waiting while a call is in flight
-    go together in the next call: one round trip serves all the requests that arrived meanwhile."""
+    """Buckets in Redis, shared by every process using the same Redis.
+
+    Two things keep the cost per request small: takes that arrive while a script call is in flight go together
+    in the next call (one round trip for all of them), and for budgets of 200 or more a process takes up to 1 %
+    of the budget at once (`lease_size`) and hands those tokens out locally for up to LEASE_SECONDS, giving back
+    what it did not use with its next fetch. The limit then holds to within that 1 % per API process: a key
+    never gets more than its budget, and another process may refuse it while this one holds unused tokens for
+    at most a second. Below 200 every request asks Redis, so small budgets are exact.
+    """
 
     def __init__(self, url: str) -> None:
         import redis.asyncio as aredis
 
         self._redis = aredis.Redis.from_url(url, socket_connect_timeout=1.0, socket_timeout=1.0)
         self._script = self._redis.register_script(_TAKE_SCRIPT)
-        # bucket -> (limit, window, the futures of the requests waiting), in arrival order
-        self._waiting: dict[str, tuple[int, float, list[asyncio.Future[Decision]]]] = {}
+        # bucket -> (limit, window, tokens given back, the takes waiting), in arrival order
+        self._waiting: dict[str, tuple[int, float, int, list[_Want]]] = {}
         self._sender: asyncio.Task[None] | None = None
+        self._leases: dict[str, _Lease] = {}
+        self._fetching: dict[str, asyncio.Future[tuple[int, float]]] = {}
 
     async def take(self, bucket: str, limit: int, window_s: float) -> Decision:
-        future: asyncio.Future[Decision] = asyncio.get_running_loop().create_future()
-        entry = self._waiting.setdefault(REDIS_PREFIX + bucket, (limit, window_s, []))
-        entry[2].append(future)
+        key = REDIS_PREFIX + bucket
+        chunk = lease_size(limit)
+        if chunk == 1:
+            granted, tokens = await self._ask(key, limit, window_s, 1, 0)
+            return decide(tokens, granted == 1, limit, window_s)
+        fetched = False  # a lease this take waited for is used even if a slow event loop let it expire meanwhile
+        while True:
+            lease = self._leases.get(key)
+            if lease is not None and lease.left > 0 and (fetched or time.monotonic() < lease.until):
+                lease.left -= 1
+                return decide(lease.redis_left + lease.left, True, limit, window_s)
+            fetch = self._fetching.get(key)
+            if fetch is None:  # one fetch per bucket at a time; the others wait for it
+                refund = self._leases.pop(key).left if lease is not None else 0
+                fetch = asyncio.ensure_future(self._ask(key, limit, window_s, chunk, refund))
+                self._fetching[key] = fetch
+                fetch.add_done_callback(partial(self._leased, key))
+            granted, tokens = await asyncio.shield(fetch)
+            if granted == 0:
+                return decide(tokens, False, limit, window_s)
+            fetched = True
+
+    def _leased(self, key: str, fetch: asyncio.Future[tuple[int, float]]) -> None:
+        self._fetching.pop(key, None)
+        if not fetch.cancelled() and fetch.exception() is None:
+            granted, tokens = fetch.result()
+            self._leases[key] = _Lease(granted, tokens, time.monotonic() + LEASE_SECONDS)
+
+    async def _ask(self, key: str, limit: int, window_s: float, count: int, refund: int) -> tuple[int, float]:
+        """Take up to `count` tokens (giving `refund` back first) in the next script call."""
+        future: asyncio.Future[tuple[int, float]] = asyncio.get_running_loop().create_future()
+        entry = self._waiting.get(key)
+        if entry is None:
+            entry = self._waiting[key] = (limit, window_s, 0, [])
+        self._waiting[key] = (limit, window_s, entry[2] + refund, entry[3])
+        entry[3].append(_Want(future, count))
         if self._sender is None:
             self._sender = asyncio.get_running_loop().create_task(self._send())
         return await future
@@ -193,29 +261,27 @@ class RedisBuckets:
         finally:
             self._sender = None
 
-    async def _send_batch(self, batch: dict[str, tuple[int, float, list[asyncio.Future[Decision]]]]) -> None:
-        keys = list(batch)
+    async def _send_batch(self, batch: dict[str, tuple[int, float, int, list[_Want]]]) -> None:
         args: list[float] = []
-        for limit, window_s, futures in batch.values():
-            args += [limit, limit / window_s, len(futures)]
+        for limit, window_s, refund, wants in batch.values():
+            args += [limit, limit / window_s, sum(w.count for w in wants), refund]
         try:
-            reply = await self._script(keys=keys, args=args)
+            reply = await self._script(keys=list(batch), args=args)
         except Exception as exc:  # unreachable or failing Redis: let the requests through (see module doc)
             log.warning("rate limiting skipped: Redis call failed: %r", exc)
-            for limit, window_s, futures in batch.values():
-                for future in futures:
-                    if not future.done():
-                        future.set_result(decide(float(limit), True, limit, window_s))
+            for limit, _window_s, _refund, wants in batch.values():
+                for want in wants:
+                    if not want.future.done():
+                        want.future.set_result((want.count, float(limit)))
             return
-        for index, (limit, window_s, futures) in enumerate(batch.values()):
+        for index, (_limit, _window_s, _refund, wants) in enumerate(batch.values()):
             granted, tokens = int(reply[2 * index]), float(reply[2 * index + 1])
-            for position, future in enumerate(futures):
-                if future.done():  # its request went away (client disconnected)
-                    continue
-                ok = position < granted
-                # Each granted request sees the tokens its own take left behind.
-                left = tokens + (granted - position - 1) if ok else tokens
-                future.set_result(decide(left, ok, limit, window_s))
+            # In arrival order; each sees the tokens its own share left behind.
+            for want in wants:
+                share = min(want.count, granted)
+                granted -= share
+                if not want.future.done():  # its request went away (client disconnected)
+                    want.future.set_result((share, tokens + granted))
 
     async def close(self) -> None:
         await self._redis.aclose()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -21,7 +22,7 @@ from service.app import create_app
 from service.grpc.server import running_grpc
 from service.kit import db as kit_db
 from service.kit.config import Settings, get_settings
-from service.tenants.ratelimit import MemoryBuckets, decide
+from service.tenants.ratelimit import MemoryBuckets, RedisBuckets, decide, lease_size
 from tests.grpc.helpers import bearer, error_code, trailer
 from tests.service.factories import TenantHeaders, auth_headers, create_key
 from tests.ship.conftest import free_port
@@ -224,3 +225,32 @@ class TestBucketArithmetic:
             "RateLimit-Remaining": "2",
             "RateLimit-Reset": "45",
         }
+
+
+class TestRedisLeases:
+    """Budgets of 200 and more: a process takes up to 1 % of the budget per Redis call (`lease_size`)."""
+
+    async def test_a_process_never_passes_more_than_the_budget(self, redis_base_url: str) -> None:
+        buckets = RedisBuckets(f"{redis_base_url}/14")
+        bucket = f"test-{uuid.uuid4().hex}:write"
+        try:
+            assert lease_size(300) == 3
+            decisions = await asyncio.gather(*(buckets.take(bucket, 300, 3000.0) for _ in range(320)))
+        finally:
+            await buckets.close()
+        assert sum(d.allowed for d in decisions) == 300
+
+    async def test_unused_leased_tokens_go_back_to_the_shared_bucket(self, redis_base_url: str) -> None:
+        first, second = RedisBuckets(f"{redis_base_url}/14"), RedisBuckets(f"{redis_base_url}/14")  # two processes
+        bucket = f"test-{uuid.uuid4().hex}:read"
+        try:
+            assert (await first.take(bucket, 200, 3000.0)).allowed  # leases 2 tokens, uses 1
+            taken = await asyncio.gather(*(second.take(bucket, 200, 3000.0) for _ in range(200)))
+            assert sum(d.allowed for d in taken) == 198  # the first process still holds one
+            for lease in first._leases.values():
+                lease.until = 0.0  # its lease has run out: the next fetch gives the unused token back
+            assert (await first.take(bucket, 200, 3000.0)).allowed
+            assert not (await second.take(bucket, 200, 3000.0)).allowed
+        finally:
+            await first.close()
+            await second.close()
