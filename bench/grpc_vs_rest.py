@@ -1,4 +1,4 @@
-"""GetJob over gRPC vs over REST, same server process, same database, same concurrency (issue 5, acceptance 7).
+"""GetJob over gRPC vs over REST, same server process, same database, same concurrency.
 
 Runs, in one go:
 - one server process serving both APIs on one event loop, as `grpo serve` does (uvicorn with

@@ -228,19 +228,12 @@ def run_trl(case: Case, model_dir: Path, data: Path, steps: int, record: RunReco
     trainer.train()
 
 
-def run_ours(case: Case, model_dir: Path, data: Path, steps: int, record: RunRecord, work: Path) -> None:
-    """Our GRPOTrainer with the same workload, timed from outside (between metric callbacks)."""
+def ours_config(case: Case, steps: int) -> Any:
+    """Our GRPOConfig for the bench's workload (the same knobs as TRL's child)."""
     from contract.config import GRPOConfig, LoraConfig
-    from contract.reward_types import RewardInput
-    from worker.grpo.data import load_jsonl
-    from worker.grpo.rewards import CompositeReward, FunctionSource
-    from worker.grpo.trainer import GRPOTrainer
-
-    def score(item: RewardInput) -> float:
-        return digit_reward(item.completion, str(item.extras["answer"]))
 
     lora = LoraConfig(r=LORA_RANK, alpha=LORA_ALPHA, dropout=0.0, target_modules="all-linear")
-    config = GRPOConfig(
+    return GRPOConfig(
         num_generations=NUM_GENERATIONS,
         prompts_per_step=PROMPTS_PER_STEP,
         max_steps=steps,
@@ -261,6 +254,24 @@ def run_ours(case: Case, model_dir: Path, data: Path, steps: int, record: RunRec
         log_completions_every=steps + 1,
         seed=SEED,
     )
+
+
+def ours_reward() -> Any:
+    """The digit reward as our CompositeReward."""
+    from contract.reward_types import RewardInput
+    from worker.grpo.rewards import CompositeReward, FunctionSource
+
+    def score(item: RewardInput) -> float:
+        return digit_reward(item.completion, str(item.extras["answer"]))
+
+    return CompositeReward([(FunctionSource("reward_digit", score), 1.0)])
+
+
+def run_ours(case: Case, model_dir: Path, data: Path, steps: int, record: RunRecord, work: Path) -> None:
+    """Our GRPOTrainer with the same workload, timed from outside (between metric callbacks)."""
+    from worker.grpo.data import load_jsonl
+    from worker.grpo.trainer import GRPOTrainer
+
     clock = [0.0, 0.0]  # wall, CPU at the end of the previous step
 
     def on_metrics(step: int, metrics: dict[str, float], samples: list[dict[str, object]]) -> None:
@@ -273,10 +284,10 @@ def run_ours(case: Case, model_dir: Path, data: Path, steps: int, record: RunRec
 
     started = time.perf_counter()
     trainer = GRPOTrainer(
-        config,
+        ours_config(case, steps),
         base_model=str(model_dir),
         train_rows=load_jsonl(data),
-        reward=CompositeReward([(FunctionSource("reward_digit", score), 1.0)]),
+        reward=ours_reward(),
         output_dir=work / "ours-out",
         on_metrics=on_metrics,
         device="cpu",

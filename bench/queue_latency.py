@@ -1,4 +1,4 @@
-"""Queue latency: submit -> `running` with an idle worker, on Redis and on the embedded default (issue 4, acc. 10).
+"""Queue latency: submit -> `running` with an idle worker, on Redis and on the embedded default.
 
 For each broker it starts a real stack (`grpo serve --no-worker` + `grpo worker`, or `grpo serve` with its
 embedded worker), then N times: submit a `builtin:tiny` job, wait until it is `running`, cancel it and wait

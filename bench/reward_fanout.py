@@ -1,4 +1,4 @@
-"""Acceptance 9: reward-phase time with concurrent batches vs one request at a time, same run.
+"""Reward-phase time with concurrent batches vs one request at a time, same run.
 
 A loopback reward server (the user helper's app under uvicorn) sleeps 100 ms per request. 32 completions
 (4 prompts x 8) are scored with max_batch_size 8 and max_concurrency 4 (target <= 150 ms) and, as the
@@ -101,7 +101,7 @@ async def reward_phase_ms(url: str, secret: str, *, concurrency: int, repeats: i
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description="Reward fan-out benchmark (acceptance 9).")
+    parser = argparse.ArgumentParser(description="Reward fan-out benchmark.")
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
     secret = "whsec_" + base64.b64encode(os.urandom(24)).decode()

@@ -36,8 +36,29 @@ app.command("worker")(worker.worker)
 app.command("demo")(demo.demo)
 
 
+# Top-level modules of the `server` and `worker` extras: the operator commands (serve, worker, migrate, admin,
+# train, demo) import them when they run; the default install (the client) has none of them.
+OPERATOR_MODULES = frozenset(
+    {
+        "sqlalchemy", "alembic", "fastapi", "uvicorn", "celery", "redis", "grpc", "pydantic_settings", "psycopg",
+        "asyncpg", "fsspec", "s3fs", "standardwebhooks", "prometheus_client", "matplotlib", "multipart",
+        "torch", "transformers", "tokenizers", "safetensors", "peft", "numpy", "tensorboardX",
+    }
+)
+
+
 def main() -> None:
     # Before torch is imported anywhere (workers, `grpo train`): OpenMP's default spin-waiting burns 5-20x the
     # CPU of the work itself when cores are shared (measured in bench/README.md). Users can still override it.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    app()
+    try:
+        app()
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").split(".")[0] not in OPERATOR_MODULES:
+            raise
+        typer.echo(
+            f"error: this command runs the server or the worker, which this install lacks ({exc.name} is missing):"
+            " pip install 'grpo-service[server,worker]'",
+            err=True,
+        )
+        raise SystemExit(1) from exc

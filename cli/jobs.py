@@ -11,7 +11,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, Ti
 
 from cli.output import JsonOpt, api_client, console, emit
 from client.sdk import GRPOClient
-from service.jobs.schemas import EventOut, JobOut
+from contract.api.jobs import EventOut, JobOut
 
 app = typer.Typer(help="Training jobs.", no_args_is_help=True)
 COLUMNS = ["id", "name", "status", "base_model", "progress", "attempt", "error", "created_at", "finished_at"]

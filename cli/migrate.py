@@ -7,8 +7,6 @@ from typing import TYPE_CHECKING
 
 import typer
 
-from service.kit.config import get_settings
-
 if TYPE_CHECKING:
     from alembic.config import Config
 
@@ -20,6 +18,8 @@ def alembic_config(database_url: str | None = None) -> Config:
     """An Alembic config for `database_url` (default: the service settings' URL)."""
     # Imported here: alembic is slow to import and most commands never need it.
     from alembic.config import Config
+
+    from service.kit.config import get_settings
 
     config = Config(str(ALEMBIC_INI))
     # Passed as an attribute, not `sqlalchemy.url`, so a '%' in a password needs no ini escaping.
@@ -43,6 +43,8 @@ def migrate(
     ),
 ) -> None:
     """Create or upgrade the database schema (alembic upgrade head)."""
+    from service.kit.config import get_settings
+
     url = database_url or get_settings().database_url
     upgrade_head(url)
     typer.echo(f"database at head: {_redacted(url)}")

@@ -23,10 +23,12 @@ import signal
 import subprocess
 import sys
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import typer
 
-from service.kit.config import Settings, get_settings
+if TYPE_CHECKING:  # the server's modules are imported when the command runs: the client installs without them
+    from service.kit.config import Settings
 
 log = logging.getLogger("grpo.serve")
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
@@ -45,6 +47,7 @@ def serve(
 ) -> None:
     """Serve the REST and gRPC APIs (and, by default, run a worker next to them)."""
     from cli.worker import parse_queues
+    from service.kit.config import get_settings
 
     settings = get_settings()
     from service.observability.logs import setup_logging

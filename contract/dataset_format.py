@@ -6,7 +6,8 @@ with the same rules, so a file the service accepted never fails later in a job.
 
 Format: one JSON object per line with
 - ``prompt``: a non-empty string, or a non-empty list of chat messages ``{"role": ..., "content": ...}``
-  (rendered with the tokenizer's chat template);
+  (rendered with the tokenizer's chat template); OpenAI's reinforcement fine-tuning format names the
+  message list ``messages`` instead, which is read the same way when a row has no ``prompt``;
 - any other columns: passed unchanged to reward sources as ``RewardInput.extras``.
 At most ``MAX_COLUMNS`` columns per row and distinct columns in the file, names of at most
 ``MAX_COLUMN_NAME_CHARS`` characters.
@@ -147,10 +148,20 @@ def parse_row(raw: bytes | str) -> tuple[dict[str, Any] | None, str | None]:
             return None, (
                 f"column name {column[:32]!r}... is {len(column)} characters; the limit is {MAX_COLUMN_NAME_CHARS}"
             )
-    if "prompt" not in row:
-        return None, "missing required column 'prompt'"
-    problem = check_prompt(row["prompt"])
+    column = prompt_column(row)
+    if column is None:
+        return None, "missing required column 'prompt' (or 'messages', OpenAI's chat format)"
+    problem = check_prompt(row[column])
+    if problem and column == "messages":
+        problem = problem.replace("'prompt'", "'messages'", 1)
     return (None, problem) if problem else (row, None)
+
+
+def prompt_column(row: dict[str, Any]) -> str | None:
+    """The column holding the prompt: ``prompt``, else OpenAI's ``messages``."""
+    if "prompt" in row:
+        return "prompt"
+    return "messages" if "messages" in row else None
 
 
 class JsonlValidator:

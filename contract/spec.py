@@ -23,7 +23,11 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from contract.config import GRPOConfig, LoraConfig
 from contract.dataset_format import MAX_COLUMN_NAME_CHARS
 from contract.fields import Int32, Text
+from contract.graders import Grader, GraderInvalid, ScoreModelGrader, grader_dump, parse_grader, sub_graders
 
+# How base_model names a model other than a Hub id or a local path.
+BUILTIN_PREFIX = "builtin:"  # builtin:<preset>, a tiny model built on the worker (worker.grpo.tiny)
+CHECKPOINT_PREFIX = "checkpoint:"  # checkpoint:<id>, a checkpoint of one of the tenant's jobs
 TINY_PRESETS = ("tiny", "small", "medium", "tiny-instruct")
 _NAME = r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$"
 # Job metadata is stored with the job and returned by every read of it: bounded like any free text.
@@ -154,7 +158,49 @@ class ModelRewardSpec(BaseModel):
         return f"model:{self.model}"
 
 
-RewardSpec = Annotated[BuiltinRewardSpec | RemoteRewardSpec | ModelRewardSpec, Field(discriminator="type")]
+class GraderRewardSpec(BaseModel):
+    """An OpenAI grader object (contract.graders: string_check, text_similarity, score_model, multi)."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    type: Literal["grader"] = "grader"
+    grader: dict[str, Any] = Field(description="The grader object, as OpenAI documents it (docs/openai.md).")
+    weight: float = Field(1.0, allow_inf_nan=False)
+
+    @model_validator(mode="after")
+    def _check_grader(self) -> GraderRewardSpec:
+        try:
+            self.grader = grader_dump(parse_grader(self.grader))
+        except GraderInvalid as exc:
+            raise ValueError(str(exc)) from exc
+        return self
+
+    @property
+    def parsed(self) -> Grader:
+        return parse_grader(self.grader)
+
+    @property
+    def source_name(self) -> str:
+        return f"grader:{self.grader['name']}"
+
+
+RewardSpec = Annotated[
+    BuiltinRewardSpec | RemoteRewardSpec | ModelRewardSpec | GraderRewardSpec, Field(discriminator="type")
+]
+
+
+def reward_function_refs(rewards: list[RewardSpec]) -> list[tuple[str, str]]:
+    """(field, reward function id) of every registered endpoint the rewards call: remote sources and the
+    chat endpoints of score_model graders."""
+    refs: list[tuple[str, str]] = []
+    for i, reward in enumerate(rewards):
+        if isinstance(reward, RemoteRewardSpec):
+            refs.append((f"rewards[{i}].reward_function_id", reward.reward_function_id))
+        elif isinstance(reward, GraderRewardSpec):
+            for key, sub in sub_graders(reward.parsed).items():
+                if isinstance(sub, ScoreModelGrader):
+                    where = "" if key == reward.grader["name"] and reward.grader["type"] != "multi" else f".graders.{key}"
+                    refs.append((f"rewards[{i}].grader{where}.model", sub.reward_function_id))
+    return refs
 
 
 class JobSpec(BaseModel):
@@ -214,7 +260,7 @@ class JobSpec(BaseModel):
     @field_validator("base_model")
     @classmethod
     def _check_base_model(cls, value: str) -> str:
-        if value.startswith("builtin:") and value.removeprefix("builtin:") not in TINY_PRESETS:
+        if value.startswith(BUILTIN_PREFIX) and value.removeprefix(BUILTIN_PREFIX) not in TINY_PRESETS:
             raise ValueError(f"unknown builtin model {value!r}; choose one of {', '.join(TINY_PRESETS)}")
         return value
 

@@ -24,6 +24,8 @@ from service.kit.reads import open_reads
 from service.kit.unhandled import UnhandledErrors
 from service.observability.endpoints import router as metrics_router
 from service.observability.middleware import PrometheusMiddleware
+from service.openai import errors as openai_errors
+from service.openai.endpoints import router as openai_router
 from service.ops.endpoints import router as ops_router
 from service.rewards.endpoints import router as rewards_router
 from service.tenants.endpoints import router as api_keys_router
@@ -50,13 +52,17 @@ def _error(status: int, code: str, message: str, details: Any = None) -> JSONRes
     return JSONResponse(status_code=status, content={"error": {"code": code, "message": message, "details": details}})
 
 
-async def _domain_error(_request: Request, exc: Exception) -> JSONResponse:
+async def _domain_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, DomainError)
+    if openai_errors.in_scope(request):
+        return openai_errors.render_domain(exc)
     return JSONResponse(status_code=exc.http_status, content=exc.to_body(), headers=exc.http_headers() or None)
 
 
-async def _validation_error(_request: Request, exc: Exception) -> JSONResponse:
+async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
+    if openai_errors.in_scope(request):
+        return openai_errors.render_validation(exc.errors())
     errors = [
         {"field": ".".join(str(p) for p in e.get("loc", ())), "message": e.get("msg", ""), "type": e.get("type")}
         for e in exc.errors()
@@ -70,6 +76,11 @@ async def _http_error(request: Request, exc: Exception) -> JSONResponse:
     if isinstance(exc, BodyTooLarge):
         return await _domain_error(request, payload_too_large(exc.limit))
     code = {401: "unauthenticated", 404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+    if openai_errors.in_scope(request):
+        code = "invalid_api_key" if exc.status_code == 401 else code
+        return openai_errors.error_response(
+            exc.status_code, str(exc.detail), param=None, code=code, headers=dict(exc.headers or {})
+        )
     response = _error(exc.status_code, code, str(exc.detail), None)
     response.headers.update(exc.headers or {})
     if exc.status_code == 405:
@@ -125,11 +136,13 @@ def create_app() -> FastAPI:
     app.include_router(webhooks_router, prefix="/v1")
     app.include_router(api_keys_router, prefix="/v1")
     app.include_router(metrics_router)
+    # The OpenAI-compatible door (docs/openai.md): OpenAI's shapes over the same domain services.
+    app.include_router(openai_router, prefix=openai_errors.PREFIX)
     # Dataset uploads stream under their own limit (GRPO_MAX_DATASET_BYTES, service.datasets.multipart).
     app.add_middleware(
         BodyLimitMiddleware,
         max_bytes=get_settings().max_request_body_bytes,
-        exempt={("POST", "/v1/datasets")},
+        exempt={("POST", "/v1/datasets"), ("POST", f"{openai_errors.PREFIX}/files")},
     )
     app.add_middleware(RateLimitHeaders)
     app.add_middleware(UnhandledErrors)  # added before the metrics middleware: inside it, so 500s are counted

@@ -22,9 +22,8 @@ import os
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
+from contract.spec import BUILTIN_PREFIX, CHECKPOINT_PREFIX
 from service.jobs.model_sources import (
-    BUILTIN_PREFIX,
-    CHECKPOINT_PREFIX,
     ModelSource,
     ModelSourceKind,
     ModelSourcePolicy,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from sqlalchemy import delete, select
@@ -114,12 +115,21 @@ def finish(
     return _fenced(claim, work)
 
 
-def read_control(job_id: str) -> tuple[str, bool, int] | None:
-    """(status, pause_requested, attempt) of the job, read without a lock; None if it is gone."""
+@dataclass(frozen=True)
+class JobControl:
+    """What the runner polls between steps to know whether to go on."""
+
+    status: str  # a JobStatus value
+    pause_requested: bool
+    attempt: int  # the attempt that owns the job
+
+
+def read_control(job_id: str) -> JobControl | None:
+    """The job's status, pause request and owning attempt, read without a lock; None if it is gone."""
     from service.kit.db import session_scope
 
     with session_scope() as session:
         row = session.execute(
             select(Job.status, Job.pause_requested, Job.attempt).where(Job.id == job_id)
         ).one_or_none()
-    return None if row is None else (row[0], bool(row[1]), int(row[2]))
+    return None if row is None else JobControl(row[0], bool(row[1]), int(row[2]))

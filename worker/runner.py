@@ -46,12 +46,12 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy import select
 
 from contract.reward_types import RewardError, RewardUnavailable
-from contract.spec import JobSpec, ModelRewardSpec, RemoteRewardSpec
+from contract.spec import BUILTIN_PREFIX, JobSpec, ModelRewardSpec, RemoteRewardSpec, reward_function_refs
 from outbound.urlpolicy import UrlRejected, check_url_syntax
 from service.checkpoints.models import Checkpoint
 from service.checkpoints.service import new_checkpoint_id
 from service.datasets.models import Dataset
-from service.jobs.model_sources import BUILTIN_PREFIX, ModelSourceKind, ModelSourcePolicy
+from service.jobs.model_sources import ModelSourceKind, ModelSourcePolicy
 from service.jobs.models import Job
 from service.jobs.schemas import SampleIn
 from service.jobs.states import JobStatus
@@ -80,6 +80,7 @@ if TYPE_CHECKING:
     from outbound.rewards.source import DegradedEvent
     from worker.grpo.data import PromptRow
     from worker.grpo.rewards import CompositeReward
+    from worker.grpo.trainer import TrainResult
     from worker.tensorboard import TensorBoardLog
 
 log = logging.getLogger(__name__)
@@ -178,9 +179,9 @@ class JobRunner:
         if not result.stopped:
             return reporting.finish(claim, JobStatus.succeeded, reason=f"trained {result.step} steps")
         control = reporting.read_control(self.job_id)
-        if control is None or control[2] != claim.attempt or control[0] not in OWNED_STATES:
+        if control is None or control.attempt != claim.attempt or control.status not in OWNED_STATES:
             raise LeaseLost(claim.job_id, claim.attempt)
-        if control[0] == JobStatus.cancelling.value:
+        if control.status == JobStatus.cancelling.value:
             return reporting.finish(claim, JobStatus.cancelled, reason=f"cancelled at step {result.step}")
         return reporting.finish(claim, JobStatus.paused, reason=f"paused at step {result.step}")
 
@@ -190,8 +191,13 @@ class JobRunner:
 
     # --- training ------------------------------------------------------------------------------
 
-    def _train(self, claim: Claim, heartbeat: Heartbeat, workdir: Path) -> Any:
+    def _train(self, claim: Claim, heartbeat: Heartbeat, workdir: Path) -> TrainResult:
         context = with_db_retry(lambda: self._load_context(claim))
+        if context.spec.hyperparameters.use_vllm:
+            from worker.grpo.vllm_rollout import VLLMUnavailable, vllm_installed  # imports torch
+
+            if not vllm_installed():
+                raise JobFailure("vllm_unavailable", str(VLLMUnavailable()))
         train_rows = self._load_rows(context.dataset_key, workdir / "train.jsonl")
         eval_rows = None
         if context.eval_dataset_key is not None:
@@ -259,7 +265,7 @@ class JobRunner:
                                     spec.retain_dataset or spec.train_dataset]),
                 ))
             }
-            remote_ids = [r.reward_function_id for r in spec.rewards if isinstance(r, RemoteRewardSpec)]
+            remote_ids = [rf_id for _, rf_id in reward_function_refs(spec.rewards)]
             functions = {
                 f.id: f for f in session.scalars(select(RewardFunction).where(
                     RewardFunction.tenant_id == job.tenant_id, RewardFunction.id.in_(remote_ids)
@@ -422,16 +428,17 @@ class JobRunner:
             return False
         if control is None:
             return True
-        status, pause_requested, attempt = control
-        if attempt != claim.attempt or status not in OWNED_STATES:
+        if control.attempt != claim.attempt or control.status not in OWNED_STATES:
             heartbeat.lost.set()
             return True
-        return status == JobStatus.cancelling.value or pause_requested
+        return control.status == JobStatus.cancelling.value or control.pause_requested
 
     # --- rewards -------------------------------------------------------------------------------
 
     def _build_rewards(self, claim: Claim, context: JobContext, models_dir: Path) -> CompositeReward:
+        from contract.graders import ScoreModelGrader
         from outbound.rewards import RemoteRewardConfig, build_remote_source
+        from outbound.rewards.chat import ChatScoreSource
         from outbound.rewards.errors import RewardEndpointRefused
         from outbound.rewards.source import EndpointRewardSource
         from worker.grpo.rewards import build_reward_sources
@@ -460,17 +467,17 @@ class JobRunner:
             except LeaseLost:
                 log.info("job %s: degraded event refused (lease lost)", claim.job_id)
 
-        def remote(spec: RemoteRewardSpec) -> EndpointRewardSource[Any]:
-            row = context.reward_functions[spec.reward_function_id]
+        def endpoint_config(source_name: str, rf_id: str) -> RemoteRewardConfig:
+            row = context.reward_functions[rf_id]
             allow_private = bool(self.settings.allow_private_reward_urls)
             try:
                 # E.g. registered in development, run by a worker in production mode.
                 check_url_syntax(row.url, allow_private=allow_private)
             except UrlRejected as exc:
                 raise RewardEndpointRefused(
-                    spec.source_name, f"the registered url is refused by this worker's policy: {exc.message}"
+                    source_name, f"the registered url is refused by this worker's policy: {exc.message}"
                 ) from exc
-            config = RemoteRewardConfig.model_validate({
+            return RemoteRewardConfig.model_validate({
                 "reward_function_id": row.id, "url": row.url, "secret": row.signing_secret,
                 # Signs with the replaced secret too while a rotation's overlap lasts (outbound.signing).
                 "previous_secret": previous_secret_in_overlap(
@@ -484,8 +491,16 @@ class JobRunner:
                 "breaker_threshold": row.breaker_threshold, "step_deadline_s": row.step_deadline_s,
                 "max_abstain_fraction": row.max_abstain_fraction,
             })
+
+        def remote(spec: RemoteRewardSpec) -> EndpointRewardSource[Any]:
+            config = endpoint_config(spec.source_name, spec.reward_function_id)
             # gRPC for grpc(s):// URLs, else HTTP
             return build_remote_source(config, on_retry=on_retry, on_degraded=on_degraded)
+
+        def chat(grader: ScoreModelGrader) -> ChatScoreSource:
+            name = f"score_model:{grader.name}"
+            config = endpoint_config(name, grader.reward_function_id)
+            return ChatScoreSource(name, grader, config, on_retry=on_retry, on_degraded=on_degraded)
 
         model_paths: dict[str, str] = {}
         for i, spec in enumerate(context.spec.rewards):
@@ -497,7 +512,9 @@ class JobRunner:
                     path = resolve_model_path(path, Path(self.settings.data_dir) / "models")
                 model_paths[spec.model] = path
         device = "cpu" if context.queue == "cpu" else _default_device()
-        return build_reward_sources(context.spec.rewards, remote=remote, device=device, model_paths=model_paths)
+        return build_reward_sources(
+            context.spec.rewards, remote=remote, device=device, model_paths=model_paths, chat=chat
+        )
 
 
 def training_error_message(exc: Exception) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import email.utils
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime
 
 import httpx
@@ -64,9 +65,17 @@ class EndpointCaller:
     """Sends one attempt of one request and turns every outcome into a value or a typed exception."""
 
     def __init__(
-        self, *, source: str, url: str, signer: Webhook | SigningKeys, headers: dict[str, str], max_bytes: int
+        self,
+        *,
+        source: str,
+        url: str,
+        signer: Webhook | SigningKeys,
+        headers: dict[str, str],
+        max_bytes: int,
+        parse: Callable[..., list[float | None]] = parse_response,
     ) -> None:
         self.source = source
+        self.parse = parse  # the answer's body -> rewards (ResponseInvalid when unusable)
         self.url = url
         self.signer = signer
         self.headers = headers
@@ -127,7 +136,7 @@ class EndpointCaller:
         if truncated:
             raise self._invalid(f"response exceeds the {self.max_bytes}-byte limit")
         try:
-            return parse_response(body, expected=expected)
+            return self.parse(body, expected=expected)
         except ResponseInvalid as exc:
             raise self._invalid(str(exc)) from exc
 

@@ -8,6 +8,7 @@ from urllib.parse import quote
 from fastapi import APIRouter, Header
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from contract.api.checkpoints import CheckpointList, CheckpointOut
 from service.checkpoints import retention, service
 from service.checkpoints.download import (
     RangeNotSatisfiable,
@@ -18,7 +19,7 @@ from service.checkpoints.download import (
     parse_range,
     tar_plan,
 )
-from service.checkpoints.schemas import CheckpointList, CheckpointOut
+from service.checkpoints.schemas import checkpoint_out
 from service.kit.deps import SessionDep
 from service.kit.errors import NotFound
 from service.kit.openapi import error_responses
@@ -39,7 +40,7 @@ _BINARY = {"application/octet-stream": {"schema": {"type": "string", "format": "
 )
 def list_checkpoints(job_id: PathId, tenant: CurrentTenant, session: SessionDep) -> CheckpointList:
     rows = service.list_job_checkpoints(session, tenant.tenant_id, job_id)
-    return CheckpointList(data=[CheckpointOut.from_row(row) for row in rows])
+    return CheckpointList(data=[checkpoint_out(row) for row in rows])
 
 
 @router.get(
@@ -49,7 +50,7 @@ def list_checkpoints(job_id: PathId, tenant: CurrentTenant, session: SessionDep)
     responses=error_responses(401, 404),
 )
 def get_checkpoint(checkpoint_id: PathId, tenant: CurrentTenant, session: SessionDep) -> CheckpointOut:
-    return CheckpointOut.from_row(service.get_checkpoint(session, tenant.tenant_id, checkpoint_id))
+    return checkpoint_out(service.get_checkpoint(session, tenant.tenant_id, checkpoint_id))
 
 
 @router.get(

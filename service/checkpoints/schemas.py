@@ -1,46 +1,18 @@
-"""Pydantic shapes of the checkpoints API."""
+"""The checkpoints API's responses (shapes in contract.api.checkpoints) built from rows."""
 
 from __future__ import annotations
 
-from datetime import datetime
-from typing import Literal
-
-from pydantic import BaseModel, Field
-
+from contract.api.checkpoints import CheckpointFile, CheckpointOut
 from service.checkpoints.models import Checkpoint
 
 
-class CheckpointFile(BaseModel):
-    path: str = Field(
-        description="Relative path inside the checkpoint.", examples=["adapter_model.safetensors"]
+def checkpoint_out(checkpoint: Checkpoint) -> CheckpointOut:
+    return CheckpointOut(
+        id=checkpoint.id,
+        job_id=checkpoint.job_id,
+        step=checkpoint.step,
+        files=[CheckpointFile.model_validate(entry) for entry in checkpoint.manifest],
+        total_bytes=checkpoint.total_bytes,
+        metrics=checkpoint.metrics,
+        created_at=checkpoint.created_at,
     )
-    size: int = Field(description="Bytes.")
-    sha256: str = Field(description="Hex sha256 of the file; also its download ETag.")
-
-
-class CheckpointOut(BaseModel):
-    object: Literal["checkpoint"] = "checkpoint"
-    id: str = Field(examples=["ckpt_01JDX3V8Q4M2C6T9W1R5Y7Z0AB"])
-    job_id: str
-    step: int
-    files: list[CheckpointFile]
-    total_bytes: int
-    metrics: dict[str, float | None] = Field(description="The job's metrics at this step.")
-    created_at: datetime
-
-    @classmethod
-    def from_row(cls, checkpoint: Checkpoint) -> CheckpointOut:
-        return cls(
-            id=checkpoint.id,
-            job_id=checkpoint.job_id,
-            step=checkpoint.step,
-            files=[CheckpointFile.model_validate(entry) for entry in checkpoint.manifest],
-            total_bytes=checkpoint.total_bytes,
-            metrics=checkpoint.metrics,
-            created_at=checkpoint.created_at,
-        )
-
-
-class CheckpointList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[CheckpointOut] = Field(description="Oldest first (by step).")

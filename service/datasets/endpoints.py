@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Any
 
-from fastapi import APIRouter, Query, Request, Response
+from fastapi import APIRouter, Request, Response
 from starlette.concurrency import run_in_threadpool
 
+from contract.api.datasets import DatasetList, DatasetOut
 from service.datasets import service
 from service.datasets.multipart import check_content_length, multipart_boundary, read_upload
-from service.datasets.schemas import DatasetList, DatasetOut
+from service.datasets.schemas import dataset_out
 from service.kit.config import get_settings
 from service.kit.deps import SessionDep
+from service.kit.paging import RESOURCES, Limit
 from service.kit.params import Cursor, PathId
 from service.tenants.auth import CurrentTenant
 
@@ -40,8 +42,6 @@ _UPLOAD_BODY: dict[str, Any] = {
     }
 }
 
-Limit = Annotated[int, Query(ge=1, le=100, description="Page size.")]
-
 
 @router.post(
     "/datasets",
@@ -65,17 +65,17 @@ async def upload_dataset(request: Request, session: SessionDep, tenant: CurrentT
     except BaseException:
         await run_in_threadpool(ingest.abort)
         raise
-    return DatasetOut.from_row(row)
+    return dataset_out(row)
 
 
 @router.get("/datasets", response_model=DatasetList)
 def list_datasets(
-    session: SessionDep, tenant: CurrentTenant, limit: Limit = 20, after: Cursor = None
+    session: SessionDep, tenant: CurrentTenant, limit: Limit = RESOURCES.default, after: Cursor = None
 ) -> DatasetList:
     """The tenant's datasets, newest first (cursor pagination)."""
     rows, has_more = service.list_datasets(session, tenant.tenant_id, limit=limit, after=after)
     return DatasetList(
-        data=[DatasetOut.from_row(r) for r in rows],
+        data=[dataset_out(r) for r in rows],
         has_more=has_more,
         next_after=rows[-1].id if has_more and rows else None,
     )
@@ -83,7 +83,7 @@ def list_datasets(
 
 @router.get("/datasets/{dataset_id}", response_model=DatasetOut)
 def get_dataset(dataset_id: PathId, session: SessionDep, tenant: CurrentTenant) -> DatasetOut:
-    return DatasetOut.from_row(service.get_dataset(session, tenant.tenant_id, dataset_id))
+    return dataset_out(service.get_dataset(session, tenant.tenant_id, dataset_id))
 
 
 @router.delete(

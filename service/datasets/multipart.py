@@ -65,6 +65,8 @@ class _Parts:
     pending: list[bytes] = field(default_factory=list)
     pending_bytes: int = 0
     error: ValidationFailed | None = None
+    extra_fields: frozenset[str] = frozenset()  # more short text fields a caller accepts (OpenAI's `purpose`)
+    extra: dict[str, bytearray] = field(default_factory=dict)
 
     def callbacks(self) -> MultipartCallbacks:
         return {
@@ -82,13 +84,15 @@ class _Parts:
         if self.header_field.decode("latin-1").lower() == "content-disposition":
             _kind, options = parse_options_header(bytes(self.header_value))
             name = options.get(b"name", b"").decode("utf-8", "replace")
-            if name not in (FILE_FIELD, NAME_FIELD):
+            if name not in (FILE_FIELD, NAME_FIELD, *self.extra_fields):
                 self.error = self.error or _invalid(f"unexpected form field {name!r}", name or "form")
             elif name in self.seen:
                 self.error = self.error or _invalid(f"form field {name!r} given twice", name)
             else:
                 self.seen.add(name)
                 self.current = name
+                if name in self.extra_fields:
+                    self.extra[name] = bytearray()
                 if name == FILE_FIELD and b"filename" in options:
                     self.filename = options[b"filename"].decode("utf-8", "replace")
         self.header_field.clear()
@@ -98,11 +102,12 @@ class _Parts:
         if self.current == FILE_FIELD:
             self.pending.append(bytes(data[start:end]))
             self.pending_bytes += end - start
-        elif self.current == NAME_FIELD:
-            self.name.extend(data[start:end])
-            if len(self.name) > MAX_NAME_BYTES:
+        elif self.current is not None:
+            value = self.name if self.current == NAME_FIELD else self.extra[self.current]
+            value.extend(data[start:end])
+            if len(value) > MAX_NAME_BYTES:
                 self.error = self.error or _invalid(
-                    f"'name' is longer than {MAX_NAME_BYTES} bytes", NAME_FIELD
+                    f"{self.current!r} is longer than {MAX_NAME_BYTES} bytes", self.current
                 )
 
     def take_pending(self) -> list[bytes]:
@@ -119,11 +124,16 @@ def _feed_all(ingest: DatasetIngest, chunks: list[bytes]) -> None:
 class UploadForm:
     name: str | None  # the `name` field, else None
     filename: str | None  # the file part's filename, else None
+    extra: dict[str, str] = field(default_factory=dict)  # the extra text fields given
 
 
-async def read_upload(stream: AsyncIterator[bytes], boundary: bytes, ingest: DatasetIngest) -> UploadForm:
+
+
+async def read_upload(
+    stream: AsyncIterator[bytes], boundary: bytes, ingest: DatasetIngest, *, extra_fields: frozenset[str] = frozenset()
+) -> UploadForm:
     """Parse the body, streaming the `file` part into `ingest`. The caller aborts `ingest` on error."""
-    parts = _Parts()
+    parts = _Parts(extra_fields=extra_fields)
     parser = MultipartParser(boundary, parts.callbacks())
     try:
         async for chunk in stream:
@@ -142,4 +152,5 @@ async def read_upload(stream: AsyncIterator[bytes], boundary: bytes, ingest: Dat
     if FILE_FIELD not in parts.seen:
         raise _invalid("the form has no 'file' field")
     name = parts.name.decode("utf-8", "replace") if NAME_FIELD in parts.seen else None
-    return UploadForm(name=name, filename=parts.filename)
+    extra = {k: v.decode("utf-8", "replace") for k, v in parts.extra.items()}
+    return UploadForm(name=name, filename=parts.filename, extra=extra)

@@ -11,6 +11,8 @@ from collections.abc import Sequence
 
 from sqlalchemy.orm import Session
 
+from contract.dataset_format import parse_row, prompt_column
+from contract.graders import Grader, MissingField, item_references, missing_item_field
 from service.datasets import repository
 from service.datasets.errors import DatasetInUse
 from service.datasets.ingest import DatasetIngest
@@ -20,6 +22,7 @@ from service.kit.config import get_settings
 from service.kit.db import on_commit, utcnow
 from service.kit.errors import NotFound, ValidationFailed
 from service.kit.ids import new_id
+from service.kit.paging import page
 from service.storage import get_storage
 
 MAX_NAME_LEN = 256
@@ -66,12 +69,36 @@ def get_dataset(session: Session, tenant_id: str, dataset_id: str) -> Dataset:
     return row
 
 
+def first_row_missing(
+    session: Session, tenant_id: str, dataset_id: str, grader: Grader
+) -> tuple[int, MissingField] | None:
+    """(1-based line, what is missing) of the first row without a field the grader reads as ``{{item.*}}``.
+
+    One streamed pass over the stored file (datasets are bounded by the upload limit); rows are read the way the
+    worker reads them (the prompt column is not part of the item)."""
+    if not item_references(grader):
+        return None
+    row = get_dataset(session, tenant_id, dataset_id)
+    with get_storage().open(row.storage_key) as handle:
+        for line, raw in enumerate(handle, start=1):
+            if not raw.strip():
+                continue
+            parsed, _ = parse_row(raw)
+            if parsed is None:
+                continue  # the upload validated every line
+            parsed.pop(prompt_column(parsed) or "prompt", None)
+            missing = missing_item_field(grader, parsed)
+            if missing is not None:
+                return line, missing
+    return None
+
+
 def list_datasets(
     session: Session, tenant_id: str, *, limit: int, after: str | None
 ) -> tuple[Sequence[Dataset], bool]:
     """A page, newest first, and whether more follow."""
     rows = repository.list_page(session, tenant_id, limit=limit + 1, after=after)
-    return rows[:limit], len(rows) > limit
+    return page(rows, limit)
 
 
 def delete_dataset(session: Session, tenant_id: str, dataset_id: str) -> None:

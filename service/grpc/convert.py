@@ -22,6 +22,10 @@ from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 from pydantic import ValidationError
 
+from contract.api.checkpoints import CheckpointOut
+from contract.api.datasets import DatasetOut
+from contract.api.jobs import EventOut, JobOut, SampleOut
+from contract.api.rewards import RewardFunctionOut, RewardTestResult
 from contract.gen.grpo.v1 import (
     checkpoints_pb2,
     common_pb2,
@@ -32,25 +36,17 @@ from contract.gen.grpo.v1 import (
     reward_pb2,
 )
 from contract.spec import JobSpec
-from service.checkpoints.schemas import CheckpointOut
-from service.datasets.schemas import DatasetOut
 from service.grpc.errors import from_validation_error
-from service.jobs.schemas import EventOut, JobOut, SampleOut
 from service.jobs.states import JobStatus
 from service.kit.errors import ValidationFailed
-from service.rewards.schemas import (
-    RewardFunctionCreate,
-    RewardFunctionOut,
-    RewardTestItem,
-    RewardTestRequest,
-    RewardTestResult,
-)
+from service.rewards.schemas import RewardFunctionCreate, RewardTestItem, RewardTestRequest
 
 # Hyperparameters whose `None` means something other than "default": proto flag -> GRPOConfig field.
 NONE_FLAGS = {
     "disable_grad_clipping": "max_grad_norm",
     "unlimited_prompt_length": "max_prompt_length",
     "keep_all_checkpoints": "save_total_limit",
+    "vllm_importance_sampling_no_clip_max": "vllm_importance_sampling_clip_max",
 }
 ALL_LINEAR = "all-linear"
 BUILTIN_REWARDS = ("boxed_answer", "exact_match", "regex_match", "length_penalty")
@@ -154,13 +150,25 @@ def _reward_in(index: int, message: job_spec_pb2.RewardSpec) -> dict[str, Any]:
         )
     values = _set_fields(getattr(message, source))
     reward: dict[str, Any]
-    if source in BUILTIN_REWARDS:
+    if source == "grader":
+        reward = {"type": "grader", "grader": _grader_json(index, message.grader.json)}
+    elif source in BUILTIN_REWARDS:
         reward = {"type": "builtin", "name": source, "params": values}
     else:
         reward = {"type": source, **values}
     if message.HasField("weight"):
         reward["weight"] = message.weight
     return reward
+
+
+def _grader_json(index: int, text: str) -> Any:
+    field = f"spec.rewards[{index}].grader.json"
+    try:
+        return json.loads(text)
+    except ValueError as exc:
+        raise ValidationFailed(
+            f"{field}: not valid JSON ({exc})", details=[{"field": field, "message": "not valid JSON"}]
+        ) from exc
 
 
 def job_spec_from_proto(message: job_spec_pb2.JobSpec) -> JobSpec:
@@ -194,6 +202,8 @@ def job_spec_to_proto(spec: JobSpec) -> job_spec_pb2.JobSpec:
         out = message.rewards.add(weight=reward["weight"])
         if reward["type"] == "builtin":
             _fill(getattr(out, reward["name"]), reward["params"])
+        elif reward["type"] == "grader":
+            out.grader.json = json.dumps(reward["grader"], ensure_ascii=False)
         else:
             _fill(getattr(out, reward["type"]), {k: v for k, v in reward.items() if k not in ("type", "weight")})
     return message

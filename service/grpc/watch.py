@@ -18,12 +18,13 @@ from functools import partial
 
 from sqlalchemy.orm import Session
 
+from contract.api.jobs import EventOut, JobOut
 from contract.gen.grpo.v1 import jobs_pb2
 from service.checkpoints import service as checkpoints_service
 from service.grpc.calls import in_session
 from service.grpc.convert import event_to_proto, job_to_proto, metrics_by_step
 from service.jobs import service as jobs_service
-from service.jobs.schemas import EventOut, JobOut
+from service.jobs.schemas import event_out
 from service.jobs.states import TERMINAL
 from service.kit.reads import Reads
 
@@ -58,7 +59,7 @@ def _progress(
     health, _ = jobs_service.list_events(
         session, tenant_id, job_id, after=health_after, limit=METRICS_PAGE, types=[HEALTH_EVENT]
     )
-    return _Poll(job, metrics_by_step(series), metrics.has_more, checkpoints, [EventOut.from_row(e) for e in health])
+    return _Poll(job, metrics_by_step(series), metrics.has_more, checkpoints, [event_out(e) for e in health])
 
 
 async def watch_job(

@@ -9,15 +9,17 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 from sqlalchemy.orm import Session
 
+from contract.api.jobs import EventList, JobList, JobOut, MetricsOut, SampleList
 from contract.fields import INT32_MAX, INT64_MAX, Text
 from contract.spec import JobSpec
 from service.jobs import service
 from service.jobs.idempotency import request_hash, run_idempotent
-from service.jobs.schemas import EventList, EventOut, JobList, JobOut, MetricsOut, SampleList, SampleOut
+from service.jobs.schemas import event_out, job_out, sample_out
 from service.jobs.states import JobStatus
 from service.jobs.stream import job_event_stream, parse_last_event_id
 from service.kit.deps import SessionDep, reads_of
 from service.kit.openapi import error_responses
+from service.kit.paging import EVENTS, METRIC_POINTS, RESOURCES, EventLimit, Limit, PointLimit
 from service.kit.params import Cursor, PathId
 from service.kit.queue import JobQueue, get_job_queue
 from service.storage import get_storage
@@ -85,7 +87,7 @@ def create_job(
 
     def work(s: Session) -> tuple[int, dict[str, Any]]:
         job = service.create_job(s, tenant.tenant_id, spec, queue)
-        return 201, JobOut.from_row(job).model_dump(mode="json")
+        return 201, job_out(job).model_dump(mode="json")
 
     if idempotency_key is None:
         status_code, body = work(session)
@@ -107,7 +109,7 @@ async def list_jobs(
     request: Request,
     tenant: CurrentTenant,
     status: Annotated[JobStatus | None, Query(description="Only jobs in this state.")] = None,
-    limit: Annotated[int, Query(ge=1, le=100)] = 20,
+    limit: Limit = RESOURCES.default,
     after: Cursor = None,
 ) -> Response:
     data, has_more = await service.list_jobs(
@@ -147,7 +149,7 @@ def delete_job(job_id: str, tenant: CurrentTenant, session: SessionDep) -> Respo
 )
 def cancel_job(job_id: PathId, tenant: CurrentTenant, session: SessionDep) -> JobOut:
     """A queued or paused job is cancelled at once; a running one becomes `cancelling` until its worker stops."""
-    return JobOut.from_row(service.cancel_job(session, tenant.tenant_id, job_id))
+    return job_out(service.cancel_job(session, tenant.tenant_id, job_id))
 
 
 @router.post(
@@ -158,7 +160,7 @@ def cancel_job(job_id: PathId, tenant: CurrentTenant, session: SessionDep) -> Jo
 )
 def pause_job(job_id: PathId, tenant: CurrentTenant, session: SessionDep) -> JobOut:
     """A queued job pauses at once; a running one gets `pause_requested` and pauses at its next checkpoint."""
-    return JobOut.from_row(service.pause_job(session, tenant.tenant_id, job_id))
+    return job_out(service.pause_job(session, tenant.tenant_id, job_id))
 
 
 @router.post(
@@ -169,7 +171,7 @@ def pause_job(job_id: PathId, tenant: CurrentTenant, session: SessionDep) -> Job
 )
 def resume_job(job_id: PathId, tenant: CurrentTenant, session: SessionDep, queue: QueueDep) -> JobOut:
     """A paused job is queued again and resumes from its latest checkpoint; a pending pause is withdrawn."""
-    return JobOut.from_row(service.resume_job(session, tenant.tenant_id, job_id, queue))
+    return job_out(service.resume_job(session, tenant.tenant_id, job_id, queue))
 
 
 @router.get(
@@ -183,7 +185,7 @@ def list_events(
     tenant: CurrentTenant,
     session: SessionDep,
     after: Annotated[int | None, Query(ge=0, le=INT64_MAX, description="Event id to continue after.")] = None,
-    limit: Annotated[int, Query(ge=1, le=500)] = 100,
+    limit: EventLimit = EVENTS.default,
     types: Annotated[
         Text | None, Query(description="Comma-separated event types, e.g. `status,checkpoint`.")
     ] = None,
@@ -198,7 +200,7 @@ def list_events(
         session, tenant.tenant_id, job_id, after=after, limit=limit, types=_split(types),
         include_superseded=include_superseded,
     )
-    data = [EventOut.from_row(row) for row in rows]
+    data = [event_out(row) for row in rows]
     return EventList(data=data, has_more=has_more, next_after=data[-1].id if has_more else None)
 
 
@@ -214,7 +216,7 @@ def get_metrics(
     session: SessionDep,
     names: Annotated[Text | None, Query(description="Comma-separated metric names; all when omitted.")] = None,
     since_step: Annotated[int, Query(ge=0, le=INT32_MAX, description="First step to include.")] = 0,
-    limit: Annotated[int, Query(ge=1, le=50_000, description="Most points per page.")] = 10_000,
+    limit: PointLimit = METRIC_POINTS.default,
 ) -> MetricsOut:
     return service.get_metrics(
         session, tenant.tenant_id, job_id, names=_split(names), since_step=since_step, limit=limit
@@ -233,12 +235,12 @@ def list_samples(
     session: SessionDep,
     step: Annotated[int | None, Query(ge=0, le=INT32_MAX, description="Only completions logged at this step.")] = None,
     after: Annotated[int | None, Query(ge=0, le=INT64_MAX, description="Sample id to continue after.")] = None,
-    limit: Annotated[int, Query(ge=1, le=500)] = 100,
+    limit: EventLimit = EVENTS.default,
 ) -> SampleList:
     rows, has_more = service.list_samples(
         session, tenant.tenant_id, job_id, step=step, after=after, limit=limit
     )
-    data = [SampleOut.from_row(row) for row in rows]
+    data = [sample_out(row) for row in rows]
     return SampleList(data=data, has_more=has_more, next_after=data[-1].id if has_more else None)
 
 

@@ -24,10 +24,9 @@ from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
 
+from contract.spec import BUILTIN_PREFIX, CHECKPOINT_PREFIX
 from service.kit.config import Settings
 
-BUILTIN_PREFIX = "builtin:"
-CHECKPOINT_PREFIX = "checkpoint:"
 # huggingface_hub's repo id rule: one or two segments of [\w.-], no "--" or "..", no leading/trailing - or .
 _HUB_SEGMENT = r"[A-Za-z0-9_](?:[\w.-]{0,94}[A-Za-z0-9_])?"
 _HUB_ID = re.compile(rf"^(?:{_HUB_SEGMENT}/)?{_HUB_SEGMENT}$", re.ASCII)

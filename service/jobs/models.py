@@ -1,7 +1,7 @@
 """Jobs and what they produce while running: events, per-step metrics, logged samples; idempotency keys.
 
 The job row is the source of truth for a job's state (see service/jobs/states.py for the machine).
-The worker columns (attempt, lease_until, worker_id, ...) are written by the worker (issue 4):
+The worker columns (attempt, lease_until, worker_id, ...) are written by the worker (worker/lease.py):
 `attempt` is the fencing token: a worker may only report for the attempt it claimed.
 """
 
@@ -59,7 +59,7 @@ class Job(Base):
     error_code: Mapped[str | None] = mapped_column(String(64), nullable=True)
     error_message: Mapped[str | None] = mapped_column(Text, nullable=True)
 
-    # --- worker ownership (issue 4) ---------------------------------------------------------------
+    # --- worker ownership (worker/lease.py) -------------------------------------------------------
     attempt: Mapped[int] = mapped_column(Integer, default=0)
     max_attempts: Mapped[int] = mapped_column(Integer)
     lease_until: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)

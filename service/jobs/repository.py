@@ -10,9 +10,9 @@ from typing import Any
 from sqlalchemy import Integer, Select, bindparam, delete, exists, or_, select
 from sqlalchemy.orm import Session
 
+from contract.spec import CHECKPOINT_PREFIX
 from service.checkpoints.models import Checkpoint
 from service.datasets.models import Dataset
-from service.jobs.model_sources import CHECKPOINT_PREFIX
 from service.jobs.models import IdempotencyKey, Job, JobEvent, JobMetric, JobSample
 from service.jobs.states import UNFINISHED
 from service.kit.reads import Reads, one_or_none
@@ -28,7 +28,7 @@ def get_job(session: Session, tenant_id: str, job_id: str, *, for_update: bool =
 
 
 # Every column of `jobs`, named as the ORM attributes are (`metadata` is `metadata_`), so a plain row renders
-# like a Job entity does (JobOut.from_row).
+# like a Job entity does (schemas.job_out).
 _JOB_COLUMNS = [
     column.label("metadata_") if column.key == "metadata" else column for column in Job.__table__.c
 ]

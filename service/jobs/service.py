@@ -7,25 +7,27 @@ raise service.kit.errors.*. They never commit; enqueueing is registered to run a
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from functools import partial
 from typing import Any
 
 from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 
-from contract.spec import JobSpec, ModelRewardSpec, RemoteRewardSpec
+from contract.api.jobs import JobOut, MetricSeries, MetricsOut
+from contract.spec import BUILTIN_PREFIX, GraderRewardSpec, JobSpec, ModelRewardSpec, reward_function_refs
 from service.checkpoints import retention
 from service.checkpoints.models import Checkpoint
 from service.jobs import model_sources, repository
 from service.jobs.model_sources import ModelSourceKind, ModelSourcePolicy, ModelSourceRefused
 from service.jobs.models import Job, JobEvent
-from service.jobs.schemas import JobOut, MetricSeries, MetricsOut
+from service.jobs.schemas import job_out
 from service.jobs.states import STATUS_EVENT, TERMINAL, UNFINISHED, JobStatus, transition
 from service.kit.config import get_settings
 from service.kit.db import on_commit, utcnow
 from service.kit.errors import Conflict, IllegalTransition, NotFound, ValidationFailed
 from service.kit.ids import new_id
+from service.kit.paging import page
 from service.kit.queue import JobQueue, send_job_logged
 from service.kit.reads import Reads
 from service.storage import Storage, job_prefix
@@ -78,7 +80,7 @@ def create_job(session: Session, tenant_id: str, spec: JobSpec, queue: JobQueue)
 
 def queue_for(spec: JobSpec) -> str:
     """The builtin: models are small enough for CPU workers; everything else needs a GPU."""
-    return "cpu" if spec.base_model.startswith("builtin:") else "gpu"
+    return "cpu" if spec.base_model.startswith(BUILTIN_PREFIX) else "gpu"
 
 
 def enqueue_after_commit(session: Session, job: Job, queue: JobQueue) -> None:
@@ -96,18 +98,20 @@ def check_references(session: Session, tenant_id: str, spec: JobSpec) -> None:
         "train_dataset": spec.train_dataset, "eval_dataset": spec.eval_dataset, "retain_dataset": spec.retain_dataset
     }
     wanted = [ds for ds in datasets.values() if ds is not None]
-    found = repository.live_dataset_ids(session, tenant_id, wanted)
+    found_datasets = found = repository.live_dataset_ids(session, tenant_id, wanted)
     for field, dataset_id in datasets.items():
         if dataset_id is not None and dataset_id not in found:
             errors.append(_missing(field, f"dataset {dataset_id!r} not found"))
 
-    remote = {i: r.reward_function_id for i, r in enumerate(spec.rewards) if isinstance(r, RemoteRewardSpec)}
-    found = repository.live_reward_function_ids(session, tenant_id, list(remote.values()))
-    for i, rf_id in remote.items():
+    remote = reward_function_refs(spec.rewards)
+    found = repository.live_reward_function_ids(session, tenant_id, [rf_id for _, rf_id in remote])
+    for field, rf_id in remote:
         if rf_id not in found:
-            errors.append(
-                _missing(f"rewards[{i}].reward_function_id", f"reward function {rf_id!r} not found")
-            )
+            errors.append(_missing(field, f"reward function {rf_id!r} not found"))
+
+    for i, reward in enumerate(spec.rewards):
+        if isinstance(reward, GraderRewardSpec):
+            errors.extend(_grader_fields(session, tenant_id, spec, i, reward, found_datasets))
 
     models = {"base_model": spec.base_model}
     models.update(
@@ -130,6 +134,31 @@ def check_references(session: Session, tenant_id: str, spec: JobSpec) -> None:
         raise ValidationFailed(f"{errors[0]['field']}: {errors[0]['message']}", details=errors)
 
 
+def _grader_fields(
+    session: Session, tenant_id: str, spec: JobSpec, index: int, reward: GraderRewardSpec, found: Collection[str]
+) -> list[dict[str, Any]]:
+    """A grader's ``{{item.*}}`` references must be in every row of the datasets it grades."""
+    # Imported here: the datasets service imports this module (dataset_in_use).
+    from service.datasets.service import first_row_missing
+
+    errors: list[dict[str, Any]] = []
+    graded = {"train_dataset": spec.train_dataset, "eval_dataset": spec.eval_dataset}
+    for field, dataset_id in graded.items():
+        if dataset_id is None or dataset_id not in found:
+            continue
+        missing = first_row_missing(session, tenant_id, dataset_id, reward.parsed)
+        if missing is not None:
+            line, what = missing
+            errors.append({
+                "field": field,
+                "message": f"line {line} of dataset {dataset_id!r} has no field {what.at!r}, which "
+                f"rewards[{index}].grader reads as {what.reference}",
+                "type": "grader_field_missing",
+                "line": line,
+            })
+    return errors
+
+
 def _missing(field: str, message: str) -> dict[str, Any]:
     return {"field": field, "message": message, "type": "not_found"}
 
@@ -150,7 +179,7 @@ async def read_job(reads: Reads, tenant_id: str, job_id: str) -> JobOut:
     row = await repository.get_job_row(reads, tenant_id, job_id)
     if row is None:
         raise NotFound("job", job_id)
-    return JobOut.from_row(row)
+    return job_out(row)
 
 
 async def list_jobs(
@@ -162,7 +191,8 @@ async def list_jobs(
     rows = await repository.list_jobs(
         reads, tenant_id, status=status.value if status else None, limit=limit + 1, before_id=after
     )
-    return [JobOut.from_row(row) for row in rows[:limit]], len(rows) > limit
+    jobs, has_more = page(rows, limit)
+    return [job_out(row) for row in jobs], has_more
 
 
 def list_events(
@@ -179,7 +209,7 @@ def list_events(
     rows = repository.list_events(
         session, job_id, after_id=after, limit=limit + 1, types=types, include_superseded=include_superseded
     )
-    return rows[:limit], len(rows) > limit
+    return page(rows, limit)
 
 
 def get_metrics(
@@ -188,16 +218,16 @@ def get_metrics(
     """Time series from `since_step` on, at most `limit` points; a page never ends mid-step."""
     get_job(session, tenant_id, job_id)
     rows = repository.metric_rows(session, job_id, names=names, since_step=since_step, limit=limit + 1)
-    has_more = len(rows) > limit
+    points, has_more = page(rows, limit)
     next_since_step = None
     if has_more:
         # Drop the (possibly partial) last step; the next page starts at it.
         next_since_step = rows[limit][0]
-        rows = [row for row in rows[:limit] if row[0] < next_since_step]
-        if not rows:
+        points = [row for row in points if row[0] < next_since_step]
+        if not points:
             raise ValidationFailed(f"limit: {limit} is smaller than the number of metrics in one step")
     series: dict[str, MetricSeries] = {}
-    for step, name, value in rows:
+    for step, name, value in points:
         entry = series.setdefault(name, MetricSeries(steps=[], values=[]))
         entry.steps.append(step)
         entry.values.append(value)
@@ -209,7 +239,7 @@ def list_samples(
 ) -> tuple[Sequence[Any], bool]:
     get_job(session, tenant_id, job_id)
     rows = repository.list_samples(session, job_id, step=step, after_id=after, limit=limit + 1)
-    return rows[:limit], len(rows) > limit
+    return page(rows, limit)
 
 
 def dataset_in_use(session: Session, tenant_id: str, dataset_id: str) -> bool:

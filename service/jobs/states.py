@@ -13,7 +13,7 @@ States and who moves a job between them::
     cancelled (API cancel of a job that is not running: nothing to stop)
 
     running ─▶ queued: the worker's lease ran out (the worker died); the job is re-sent with attempt + 1
-                       (issue 4's sweeper). No separate "retrying" state: `attempt` says it is a retry.
+                       (worker/reaper.py). No separate "retrying" state: `attempt` says it is a retry.
     queued  ─▶ failed: a job that cannot even start (attempts exhausted, invalid at claim time).
 
 Pausing a running job is a two-phase request, like cancelling, but without an extra state
@@ -27,12 +27,12 @@ Terminal states (`succeeded`, `failed`, `cancelled`) have no way out.
 
 from __future__ import annotations
 
-from enum import StrEnum
 from typing import Any
 
 from sqlalchemy.orm import Session
 from sqlalchemy.orm.exc import StaleDataError
 
+from contract.api.jobs import JobStatus
 from service.jobs.models import Job, JobEvent
 from service.kit.db import utcnow
 from service.kit.errors import IllegalTransition
@@ -40,17 +40,6 @@ from service.kit.errors import IllegalTransition
 # Imported for its side effect: it registers the webhook outbox listener on JobEvent inserts, and every
 # process that writes job events imports this module.
 from service.webhooks import outbox as _webhook_outbox  # noqa: F401
-
-
-class JobStatus(StrEnum):
-    queued = "queued"
-    running = "running"
-    paused = "paused"
-    succeeded = "succeeded"
-    failed = "failed"
-    cancelling = "cancelling"
-    cancelled = "cancelled"
-
 
 S = JobStatus
 

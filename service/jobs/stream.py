@@ -15,9 +15,10 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 from starlette.concurrency import run_in_threadpool
 
+from contract.api.jobs import EventOut
 from contract.fields import INT64_MAX
 from service.jobs import repository
-from service.jobs.schemas import EventOut
+from service.jobs.schemas import event_out
 from service.jobs.states import TERMINAL, JobStatus
 from service.kit.db import session_scope
 
@@ -38,7 +39,7 @@ def _poll(job_id: str, after_id: int | None) -> tuple[str | None, list[EventOut]
     with session_scope() as session:
         status = repository.job_status(session, job_id)
         rows = repository.list_events(session, job_id, after_id=after_id, limit=BATCH)
-        return status, [EventOut.from_row(row) for row in rows]
+        return status, [event_out(row) for row in rows]
 
 
 async def job_event_stream(

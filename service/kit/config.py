@@ -115,8 +115,8 @@ class Settings(BaseSettings):
     gc_freeze: bool = Field(
         True,
         description="API processes move the objects built at start-up out of the cyclic garbage collector's "
-        "reach (gc.freeze) while serving: its full collections then pause the event loop for milliseconds, not "
-        "the 60-90 ms measured without.",
+        "reach (gc.freeze) while serving: its full collections then pause the event loop several times less "
+        "(see service/kit/heap.py).",
     )
     log_json: bool = Field(False, description="Structured JSON logs.")
     tensorboard: bool = Field(

@@ -82,7 +82,7 @@ def make_engine(url: str, *, idle_transaction_timeout_s: float | None = None) ->
 
         return engine
     # No pool_pre_ping (one more round trip on every checkout, on every request): connections
-    # that sat idle are pinged instead (a database restart is survived as before), busy ones are not; LIFO
+    # that sat idle are pinged instead (so a database restart is survived), busy ones are not; LIFO
     # keeps the busy ones few and hot, and a disconnect seen mid-request makes the pool replace every
     # connection opened before it. pool_recycle retires connections that idle proxies may have dropped.
     connect_args: dict[str, Any] = {}
@@ -189,8 +189,8 @@ def single_read_session(engine: Engine | None = None) -> Iterator[Session]:
 
 
 # Threads for `run_read`. Few on purpose: a read's thread mostly waits on the database, and on a small machine
-# dozens of runnable threads (Starlette's shared pool has 40) fight the event loop for the GIL; measured under
-# 64 concurrent GET /v1/jobs/{id}, 4 threads cost ~0.2 ms less server CPU per request than the shared pool.
+# dozens of runnable threads (Starlette's shared pool has 40) fight the event loop for the GIL: under many
+# concurrent GET /v1/jobs/{id}, 4 threads cost less server CPU per request than the shared pool.
 # A pool of its own, so that slow sync routes (uploads, streams) cannot starve the hot reads and vice versa.
 READ_THREADS = 4
 

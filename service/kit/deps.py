@@ -27,7 +27,7 @@ SessionDep = Annotated[Session, Depends(get_session, scope="function")]
 def reads_of(request: Request) -> Reads:
     """The app's `Reads` (opened by its lifespan); an app served without its lifespan reads through threads.
 
-    A plain function taking the request rather than a dependency: measured in-process on the polled
-    `GET /v1/jobs/{id}`, each dependency level FastAPI resolves costs about a tenth of the request's CPU."""
+    A plain function taking the request rather than a dependency: on the polled `GET /v1/jobs/{id}`, each
+    dependency level FastAPI resolves costs about a tenth of the request's CPU."""
     reads: Reads | None = getattr(request.app.state, "reads", None)
     return reads or THREADED_READS

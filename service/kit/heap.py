@@ -2,12 +2,10 @@
 
 Why: a full (oldest-generation) collection walks every object the collector tracks, and an API process holds
 ~130k of them from start-up alone (modules, classes, the app's routes, schemas and OpenAPI models), all alive
-until the process exits. Measured on the 2-core development VM under `bench/api_load.py`'s closed loop on
-`GET /v1/jobs/{id}`: a full collection ran about every 0.7 s and paused the event loop 60-90 ms each time, so
-every in-flight request waited that long; that was the p99. Moving the start-up objects into the permanent
-generation (`gc.freeze()`, CPython's documented remedy) leaves collections only the objects created since: in
-the same load the longest pause fell to 17 ms and the total time in full collections from 1.13 s to 0.14 s
-per 10 s.
+until the process exits. Under load a full collection runs about every second and pauses the event loop for
+tens of milliseconds, which every in-flight request waits out: it sets the p99. Moving the start-up objects
+into the permanent generation (`gc.freeze()`, CPython's documented remedy) leaves collections only the
+objects created since, so the pauses become several times shorter (bench/README.md, API figures).
 
 Objects that are frozen and later become cyclic garbage are not reclaimed while frozen; start-up objects are
 meant to live as long as the process, and leaving `startup_objects_frozen` (the server stopping) puts them back

@@ -1,12 +1,12 @@
 """Single-statement reads for the hot, polled paths (a job, a page of jobs), awaited on the event loop.
 
-Why: clients poll `GET /v1/jobs/{id}`. Measured in-process on that route (CPU per request), the hop to a
-worker thread and SQLAlchemy's execution machinery (session, pool events, result metadata built from
-26 column descriptions on every call) cost about three times what the rest of the request costs. On
-PostgreSQL, `PostgresReads` runs the same SQLAlchemy Core statement, compiled once to SQL, on an asyncpg
-pool: no thread, no session (asyncpg rather than psycopg's own asyncio mode: measured here, a read costs
-about 40 % less CPU). Everywhere else (SQLite, GRPO_DB_ASYNC_READS=false, or an app run without its
-lifespan) `ThreadedReads` runs it on the small read thread pool through a SQLAlchemy session, as before.
+Why: clients poll `GET /v1/jobs/{id}`, and on that route the hop to a worker thread and SQLAlchemy's
+execution machinery (session, pool events, result metadata built from 26 column descriptions on every call)
+cost several times what the rest of the request costs. On PostgreSQL, `PostgresReads` runs the same
+SQLAlchemy Core statement, compiled once to SQL, on an asyncpg pool: no thread, no session (asyncpg rather
+than psycopg's asyncio mode, which costs more CPU per read). Everywhere else (SQLite,
+GRPO_DB_ASYNC_READS=false, or an app run without its lifespan) `ThreadedReads` runs it on the small read
+thread pool through a SQLAlchemy session. bench/README.md has the API figures.
 
 Statements stay defined once, as Core selects in the repositories, whichever class runs them; rows are
 read by attribute under the statement's column labels on both. Only single SELECTs belong here (each runs
@@ -146,7 +146,7 @@ async def _decode_json(conn: asyncpg.Connection) -> None:
 
 async def _keep_session(_conn: asyncpg.Connection) -> None:
     """The pool's reset on release, as a no-op. asyncpg's default sends `RESET ALL; UNLISTEN *; CLOSE ALL;
-    pg_advisory_unlock_all()` after every statement: one more round trip per read (measured: half the
+    pg_advisory_unlock_all()` after every statement: one more round trip per read (about half the
     database time of a job read). These connections only ever run single autocommit SELECTs, which leave no
     session state behind to reset."""
 

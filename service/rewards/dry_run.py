@@ -30,13 +30,14 @@ import grpc
 from pydantic import ValidationError
 from sqlalchemy.orm import Session
 
+from contract.api.rewards import RewardTestResult
 from contract.reward_types import RewardError, RewardUnavailable
 from outbound.rewards import RemoteRewardConfig, RewardItem, test_endpoint
 from outbound.rewards.errors import RewardEndpointGrpcError, RewardEndpointHTTPError
 from service.kit.config import get_settings
 from service.kit.db import utcnow
 from service.kit.errors import DomainError
-from service.rewards.schemas import RewardTestItem, RewardTestResult
+from service.rewards.schemas import RewardTestItem
 from service.rewards.service import get_reward_function, previous_secret_in_overlap, run_blocking
 
 TEST_JOB_ID = "test"

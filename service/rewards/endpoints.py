@@ -2,26 +2,27 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from fastapi import APIRouter, Response
 
-from fastapi import APIRouter, Query, Response
-
+from contract.api.rewards import (
+    RewardFunctionList,
+    RewardFunctionOut,
+    RewardFunctionWithSecret,
+    RewardTestResult,
+)
 from service.kit.deps import SessionDep
+from service.kit.paging import RESOURCES, Limit
 from service.kit.params import Cursor, PathId
 from service.rewards import dry_run, service
 from service.rewards.schemas import (
     RewardFunctionCreate,
-    RewardFunctionList,
-    RewardFunctionOut,
-    RewardFunctionWithSecret,
     RewardTestRequest,
-    RewardTestResult,
+    reward_function_out,
+    reward_function_with_secret,
 )
 from service.tenants.auth import CurrentTenant
 
 router = APIRouter(tags=["reward functions"])
-
-Limit = Annotated[int, Query(ge=1, le=100, description="Page size.")]
 
 
 @router.post(
@@ -39,17 +40,17 @@ def create_reward_function(
     body: RewardFunctionCreate, session: SessionDep, tenant: CurrentTenant
 ) -> RewardFunctionWithSecret:
     """Register a remote reward endpoint. The response carries `signing_secret`, shown only here."""
-    return RewardFunctionWithSecret.from_row(service.create_reward_function(session, tenant.tenant_id, body))
+    return reward_function_with_secret(service.create_reward_function(session, tenant.tenant_id, body))
 
 
 @router.get("/reward-functions", response_model=RewardFunctionList)
 def list_reward_functions(
-    session: SessionDep, tenant: CurrentTenant, limit: Limit = 20, after: Cursor = None
+    session: SessionDep, tenant: CurrentTenant, limit: Limit = RESOURCES.default, after: Cursor = None
 ) -> RewardFunctionList:
     """The tenant's reward functions, newest first (cursor pagination). Never includes secrets."""
     rows, has_more = service.list_reward_functions(session, tenant.tenant_id, limit=limit, after=after)
     return RewardFunctionList(
-        data=[RewardFunctionOut.from_row(r) for r in rows],
+        data=[reward_function_out(r) for r in rows],
         has_more=has_more,
         next_after=rows[-1].id if has_more and rows else None,
     )
@@ -59,7 +60,7 @@ def list_reward_functions(
 def get_reward_function(
     reward_function_id: PathId, session: SessionDep, tenant: CurrentTenant
 ) -> RewardFunctionOut:
-    return RewardFunctionOut.from_row(
+    return reward_function_out(
         service.get_reward_function(session, tenant.tenant_id, reward_function_id)
     )
 
@@ -78,7 +79,7 @@ def rotate_secret(
     """Issue a new signing secret (returned once). Until `previous_secret_expires_at`
     (GRPO_SECRET_ROTATION_OVERLAP_SECONDS, default 24 h) requests carry signatures with both the new and the
     replaced secret, so the endpoint can switch to the new one at any time within that window."""
-    return RewardFunctionWithSecret.from_row(
+    return reward_function_with_secret(
         service.rotate_secret(session, tenant.tenant_id, reward_function_id)
     )
 

@@ -1,14 +1,18 @@
-"""Request/response models of the reward-function registry."""
+"""Requests of the reward-function registry, and its responses (shapes in contract.api.rewards) built from rows."""
 
 from __future__ import annotations
 
 import json
 import re
 from datetime import UTC, datetime
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from contract.api.rewards import (
+    RewardFunctionOut,
+    RewardFunctionWithSecret,
+)
 from contract.dataset_format import MAX_COLUMN_NAME_CHARS, MAX_COLUMNS
 from contract.fields import HeaderValue, Text
 from outbound.rewards.grpc_source import metadata_problem
@@ -134,74 +138,6 @@ def redact_headers(headers: dict[str, str]) -> dict[str, str]:
     return dict.fromkeys(headers, REDACTED)
 
 
-def overlap_end(until: datetime | None) -> datetime | None:
-    """A rotation's overlap end while it lasts (a past one is not shown)."""
-    return until if until is not None and until > datetime.now(UTC) else None
-
-
-class RewardFunctionOut(BaseModel):
-    id: str = Field(examples=["rf_01J9Z3M4T6V8X0Z2B4D6F8H0K2"])
-    name: str
-    url: str
-    timeout_s: float
-    max_batch_size: int
-    max_concurrency: int
-    headers: dict[str, str] = Field(description="The configured header names; every value is shown as <redacted>.")
-    max_attempts: int
-    backoff_s: float
-    breaker_threshold: int
-    step_deadline_s: float
-    max_abstain_fraction: float
-    created_at: datetime
-    updated_at: datetime
-    previous_secret_expires_at: datetime | None = Field(
-        None,
-        description="After a rotation: until when requests are signed with the replaced secret too (both "
-        "signatures in webhook-signature). None when no overlap is running.",
-    )
-
-    @classmethod
-    def from_row(cls, row: RewardFunction) -> RewardFunctionOut:
-        return cls(
-            id=row.id,
-            name=row.name,
-            url=row.url,
-            timeout_s=row.timeout_s,
-            max_batch_size=row.max_batch_size,
-            max_concurrency=row.max_concurrency,
-            headers=redact_headers(dict(row.headers)),
-            max_attempts=row.max_attempts,
-            backoff_s=row.backoff_s,
-            breaker_threshold=row.breaker_threshold,
-            step_deadline_s=row.step_deadline_s,
-            max_abstain_fraction=row.max_abstain_fraction,
-            created_at=row.created_at,
-            updated_at=row.updated_at,
-            previous_secret_expires_at=overlap_end(row.previous_secret_expires_at),
-        )
-
-
-class RewardFunctionWithSecret(RewardFunctionOut):
-    """Returned by create and rotate-secret only: the one time the signing secret is shown."""
-
-    signing_secret: str = Field(
-        description="Standard Webhooks secret ('whsec_' + base64 key): verify the webhook-signature "
-        "header of every request with it. Shown only now.",
-        examples=["whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"],
-    )
-
-    @classmethod
-    def from_row(cls, row: RewardFunction) -> RewardFunctionWithSecret:
-        return cls(**RewardFunctionOut.from_row(row).model_dump(), signing_secret=row.signing_secret)
-
-
-class RewardFunctionList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[RewardFunctionOut]
-    has_more: bool
-    next_after: str | None = Field(description="Pass as `after` to get the next (older) page.")
-
-
 # --- dry run (POST /v1/reward-functions/{id}/test) -------------------------------------------------------
 
 MAX_TEST_ITEMS = 64
@@ -249,6 +185,30 @@ class RewardTestRequest(BaseModel):
     )
 
 
-class RewardTestResult(BaseModel):
-    rewards: list[float | None] = Field(description="One per item, in order; null where the endpoint abstained.")
-    latency_ms: float = Field(description="Wall time of the one signed call (no retries), name resolution included.")
+def overlap_end(until: datetime | None) -> datetime | None:
+    """A rotation's overlap end while it lasts (a past one is not shown)."""
+    return until if until is not None and until > datetime.now(UTC) else None
+
+
+def reward_function_out(row: RewardFunction) -> RewardFunctionOut:
+    return RewardFunctionOut(
+        id=row.id,
+        name=row.name,
+        url=row.url,
+        timeout_s=row.timeout_s,
+        max_batch_size=row.max_batch_size,
+        max_concurrency=row.max_concurrency,
+        headers=redact_headers(dict(row.headers)),
+        max_attempts=row.max_attempts,
+        backoff_s=row.backoff_s,
+        breaker_threshold=row.breaker_threshold,
+        step_deadline_s=row.step_deadline_s,
+        max_abstain_fraction=row.max_abstain_fraction,
+        created_at=row.created_at,
+        updated_at=row.updated_at,
+        previous_secret_expires_at=overlap_end(row.previous_secret_expires_at),
+    )
+
+
+def reward_function_with_secret(row: RewardFunction) -> RewardFunctionWithSecret:
+    return RewardFunctionWithSecret(**reward_function_out(row).model_dump(), signing_secret=row.signing_secret)

@@ -21,6 +21,7 @@ from service.kit.config import get_settings
 from service.kit.db import utcnow
 from service.kit.errors import NotFound, UrlNotAllowed
 from service.kit.ids import new_id
+from service.kit.paging import page
 from service.rewards import repository
 from service.rewards.models import RewardFunction
 from service.rewards.schemas import RewardFunctionCreate
@@ -103,7 +104,7 @@ def list_reward_functions(
 ) -> tuple[Sequence[RewardFunction], bool]:
     """A page, newest first, and whether more follow."""
     rows = repository.list_page(session, tenant_id, limit=limit + 1, after=after)
-    return rows[:limit], len(rows) > limit
+    return page(rows, limit)
 
 
 def delete_reward_function(session: Session, tenant_id: str, rf_id: str) -> None:

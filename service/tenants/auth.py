@@ -106,12 +106,10 @@ async def authenticate_on_loop(bearer_token: str | None, address: str | None = N
     lookup runs on a thread, one per key at a time.
 
     Why: every key's cache entry expires after GRPO_AUTH_CACHE_SECONDS. With each request looking the key up
-    on its own, a busy client's requests in the milliseconds after expiry all queued a lookup (measured in
-    `bench/api_load.py`'s open loop at 1900 req/s: p99 37-42 ms with the 5 s default against 8-14 ms with
-    the cache never expiring). Now concurrent misses of one key await one lookup, and a key in use is
+    on its own, a busy client's requests in the milliseconds after expiry would all queue a lookup, and
+    those lookups set the p99 latency. So concurrent misses of one key await one lookup, and a key in use is
     looked up again in the background shortly before its entry expires, while the entry still answers; the
-    entry itself still expires on time, so a revocation made elsewhere is honoured within the setting as
-    before.
+    entry itself still expires on time, so a revocation made elsewhere is honoured within the setting.
 
     A key not in that cache is refused without a query when the database refused it within
     GRPO_AUTH_NEGATIVE_CACHE_SECONDS, and `address` (the client's) may start at most
@@ -190,8 +188,8 @@ class _BearerTenant(HTTPBearer):
     """The HTTP bearer scheme, resolved to the caller's tenant in the same dependency.
 
     Subclassing HTTPBearer keeps OpenAPI's security scheme (FastAPI documents any HTTPBearer dependency) while
-    routes resolve one dependency instead of a tenant dependency on top of HTTPBearer's: measured in-process
-    on the polled `GET /v1/jobs/{id}`, each dependency level costs about a tenth of the request's CPU.
+    routes resolve one dependency instead of a tenant dependency on top of HTTPBearer's: on the polled
+    `GET /v1/jobs/{id}`, each dependency level costs about a tenth of the request's CPU.
     Async so that a cached key costs no thread-pool hop (see `authenticate_on_loop`).
     """
 

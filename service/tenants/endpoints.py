@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from fastapi import APIRouter, Response
 
-from fastapi import APIRouter, Query, Response
-
+from contract.api.api_keys import ApiKeyList, ApiKeyWithSecret
 from service.kit.deps import SessionDep
 from service.kit.openapi import error_responses
+from service.kit.paging import RESOURCES, Limit
 from service.kit.params import Cursor, PathId
 from service.tenants import service
 from service.tenants.auth import AdminTenant
-from service.tenants.schemas import ApiKeyCreate, ApiKeyList, ApiKeyOut, ApiKeyWithSecret
+from service.tenants.schemas import ApiKeyCreate, api_key_out, api_key_with_secret
 
 router = APIRouter(tags=["api keys"])
 
@@ -29,7 +29,7 @@ def create_api_key(body: ApiKeyCreate, session: SessionDep, tenant: AdminTenant)
     row, token = service.create_api_key_for(
         session, tenant.tenant_id, name=body.name, scopes=body.scopes, expires_at=body.expires_at
     )
-    return ApiKeyWithSecret.from_new(row, token)
+    return api_key_with_secret(row, token)
 
 
 @router.get(
@@ -39,15 +39,12 @@ def create_api_key(body: ApiKeyCreate, session: SessionDep, tenant: AdminTenant)
     responses=error_responses(401, 403, 422),
 )
 def list_api_keys(
-    session: SessionDep,
-    tenant: AdminTenant,
-    limit: Annotated[int, Query(ge=1, le=100, description="Page size.")] = 20,
-    after: Cursor = None,
+    session: SessionDep, tenant: AdminTenant, limit: Limit = RESOURCES.default, after: Cursor = None
 ) -> ApiKeyList:
     """Every key of your tenant, revoked and expired ones included (see `revoked_at`, `expires_at`)."""
     rows, has_more = service.list_api_keys(session, tenant.tenant_id, limit=limit, after=after)
     return ApiKeyList(
-        data=[ApiKeyOut.from_row(r) for r in rows], has_more=has_more, next_after=rows[-1].id if has_more else None
+        data=[api_key_out(r) for r in rows], has_more=has_more, next_after=rows[-1].id if has_more else None
     )
 
 

@@ -17,6 +17,7 @@ from sqlalchemy.orm import Session
 from service.kit.db import on_commit, utcnow
 from service.kit.errors import Conflict, NotFound, ValidationFailed
 from service.kit.ids import new_id
+from service.kit.paging import page
 from service.tenants import repository
 from service.tenants.models import ApiKey, Tenant
 from service.tenants.scopes import ALL_SCOPES, normalize_scopes
@@ -104,8 +105,7 @@ def create_api_key_for(
 
 def list_api_keys(session: Session, tenant_id: str, *, limit: int, after: str | None) -> tuple[Sequence[ApiKey], bool]:
     """The tenant's keys, revoked and expired ones included, newest first."""
-    rows = repository.list_api_keys(session, tenant_id, limit=limit + 1, after=after)
-    return rows[:limit], len(rows) > limit
+    return page(repository.list_api_keys(session, tenant_id, limit=limit + 1, after=after), limit)
 
 
 def revoke_api_key(session: Session, tenant_id: str, key_id: str) -> ApiKey:

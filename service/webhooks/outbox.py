@@ -41,17 +41,6 @@ HEALTH_EVENT = "health"
 EVAL_PREFIX = "eval/"
 
 ANNOUNCED_STATES = ("queued", "running", "paused", "succeeded", "failed", "cancelled")
-EVENT_TYPES = (
-    "job.queued",
-    "job.running",
-    "job.checkpoint_saved",
-    "job.eval_completed",
-    "job.health",
-    "job.paused",
-    "job.succeeded",
-    "job.failed",
-    "job.cancelled",
-)
 
 
 def webhook_event_type(type_: str, data: dict[str, Any]) -> str | None:

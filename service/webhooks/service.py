@@ -16,6 +16,7 @@ from service.kit.config import get_settings
 from service.kit.db import utcnow
 from service.kit.errors import NotFound
 from service.kit.ids import new_id
+from service.kit.paging import page
 from service.rewards.service import check_registration_url, new_signing_secret, rotation_overlap_end
 from service.webhooks import repository
 from service.webhooks.models import WebhookDelivery, WebhookEndpoint
@@ -65,7 +66,7 @@ def list_webhooks(
     session: Session, tenant_id: str, *, limit: int, after: str | None
 ) -> tuple[Sequence[WebhookEndpoint], bool]:
     rows = repository.list_endpoints(session, tenant_id, limit=limit + 1, after=after)
-    return rows[:limit], len(rows) > limit
+    return page(rows, limit)
 
 
 def delete_webhook(session: Session, tenant_id: str, webhook_id: str) -> None:
@@ -79,4 +80,4 @@ def list_deliveries(
     """The endpoint's deliveries, newest first: what was sent, how often, and the last error."""
     get_webhook(session, tenant_id, webhook_id)
     rows = repository.list_deliveries(session, webhook_id, limit=limit + 1, after=after)
-    return rows[:limit], len(rows) > limit
+    return page(rows, limit)

@@ -124,9 +124,39 @@ class TestNormalizeThenSum:
         expected = [(x - mean) / (std + 1e-4) for x in summed]
         assert advantages.tolist() == pytest.approx([expected[0], expected[1], 0.0, expected[2]], rel=1e-5)
 
+    def test_groups_outside_the_batch_leave_its_statistics_alone(self) -> None:
+        # A third group (a dynamic-sampling filler) with spread on each source but outside the batch:
+        # the first two groups get exactly the advantages they get alone, the filler 0.
+        rewards = torch.tensor([self.first, self.second]).T  # (4, 2)
+        filler = torch.tensor([[5.0, 0.0], [0.0, 9.0]])
+        alone = decoupled_advantages(rewards, torch.tensor([1.0, 0.5]), 2, std="unbiased")
+        with_filler = decoupled_advantages(
+            torch.cat([rewards, filler]), torch.tensor([1.0, 0.5]), 2, std="unbiased",
+            in_batch=torch.tensor([True, True, False]),
+        )
+        assert with_filler.tolist() == pytest.approx(alone.tolist() + [0.0, 0.0], rel=1e-6)
+
     def test_shapes_are_checked(self) -> None:
         with pytest.raises(ValueError, match="weights"):
             decoupled_advantages(torch.zeros(4, 2), torch.ones(3), 2)
+        with pytest.raises(ValueError, match="one flag per group"):
+            decoupled_advantages(torch.zeros(4, 2), torch.ones(2), 2, in_batch=torch.ones(4, dtype=torch.bool))
+
+
+class TestGroupsOutsideTheBatch:
+    def test_batch_std_counts_only_the_batchs_groups(self) -> None:
+        # Groups of 2: [0, 2] is in the batch, the flat filler [5, 5] is not (it would lower the std).
+        advantages, _ = group_advantages(
+            torch.tensor([0.0, 2.0, 5.0, 5.0]), 2, scale="batch", std="unbiased", in_batch=torch.tensor([True, False])
+        )
+        std = statistics.stdev([0.0, 2.0])
+        assert advantages.tolist() == pytest.approx([-1 / (std + 1e-4), 1 / (std + 1e-4), 0.0, 0.0], rel=1e-6)
+
+    def test_a_group_outside_the_batch_gets_zero(self) -> None:
+        advantages, group_std = group_advantages(torch.tensor([0.0, 2.0, 1.0, 3.0]), 2, in_batch=torch.tensor([False, True]))
+        assert advantages[:2].tolist() == [0.0, 0.0]
+        assert advantages[2:].tolist() == pytest.approx([-1 / (1 + 1e-4), 1 / (1 + 1e-4)])
+        assert group_std.tolist() == [1.0, 1.0]  # the metric still describes every group
 
 
 class TestValidation:

@@ -13,7 +13,7 @@ from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsW
 
 from contract.config import GRPOConfig
 from worker.grpo import fast_decoder, rollout, static_decoder
-from worker.grpo.cpu_threads import intra_op_threads
+from worker.grpo.concurrency import intra_op_threads
 from worker.grpo.logprobs import completion_logprobs
 
 P, C = 9, 11  # prompt and completion lengths of the hand-made batch

@@ -114,13 +114,15 @@ class TestCompletionLogprobs:
 
 
 class TestChunkedHead:
-    """The LM head + selective log-softmax in chunks (large vocabularies) equals the whole computation."""
+    """The fused LM head + selective log-softmax, in one chunk or several (large vocabularies), equals
+    torch's log_softmax through autograd, values, entropy and gradients."""
 
     @pytest.mark.parametrize(
         ("dtype", "tolerance"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)], ids=["fp32", "bf16"]
     )
-    def test_chunks_match_the_whole_head_with_gradients(
-        self, monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, tolerance: float
+    @pytest.mark.parametrize("chunk_rows", [4, 100], ids=["6-chunks", "one-chunk"])
+    def test_matches_log_softmax_with_gradients(
+        self, monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, tolerance: float, chunk_rows: int
     ) -> None:
         gen = torch.Generator().manual_seed(0)
         hidden = torch.randn(3, 7, 16, generator=gen).to(dtype).requires_grad_(True)
@@ -136,10 +138,16 @@ class TestChunkedHead:
             grads = torch.autograd.grad((logps * upstream).sum(), [hidden, weight, bias])
             return logps, entropy, list(grads)
 
-        monkeypatch.setattr(logprobs, "HEAD_CHUNK_ELEMENTS", 50 * 4)  # 4 rows per chunk, 6 chunks
+        def reference() -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+            logp_all = torch.log_softmax((hidden @ weight.T + bias).div(0.7).float(), dim=-1)  # (3, 7, 50)
+            logps = logp_all.gather(-1, targets[..., None]).squeeze(-1)
+            entropy = -(logp_all.exp() * logp_all).sum(-1).detach()
+            grads = torch.autograd.grad((logps * upstream).sum(), [hidden, weight, bias])
+            return logps, entropy, list(grads)
+
+        monkeypatch.setattr(logprobs, "HEAD_CHUNK_ELEMENTS", 50 * chunk_rows)
         chunked = run()
-        monkeypatch.setattr(logprobs, "HEAD_CHUNK_ELEMENTS", 2**24)  # one chunk: plain autograd
-        whole = run()
+        whole = reference()
         torch.testing.assert_close(chunked[0], whole[0], atol=tolerance, rtol=tolerance)
         assert chunked[1] is not None and whole[1] is not None
         torch.testing.assert_close(chunked[1], whole[1], atol=tolerance, rtol=tolerance)

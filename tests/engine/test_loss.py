@@ -45,7 +45,12 @@ HAND = {
 
 
 def run(
-    loss_type: str, *, beta: float = 0.0, ref: torch.Tensor | None = None, **overrides: Any
+    loss_type: str,
+    *,
+    beta: float = 0.0,
+    ref: torch.Tensor | None = None,
+    bias_correction: bool = True,
+    **overrides: Any,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """grpo_loss on `batch()` with some inputs replaced."""
     inputs = {**batch(), **overrides}
@@ -55,7 +60,7 @@ def run(
         ref,
         inputs["advantages"],
         inputs["mask"],
-        settings(loss_type, beta=beta),
+        settings(loss_type, beta=beta, use_bias_correction_kl=bias_correction),
         step_tokens=overrides.get("step_tokens"),
     )
 
@@ -113,7 +118,7 @@ class TestKL:
         kl_ln2 = 2 - math.log(2) - 1  # exp(d) - d - 1 at d = ln 2
         kl_minus_ln2 = 0.5 + math.log(2) - 1
         token_kl = kl_ln2 + 0 + kl_minus_ln2 + 0 + kl_ln2
-        loss, stats = run("bnpo", beta=0.1, ref=inputs["logps"] + delta)
+        loss, stats = run("bnpo", beta=0.1, ref=inputs["logps"] + delta, bias_correction=False)
         assert stats["kl"] == pytest.approx(token_kl / 5)
         assert loss.item() == pytest.approx(HAND["bnpo"] + 0.1 * token_kl / 5, abs=1e-6)
 

@@ -17,6 +17,7 @@ import pytest
 import torch
 import yaml
 
+from contract.reward_types import RewardInput
 from tests.engine.test_loss import EPS, EPS_HIGH, HAND, batch
 from tests.engine.trainer_helpers import small_config, spread_reward, trainer_kwargs, word_rows
 from worker.grpo.checkpoint import latest_checkpoint, load_checkpoint
@@ -202,8 +203,60 @@ class TestOffPolicyMask:
         inputs = batch()
         ref = inputs["logps"] - 0.5  # k3 at ref - logp = -0.5 on each of the 5 tokens
         kl = math.exp(-0.5) + 0.5 - 1
-        loss, _ = run("bnpo", off_policy_mask_threshold=0.2, beta=0.1, ref=ref)
+        loss, _ = run("bnpo", off_policy_mask_threshold=0.2, beta=0.1, ref=ref, use_bias_correction_kl=False)
         assert loss.item() == pytest.approx((sum(CLIPPED[0]) + 0.1 * 5 * kl) / 5, abs=1e-6)
+
+
+class TestBiasCorrectionKL:
+    """use_bias_correction_kl: KL_t times the ratio r_t (differentiable). ref - logp = ln 2, 0, -ln 2 on
+    row 0 and 0, ln 2 on row 1 give k3 = A, 0, B and 0, A with A = 1 - ln 2, B = ln 2 - 1/2."""
+
+    A, B = 1 - math.log(2), math.log(2) - 0.5
+    D = torch.tensor([[math.log(2), 0.0, -math.log(2)], [0.0, math.log(2), 50.0]])  # 50 in the pad slot
+
+    def kl_run(self, loss_type: str = "bnpo", **fields: Any) -> tuple[torch.Tensor, dict]:
+        return run(loss_type, beta=0.1, ref=batch()["logps"] + self.D, **fields)
+
+    def test_each_tokens_kl_is_weighted_by_its_ratio(self) -> None:
+        # r = 1.5, 1.0, 0.9 / 0.5, 1.1: 1.5 A + 0.9 B + 1.1 A over 5 tokens (plain k3: 2 A + B).
+        corrected = (2.6 * self.A + 0.9 * self.B) / 5
+        loss, stats = self.kl_run()
+        assert stats["kl"] == pytest.approx(corrected, abs=1e-6)
+        assert loss.item() == pytest.approx(sum(map(sum, CLIPPED)) / 5 + 0.1 * corrected, abs=1e-6)
+        plain, plain_stats = self.kl_run(use_bias_correction_kl=False)
+        assert plain_stats["kl"] == pytest.approx((2 * self.A + self.B) / 5, abs=1e-6)
+
+    def test_gradient_on_policy_gains_the_kl_value(self) -> None:
+        # r = 1 in value; d(r k3)/dlogp = k3 + (1 - e^d) against the plain 1 - e^d, e^d = 2, 1, 1/2.
+        inputs = batch()
+        on_policy = {"step_tokens": 5}
+        for correction, extra in ((True, [self.A, 0.0, self.B, 0.0, self.A]), (False, [0.0] * 5)):
+            logps = inputs["logps"].clone().requires_grad_(True)
+            settings = LossSettings(loss_type="bnpo", beta=0.1, use_bias_correction_kl=correction)
+            loss, stats = grpo_loss(
+                logps, None, inputs["logps"] + self.D, inputs["advantages"], inputs["mask"], settings, **on_policy
+            )
+            loss.backward()
+            assert logps.grad is not None
+            grad = logps.grad[inputs["mask"].bool()].tolist()
+            # policy: -A_i r / 5 (on-policy nothing clips): -1/5 on row 0, +0.5/5 on row 1.
+            policy = [-0.2, -0.2, -0.2, 0.1, 0.1]
+            kl = [(1 - e) + x for e, x in zip([2.0, 1.0, 0.5, 1.0, 2.0], extra, strict=True)]
+            assert grad == pytest.approx([p + 0.1 * k / 5 for p, k in zip(policy, kl, strict=True)], abs=1e-6)
+            assert stats["kl"] == pytest.approx((2 * self.A + self.B) / 5, abs=1e-6)  # r = 1: same value
+
+    def test_sequence_level_weights_every_token_by_the_sequence_ratio(self) -> None:
+        w0, w1 = TestSequenceLevel.W0, TestSequenceLevel.W1
+        loss, stats = self.kl_run("grpo", importance_sampling_level="sequence")
+        kl = (w0 * (self.A + self.B) / 3 + w1 * self.A / 2) / 2  # per-sequence means, then the mean
+        assert loss.item() == pytest.approx((-w0 + 0.4) / 2 + 0.1 * kl, abs=1e-6)
+        assert stats["kl"] == pytest.approx((w0 * (self.A + self.B) + w1 * self.A) / 5, abs=1e-6)
+
+    def test_the_weight_is_the_ratio_before_deltas_cap(self) -> None:
+        # A = -1 on row 0: delta 1.3 caps the policy term's r = 1.5, not the KL weight.
+        loss, _ = self.kl_run(advantages=[-1.0, 0.5], delta=1.3)
+        policy = 1.3 + 1.0 + 0.9 - 0.25 - 0.55
+        assert loss.item() == pytest.approx((policy + 0.1 * (2.6 * self.A + 0.9 * self.B)) / 5, abs=1e-6)
 
 
 class TestTopEntropyQuantile:
@@ -303,6 +356,7 @@ TRAINER_CASES: dict[str, tuple[dict[str, Any], set[str]]] = {
     "entropy_bonus": ({"entropy_coef": 0.01}, {"policy_loss", "entropy_coef"}),
     "adaptive": ({"use_adaptive_entropy": True, "entropy_target": 100.0}, {"policy_loss", "entropy_coef"}),
     "gdpo": ({"multi_objective_aggregation": "normalize_then_sum"}, set()),
+    "bias_correction_kl": ({"beta": 0.04, "use_bias_correction_kl": True, "num_iterations": 2}, {"kl"}),
 }
 
 
@@ -363,7 +417,9 @@ LEARNING_CASES: dict[str, dict[str, Any]] = {
     "vespo": {"loss_type": "vespo", "num_iterations": 2},
     "off_policy_mask": {"off_policy_mask_threshold": 0.05, "num_iterations": 2},
     # Only the top half of tokens by entropy train: the answer's first token drops out as it sharpens.
-    "top_entropy_quantile": {"top_entropy_quantile": 0.5, "max_steps": 30},
+    # Without the KL (beta 0, TRL's default): its bias-corrected gradient acts on every token, and on
+    # the tokens out of the policy loss it only pulls them back to the reference (it stalled this run).
+    "top_entropy_quantile": {"top_entropy_quantile": 0.5, "max_steps": 30, "beta": 0.0},
     "entropy_coef": {"entropy_coef": 0.01},
     "adaptive_entropy": {
         "use_adaptive_entropy": True,
@@ -372,6 +428,8 @@ LEARNING_CASES: dict[str, dict[str, Any]] = {
         "entropy_coef_max": 0.03,
     },
     "normalize_then_sum": {"multi_objective_aggregation": "normalize_then_sum"},
+    # beta 0.04 (examples/tiny.yaml); a second pass so the ratio that weights the KL moves off 1.
+    "bias_correction_kl": {"use_bias_correction_kl": True, "num_iterations": 2},
 }
 
 
@@ -445,6 +503,55 @@ def test_normalize_then_sum_reaches_the_trained_batch(tmp_path: Path, models_dir
     assert std > 0, texts
     expected = [(x - mean) / (std + 1e-4) for x in summed]
     assert [s["advantage"] for s in samples] == pytest.approx(expected, rel=1e-4, abs=1e-5)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"multi_objective_aggregation": "normalize_then_sum"}, {"scale_rewards": "batch"}],
+    ids=["normalize_then_sum", "scale_rewards_batch"],
+)
+def test_dynamic_sampling_fillers_stay_out_of_the_batch_statistics(
+    tmp_path: Path, models_dir: Path, options: dict[str, Any]
+) -> None:
+    """The first round's group 0 is flat on both sources (a filler: no refill round), group 1 has
+    spread: the trained advantages are those of group 1 alone, the filler's are 0."""
+
+    def spread(item: RewardInput) -> float:
+        return 3.0 if item.group_id == 0 else float(sum(map(ord, item.completion)) % 17)
+
+    def length(item: RewardInput) -> float:
+        return 1.0 if item.group_id == 0 else float(len(item.completion))
+
+    reward = CompositeReward([(FunctionSource("spread", spread), 1.0), (FunctionSource("length", length), 0.5)])
+    samples: list[dict[str, Any]] = []
+    config = small_config(
+        max_steps=1, dynamic_sampling=True, max_resample_rounds=0, advantage_std="unbiased",
+        log_completions_every=1, log_completions_count=8, **options,
+    )
+    GRPOTrainer(
+        config,
+        train_rows=word_rows(),
+        reward=reward,
+        on_metrics=lambda step, metrics, logged: samples.extend(logged),
+        **trainer_kwargs(tmp_path, models_dir),
+    ).train()
+    live, filler = samples[:4], samples[4:]  # groups with spread come first in the trained batch
+    assert [s["reward"] for s in filler] == [3.5] * 4
+    assert [s["advantage"] for s in filler] == [0.0] * 4
+    texts = [s["completion"] for s in live]
+    if "scale_rewards" in options:
+        totals = [s["reward"] for s in live]
+        centred = [t - statistics.mean(totals) for t in totals]
+        summed, batch_std = centred, statistics.stdev(totals)  # the batch is this one group
+    else:
+        summed = [0.0] * 4
+        for values, weight in (([float(sum(map(ord, t)) % 17) for t in texts], 1.0), ([float(len(t)) for t in texts], 0.5)):
+            mean, std = statistics.mean(values), statistics.stdev(values)
+            summed = [x + (0.0 if std == 0 else weight * (v - mean) / (std + 1e-4)) for x, v in zip(summed, values, strict=True)]
+        centred = [x - statistics.mean(summed) for x in summed]
+        batch_std = statistics.stdev(summed)
+    assert batch_std > 0, texts
+    assert [s["advantage"] for s in live] == pytest.approx([c / (batch_std + 1e-4) for c in centred], rel=1e-4, abs=1e-5)
 
 
 @pytest.mark.parametrize("entropy_coef", [0.0, 0.1])

@@ -148,7 +148,7 @@ def test_roundtrip_loss_options() -> None:
                 "max_steps": 1, "loss_type": "luspo", "importance_sampling_level": "sequence", "delta": 2.5,
                 "off_policy_mask_threshold": 0.5, "top_entropy_quantile": 0.2, "entropy_coef": 0.01,
                 "use_adaptive_entropy": True, "entropy_target": 1.5, "entropy_coef_max": 0.1,
-                "multi_objective_aggregation": "normalize_then_sum",
+                "multi_objective_aggregation": "normalize_then_sum", "beta": 0.04, "use_bias_correction_kl": False,
             },
         }
     )
@@ -173,3 +173,18 @@ def test_inconsistent_loss_options_are_invalid_argument() -> None:
         job_spec_from_proto(message)
     assert err.value.details[0]["field"] == "spec.hyperparameters"
     assert "importance_sampling_level 'sequence' needs loss_type" in err.value.message
+
+
+@pytest.mark.parametrize("clip_max", [None, 2.0])
+def test_roundtrip_vllm_options(clip_max: float | None) -> None:
+    _roundtrip(
+        {
+            "base_model": "builtin:tiny", "train_dataset": "d", "rewards": [{"type": "builtin", "name": "exact_match"}],
+            "hyperparameters": {
+                "max_steps": 1, "use_vllm": True, "vllm_gpu_memory_utilization": 0.5, "vllm_enable_sleep_mode": True,
+                "vllm_max_model_length": 2048, "vllm_importance_sampling_correction": False,
+                "vllm_importance_sampling_mode": "token_mask", "vllm_importance_sampling_clip_min": 0.5,
+                "vllm_importance_sampling_clip_max": clip_max,
+            },
+        }
+    )

@@ -59,8 +59,8 @@ OPERATIONS: list[tuple[str, ModuleType, str, tuple[ModuleType, ...], str]] = [
     ("DELETE /v1/api-keys/{api_key_id}", api_keys_rest, "ApiKeyService.RevokeApiKey", (api_keys_grpc,), "service.revoke_api_key"),
 ]
 # The tar archive is a REST convenience for browsers and curl; gRPC clients use DownloadCheckpoint.
-# The plot is a PNG for browsers (gRPC clients plot GetJobMetrics). Webhook registration is REST-only
-# for now (issue 6): it configures HTTP callbacks, which gRPC clients can register over REST too.
+# The plot is a PNG for browsers (gRPC clients plot GetJobMetrics). Webhook registration is REST-only:
+# it configures HTTP callbacks, which gRPC clients can register over REST too.
 REST_ONLY = {
     "GET /v1/checkpoints/{checkpoint_id}/archive",
     "GET /v1/jobs/{job_id}/plot.png",

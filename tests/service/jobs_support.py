@@ -97,7 +97,7 @@ def make_dataset(tenant_id: str) -> str:
 
 
 def start_job(job_id: str) -> int:
-    """What the worker's claim does (issue 4): queued -> running with attempt + 1. Returns the attempt."""
+    """What the worker's claim does: queued -> running with attempt + 1. Returns the attempt."""
     with session_scope() as session:
         job = get_job_any_tenant(session, job_id, for_update=True)
         assert job is not None

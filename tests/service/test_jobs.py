@@ -8,7 +8,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from service.jobs.repository import get_job_any_tenant
-from service.jobs.schemas import JobOut
+from service.jobs.schemas import job_out
 from service.kit.db import session_scope
 from tests.service.factories import TenantHeaders
 from tests.service.jobs_support import (
@@ -67,6 +67,21 @@ class TestCreateJob:
         body = create(client, tenant_a, hyperparameters={"max_steps": 10, **options})
         assert {k: body["spec"]["hyperparameters"][k] for k in options} == options
 
+    def test_vllm_options_are_accepted_and_echoed(
+        self, client: TestClient, tenant_a: TenantHeaders, recording_queue: RecordingQueue
+    ) -> None:
+        options = {
+            "use_vllm": True,
+            "vllm_gpu_memory_utilization": 0.5,
+            "vllm_enable_sleep_mode": True,
+            "vllm_max_model_length": 1024,
+            "vllm_importance_sampling_mode": "token_truncate",
+            "vllm_importance_sampling_clip_min": 0.5,
+            "vllm_importance_sampling_clip_max": None,
+        }
+        body = create(client, tenant_a, hyperparameters={"max_steps": 10, **options})
+        assert {k: body["spec"]["hyperparameters"][k] for k in options} == options
+
     def test_hub_model_goes_to_the_gpu_queue(
         self, client: TestClient, tenant_a: TenantHeaders, recording_queue: RecordingQueue
     ) -> None:
@@ -120,6 +135,15 @@ class TestCreateJob:
             ({"rewards": []}, "body.rewards"),
             ({"hyperparameters": {"max_steps": 5, "loss_type": "luspo"}}, "body.hyperparameters"),
             ({"hyperparameters": {"max_steps": 5, "top_entropy_quantile": 1.5}}, "body.hyperparameters.top_entropy_quantile"),
+            ({"hyperparameters": {"max_steps": 5, "vllm_importance_sampling_mode": "token"}},
+             "body.hyperparameters.vllm_importance_sampling_mode"),
+            ({"hyperparameters": {"max_steps": 5, "vllm_gpu_memory_utilization": 1.5}},
+             "body.hyperparameters.vllm_gpu_memory_utilization"),
+            ({"hyperparameters": {"max_steps": 5, "use_vllm": True, "generation": "beam"}}, "body.hyperparameters"),
+            (
+                {"hyperparameters": {"max_steps": 5, "use_bias_correction_kl": "sometimes"}},
+                "body.hyperparameters.use_bias_correction_kl",
+            ),
             ({"base_model": "builtin:huge"}, "body.base_model"),
             ({"unknown": 1}, "body.unknown"),
         ],
@@ -201,7 +225,7 @@ class TestGetJob:
         assert got["error"] == {"code": "reward_endpoint_unavailable", "message": "down"}
         assert got["metadata"] == {"team": "a"}
         # The same rendering as from the ORM entity the write paths return.
-        assert got == JobOut.from_row(load_job(job_id)).model_dump(mode="json")
+        assert got == job_out(load_job(job_id)).model_dump(mode="json")
 
 
 class TestControl:

@@ -1,4 +1,4 @@
-"""Acceptance 2: the `grpo` CLI, run as a user would (subprocesses, GRPO_API_URL/GRPO_API_KEY), drives a live
+"""The `grpo` CLI, run as a user would (subprocesses, GRPO_API_URL/GRPO_API_KEY), drives a live
 `grpo serve` through upload -> register -> create -> watch -> list -> download, and the checkpoint loads."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Acceptance 3: the Python client covers every REST endpoint, and works against the real app.
+"""The Python client covers every REST endpoint, and works against the real app.
 
 - Coverage is checked by introspection: every /v1 route of `create_app()` (method + path template) must be
   reached by a `_calls` builder that the client class actually uses, or by a client method that talks to

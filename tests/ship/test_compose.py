@@ -1,4 +1,4 @@
-"""Acceptance 6: docker-compose.yml and the Dockerfile stay in step with the CLI, the settings and the Makefile.
+"""docker-compose.yml and the Dockerfile stay in step with the CLI, the settings and the Makefile.
 
 No Docker engine runs here, so the files are parsed: every service the issue names exists, health checks and
 the GPU reservation are in place, and every `grpo ...` command (compose `command`, Dockerfile `CMD`) resolves

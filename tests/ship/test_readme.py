@@ -1,4 +1,4 @@
-"""Acceptance 7: the README's commands are the ones the Makefile and CI run (no drift), and every setting is
+"""The README's commands are the ones the Makefile and CI run (no drift), and every setting is
 documented in it as its GRPO_* environment variable."""
 
 from __future__ import annotations

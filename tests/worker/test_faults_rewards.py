@@ -1,4 +1,4 @@
-"""Reward endpoint faults as the job sees them (issue 4, acceptance 5), through real processes: `grpo serve`
+"""Reward endpoint faults as the job sees them, through real processes: `grpo serve`
 with its embedded worker, a real signed reward server on loopback with injected faults.
 
 - 500s and timeouts are retried: the job succeeds and the retries are job events; a flaky endpoint (30 % 5xx,

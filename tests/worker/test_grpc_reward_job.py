@@ -1,4 +1,4 @@
-"""A job whose reward is a gRPC endpoint trains to completion (issue 5, acceptance 5).
+"""A job whose reward is a gRPC endpoint trains to completion.
 
 Real processes: `grpo serve` with its embedded worker on SQLite, the engine on `builtin:tiny`, and a real
 gRPC reward server on loopback that verifies the Standard Webhooks signature of every call (metadata over

@@ -1,4 +1,4 @@
-"""GrpcRewardSource against real loopback gRPC reward servers that verify every signature (issue 5 #5).
+"""GrpcRewardSource against real loopback gRPC reward servers that verify every signature.
 
 The same behaviours as the HTTP client's tests (tests/worker/test_reward_client.py), over the gRPC wire:
 signing as metadata, batching and concurrency, retries of UNAVAILABLE / DEADLINE_EXCEEDED /

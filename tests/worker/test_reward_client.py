@@ -1,4 +1,4 @@
-"""RemoteRewardSource against real loopback reward servers with injected faults (acceptance 5, 7)."""
+"""RemoteRewardSource against real loopback reward servers with injected faults."""
 
 from __future__ import annotations
 

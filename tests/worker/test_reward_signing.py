@@ -1,4 +1,4 @@
-"""Standard Webhooks signing between the client and the user helper (acceptance 6)."""
+"""Standard Webhooks signing between the client and the user helper."""
 
 from __future__ import annotations
 

@@ -12,8 +12,8 @@ from fastapi.testclient import TestClient
 from sqlalchemy import update
 
 from client.sdk import GRPOClient, JobProgress
+from contract.api.jobs import EventOut
 from service.jobs.models import Job
-from service.jobs.schemas import EventOut
 from service.jobs.states import JobStatus
 from service.kit.config import Settings
 from service.kit.db import session_scope, utcnow

@@ -1,4 +1,4 @@
-"""SSRF policy (acceptance 7): syntax at registration, every resolved address at call time."""
+"""SSRF policy: syntax at registration, every resolved address at call time."""
 
 from __future__ import annotations
 
@@ -14,11 +14,13 @@ from outbound.urlpolicy import (
     parse_ip_literal,
     resolve_and_check,
 )
+from service.kit.errors import UrlNotAllowed
+from service.rewards.service import check_registration_url
 
 PUBLIC_V4 = "93.184.215.14"
 PUBLIC_V6 = "2606:2800:21f:cb07:6820:80da:af6b:8b2c"
 
-# Every literal form of a forbidden address that acceptance 7 names, plus the IPv6 disguises of them.
+# Every literal form of a forbidden address (loopback, private, link-local, metadata...), plus their IPv6 disguises.
 FORBIDDEN_LITERALS = [
     "https://127.0.0.1/score",
     "https://127.1/score",
@@ -109,12 +111,16 @@ class TestCheckUrlSyntaxProduction:
         )
         assert check_url_syntax(f"https://[{PUBLIC_V6}]/", allow_private=False) == f"https://[{PUBLIC_V6}]/"
 
-    def test_error_is_a_422_domain_error(self) -> None:
+    def test_error_names_the_problem_and_registration_makes_it_a_422(self) -> None:
         with pytest.raises(UrlRejected) as info:
             check_url_syntax("https://10.1.2.3/", allow_private=False)
-        assert info.value.http_status == 422
         assert info.value.code == "url_rejected"
         assert "private" in info.value.message
+        with pytest.raises(UrlNotAllowed) as domain:
+            check_registration_url("https://10.1.2.3/", allow_private=False)
+        assert domain.value.http_status == 422
+        assert domain.value.code == "url_rejected"
+        assert domain.value.message == info.value.message
 
 
 class TestCheckUrlSyntaxDevelopment:

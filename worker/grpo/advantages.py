@@ -1,4 +1,4 @@
-"""Group-relative advantages: each completion's reward compared with its siblings' (GRPO, seed 004).
+"""Group-relative advantages: each completion's reward compared with its siblings' (GRPO).
 
 A_i = (r_i - mean(group)) / (std + eps), one value per completion, shared by all its tokens.
 https://arxiv.org/abs/2402.03300 (DeepSeekMath, section 4.1.2).
@@ -15,7 +15,7 @@ from contract.config import AdvantageStd, ScaleRewards
 def _nan_std(values: Tensor, mean: Tensor, count: Tensor, std: AdvantageStd) -> Tensor:
     """NaN-ignoring std along the last dim given its NaN-ignoring mean and count of valid values.
 
-    population divides by n (the GRPO paper's, seed 004), unbiased by n - 1 (TRL's nanstd).
+    population divides by n (the GRPO paper's, https://arxiv.org/abs/2402.03300), unbiased by n - 1 (TRL's nanstd).
     Fewer values than the estimator needs (0, or 1 for unbiased) give NaN.
     """
     squared = (values - mean.unsqueeze(-1)).square().nansum(dim=-1)
@@ -30,6 +30,7 @@ def group_advantages(
     scale: ScaleRewards = "group",
     std: AdvantageStd = "population",
     eps: float = 1e-4,
+    in_batch: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Advantages (N,) and per-group reward std (N / G,) for rewards (N,) in contiguous groups of G.
 
@@ -39,6 +40,8 @@ def group_advantages(
       advantage 0.
     - A group whose valid rewards are all equal (or that has fewer than two) gets exactly 0, not
       the rounding residue of (r - mean) / eps: it carries no learning signal.
+    - in_batch: (N / G,) bool, the groups that make up the batch (default all). The others (dynamic
+      sampling's fillers, outside the loss) get advantage 0 and do not count in the batch std.
 
     The returned group std (population or unbiased, as chosen) is 0 for such groups, for the
     `frac_zero_std_groups` and `reward/std` metrics. Statistics are computed in float64 and the
@@ -53,6 +56,7 @@ def group_advantages(
     if std not in ("population", "unbiased"):
         raise ValueError(f"std must be 'population' or 'unbiased', got {std!r}")
     out_dtype = rewards.dtype if rewards.is_floating_point() else torch.float32
+    in_batch = _groups_in_batch(in_batch, rewards.numel() // group_size)  # (num_groups,)
 
     grouped = rewards.double().view(-1, group_size)  # (num_groups, G)
     valid = ~grouped.isnan()  # (num_groups, G)
@@ -70,16 +74,26 @@ def group_advantages(
     if scale == "group":
         advantages = centred / (group_std.unsqueeze(1) + eps)
     elif scale == "batch":
-        flat = grouped.reshape(1, -1)
-        batch_count = valid.sum().reshape(1)
+        flat = grouped[in_batch].reshape(1, -1)
+        batch_count = valid[in_batch].sum().reshape(1)
         batch_mean = flat.nansum(dim=1) / batch_count.clamp(min=1)
         batch_std = _nan_std(flat, batch_mean, batch_count, std).nan_to_num(0.0)  # (1,)
         advantages = centred / (batch_std + eps)
     else:
         advantages = centred
 
-    advantages = torch.where(flat_group.unsqueeze(1) | ~valid, torch.zeros_like(advantages), advantages)
+    no_signal = flat_group.unsqueeze(1) | ~valid | ~in_batch.unsqueeze(1)  # (num_groups, G)
+    advantages = torch.where(no_signal, torch.zeros_like(advantages), advantages)
     return advantages.reshape(-1).to(out_dtype), group_std.to(out_dtype)
+
+
+def _groups_in_batch(in_batch: Tensor | None, num_groups: int) -> Tensor:
+    """(num_groups,) bool: `in_batch` checked, or every group."""
+    if in_batch is None:
+        return torch.ones(num_groups, dtype=torch.bool)
+    if in_batch.shape != (num_groups,):
+        raise ValueError(f"in_batch must be ({num_groups},), one flag per group, got {tuple(in_batch.shape)}")
+    return in_batch.bool().cpu()
 
 
 def decoupled_advantages(
@@ -89,6 +103,7 @@ def decoupled_advantages(
     *,
     std: AdvantageStd = "population",
     eps: float = 1e-4,
+    in_batch: Tensor | None = None,
 ) -> Tensor:
     """GDPO's normalize_then_sum (https://arxiv.org/abs/2601.05242), as TRL computes it: advantages (N,).
 
@@ -98,6 +113,8 @@ def decoupled_advantages(
     2. the weighted normalised values are summed per completion (abstentions ignored);
     3. the sums are normalised once more over the whole batch: (x - mean) / (std + eps).
     A completion every source abstained on gets 0. Statistics in float64.
+    in_batch: (N / G,) bool, the groups that make up the batch (default all); the others (dynamic
+    sampling's fillers, outside the loss) get 0 and are left out of step 3's mean and std.
     """
     if rewards_per_source.dim() != 2 or weights.shape != rewards_per_source.shape[1:]:
         raise ValueError(
@@ -105,6 +122,7 @@ def decoupled_advantages(
             f"and {tuple(weights.shape)}"
         )
     num_sources = rewards_per_source.shape[1]
+    groups_in = _groups_in_batch(in_batch, rewards_per_source.shape[0] // group_size)
     # One column per source: group_advantages does step 1 (group std, zero-spread groups -> 0, NaN -> 0).
     per_source = torch.stack(
         [
@@ -115,7 +133,7 @@ def decoupled_advantages(
     )  # (N, F)
     abstained = rewards_per_source.isnan()  # (N, F)
     summed = (per_source * weights.double().unsqueeze(0)).sum(dim=1)  # (N,); abstentions contributed 0
-    scorable = ~abstained.all(dim=1)  # (N,)
+    scorable = ~abstained.all(dim=1) & groups_in.repeat_interleave(group_size)  # (N,)
     values = summed[scorable]
     if values.numel() == 0:
         return torch.zeros(rewards_per_source.shape[0], dtype=torch.float32)

@@ -1,19 +1,16 @@
 """The data of one GRPO step between phases, and the pure functions over it.
 
 Kept apart from the trainer so `worker.grpo.trainer` reads as the loop itself: these are the
-containers (`Scored`, `StepBatch`), the background event loop that scores rewards, and the
-helpers that build reward inputs, pick groups for dynamic sampling and compute step metrics.
+containers (`Generated`, `Scored`, `StepBatch`, `MiniBatchResult`) and the helpers that build
+reward inputs, pick groups for dynamic sampling and compute step metrics.
 """
 
 from __future__ import annotations
 
-import asyncio
 import math
-import threading
-from collections.abc import Coroutine
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -23,7 +20,14 @@ from worker.grpo.data import PromptRow
 from worker.grpo.modeling import merge_groups
 from worker.grpo.rollout import Rollout
 
-T = TypeVar("T")
+
+@dataclass
+class Generated:
+    """One round of generation, before scoring. Rows are grouped: group g is rows g*G .. g*G + G - 1."""
+
+    rollout: Rollout
+    rows: list[PromptRow]  # one per group
+    prompts: list[str]  # rendered prompt, one per group
 
 
 @dataclass
@@ -59,21 +63,16 @@ class StepBatch:
         return None if self.reference is None else self.reference.result()
 
 
-class EventLoopThread:
-    """An asyncio loop on a daemon thread: reward scoring runs there while torch works here."""
+@dataclass
+class MiniBatchResult:
+    """What one mini-batch's forward, loss and backward report to the optimisation pass."""
 
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, name="grpo-rewards", daemon=True)
-        self._thread.start()
-
-    def submit(self, coro: Coroutine[Any, Any, T]) -> Future[T]:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop)
-
-    def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(timeout=10)
-        self.loop.close()
+    loss: float  # this mini-batch's share of the step's loss
+    stats: dict[str, float]  # grpo_loss's statistics of this mini-batch
+    entropy_sum: float | None  # entropy summed over its completion tokens; first pass only
+    # (B, C) the trainer's log-probs under the weights that sampled, when another engine sampled (vLLM);
+    # first pass only: the step's sampling-correction metrics
+    sampled_by: Tensor | None = None
 
 
 def reward_inputs(rollout: Rollout, rows: list[PromptRow], prompts: list[str]) -> list[RewardInput]:

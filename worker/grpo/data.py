@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from contract.dataset_format import DatasetIssue, JsonlValidator, Prompt
+from contract.dataset_format import DatasetIssue, JsonlValidator, Prompt, prompt_column
 
 
 class DatasetError(ValueError):
@@ -45,7 +45,7 @@ def parse_jsonl_lines(lines: Iterable[bytes | str], *, source: str = "<lines>") 
     for raw in lines:
         row = validator.feed(raw)
         if row is not None:
-            prompt = row.pop("prompt")
+            prompt = row.pop(prompt_column(row) or "prompt")
             rows.append(PromptRow(prompt=prompt, extras=row))
     summary = validator.finish()
     if not summary.ok:

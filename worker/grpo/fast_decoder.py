@@ -1,4 +1,6 @@
-"""A lean functional forward of Llama-family decoders for the hot paths of a GRPO step.
+"""A lean functional forward of Llama-family decoders for the hot paths of a GRPO step: the weights
+gathered once (`DecoderFunctional`) and the full-sequence forward the log-probs and the training
+step run. Incremental decoding for the sampling loop builds on it in `worker.grpo.static_decoder`.
 
 Why: on small models `transformers`' module-per-op forward (and `generate()`'s per-token
 machinery: DynamicCache concatenation, logits processors, stopping criteria) costs far more than
@@ -8,9 +10,7 @@ and one gate/up matmul per layer (weights concatenated, so gradients still reach
 parameters), LoRA adapters as one low-rank product per fused matmul (x @ W^T + s * (x @ A^T) @ B^T,
 the A of q, k and v stacked and the scaled B block-diagonal), rotary embeddings as one complex
 multiply (the q and k rows of each head are permuted so that RoPE's (i, i + D/2) pairs sit side by
-side: attention scores are unchanged, since q and k share the permutation), `F.rms_norm`, and for
-generation a preallocated KV cache written in place, with the adapters merged into the weights
-once per rollout (`worker.grpo.static_decoder`).
+side: attention scores are unchanged, since q and k share the permutation) and `F.rms_norm`.
 
 Covered (`supports`): `LlamaForCausalLM` (any GQA ratio, any rope_type, attention/MLP biases),
 `Qwen2ForCausalLM` (q/k/v biases), `Qwen3ForCausalLM` (per-head q/k RMSNorm) and

@@ -158,6 +158,10 @@ def _train(job: LocalJob, console: Console) -> int:
 
     from worker.grpo.rewards import build_reward_sources
     from worker.grpo.trainer import GRPOTrainer
+    from worker.grpo.vllm_rollout import VLLMUnavailable, vllm_installed
+
+    if job.spec.hyperparameters.use_vllm and not vllm_installed():
+        raise LocalJobError(str(VLLMUnavailable()))
 
     transformers.utils.logging.disable_progress_bar()
     transformers.utils.logging.set_verbosity_error()

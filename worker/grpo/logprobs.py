@@ -12,6 +12,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 from transformers import PreTrainedModel
 
 from worker.grpo import fast_decoder
@@ -117,8 +118,8 @@ def completion_logprobs(
 
 
 # Logits per chunk of the LM head (elements): 256 MiB in float32. Up to that the logits are made at
-# once and autograd keeps them (as TRL keeps all of them); above it they are never whole, at the
-# price of recomputing each chunk's logits in backward (see _ChunkedHeadLogprobs): one more head
+# once and kept for backward (as exponentials, see _HeadLogprobs; TRL keeps all of them too); above
+# it they are never whole, at the price of recomputing each chunk's logits in backward: one more head
 # matmul, about a quarter more FLOPs for a 32k vocabulary on a 256-wide, 6-layer model. A step of
 # 32 completions x 48 tokens with a 32k vocabulary (49M logits) stays in one chunk.
 HEAD_CHUNK_ELEMENTS = 2**26
@@ -140,29 +141,32 @@ def head_logprobs(
 
     Memory stays within one chunk of HEAD_CHUNK_ELEMENTS logits however many rows there are: large
     vocabularies would otherwise hold (rows, V) logits and their gradient at once. The entropy bonus
-    needs the whole logits' graph, so with `entropy_grad` the head runs unchunked.
+    needs the whole logits' graph, so with `entropy_grad` the head runs unchunked through autograd.
     """
     rows = hidden.reshape(-1, hidden.shape[-1])  # (R, E)
     flat_targets = targets.reshape(-1)  # (R,)
-    chunk = max(1, HEAD_CHUNK_ELEMENTS // weight.shape[0])
-    if rows.shape[0] <= chunk or (with_entropy and entropy_grad):
-        logits = F.linear(rows, weight, bias)
-        if temperature != 1.0:
-            logits = logits / temperature
+    entropy: Tensor | None
+    if with_entropy and entropy_grad:
+        logits = _tempered(rows, weight, bias, temperature)
         logps = selective_log_softmax(logits, flat_targets)
-        entropy = entropy_from_logits(logits if entropy_grad else logits.detach()) if with_entropy else None
+        entropy = entropy_from_logits(logits)
     else:
-        logps, entropy = _ChunkedHeadLogprobs.apply(
-            rows, weight, bias, flat_targets, temperature, chunk, with_entropy
-        )
+        chunk = max(1, HEAD_CHUNK_ELEMENTS // weight.shape[0])
+        logps, entropy = _HeadLogprobs.apply(rows, weight, bias, flat_targets, temperature, chunk, with_entropy)
     return logps.reshape(targets.shape), None if entropy is None else entropy.reshape(targets.shape)
 
 
-class _ChunkedHeadLogprobs(torch.autograd.Function):
-    """The LM head and the selective log-softmax over row chunks, recomputing each chunk's logits in
-    backward instead of keeping them (one more head matmul per chunk; the memory no longer grows
-    with rows x V). Rounding follows the unchunked path: logits in the weights' dtype, divided by
-    the temperature there, then float32."""
+class _HeadLogprobs(torch.autograd.Function):
+    """The LM head and the selective log-softmax (and the entropy, as a metric) in one function.
+
+    Per row, with x = logits - max and e = exp(x), s = sum(e): logp[t] = x[t] - log s, entropy =
+    log s - sum(e x) / s, and d logp[t] / d logits = onehot(t) - e / s. Autograd's graph of the same
+    (logsumexp, gather, a row slice) makes about ten full-size (rows, V) passes and temporaries in
+    forward and backward; here e is made in place of the logits and turned into the gradient in
+    place, two passes beside the matmuls. Up to `chunk` rows e is kept for backward (the memory
+    autograd would keep for the logits); with more rows it is recomputed chunk by chunk in backward
+    (one more head matmul), so memory no longer grows with rows x V. Rounding follows the autograd
+    path: logits in the weights' dtype, divided by the temperature there, then float32."""
 
     @staticmethod
     def forward(  # type: ignore[override]
@@ -176,27 +180,27 @@ class _ChunkedHeadLogprobs(torch.autograd.Function):
         with_entropy: bool,
     ) -> tuple[Tensor, Tensor | None]:
         logps = torch.empty(rows.shape[0], dtype=torch.float32, device=rows.device)
-        lse = torch.empty_like(logps)
+        log_sum = torch.empty_like(logps)  # log s: the logsumexp less the row's max
         entropy = torch.empty_like(logps) if with_entropy else None
+        kept: tuple[Tensor, ...] = ()
         for start in range(0, rows.shape[0], chunk):
             part = slice(start, start + chunk)
-            logits = _tempered(rows[part], weight, bias, temperature).float()  # (r, V)
-            lse[part] = torch.logsumexp(logits, dim=-1)
-            logps[part] = logits.gather(-1, targets[part, None]).squeeze(-1) - lse[part]
-            if entropy is not None:
-                logits -= lse[part, None]  # log-probs, in place (the chunk's only full-size buffer)
-                entropy[part] = -(logits.exp() * logits).sum(-1)
-        ctx.save_for_backward(rows, weight, bias, targets, lse)
+            exps, log_sum[part], chosen = _exp_logits(rows[part], weight, bias, targets[part], temperature, entropy, part)
+            logps[part] = chosen - log_sum[part]
+            if rows.shape[0] <= chunk:
+                kept = (exps,)
+        ctx.save_for_backward(rows, weight, bias, targets, log_sum, *kept)
         ctx.temperature, ctx.chunk = temperature, chunk
         if entropy is not None:
             ctx.mark_non_differentiable(entropy)
         return logps, entropy
 
     @staticmethod
+    @once_differentiable
     def backward(  # type: ignore[override]
         ctx: Any, grad_logps: Tensor, _grad_entropy: Tensor | None
     ) -> tuple[Tensor | None, ...]:
-        rows, weight, bias, targets, lse = ctx.saved_tensors
+        rows, weight, bias, targets, log_sum, *kept = ctx.saved_tensors
         need_rows, need_weight, need_bias = ctx.needs_input_grad[:3]
         grad_rows = torch.empty_like(rows) if need_rows else None
         # float32 sums over the chunks, whatever the weights' dtype (as one matmul would accumulate)
@@ -204,22 +208,53 @@ class _ChunkedHeadLogprobs(torch.autograd.Function):
         grad_bias = torch.zeros_like(bias) if need_bias else None
         for start in range(0, rows.shape[0], ctx.chunk):
             part = slice(start, start + ctx.chunk)
-            logits = _tempered(rows[part], weight, bias, ctx.temperature).float()  # (r, V)
-            # d logp[t] / d logits = onehot(t) - softmax(logits)
-            grad = (logits - lse[part, None]).exp_().mul_(-grad_logps[part, None])
-            grad.scatter_add_(-1, targets[part, None], grad_logps[part, None])
+            if kept:
+                exps = kept[0]
+            else:
+                exps, _, _ = _exp_logits(rows[part], weight, bias, targets[part], ctx.temperature, None, part)
+            # onehot(t) - e / s, times the incoming gradient, in place of e (the saved one is used once)
+            upstream = grad_logps[part, None]  # (r, 1)
+            grad = exps.mul_(-upstream * torch.exp(-log_sum[part, None]))
+            grad.scatter_add_(-1, targets[part, None], upstream)
             grad = grad.to(rows.dtype)
             if ctx.temperature != 1.0:
                 grad = grad / ctx.temperature
             if grad_rows is not None:
                 grad_rows[part] = grad @ weight
-            if grad_weight is not None:
+            if grad_weight is not None and grad.dtype == torch.float32:
+                grad_weight.addmm_(grad.t(), rows[part])  # accumulates in the matmul: no temporary
+            elif grad_weight is not None:
                 grad_weight += (grad.t() @ rows[part]).float()
             if grad_bias is not None:
                 grad_bias += grad.sum(0)
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
         return grad_rows, grad_weight, grad_bias, None, None, None, None
+
+
+def _exp_logits(
+    rows: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    targets: Tensor,
+    temperature: float,
+    entropy: Tensor | None,
+    part: slice,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """For rows (r, E): e = exp(logits - max) (r, V) float32, made in place of the logits, log s (r,)
+    and the targets' x = logits - max (r,); fills entropy[part] when given."""
+    logits = _tempered(rows, weight, bias, temperature).float()  # (r, V), a fresh tensor
+    shifted = logits.sub_(logits.amax(dim=-1, keepdim=True))  # x, in place
+    chosen = shifted.gather(-1, targets[:, None]).squeeze(-1)  # (r,)
+    if entropy is None:
+        exps = shifted.exp_()
+        sums = exps.sum(dim=-1)
+    else:
+        exps = shifted.exp()
+        sums = exps.sum(dim=-1)
+        weighted = shifted.mul_(exps).sum(dim=-1)  # sum(e x) per row, in place of x (no longer needed)
+        entropy[part] = sums.log() - weighted / sums
+    return exps, sums.log(), chosen
 
 
 def _tempered(rows: Tensor, weight: Tensor, bias: Tensor | None, temperature: float) -> Tensor:

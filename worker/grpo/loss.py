@@ -1,19 +1,23 @@
 """The GRPO objective: a policy-gradient term with a group-relative advantage, plus a k3 KL penalty.
 
 Notation per token t of completion i: ratio r = pi / pi_old (token level; with importance
-sampling level "sequence", GSPO's one ratio per completion, exp(mean_t log r_t)), A_i the
-completion's advantage, KL_t = exp(ref - logp) - (ref - logp) - 1 (Schulman's k3, >= 0).
+sampling level "sequence", GSPO's one ratio per completion, exp(mean_t log r_t),
+https://arxiv.org/abs/2507.18071), A_i the completion's advantage, KL_t = exp(ref - logp) - (ref - logp) - 1
+(Schulman's k3 estimator, >= 0, http://joschu.net/blog/kl-approx.html).
 Per-token policy term by `loss_type` (TRL 1.16's names and definitions):
 
     grpo, bnpo, dr_grpo, dapo, luspo   -min(min(r, delta) * A, clip(r, 1 - eps, 1 + eps_high) * A)
-                                       (delta only when set: INTELLECT-2's two-sided clipping)
+                                       (delta only when set: INTELLECT-2's two-sided clipping,
+                                       https://arxiv.org/abs/2505.07291)
     cispo   -stopgrad(min(r, eps_high)) * A * logp            (MiniMax-M1, https://arxiv.org/abs/2506.13585)
     sapo    -(4 / tau) * sigmoid(tau * (r - 1)) * A           (tau by the sign of A, https://arxiv.org/abs/2511.20347)
     vespo   -stopgrad(phi(w)) * A * logp, phi(w) = e^lambda w^k e^(-lambda w), w = prod_t r_t
                                        (k, lambda by the sign of A, https://arxiv.org/abs/2602.10693)
 
 Then, in this order: the off-policy sequence mask and the high-entropy token mask multiply the
-policy term, beta * KL_t is added, and the per-token loss is aggregated:
+policy term, beta * KL_t is added (times r, differentiable, with `use_bias_correction_kl`: the
+unbiased reverse-KL gradient of DeepSeek-V3.2, https://arxiv.org/abs/2512.02556), and the per-token
+loss is aggregated:
 
     grpo, sapo          mean over each sequence's tokens, then mean over sequences (DeepSeekMath)
     bnpo                token mean over the mini-batch
@@ -53,6 +57,7 @@ class LossSettings:
     epsilon: float = 0.2
     epsilon_high: float = 0.2  # resolved: GRPOConfig.clip_high
     beta: float = 0.0
+    use_bias_correction_kl: bool = True
     max_completion_length: int = 256
     importance_sampling_level: ImportanceSamplingLevel = "token"
     delta: float | None = None
@@ -73,6 +78,7 @@ class LossSettings:
             epsilon=config.epsilon,
             epsilon_high=config.clip_high,
             beta=config.beta,
+            use_bias_correction_kl=config.use_bias_correction_kl,
             max_completion_length=config.max_completion_length,
             importance_sampling_level=config.importance_sampling_level,
             delta=config.delta,
@@ -166,6 +172,7 @@ def grpo_loss(
     num_mini_batches: int = 1,
     entropies: Tensor | None = None,
     entropy_coef: float = 0.0,
+    is_weights: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """Scalar loss for one mini-batch (ready for backward) and detached statistics.
 
@@ -179,6 +186,8 @@ def grpo_loss(
     entropies: (B, C) per-token entropy of the current policy, needed for the high-entropy mask
         and the entropy bonus (with grad for the bonus). entropy_coef: the bonus's coefficient now
         (the adaptive controller's value, or 0 while it holds the bonus off).
+    is_weights: (B, C) or (B, 1) detached importance-sampling weights pi_old / pi_sampler when another
+        engine sampled the batch (worker.grpo.sampling_correction); they scale the policy term, not the KL.
 
     Stats (means over masked tokens, or over sequences at sequence level): kl, ratio_mean;
     clip_ratio/low (A < 0 and r < 1 - eps), clip_ratio/high (A > 0 and r > 1 + eps_high),
@@ -214,6 +223,7 @@ def grpo_loss(
         log_weight = log_ratio  # (B, C)
     ratio = torch.exp(log_weight)  # (B, C), or (B, 1) at sequence level
     adv = advantages.to(logps.dtype).unsqueeze(1)  # (B, 1): the sequence's advantage on every token
+    kl_weight = ratio  # the bias correction's factor: the ratio before delta's cap (as TRL)
     stats: dict[str, float] = {}
 
     # --- per-token policy term ---------------------------------------------------------------------
@@ -254,11 +264,15 @@ def grpo_loss(
         policy = policy * token_keep
         bonus_mask = mask * token_keep
         stats["entropy_mask/kept_fraction"] = float(token_keep.sum() / mask.sum().clamp(min=1.0))
+    if is_weights is not None:
+        policy = policy * is_weights  # the sampler's distribution, corrected towards pi_old (as TRL)
     per_token = policy.expand_as(logps)  # (B, C): a sequence-level term is the same on each token
 
     kl: Tensor | None = None
     if ref_logps is not None:
         kl = k3_kl(logps, torch.where(keep, ref_logps, logps.detach()))  # (B, C), 0 where masked
+        if s.use_bias_correction_kl:
+            kl = kl * kl_weight  # (B, C); a sequence-level (B, 1) ratio on each of its tokens
         if s.beta > 0:
             per_token = per_token + s.beta * kl  # added per token, before aggregation (as TRL)
     stats["kl"] = 0.0 if kl is None else _masked_mean(kl.detach(), mask)

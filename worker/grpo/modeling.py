@@ -223,6 +223,9 @@ def merge_groups(parts: list[tuple[Rollout, int]], pad_id: int) -> Rollout:
         is_truncated=torch.cat([r.is_truncated[_group_rows(r, g)] for r, g in parts]),
         completion_texts=[text for r, g in parts for text in r.completion_texts[_group_rows(r, g)]],
         group_size=parts[0][0].group_size,
+        sampler_logps=(
+            None if parts[0][0].sampler_logps is None else gather("sampler_logps", completion_width, 0, False)
+        ),
     )
 
 

@@ -1,4 +1,5 @@
-"""A reward source backed by a sequence-classification model scoring prompt + completion (seed 001).
+"""A reward source backed by a sequence-classification model scoring prompt + completion (a reward model
+as in the GRPO paper's RL setup, https://arxiv.org/abs/2402.03300).
 
 The score is ``logits[:, 0]``, as TRL does for a reward model. Inference runs in a worker thread
 (`asyncio.to_thread`) so the event loop keeps serving the other, possibly remote, sources meanwhile.

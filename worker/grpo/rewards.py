@@ -24,6 +24,7 @@ from contract.spec import (
     BoxedAnswerParams,
     BuiltinRewardSpec,
     ExactMatchParams,
+    GraderRewardSpec,
     LengthPenaltyParams,
     ModelRewardSpec,
     RegexMatchParams,
@@ -31,6 +32,7 @@ from contract.spec import (
     RewardSpec,
     compile_user_pattern,
 )
+from outbound.graders import ChatFactory, GraderSource
 
 __all__ = [
     "CompositeReward",
@@ -314,12 +316,14 @@ def build_reward_sources(
     remote: Callable[[RemoteRewardSpec], RewardSource] | None = None,
     device: str = "cpu",
     model_paths: Mapping[str, str] | None = None,
+    chat: ChatFactory | None = None,
 ) -> CompositeReward:
     """Build the composite for a job's `rewards` list.
 
     Built-ins and reward models are built here (models on `device`, loaded from `model_paths[spec.model]`
     when given: the service resolves checkpoint: and builtin: sources); remote specs are built by
-    `remote`, the worker's client factory. A remote spec without one is a `RewardError`.
+    `remote`, the worker's client factory. A remote spec without one is a `RewardError`. Graders are built
+    here too; their score_model parts call a chat endpoint through `chat`, the worker's chat client factory.
     """
     sources: list[tuple[RewardSource, float]] = []
     for spec in specs:
@@ -336,6 +340,8 @@ def build_reward_sources(
             if remote is None:
                 raise RewardError(spec.source_name, "remote reward sources need a client, and none was given")
             source = remote(spec)
+        elif isinstance(spec, GraderRewardSpec):
+            source = GraderSource(spec.source_name, spec.parsed, chat=chat)
         else:  # pragma: no cover - the discriminated union admits nothing else
             raise TypeError(f"unknown reward spec {spec!r}")
         sources.append((source, spec.weight))

@@ -27,7 +27,7 @@ from transformers import DynamicCache, GenerationConfig, PreTrainedModel, PreTra
 
 from contract.config import GRPOConfig
 from worker.grpo import fast_decoder, static_decoder
-from worker.grpo.cpu_threads import SideThread, intra_op_threads
+from worker.grpo.concurrency import SideThread, intra_op_threads
 
 
 def render_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str | list[dict[str, str]]) -> str:
@@ -53,6 +53,9 @@ class Rollout:
     is_truncated: Tensor  # (N,) bool, no EOS within max_completion_length
     completion_texts: list[str]  # decoded with skip_special_tokens=True, for rewards only
     group_size: int  # G
+    # (N, C) float32 log-probs of the sampled tokens under the engine that sampled them (0 after EOS),
+    # when that engine is not the policy itself (vLLM); None for the native rollout.
+    sampler_logps: Tensor | None = None
 
     @property
     def input_ids(self) -> Tensor:
@@ -125,7 +128,7 @@ def _generation_config(
         "use_cache": True,
     }
     if config.generation == "beam":
-        # G beams returned per prompt: distinct sequences by construction (seed 001).
+        # G beams returned per prompt: distinct sequences by construction.
         return GenerationConfig(
             do_sample=False,
             num_beams=config.num_generations,
@@ -159,6 +162,25 @@ def completion_mask_after_eos(
     positions = torch.arange(length, device=completion_ids.device).unsqueeze(0)  # (1, C)
     mask = (positions <= first_eos.unsqueeze(1)).long()  # (N, C)
     return mask, ~has_eos
+
+
+class NativeRollout:
+    """Rollouts from the policy itself (`generate_rollout`); the other engine is
+    `worker.grpo.vllm_rollout.VLLMRollout`, with the same three methods."""
+
+    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, config: GRPOConfig) -> None:
+        self.model, self.tokenizer, self.config = model, tokenizer, config
+
+    def generate(self, prompts: list[str], *, generator_seed: int, side: SideThread | None = None) -> Rollout:
+        return generate_rollout(
+            self.model, self.tokenizer, prompts, self.config, generator_seed=generator_seed, side=side
+        )
+
+    def sync_weights(self) -> None:
+        """Nothing to do: the policy samples with its own weights."""
+
+    def close(self) -> None:
+        """Nothing to release."""
 
 
 @torch.no_grad()

@@ -141,16 +141,16 @@ class DecodeWeights:
 
 # With OpenMP's passive waiting (what `grpo` processes run with, see cli/), every parallel
 # region wakes the sleeping pool threads, which costs more than a second core saves on a decode
-# step's small matmuls. Measured on a 2-core EPYC (torch 2.13, 32 rows): one thread decodes the
-# tiny and small presets (largest decode matmul 3 and 17 MFLOP) 1.2-2.9x faster than two; two win on
+# step's small matmuls. The threshold sits between the presets on a 2-core CPU (32 rows): one
+# thread decodes tiny and small (largest decode matmul 3 and 17 MFLOP) faster than two, two win on
 # medium (90 MFLOP). Spinning (the default policy) keeps the pool awake, and every thread helps.
 _PASSIVE_PARALLEL_MIN_FLOP = 2**25
 
 
 # Two lanes (half the rows each, one thread each, on two cores) pay when each lane's largest decode
 # matmul is at least this: below it the GIL hand-offs between the lanes (a futex wake per op) cost
-# more than the second core saves. Measured as above: the small preset (8.4 MFLOP per lane of 16
-# rows) decodes 1.15x faster in two lanes than on one thread; tiny (2.1 MFLOP) 1.7x slower.
+# more than the second core saves. On the same CPU the small preset (8.4 MFLOP per lane of 16 rows)
+# decodes faster in two lanes than on one thread, tiny (2.1 MFLOP) slower.
 _LANE_MIN_FLOP = 2**22
 
 
@@ -182,8 +182,8 @@ class _DecodeLinear:
     """x @ W^T (+ b) (+ residual) for the decode step's (B, in) rows.
 
     Holds a contiguous transposed copy of W, made once per rollout, so each call is one GEMM with
-    the residual added by the GEMM itself (`addmm`). MKL's packed weights (`_mkl_linear`) were
-    measured no faster here at these row counts, and packing cost ~0.5 ms per matrix per rollout.
+    the residual added by the GEMM itself (`addmm`). MKL's packed weights (`_mkl_linear`) are no
+    faster at these row counts, and packing costs ~0.5 ms per matrix per rollout.
     """
 
     def __init__(self, weight: Tensor, bias: Tensor | None) -> None:

@@ -30,9 +30,10 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
+from contract.spec import BUILTIN_PREFIX
+
 TinyPreset = Literal["tiny", "small", "medium"]
 
-BUILTIN_PREFIX = "builtin:"
 INSTRUCT_PRESET = "tiny-instruct"  # the tiny preset after offline supervised training (worker.grpo.warm)
 
 PAD, BOS, EOS, UNK = "<pad>", "<s>", "</s>", "<unk>"

@@ -12,8 +12,9 @@ A "step" is one generation batch. With num_iterations = mu > 1 it makes mu optim
 old log-probs are the detached current ones and no extra forward pass runs (as in TRL).
 
 Model plumbing (loading, LoRA, reference, optimiser, scheduler) lives in `worker.grpo.modeling`,
-the step's data containers and metric helpers in `worker.grpo.batch`, checkpoint files in
-`worker.grpo.checkpoint`.
+the step's data containers and metric helpers in `worker.grpo.batch`, the work that runs beside
+the loop (reward scoring, the reference forward, half of decoding) in `worker.grpo.concurrency`,
+checkpoint files in `worker.grpo.checkpoint`.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import math
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import closing
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -35,7 +36,8 @@ from contract.config import GRPOConfig
 from worker.grpo.advantages import decoupled_advantages, group_advantages
 from worker.grpo.allocator import keep_freed_memory
 from worker.grpo.batch import (
-    EventLoopThread,
+    Generated,
+    MiniBatchResult,
     Scored,
     StepBatch,
     batch_metrics,
@@ -45,7 +47,7 @@ from worker.grpo.batch import (
     select_groups,
 )
 from worker.grpo.checkpoint import capture_rng_state, load_checkpoint, restore_rng_state, save_checkpoint
-from worker.grpo.cpu_threads import SideThread, completed, intra_op_threads, side_thread_helps
+from worker.grpo.concurrency import StepLanes, completed
 from worker.grpo.data import PromptRow, PromptSampler
 from worker.grpo.evaluation import greedy_metrics, pass_at_k
 from worker.grpo.health import Finding, HealthGuard, dominated_fraction
@@ -59,7 +61,9 @@ from worker.grpo.modeling import (
     seed_everything,
 )
 from worker.grpo.rewards import CompositeReward, RewardResult
-from worker.grpo.rollout import Rollout, generate_rollout, render_prompt
+from worker.grpo.rollout import NativeRollout, Rollout, generate_rollout, render_prompt
+from worker.grpo.sampling_correction import SamplingCorrection
+from worker.grpo.vllm_rollout import VLLMRollout
 
 MetricsHook = Callable[[int, dict[str, float], list[dict[str, Any]]], None]
 CheckpointHook = Callable[[int, Path, dict[str, Any]], None]
@@ -132,8 +136,10 @@ class GRPOTrainer:
             resume_dir=None if checkpoint is None else checkpoint.path,
         )
         self.loss_settings = LossSettings.from_config(config)
+        self.correction = SamplingCorrection.from_config(config)  # None unless another engine samples
         self.entropy_control = AdaptiveEntropy.from_config(config)
         self.sampler = PromptSampler(len(train_rows), seed=config.seed)
+        self.lanes = StepLanes(self.models.policy.device)  # started by train()
         self.step = 0
         self.history: list[dict[str, float]] = []
         self.evaluations: dict[int, dict[str, float]] = {}  # eval/* metrics by step (0 = before training)
@@ -141,28 +147,28 @@ class GRPOTrainer:
         self._saved_step = 0  # step of the newest checkpoint written or resumed from
         if checkpoint is not None:
             self._restore(checkpoint.trainer_state, checkpoint.path)
+        # Built from the weights just loaded (a checkpoint's when resuming); closed when train() ends.
+        self.rollouts: NativeRollout | VLLMRollout = (
+            VLLMRollout(self.models, config, self.output_dir)
+            if config.use_vllm
+            else NativeRollout(self.models.policy, self.models.tokenizer, config)
+        )
 
     # --- the loop ----------------------------------------------------------------------------
 
     def train(self) -> TrainResult:
         """Run until total_steps (or should_stop()); saves a checkpoint at the end either way."""
-        runner = EventLoopThread()
-        side = self._side_thread()
         stopped = False
-        try:
+        with self.lanes, closing(self.rollouts):
             if self.step == 0 and self._evaluates():
                 # The starting point, so every later eval has something to be compared with.
-                self._report_eval(0, self._evaluate(0, runner))
+                self._report_eval(0, self._evaluate(0))
             while self.step < self.total_steps and self.unhealthy is None:
                 if self.should_stop is not None and self.should_stop():
                     stopped = True
                     break
-                self._run_step(runner, side)
+                self._run_step()
             stopped = stopped or self.unhealthy is not None
-        finally:
-            runner.close()
-            if side is not None:
-                side.close()
         if self.step > self._saved_step:
             self._save()
         return TrainResult(
@@ -170,25 +176,22 @@ class GRPOTrainer:
             list(self.findings), self.unhealthy,
         )
 
-    def _side_thread(self) -> SideThread | None:
-        """A second CPU lane (see cpu_threads): half of a small model's decoding, and the reference
-        forward when the reference is a model of its own."""
-        if not side_thread_helps(self.models.policy.device):
-            return None
-        return SideThread()
-
-    def _run_step(self, runner: EventLoopThread, side: SideThread | None) -> None:
+    def _run_step(self) -> None:
         step = self.step + 1
         started = time.perf_counter()
         timings: dict[str, float] = {}
 
         # ===== 1. rollout: sample prompts, generate G each, score (overlapped with frozen log-probs)
-        batch = self._rollout_phase(step, runner, side, timings)
+        batch = self._rollout_phase(step, timings)
 
         # ===== 2. optimise: mu passes over mini-batches, one optimiser update per pass
         train_started = time.perf_counter()
         train_stats = self._optimise(batch)
         timings["time/train_s"] = time.perf_counter() - train_started
+        if self.config.use_vllm:
+            sync_started = time.perf_counter()
+            self.rollouts.sync_weights()  # the next rollout samples from the updated policy
+            timings["time/weight_sync_s"] = time.perf_counter() - sync_started
 
         # ===== 3. metrics, samples, eval, checkpoint
         timings["time/step_s"] = time.perf_counter() - started
@@ -205,7 +208,7 @@ class GRPOTrainer:
         )
         every = self.config.eval_every
         if every and self.eval_rows and (step % every == 0 or step == self.total_steps):
-            self.evaluations[step] = self._evaluate(step, runner)
+            self.evaluations[step] = self._evaluate(step)
             metrics.update(self.evaluations[step])
         samples = (
             sample_records(step, batch, self.config.log_completions_count)
@@ -222,41 +225,39 @@ class GRPOTrainer:
 
     # --- 1. rollout ----------------------------------------------------------------------------
 
-    def _rollout_phase(
-        self, step: int, runner: EventLoopThread, side: SideThread | None, timings: dict[str, float]
-    ) -> StepBatch:
+    def _rollout_phase(self, step: int, timings: dict[str, float]) -> StepBatch:
         timings["time/generate_s"] = 0.0
         timings["time/reward_s"] = 0.0
-        first = self._generate(step, 0, self.config.prompts_per_step, side, timings)
+        first = self._generate(step, 0, self.config.prompts_per_step, timings)
         if self.config.dynamic_sampling:
-            scored = self._score(first, step, runner, timings).result()
-            generated = self._refill(scored, step, runner, side, timings)
+            scored = self._score(first, step, timings).result()
+            generated = self._refill(scored, step, timings)
             final, in_loss = select_groups(
                 generated,
                 self.config.prompts_per_step,
                 self.config.num_generations,
                 self.models.tokenizer.pad_token_id,
             )
-            reference = self._start_reference(final.rollout, side)
+            reference = self._start_reference(final.rollout)
             old_logps = self._old_logps(final.rollout, reference)
         else:
             # Rewards do not depend on the old/reference log-probs: compute them while scoring runs.
-            pending = self._score(first, step, runner, timings)
-            reference = self._start_reference(first[0], side)
-            old_logps = self._old_logps(first[0], reference)
+            pending = self._score(first, step, timings)
+            reference = self._start_reference(first.rollout)
+            old_logps = self._old_logps(first.rollout, reference)
             final = pending.result()
             generated, in_loss = [final], torch.ones(len(final.rows), dtype=torch.bool)
-        advantages = self._advantages(final)  # (N,)
+        advantages = self._advantages(final, in_loss)  # (N,), 0 outside the loss
         loss_mask = loss_mask_for(
             final.rollout, in_loss, mask_truncated=self.config.mask_truncated_completions
         )
-        advantages = advantages.to(loss_mask.device) * in_loss.repeat_interleave(
-            self.config.num_generations
-        ).to(loss_mask.device)
+        advantages = advantages.to(loss_mask.device)
         return StepBatch(final, advantages, loss_mask, old_logps, reference, generated)
 
-    def _advantages(self, scored: Scored) -> Tensor:
-        """(N,) group-relative advantages of the scored completions, one reward or several."""
+    def _advantages(self, scored: Scored, in_loss: Tensor) -> Tensor:
+        """(N,) group-relative advantages of the scored completions, one reward or several; groups
+        outside the loss (in_loss (num_groups,) false: dynamic sampling's fillers) get 0 and stay
+        out of the batch-wide statistics."""
         config = self.config
         if config.multi_objective_aggregation == "normalize_then_sum":
             per_source = torch.tensor(
@@ -265,7 +266,12 @@ class GRPOTrainer:
             ).T  # (N, F)
             weights = torch.tensor([weight for _, weight in self.reward.sources], dtype=torch.float32)  # (F,)
             return decoupled_advantages(
-                per_source, weights, config.num_generations, std=config.advantage_std, eps=config.advantage_eps
+                per_source,
+                weights,
+                config.num_generations,
+                std=config.advantage_std,
+                eps=config.advantage_eps,
+                in_batch=in_loss,
             )
         advantages, _ = group_advantages(
             scored.rewards,
@@ -273,36 +279,22 @@ class GRPOTrainer:
             scale=config.scale_rewards,
             std=config.advantage_std,
             eps=config.advantage_eps,
+            in_batch=in_loss,
         )
         return advantages
 
-    def _generate(
-        self,
-        step: int,
-        round_index: int,
-        num_prompts: int,
-        side: SideThread | None,
-        timings: dict[str, float],
-    ) -> tuple[Rollout, list[PromptRow], list[str]]:
+    def _generate(self, step: int, round_index: int, num_prompts: int, timings: dict[str, float]) -> Generated:
         started = time.perf_counter()
         rows = [self.train_rows[i] for i in self.sampler.next_indices(num_prompts)]
         prompts = [render_prompt(self.models.tokenizer, row.prompt) for row in rows]
         # A seed per (run, step, round): sampling is reproducible across resumes whatever ran before.
         seed = (self.config.seed * 1_000_003 + step * 101 + round_index) % (2**63)
-        rollout = generate_rollout(
-            self.models.policy, self.models.tokenizer, prompts, self.config, generator_seed=seed, side=side
-        )
+        rollout = self.rollouts.generate(prompts, generator_seed=seed, side=self.lanes.side)
         timings["time/generate_s"] += time.perf_counter() - started
-        return rollout, rows, prompts
+        return Generated(rollout, rows, prompts)
 
-    def _score(
-        self,
-        generated: tuple[Rollout, list[PromptRow], list[str]],
-        step: int,
-        runner: EventLoopThread,
-        timings: dict[str, float],
-    ) -> Future[Scored]:
-        rollout, rows, prompts = generated
+    def _score(self, generated: Generated, step: int, timings: dict[str, float]) -> Future[Scored]:
+        rollout, rows, prompts = generated.rollout, generated.rows, generated.prompts
         items = reward_inputs(rollout, rows, prompts)
         group_size = self.config.num_generations
 
@@ -314,16 +306,9 @@ class GRPOTrainer:
             _, group_std = group_advantages(rewards, group_size, std=self.config.advantage_std)
             return Scored(rollout, rows, prompts, rewards, result.per_source, group_std)
 
-        return runner.submit(score())
+        return self.lanes.score(score())
 
-    def _refill(
-        self,
-        first: Scored,
-        step: int,
-        runner: EventLoopThread,
-        side: SideThread | None,
-        timings: dict[str, float],
-    ) -> list[Scored]:
+    def _refill(self, first: Scored, step: int, timings: dict[str, float]) -> list[Scored]:
         """DAPO dynamic sampling: generate more groups until prompts_per_step have reward spread (bounded)."""
         generated = [first]
         for round_index in range(1, self.config.max_resample_rounds + 1):
@@ -331,21 +316,21 @@ class GRPOTrainer:
             missing = self.config.prompts_per_step - useful
             if missing <= 0:
                 break
-            more = self._generate(step, round_index, missing, side, timings)
-            generated.append(self._score(more, step, runner, timings).result())
+            more = self._generate(step, round_index, missing, timings)
+            generated.append(self._score(more, step, timings).result())
         return generated
 
-    def _start_reference(self, rollout: Rollout, side: SideThread | None) -> Future[Tensor] | None:
-        """Reference log-probs (N, C) when beta > 0. They need only the rollout, so with a side thread
+    def _start_reference(self, rollout: Rollout) -> Future[Tensor] | None:
+        """Reference log-probs (N, C) when beta > 0. They need only the rollout, so with a side lane
         they run beside whatever comes next here (scoring, the old log-probs, the policy's forward).
         Not with a LoRA policy outside the fast path: its reference is the policy itself with the
         adapters switched off."""
         if self.config.beta == 0:
             return None
         compute = partial(self._reference_logps, rollout)
-        if side is None or not self.models.reference_runs_beside_policy(rollout.input_ids.shape[1]):
+        if self.lanes.side is None or not self.models.reference_runs_beside_policy(rollout.input_ids.shape[1]):
             return completed(compute())
-        return side.submit(compute)
+        return self.lanes.beside(compute)
 
     @torch.no_grad()
     def _reference_logps(self, rollout: Rollout) -> Tensor:
@@ -367,7 +352,7 @@ class GRPOTrainer:
         """Log-probs (N, C) of the policy before this step's updates, needed when mu > 1."""
         if self.config.num_iterations == 1:
             return None
-        with _own_core_while(reference):
+        with self.lanes.own_core_while(reference):
             return torch.cat(
                 [
                     self._logps(
@@ -393,20 +378,23 @@ class GRPOTrainer:
         slices = self._mini_batches(rollout.completion_ids.shape[0])
         step_tokens = int(batch.loss_mask.sum())
         sums: dict[str, float] = {}
-        losses, grad_norms, entropies = [], [], []
+        losses: list[float] = []
+        grad_norms: list[float] = []
+        entropy_sums: list[float] = []
+        sampled_by: list[Tensor] = []  # (B, C) per mini-batch: the trainer's log-probs of the weights that sampled
         for iteration in range(self.config.num_iterations):
             pass_loss, bonus_entropy, bonus_tokens = 0.0, 0.0, 0.0
             for rows in slices:
-                loss, stats, entropy = self._backward_mini_batch(
-                    batch, rows, len(slices), step_tokens, iteration
-                )
-                pass_loss += loss
-                bonus_entropy += stats.pop("entropy/bonus_sum", 0.0)
-                bonus_tokens += stats.pop("entropy/bonus_tokens", 0.0)
-                for key, value in stats.items():
+                result = self._backward_mini_batch(batch, rows, len(slices), step_tokens, iteration)
+                pass_loss += result.loss
+                bonus_entropy += result.stats.pop("entropy/bonus_sum", 0.0)
+                bonus_tokens += result.stats.pop("entropy/bonus_tokens", 0.0)
+                for key, value in result.stats.items():
                     sums[key] = sums.get(key, 0.0) + value
-                if entropy is not None:
-                    entropies.append(entropy)
+                if result.entropy_sum is not None:
+                    entropy_sums.append(result.entropy_sum)
+                if result.sampled_by is not None:
+                    sampled_by.append(result.sampled_by)
             grad_norms.append(self._optimizer_update())
             losses.append(pass_loss)
             if self.config.use_adaptive_entropy:
@@ -418,8 +406,13 @@ class GRPOTrainer:
             metrics["entropy_coef"] = self.entropy_control.coef  # after this step's update, as TRL logs it
         if self.config.beta == 0:
             metrics.pop("kl", None)  # no reference model: there is no KL to report
+        if self.correction is not None:
+            assert rollout.sampler_logps is not None  # another engine sampled
+            metrics.update(
+                self.correction.metrics(torch.cat(sampled_by), rollout.sampler_logps, rollout.completion_mask)
+            )
         mask = rollout.completion_mask
-        entropy_sum = sum(e[0] for e in entropies)
+        entropy_sum = sum(entropy_sums)
         metrics.update(
             loss=sum(losses) / len(losses),
             grad_norm=sum(grad_norms) / len(grad_norms),
@@ -430,11 +423,12 @@ class GRPOTrainer:
 
     def _backward_mini_batch(
         self, batch: StepBatch, rows: slice, num_slices: int, step_tokens: int, iteration: int
-    ) -> tuple[float, dict[str, float], tuple[float, int] | None]:
-        """Forward, loss and backward of one mini-batch; returns (loss value, stats, entropy sum/count)."""
+    ) -> MiniBatchResult:
+        """Forward, loss and backward of one mini-batch (weighted by the sampling correction when
+        another engine sampled)."""
         rollout = batch.scored.rollout
         completion_length = rollout.completion_ids.shape[1]
-        with _own_core_while(batch.reference):
+        with self.lanes.own_core_while(batch.reference):
             logps, entropy = completion_logprobs(
                 self.models.policy,
                 rollout.input_ids[rows],
@@ -444,6 +438,15 @@ class GRPOTrainer:
                 with_entropy=iteration == 0 or self.loss_settings.needs_entropy,
                 entropy_grad=self.config.entropy_bonus,
             )  # (B, C)
+        is_weights, sampled_by = None, None
+        if self.correction is not None:
+            assert rollout.sampler_logps is not None
+            # pi_old: the weights that sampled (the detached current ones on the first pass when mu = 1).
+            behaviour = logps.detach() if batch.old_logps is None else batch.old_logps[rows]
+            sampled_by = behaviour if iteration == 0 else None
+            is_weights = self.correction.weights(
+                behaviour, rollout.sampler_logps[rows], rollout.completion_mask[rows]
+            )  # (B, C), or (B, 1) per sequence
         scaled, stats = grpo_loss(
             logps,
             None if batch.old_logps is None else batch.old_logps[rows],
@@ -455,13 +458,14 @@ class GRPOTrainer:
             num_mini_batches=num_slices,
             entropies=entropy,
             entropy_coef=self.entropy_control.coef_to_apply(),
+            is_weights=is_weights,
         )  # already this mini-batch's share of the step's loss
         scaled.backward()
         entropy_sum = None
         if entropy is not None and iteration == 0:  # the entropy metric: the policy before this step's updates
             mask = rollout.completion_mask[rows]
-            entropy_sum = (float((entropy.detach() * mask).sum()), int(mask.sum()))
-        return float(scaled.detach()), stats, entropy_sum
+            entropy_sum = float((entropy.detach() * mask).sum())
+        return MiniBatchResult(float(scaled.detach()), stats, entropy_sum, sampled_by)
 
     def _optimizer_update(self) -> float:
         """Clip, step the optimiser and the scheduler; returns the pre-clip gradient norm."""
@@ -494,23 +498,21 @@ class GRPOTrainer:
             if finding.severity == "warning" and self.config.on_unhealthy == "pause" and self.unhealthy is None:
                 self.unhealthy = finding
 
-    def _evaluate(self, step: int, runner: EventLoopThread) -> dict[str, float]:
+    def _evaluate(self, step: int) -> dict[str, float]:
         """The eval set, and the retain set (skills to keep) under eval/retain/."""
-        metrics = self._evaluate_rows(self.eval_rows, "eval/", step, runner)
+        metrics = self._evaluate_rows(self.eval_rows, "eval/", step)
         if self.retain_rows:
-            metrics.update(self._evaluate_rows(self.retain_rows, "eval/retain/", step, runner))
+            metrics.update(self._evaluate_rows(self.retain_rows, "eval/retain/", step))
         return metrics
 
-    def _evaluate_rows(
-        self, all_rows: list[PromptRow], prefix: str, step: int, runner: EventLoopThread
-    ) -> dict[str, float]:
+    def _evaluate_rows(self, all_rows: list[PromptRow], prefix: str, step: int) -> dict[str, float]:
         """The first eval_samples prompts: one greedy completion each (mean reward, accuracy) and
         G sampled ones (pass@G); see worker.grpo.evaluation for the names."""
         rows = all_rows[: self.config.eval_samples]
         prompts = [render_prompt(self.models.tokenizer, row.prompt) for row in rows]
         rollout = greedy_generate(self.models.policy, self.models.tokenizer, prompts, self.config)
         items = reward_inputs(rollout, rows, prompts)
-        result = runner.submit(self.reward.score(items, step=step)).result()
+        result = self.lanes.score(self.reward.score(items, step=step)).result()
         metrics = greedy_metrics(result.total, prefix)
         metrics.update({f"{prefix}{name}": value for name, value in result.metrics.items()})
         if f"{prefix}accuracy" in metrics:  # binary reward: how often can the model answer at all?
@@ -518,7 +520,7 @@ class GRPOTrainer:
             sampled = generate_rollout(
                 self.models.policy, self.models.tokenizer, prompts, self.config, generator_seed=seed
             )
-            scored = runner.submit(self.reward.score(reward_inputs(sampled, rows, prompts), step=step)).result()
+            scored = self.lanes.score(self.reward.score(reward_inputs(sampled, rows, prompts), step=step)).result()
             metrics.update(pass_at_k(scored.total, sampled.group_size, prefix))
         return metrics
 
@@ -559,9 +561,3 @@ class GRPOTrainer:
         self._saved_step = self.step
         restore_rng_state(state["rng"])  # last: building the models above may have drawn random numbers
 
-
-def _own_core_while(side_work: Future[Any] | None) -> AbstractContextManager[Any]:
-    """One intra-op thread here while the side thread still works, so that each has a core."""
-    if side_work is not None and not side_work.done():
-        return intra_op_threads(1)
-    return nullcontext()

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from transformers import GenerationConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from worker.grpo.cpu_threads import intra_op_threads
+from worker.grpo.concurrency import intra_op_threads
 from worker.grpo.synthetic import TASKS, Item, TaskName, train_items
 from worker.grpo.tiny import (
     INSTRUCT_PRESET,

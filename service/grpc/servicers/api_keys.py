@@ -9,14 +9,15 @@ from typing import Any
 import grpc
 from sqlalchemy.orm import Session
 
+from contract.api.api_keys import ApiKeyOut, ApiKeyWithSecret
 from contract.gen.grpo.v1 import api_keys_pb2 as pb
 from contract.gen.grpo.v1 import api_keys_pb2_grpc
 from service.grpc.auth import current_tenant
 from service.grpc.calls import in_session
 from service.grpc.convert import timestamp
-from service.grpc.paging import page_size
+from service.kit.paging import RESOURCES, page_size
 from service.tenants import service
-from service.tenants.schemas import ApiKeyCreate, ApiKeyOut, ApiKeyWithSecret
+from service.tenants.schemas import ApiKeyCreate, api_key_out, api_key_with_secret
 
 Context = grpc.aio.ServicerContext[Any, Any]
 
@@ -48,18 +49,18 @@ class ApiKeyServicer(api_keys_pb2_grpc.ApiKeyServiceServicer):
             row, token = service.create_api_key_for(
                 s, tenant.tenant_id, name=body.name, scopes=body.scopes, expires_at=body.expires_at
             )
-            return ApiKeyWithSecret.from_new(row, token)
+            return api_key_with_secret(row, token)
 
         created = await in_session(work)
         return pb.CreateApiKeyResponse(api_key=api_key_to_proto(created), key=created.key)
 
     async def ListApiKeys(self, request: pb.ListApiKeysRequest, context: Context) -> pb.ListApiKeysResponse:
         tenant = current_tenant()
-        limit = page_size(request.page_size, 20, 100)
+        limit = page_size(request.page_size, RESOURCES)
 
         def work(s: Session) -> tuple[list[ApiKeyOut], bool]:
             rows, has_more = service.list_api_keys(s, tenant.tenant_id, limit=limit, after=request.page_token or None)
-            return [ApiKeyOut.from_row(r) for r in rows], has_more
+            return [api_key_out(r) for r in rows], has_more
 
         keys, has_more = await in_session(work)
         return pb.ListApiKeysResponse(
@@ -69,6 +70,6 @@ class ApiKeyServicer(api_keys_pb2_grpc.ApiKeyServiceServicer):
     async def RevokeApiKey(self, request: pb.RevokeApiKeyRequest, context: Context) -> pb.RevokeApiKeyResponse:
         tenant = current_tenant()
         key = await in_session(
-            lambda s: ApiKeyOut.from_row(service.revoke_api_key(s, tenant.tenant_id, request.api_key_id))
+            lambda s: api_key_out(service.revoke_api_key(s, tenant.tenant_id, request.api_key_id))
         )
         return pb.RevokeApiKeyResponse(api_key=api_key_to_proto(key))

@@ -18,7 +18,7 @@ from sqlalchemy.orm import Session
 from contract.gen.grpo.v1 import checkpoints_pb2, checkpoints_pb2_grpc, common_pb2
 from service.checkpoints import retention, service
 from service.checkpoints.download import iter_file
-from service.checkpoints.schemas import CheckpointOut
+from service.checkpoints.schemas import checkpoint_out
 from service.grpc.auth import current_tenant
 from service.grpc.calls import in_session
 from service.grpc.convert import checkpoint_to_proto
@@ -89,7 +89,7 @@ class CheckpointServicer(checkpoints_pb2_grpc.CheckpointServiceServicer):
     ) -> checkpoints_pb2.ListCheckpointsResponse:
         tenant = current_tenant()
         rows = await in_session(
-            lambda s: [CheckpointOut.from_row(c) for c in service.list_job_checkpoints(s, tenant.tenant_id, request.job_id)]
+            lambda s: [checkpoint_out(c) for c in service.list_job_checkpoints(s, tenant.tenant_id, request.job_id)]
         )
         return checkpoints_pb2.ListCheckpointsResponse(checkpoints=[checkpoint_to_proto(c) for c in rows])
 
@@ -98,7 +98,7 @@ class CheckpointServicer(checkpoints_pb2_grpc.CheckpointServiceServicer):
     ) -> checkpoints_pb2.GetCheckpointResponse:
         tenant = current_tenant()
         row = await in_session(
-            lambda s: CheckpointOut.from_row(service.get_checkpoint(s, tenant.tenant_id, request.checkpoint_id))
+            lambda s: checkpoint_out(service.get_checkpoint(s, tenant.tenant_id, request.checkpoint_id))
         )
         return checkpoints_pb2.GetCheckpointResponse(checkpoint=checkpoint_to_proto(row))
 

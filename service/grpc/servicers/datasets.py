@@ -8,18 +8,18 @@ from typing import Any
 
 import grpc
 
+from contract.api.datasets import DatasetOut
 from contract.gen.grpo.v1 import datasets_pb2, datasets_pb2_grpc
 from service.datasets import service
 from service.datasets.ingest import DatasetIngest
-from service.datasets.schemas import DatasetOut
+from service.datasets.schemas import dataset_out
 from service.grpc.auth import current_tenant
 from service.grpc.calls import in_session
 from service.grpc.convert import dataset_to_proto
-from service.grpc.paging import page_size
 from service.kit.errors import ValidationFailed
+from service.kit.paging import RESOURCES, page_size
 
 Context = grpc.aio.ServicerContext[Any, Any]
-DEFAULT_PAGE, MAX_PAGE = 20, 100
 
 
 def _out_of_order(message: str) -> ValidationFailed:
@@ -39,7 +39,7 @@ class DatasetServicer(datasets_pb2_grpc.DatasetServiceServicer):
         try:
             await self._feed(request_iterator, ingest)
             dataset = await in_session(
-                lambda s: DatasetOut.from_row(service.create_dataset(s, tenant.tenant_id, name, ingest))
+                lambda s: dataset_out(service.create_dataset(s, tenant.tenant_id, name, ingest))
             )
         except BaseException:
             await asyncio.to_thread(ingest.abort)
@@ -57,7 +57,7 @@ class DatasetServicer(datasets_pb2_grpc.DatasetServiceServicer):
     async def GetDataset(self, request: datasets_pb2.GetDatasetRequest, context: Context) -> datasets_pb2.GetDatasetResponse:
         tenant = current_tenant()
         dataset = await in_session(
-            lambda s: DatasetOut.from_row(service.get_dataset(s, tenant.tenant_id, request.dataset_id))
+            lambda s: dataset_out(service.get_dataset(s, tenant.tenant_id, request.dataset_id))
         )
         return datasets_pb2.GetDatasetResponse(dataset=dataset_to_proto(dataset))
 
@@ -65,7 +65,7 @@ class DatasetServicer(datasets_pb2_grpc.DatasetServiceServicer):
         self, request: datasets_pb2.ListDatasetsRequest, context: Context
     ) -> datasets_pb2.ListDatasetsResponse:
         tenant = current_tenant()
-        limit = page_size(request.page_size, DEFAULT_PAGE, MAX_PAGE)
+        limit = page_size(request.page_size, RESOURCES)
         rows, has_more = await in_session(
             lambda s: _page(service.list_datasets(s, tenant.tenant_id, limit=limit, after=request.page_token or None))
         )
@@ -84,4 +84,4 @@ class DatasetServicer(datasets_pb2_grpc.DatasetServiceServicer):
 
 def _page(result: tuple[Any, bool]) -> tuple[list[DatasetOut], bool]:
     rows, has_more = result
-    return [DatasetOut.from_row(r) for r in rows], has_more
+    return [dataset_out(r) for r in rows], has_more

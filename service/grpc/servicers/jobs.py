@@ -8,6 +8,7 @@ from typing import Any
 import grpc
 from sqlalchemy.orm import Session
 
+from contract.api.jobs import EventOut, JobOut, SampleOut
 from contract.gen.grpo.v1 import jobs_pb2, jobs_pb2_grpc
 from contract.spec import JobSpec
 from service.grpc.auth import current_tenant, metadata_value
@@ -21,13 +22,13 @@ from service.grpc.convert import (
     sample_to_proto,
 )
 from service.grpc.errors import prefix_fields
-from service.grpc.paging import page_size
 from service.grpc.validation import int32_field
 from service.grpc.watch import watch_job
 from service.jobs import service
 from service.jobs.idempotency import request_hash, run_idempotent
-from service.jobs.schemas import EventOut, JobOut, SampleOut
+from service.jobs.schemas import event_out, job_out, sample_out
 from service.kit.errors import ValidationFailed
+from service.kit.paging import EVENTS, METRIC_POINTS, RESOURCES, page_size
 from service.kit.queue import get_job_queue
 from service.kit.reads import THREADED_READS, Reads
 from service.storage import get_storage
@@ -44,7 +45,7 @@ def _create(session: Session, tenant_id: str, spec: JobSpec, key: str | None) ->
 
     def work(s: Session) -> tuple[int, dict[str, Any]]:
         job = service.create_job(s, tenant_id, spec, get_job_queue())
-        return 201, JobOut.from_row(job).model_dump(mode="json")
+        return 201, job_out(job).model_dump(mode="json")
 
     if key is None:
         return JobOut.model_validate(work(session)[1])
@@ -73,7 +74,7 @@ class JobServicer(jobs_pb2_grpc.JobServiceServicer):
 
     async def ListJobs(self, request: jobs_pb2.ListJobsRequest, context: Context) -> jobs_pb2.ListJobsResponse:
         tenant = current_tenant()
-        limit = page_size(request.page_size, 20, 100)
+        limit = page_size(request.page_size, RESOURCES)
         status = job_status(request.state)
         jobs, has_more = await service.list_jobs(
             self._reads, tenant.tenant_id, status=status, limit=limit, after=request.page_token or None
@@ -84,7 +85,7 @@ class JobServicer(jobs_pb2_grpc.JobServiceServicer):
 
     async def CancelJob(self, request: jobs_pb2.CancelJobRequest, context: Context) -> jobs_pb2.CancelJobResponse:
         tenant = current_tenant()
-        job = await in_session(lambda s: JobOut.from_row(service.cancel_job(s, tenant.tenant_id, request.job_id)))
+        job = await in_session(lambda s: job_out(service.cancel_job(s, tenant.tenant_id, request.job_id)))
         return jobs_pb2.CancelJobResponse(job=job_to_proto(job))
 
     async def DeleteJob(self, request: jobs_pb2.DeleteJobRequest, context: Context) -> jobs_pb2.DeleteJobResponse:
@@ -94,13 +95,13 @@ class JobServicer(jobs_pb2_grpc.JobServiceServicer):
 
     async def PauseJob(self, request: jobs_pb2.PauseJobRequest, context: Context) -> jobs_pb2.PauseJobResponse:
         tenant = current_tenant()
-        job = await in_session(lambda s: JobOut.from_row(service.pause_job(s, tenant.tenant_id, request.job_id)))
+        job = await in_session(lambda s: job_out(service.pause_job(s, tenant.tenant_id, request.job_id)))
         return jobs_pb2.PauseJobResponse(job=job_to_proto(job))
 
     async def ResumeJob(self, request: jobs_pb2.ResumeJobRequest, context: Context) -> jobs_pb2.ResumeJobResponse:
         tenant = current_tenant()
         job = await in_session(
-            lambda s: JobOut.from_row(service.resume_job(s, tenant.tenant_id, request.job_id, get_job_queue()))
+            lambda s: job_out(service.resume_job(s, tenant.tenant_id, request.job_id, get_job_queue()))
         )
         return jobs_pb2.ResumeJobResponse(job=job_to_proto(job))
 
@@ -108,7 +109,7 @@ class JobServicer(jobs_pb2_grpc.JobServiceServicer):
         self, request: jobs_pb2.ListJobEventsRequest, context: Context
     ) -> jobs_pb2.ListJobEventsResponse:
         tenant = current_tenant()
-        limit = page_size(request.page_size, 100, 500)
+        limit = page_size(request.page_size, EVENTS)
 
         def work(s: Session) -> tuple[list[EventOut], bool]:
             rows, has_more = service.list_events(
@@ -120,7 +121,7 @@ class JobServicer(jobs_pb2_grpc.JobServiceServicer):
                 types=list(request.types) or None,
                 include_superseded=request.include_superseded,
             )
-            return [EventOut.from_row(r) for r in rows], has_more
+            return [event_out(r) for r in rows], has_more
 
         events, has_more = await in_session(work)
         return jobs_pb2.ListJobEventsResponse(
@@ -132,7 +133,7 @@ class JobServicer(jobs_pb2_grpc.JobServiceServicer):
         self, request: jobs_pb2.GetJobMetricsRequest, context: Context
     ) -> jobs_pb2.GetJobMetricsResponse:
         tenant = current_tenant()
-        limit = page_size(request.page_size, 10_000, 50_000)
+        limit = page_size(request.page_size, METRIC_POINTS)
         metrics = await in_session(
             lambda s: service.get_metrics(
                 s,
@@ -150,14 +151,14 @@ class JobServicer(jobs_pb2_grpc.JobServiceServicer):
         self, request: jobs_pb2.ListJobSamplesRequest, context: Context
     ) -> jobs_pb2.ListJobSamplesResponse:
         tenant = current_tenant()
-        limit = page_size(request.page_size, 100, 500)
+        limit = page_size(request.page_size, EVENTS)
         step = int32_field(request.step, "step") if request.HasField("step") else None
 
         def work(s: Session) -> tuple[list[SampleOut], bool]:
             rows, has_more = service.list_samples(
                 s, tenant.tenant_id, request.job_id, step=step, after=request.after_sample_id or None, limit=limit
             )
-            return [SampleOut.from_row(r) for r in rows], has_more
+            return [sample_out(r) for r in rows], has_more
 
         samples, has_more = await in_session(work)
         return jobs_pb2.ListJobSamplesResponse(

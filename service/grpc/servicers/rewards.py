@@ -7,6 +7,7 @@ from typing import Any
 import grpc
 from sqlalchemy.orm import Session
 
+from contract.api.rewards import RewardFunctionOut
 from contract.gen.grpo.v1 import reward_functions_pb2 as pb
 from contract.gen.grpo.v1 import reward_functions_pb2_grpc
 from service.grpc.auth import current_tenant
@@ -17,9 +18,9 @@ from service.grpc.convert import (
     reward_test_items_from_proto,
     reward_test_result_to_proto,
 )
-from service.grpc.paging import page_size
+from service.kit.paging import RESOURCES, page_size
 from service.rewards import dry_run, service
-from service.rewards.schemas import RewardFunctionOut, RewardFunctionWithSecret
+from service.rewards.schemas import reward_function_out, reward_function_with_secret
 
 Context = grpc.aio.ServicerContext[Any, Any]
 
@@ -32,7 +33,7 @@ class RewardFunctionServicer(reward_functions_pb2_grpc.RewardFunctionServiceServ
         tenant = current_tenant()
         body = reward_function_create_from_proto(request)
         row = await in_session(
-            lambda s: RewardFunctionWithSecret.from_row(service.create_reward_function(s, tenant.tenant_id, body))
+            lambda s: reward_function_with_secret(service.create_reward_function(s, tenant.tenant_id, body))
         )
         return pb.RegisterRewardFunctionResponse(
             reward_function=reward_function_to_proto(row), signing_secret=row.signing_secret
@@ -41,7 +42,7 @@ class RewardFunctionServicer(reward_functions_pb2_grpc.RewardFunctionServiceServ
     async def GetRewardFunction(self, request: pb.GetRewardFunctionRequest, context: Context) -> pb.GetRewardFunctionResponse:
         tenant = current_tenant()
         row = await in_session(
-            lambda s: RewardFunctionOut.from_row(
+            lambda s: reward_function_out(
                 service.get_reward_function(s, tenant.tenant_id, request.reward_function_id)
             )
         )
@@ -51,13 +52,13 @@ class RewardFunctionServicer(reward_functions_pb2_grpc.RewardFunctionServiceServ
         self, request: pb.ListRewardFunctionsRequest, context: Context
     ) -> pb.ListRewardFunctionsResponse:
         tenant = current_tenant()
-        limit = page_size(request.page_size, 20, 100)
+        limit = page_size(request.page_size, RESOURCES)
 
         def work(s: Session) -> tuple[list[RewardFunctionOut], bool]:
             rows, has_more = service.list_reward_functions(
                 s, tenant.tenant_id, limit=limit, after=request.page_token or None
             )
-            return [RewardFunctionOut.from_row(r) for r in rows], has_more
+            return [reward_function_out(r) for r in rows], has_more
 
         rows, has_more = await in_session(work)
         return pb.ListRewardFunctionsResponse(
@@ -77,7 +78,7 @@ class RewardFunctionServicer(reward_functions_pb2_grpc.RewardFunctionServiceServ
     ) -> pb.RotateRewardFunctionSecretResponse:
         tenant = current_tenant()
         row = await in_session(
-            lambda s: RewardFunctionWithSecret.from_row(
+            lambda s: reward_function_with_secret(
                 service.rotate_secret(s, tenant.tenant_id, request.reward_function_id)
             )
         )

@@ -96,6 +96,38 @@ IMPORTANCE_SAMPLING_LEVEL_SEQUENCE: ImportanceSamplingLevel.ValueType  # 2
 """One ratio per completion (GSPO)."""
 Global___ImportanceSamplingLevel: _TypeAlias = ImportanceSamplingLevel  # noqa: Y015
 
+class _VllmImportanceSamplingMode:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _VllmImportanceSamplingModeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_VllmImportanceSamplingMode.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    VLLM_IMPORTANCE_SAMPLING_MODE_UNSPECIFIED: _VllmImportanceSamplingMode.ValueType  # 0
+    """Server default ("sequence_mask")."""
+    VLLM_IMPORTANCE_SAMPLING_MODE_TOKEN_TRUNCATE: _VllmImportanceSamplingMode.ValueType  # 1
+    """Per-token ratio clipped to [clip_min, clip_max]."""
+    VLLM_IMPORTANCE_SAMPLING_MODE_TOKEN_MASK: _VllmImportanceSamplingMode.ValueType  # 2
+    """Per-token ratio, 0 outside [clip_min, clip_max]."""
+    VLLM_IMPORTANCE_SAMPLING_MODE_SEQUENCE_TRUNCATE: _VllmImportanceSamplingMode.ValueType  # 3
+    """One ratio per completion, clipped to [clip_min, clip_max]."""
+    VLLM_IMPORTANCE_SAMPLING_MODE_SEQUENCE_MASK: _VllmImportanceSamplingMode.ValueType  # 4
+    """One ratio per completion, 0 outside [clip_min, clip_max]."""
+
+class VllmImportanceSamplingMode(_VllmImportanceSamplingMode, metaclass=_VllmImportanceSamplingModeEnumTypeWrapper):
+    """How the vLLM importance-sampling weight is applied (GRPOConfig.vllm_importance_sampling_mode)."""
+
+VLLM_IMPORTANCE_SAMPLING_MODE_UNSPECIFIED: VllmImportanceSamplingMode.ValueType  # 0
+"""Server default ("sequence_mask")."""
+VLLM_IMPORTANCE_SAMPLING_MODE_TOKEN_TRUNCATE: VllmImportanceSamplingMode.ValueType  # 1
+"""Per-token ratio clipped to [clip_min, clip_max]."""
+VLLM_IMPORTANCE_SAMPLING_MODE_TOKEN_MASK: VllmImportanceSamplingMode.ValueType  # 2
+"""Per-token ratio, 0 outside [clip_min, clip_max]."""
+VLLM_IMPORTANCE_SAMPLING_MODE_SEQUENCE_TRUNCATE: VllmImportanceSamplingMode.ValueType  # 3
+"""One ratio per completion, clipped to [clip_min, clip_max]."""
+VLLM_IMPORTANCE_SAMPLING_MODE_SEQUENCE_MASK: VllmImportanceSamplingMode.ValueType  # 4
+"""One ratio per completion, 0 outside [clip_min, clip_max]."""
+Global___VllmImportanceSamplingMode: _TypeAlias = VllmImportanceSamplingMode  # noqa: Y015
+
 class _MultiObjectiveAggregation:
     ValueType = _typing.NewType("ValueType", _builtins.int)
     V: _TypeAlias = ValueType  # noqa: Y015
@@ -470,6 +502,7 @@ class Hyperparameters(_message.Message):
     ADAM_BETA2_FIELD_NUMBER: _builtins.int
     ADAM_EPSILON_FIELD_NUMBER: _builtins.int
     BETA_FIELD_NUMBER: _builtins.int
+    USE_BIAS_CORRECTION_KL_FIELD_NUMBER: _builtins.int
     EPSILON_FIELD_NUMBER: _builtins.int
     EPSILON_HIGH_FIELD_NUMBER: _builtins.int
     LOSS_TYPE_FIELD_NUMBER: _builtins.int
@@ -518,6 +551,15 @@ class Hyperparameters(_message.Message):
     GREATER_IS_BETTER_FIELD_NUMBER: _builtins.int
     ON_UNHEALTHY_FIELD_NUMBER: _builtins.int
     HEALTH_FIELD_NUMBER: _builtins.int
+    USE_VLLM_FIELD_NUMBER: _builtins.int
+    VLLM_GPU_MEMORY_UTILIZATION_FIELD_NUMBER: _builtins.int
+    VLLM_ENABLE_SLEEP_MODE_FIELD_NUMBER: _builtins.int
+    VLLM_MAX_MODEL_LENGTH_FIELD_NUMBER: _builtins.int
+    VLLM_IMPORTANCE_SAMPLING_CORRECTION_FIELD_NUMBER: _builtins.int
+    VLLM_IMPORTANCE_SAMPLING_MODE_FIELD_NUMBER: _builtins.int
+    VLLM_IMPORTANCE_SAMPLING_CLIP_MIN_FIELD_NUMBER: _builtins.int
+    VLLM_IMPORTANCE_SAMPLING_CLIP_MAX_FIELD_NUMBER: _builtins.int
+    VLLM_IMPORTANCE_SAMPLING_NO_CLIP_MAX_FIELD_NUMBER: _builtins.int
     num_generations: _builtins.int
     """G: completions sampled per prompt (>= 2, default 8)."""
     prompts_per_step: _builtins.int
@@ -550,6 +592,10 @@ class Hyperparameters(_message.Message):
     """AdamW epsilon (default 1e-8)."""
     beta: _builtins.float
     """KL weight against the frozen reference (default 0 = no reference model)."""
+    use_bias_correction_kl: _builtins.bool
+    """Multiply each token's KL term by the importance ratio (differentiable; the unbiased reverse-KL
+    gradient of DeepSeek-V3.2); unset = true, TRL's default. No effect with beta 0.
+    """
     epsilon: _builtins.float
     """Lower clip: ratio >= 1 - epsilon (default 0.2)."""
     epsilon_high: _builtins.float
@@ -642,6 +688,26 @@ class Hyperparameters(_message.Message):
     """Whether higher is better for metric_for_best_model; unset = yes unless its name ends with "loss"."""
     on_unhealthy: Global___OnUnhealthy.ValueType
     """What a health warning does (default warn)."""
+    use_vllm: _builtins.bool
+    """Generate completions with a vLLM engine in the job's process, synced from the policy after every
+    optimiser step (default false). Needs vLLM on the worker.
+    """
+    vllm_gpu_memory_utilization: _builtins.float
+    """CUDA: share of GPU memory the engine may take (default 0.3)."""
+    vllm_enable_sleep_mode: _builtins.bool
+    """CUDA: release the engine's memory during the optimiser phase (default false)."""
+    vllm_max_model_length: _builtins.int
+    """The engine's context window; unset = max_prompt_length + max_completion_length."""
+    vllm_importance_sampling_correction: _builtins.bool
+    """Weight the policy loss by pi_trainer / pi_vllm of the sampled tokens (default true)."""
+    vllm_importance_sampling_mode: Global___VllmImportanceSamplingMode.ValueType
+    """Truncate or mask, per token or per sequence (default sequence_mask)."""
+    vllm_importance_sampling_clip_min: _builtins.float
+    """Lower bound of the importance-sampling ratio; unset = none."""
+    vllm_importance_sampling_clip_max: _builtins.float
+    """Upper bound of the importance-sampling ratio (default 3.0). See vllm_importance_sampling_no_clip_max."""
+    vllm_importance_sampling_no_clip_max: _builtins.bool
+    """True = no upper bound (vllm_importance_sampling_clip_max None). Must not be combined with it."""
     @_builtins.property
     def lora(self) -> Global___LoraConfig:
         """LoRA adapters; unset = full fine-tuning."""
@@ -669,6 +735,7 @@ class Hyperparameters(_message.Message):
         adam_beta2: _builtins.float | None = ...,
         adam_epsilon: _builtins.float | None = ...,
         beta: _builtins.float | None = ...,
+        use_bias_correction_kl: _builtins.bool | None = ...,
         epsilon: _builtins.float | None = ...,
         epsilon_high: _builtins.float | None = ...,
         loss_type: Global___LossType.ValueType = ...,
@@ -717,10 +784,19 @@ class Hyperparameters(_message.Message):
         greater_is_better: _builtins.bool | None = ...,
         on_unhealthy: Global___OnUnhealthy.ValueType = ...,
         health: Global___HealthConfig | None = ...,
+        use_vllm: _builtins.bool | None = ...,
+        vllm_gpu_memory_utilization: _builtins.float | None = ...,
+        vllm_enable_sleep_mode: _builtins.bool | None = ...,
+        vllm_max_model_length: _builtins.int | None = ...,
+        vllm_importance_sampling_correction: _builtins.bool | None = ...,
+        vllm_importance_sampling_mode: Global___VllmImportanceSamplingMode.ValueType = ...,
+        vllm_importance_sampling_clip_min: _builtins.float | None = ...,
+        vllm_importance_sampling_clip_max: _builtins.float | None = ...,
+        vllm_importance_sampling_no_clip_max: _builtins.bool = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_adam_beta1", b"_adam_beta1", "_adam_beta2", b"_adam_beta2", "_adam_epsilon", b"_adam_epsilon", "_advantage_eps", b"_advantage_eps", "_beta", b"_beta", "_checkpoint_every", b"_checkpoint_every", "_delta", b"_delta", "_dynamic_sampling", b"_dynamic_sampling", "_entropy_coef", b"_entropy_coef", "_entropy_coef_delta", b"_entropy_coef_delta", "_entropy_coef_max", b"_entropy_coef_max", "_entropy_coef_min", b"_entropy_coef_min", "_entropy_target", b"_entropy_target", "_epsilon", b"_epsilon", "_epsilon_high", b"_epsilon_high", "_eval_every", b"_eval_every", "_eval_samples", b"_eval_samples", "_gradient_checkpointing", b"_gradient_checkpointing", "_greater_is_better", b"_greater_is_better", "_learning_rate", b"_learning_rate", "_log_completions_count", b"_log_completions_count", "_log_completions_every", b"_log_completions_every", "_mask_truncated_completions", b"_mask_truncated_completions", "_max_completion_length", b"_max_completion_length", "_max_grad_norm", b"_max_grad_norm", "_max_prompt_length", b"_max_prompt_length", "_max_resample_rounds", b"_max_resample_rounds", "_max_steps", b"_max_steps", "_metric_for_best_model", b"_metric_for_best_model", "_mini_batch_size", b"_mini_batch_size", "_num_epochs", b"_num_epochs", "_num_generations", b"_num_generations", "_num_iterations", b"_num_iterations", "_off_policy_mask_threshold", b"_off_policy_mask_threshold", "_prompts_per_step", b"_prompts_per_step", "_sapo_temperature_neg", b"_sapo_temperature_neg", "_sapo_temperature_pos", b"_sapo_temperature_pos", "_save_total_limit", b"_save_total_limit", "_seed", b"_seed", "_temperature", b"_temperature", "_top_entropy_quantile", b"_top_entropy_quantile", "_top_k", b"_top_k", "_top_p", b"_top_p", "_use_adaptive_entropy", b"_use_adaptive_entropy", "_vespo_k_neg", b"_vespo_k_neg", "_vespo_k_pos", b"_vespo_k_pos", "_vespo_lambda_neg", b"_vespo_lambda_neg", "_vespo_lambda_pos", b"_vespo_lambda_pos", "_warmup_steps", b"_warmup_steps", "_weight_decay", b"_weight_decay", "adam_beta1", b"adam_beta1", "adam_beta2", b"adam_beta2", "adam_epsilon", b"adam_epsilon", "advantage_eps", b"advantage_eps", "beta", b"beta", "checkpoint_every", b"checkpoint_every", "delta", b"delta", "dynamic_sampling", b"dynamic_sampling", "entropy_coef", b"entropy_coef", "entropy_coef_delta", b"entropy_coef_delta", "entropy_coef_max", b"entropy_coef_max", "entropy_coef_min", b"entropy_coef_min", "entropy_target", b"entropy_target", "epsilon", b"epsilon", "epsilon_high", b"epsilon_high", "eval_every", b"eval_every", "eval_samples", b"eval_samples", "gradient_checkpointing", b"gradient_checkpointing", "greater_is_better", b"greater_is_better", "health", b"health", "learning_rate", b"learning_rate", "log_completions_count", b"log_completions_count", "log_completions_every", b"log_completions_every", "lora", b"lora", "mask_truncated_completions", b"mask_truncated_completions", "max_completion_length", b"max_completion_length", "max_grad_norm", b"max_grad_norm", "max_prompt_length", b"max_prompt_length", "max_resample_rounds", b"max_resample_rounds", "max_steps", b"max_steps", "metric_for_best_model", b"metric_for_best_model", "mini_batch_size", b"mini_batch_size", "num_epochs", b"num_epochs", "num_generations", b"num_generations", "num_iterations", b"num_iterations", "off_policy_mask_threshold", b"off_policy_mask_threshold", "prompts_per_step", b"prompts_per_step", "sapo_temperature_neg", b"sapo_temperature_neg", "sapo_temperature_pos", b"sapo_temperature_pos", "save_total_limit", b"save_total_limit", "seed", b"seed", "temperature", b"temperature", "top_entropy_quantile", b"top_entropy_quantile", "top_k", b"top_k", "top_p", b"top_p", "use_adaptive_entropy", b"use_adaptive_entropy", "vespo_k_neg", b"vespo_k_neg", "vespo_k_pos", b"vespo_k_pos", "vespo_lambda_neg", b"vespo_lambda_neg", "vespo_lambda_pos", b"vespo_lambda_pos", "warmup_steps", b"warmup_steps", "weight_decay", b"weight_decay"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_adam_beta1", b"_adam_beta1", "_adam_beta2", b"_adam_beta2", "_adam_epsilon", b"_adam_epsilon", "_advantage_eps", b"_advantage_eps", "_beta", b"_beta", "_checkpoint_every", b"_checkpoint_every", "_delta", b"_delta", "_dynamic_sampling", b"_dynamic_sampling", "_entropy_coef", b"_entropy_coef", "_entropy_coef_delta", b"_entropy_coef_delta", "_entropy_coef_max", b"_entropy_coef_max", "_entropy_coef_min", b"_entropy_coef_min", "_entropy_target", b"_entropy_target", "_epsilon", b"_epsilon", "_epsilon_high", b"_epsilon_high", "_eval_every", b"_eval_every", "_eval_samples", b"_eval_samples", "_gradient_checkpointing", b"_gradient_checkpointing", "_greater_is_better", b"_greater_is_better", "_learning_rate", b"_learning_rate", "_log_completions_count", b"_log_completions_count", "_log_completions_every", b"_log_completions_every", "_mask_truncated_completions", b"_mask_truncated_completions", "_max_completion_length", b"_max_completion_length", "_max_grad_norm", b"_max_grad_norm", "_max_prompt_length", b"_max_prompt_length", "_max_resample_rounds", b"_max_resample_rounds", "_max_steps", b"_max_steps", "_metric_for_best_model", b"_metric_for_best_model", "_mini_batch_size", b"_mini_batch_size", "_num_epochs", b"_num_epochs", "_num_generations", b"_num_generations", "_num_iterations", b"_num_iterations", "_off_policy_mask_threshold", b"_off_policy_mask_threshold", "_prompts_per_step", b"_prompts_per_step", "_sapo_temperature_neg", b"_sapo_temperature_neg", "_sapo_temperature_pos", b"_sapo_temperature_pos", "_save_total_limit", b"_save_total_limit", "_seed", b"_seed", "_temperature", b"_temperature", "_top_entropy_quantile", b"_top_entropy_quantile", "_top_k", b"_top_k", "_top_p", b"_top_p", "_use_adaptive_entropy", b"_use_adaptive_entropy", "_use_bias_correction_kl", b"_use_bias_correction_kl", "_use_vllm", b"_use_vllm", "_vespo_k_neg", b"_vespo_k_neg", "_vespo_k_pos", b"_vespo_k_pos", "_vespo_lambda_neg", b"_vespo_lambda_neg", "_vespo_lambda_pos", b"_vespo_lambda_pos", "_vllm_enable_sleep_mode", b"_vllm_enable_sleep_mode", "_vllm_gpu_memory_utilization", b"_vllm_gpu_memory_utilization", "_vllm_importance_sampling_clip_max", b"_vllm_importance_sampling_clip_max", "_vllm_importance_sampling_clip_min", b"_vllm_importance_sampling_clip_min", "_vllm_importance_sampling_correction", b"_vllm_importance_sampling_correction", "_vllm_max_model_length", b"_vllm_max_model_length", "_warmup_steps", b"_warmup_steps", "_weight_decay", b"_weight_decay", "adam_beta1", b"adam_beta1", "adam_beta2", b"adam_beta2", "adam_epsilon", b"adam_epsilon", "advantage_eps", b"advantage_eps", "beta", b"beta", "checkpoint_every", b"checkpoint_every", "delta", b"delta", "dynamic_sampling", b"dynamic_sampling", "entropy_coef", b"entropy_coef", "entropy_coef_delta", b"entropy_coef_delta", "entropy_coef_max", b"entropy_coef_max", "entropy_coef_min", b"entropy_coef_min", "entropy_target", b"entropy_target", "epsilon", b"epsilon", "epsilon_high", b"epsilon_high", "eval_every", b"eval_every", "eval_samples", b"eval_samples", "gradient_checkpointing", b"gradient_checkpointing", "greater_is_better", b"greater_is_better", "health", b"health", "learning_rate", b"learning_rate", "log_completions_count", b"log_completions_count", "log_completions_every", b"log_completions_every", "lora", b"lora", "mask_truncated_completions", b"mask_truncated_completions", "max_completion_length", b"max_completion_length", "max_grad_norm", b"max_grad_norm", "max_prompt_length", b"max_prompt_length", "max_resample_rounds", b"max_resample_rounds", "max_steps", b"max_steps", "metric_for_best_model", b"metric_for_best_model", "mini_batch_size", b"mini_batch_size", "num_epochs", b"num_epochs", "num_generations", b"num_generations", "num_iterations", b"num_iterations", "off_policy_mask_threshold", b"off_policy_mask_threshold", "prompts_per_step", b"prompts_per_step", "sapo_temperature_neg", b"sapo_temperature_neg", "sapo_temperature_pos", b"sapo_temperature_pos", "save_total_limit", b"save_total_limit", "seed", b"seed", "temperature", b"temperature", "top_entropy_quantile", b"top_entropy_quantile", "top_k", b"top_k", "top_p", b"top_p", "use_adaptive_entropy", b"use_adaptive_entropy", "use_bias_correction_kl", b"use_bias_correction_kl", "use_vllm", b"use_vllm", "vespo_k_neg", b"vespo_k_neg", "vespo_k_pos", b"vespo_k_pos", "vespo_lambda_neg", b"vespo_lambda_neg", "vespo_lambda_pos", b"vespo_lambda_pos", "vllm_enable_sleep_mode", b"vllm_enable_sleep_mode", "vllm_gpu_memory_utilization", b"vllm_gpu_memory_utilization", "vllm_importance_sampling_clip_max", b"vllm_importance_sampling_clip_max", "vllm_importance_sampling_clip_min", b"vllm_importance_sampling_clip_min", "vllm_importance_sampling_correction", b"vllm_importance_sampling_correction", "vllm_max_model_length", b"vllm_max_model_length", "warmup_steps", b"warmup_steps", "weight_decay", b"weight_decay"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_adam_beta1", b"_adam_beta1", "_adam_beta2", b"_adam_beta2", "_adam_epsilon", b"_adam_epsilon", "_advantage_eps", b"_advantage_eps", "_beta", b"_beta", "_checkpoint_every", b"_checkpoint_every", "_delta", b"_delta", "_dynamic_sampling", b"_dynamic_sampling", "_entropy_coef", b"_entropy_coef", "_entropy_coef_delta", b"_entropy_coef_delta", "_entropy_coef_max", b"_entropy_coef_max", "_entropy_coef_min", b"_entropy_coef_min", "_entropy_target", b"_entropy_target", "_epsilon", b"_epsilon", "_epsilon_high", b"_epsilon_high", "_eval_every", b"_eval_every", "_eval_samples", b"_eval_samples", "_gradient_checkpointing", b"_gradient_checkpointing", "_greater_is_better", b"_greater_is_better", "_learning_rate", b"_learning_rate", "_log_completions_count", b"_log_completions_count", "_log_completions_every", b"_log_completions_every", "_mask_truncated_completions", b"_mask_truncated_completions", "_max_completion_length", b"_max_completion_length", "_max_grad_norm", b"_max_grad_norm", "_max_prompt_length", b"_max_prompt_length", "_max_resample_rounds", b"_max_resample_rounds", "_max_steps", b"_max_steps", "_metric_for_best_model", b"_metric_for_best_model", "_mini_batch_size", b"_mini_batch_size", "_num_epochs", b"_num_epochs", "_num_generations", b"_num_generations", "_num_iterations", b"_num_iterations", "_off_policy_mask_threshold", b"_off_policy_mask_threshold", "_prompts_per_step", b"_prompts_per_step", "_sapo_temperature_neg", b"_sapo_temperature_neg", "_sapo_temperature_pos", b"_sapo_temperature_pos", "_save_total_limit", b"_save_total_limit", "_seed", b"_seed", "_temperature", b"_temperature", "_top_entropy_quantile", b"_top_entropy_quantile", "_top_k", b"_top_k", "_top_p", b"_top_p", "_use_adaptive_entropy", b"_use_adaptive_entropy", "_vespo_k_neg", b"_vespo_k_neg", "_vespo_k_pos", b"_vespo_k_pos", "_vespo_lambda_neg", b"_vespo_lambda_neg", "_vespo_lambda_pos", b"_vespo_lambda_pos", "_warmup_steps", b"_warmup_steps", "_weight_decay", b"_weight_decay", "adam_beta1", b"adam_beta1", "adam_beta2", b"adam_beta2", "adam_epsilon", b"adam_epsilon", "advantage_eps", b"advantage_eps", "advantage_std", b"advantage_std", "beta", b"beta", "checkpoint_every", b"checkpoint_every", "delta", b"delta", "disable_grad_clipping", b"disable_grad_clipping", "dtype", b"dtype", "dynamic_sampling", b"dynamic_sampling", "entropy_coef", b"entropy_coef", "entropy_coef_delta", b"entropy_coef_delta", "entropy_coef_max", b"entropy_coef_max", "entropy_coef_min", b"entropy_coef_min", "entropy_target", b"entropy_target", "epsilon", b"epsilon", "epsilon_high", b"epsilon_high", "eval_every", b"eval_every", "eval_samples", b"eval_samples", "generation", b"generation", "gradient_checkpointing", b"gradient_checkpointing", "greater_is_better", b"greater_is_better", "health", b"health", "importance_sampling_level", b"importance_sampling_level", "keep_all_checkpoints", b"keep_all_checkpoints", "learning_rate", b"learning_rate", "log_completions_count", b"log_completions_count", "log_completions_every", b"log_completions_every", "lora", b"lora", "loss_type", b"loss_type", "lr_scheduler", b"lr_scheduler", "mask_truncated_completions", b"mask_truncated_completions", "max_completion_length", b"max_completion_length", "max_grad_norm", b"max_grad_norm", "max_prompt_length", b"max_prompt_length", "max_resample_rounds", b"max_resample_rounds", "max_steps", b"max_steps", "metric_for_best_model", b"metric_for_best_model", "mini_batch_size", b"mini_batch_size", "multi_objective_aggregation", b"multi_objective_aggregation", "num_epochs", b"num_epochs", "num_generations", b"num_generations", "num_iterations", b"num_iterations", "off_policy_mask_threshold", b"off_policy_mask_threshold", "on_unhealthy", b"on_unhealthy", "prompts_per_step", b"prompts_per_step", "sapo_temperature_neg", b"sapo_temperature_neg", "sapo_temperature_pos", b"sapo_temperature_pos", "save_total_limit", b"save_total_limit", "scale_rewards", b"scale_rewards", "seed", b"seed", "temperature", b"temperature", "top_entropy_quantile", b"top_entropy_quantile", "top_k", b"top_k", "top_p", b"top_p", "unlimited_prompt_length", b"unlimited_prompt_length", "use_adaptive_entropy", b"use_adaptive_entropy", "vespo_k_neg", b"vespo_k_neg", "vespo_k_pos", b"vespo_k_pos", "vespo_lambda_neg", b"vespo_lambda_neg", "vespo_lambda_pos", b"vespo_lambda_pos", "warmup_steps", b"warmup_steps", "weight_decay", b"weight_decay"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_adam_beta1", b"_adam_beta1", "_adam_beta2", b"_adam_beta2", "_adam_epsilon", b"_adam_epsilon", "_advantage_eps", b"_advantage_eps", "_beta", b"_beta", "_checkpoint_every", b"_checkpoint_every", "_delta", b"_delta", "_dynamic_sampling", b"_dynamic_sampling", "_entropy_coef", b"_entropy_coef", "_entropy_coef_delta", b"_entropy_coef_delta", "_entropy_coef_max", b"_entropy_coef_max", "_entropy_coef_min", b"_entropy_coef_min", "_entropy_target", b"_entropy_target", "_epsilon", b"_epsilon", "_epsilon_high", b"_epsilon_high", "_eval_every", b"_eval_every", "_eval_samples", b"_eval_samples", "_gradient_checkpointing", b"_gradient_checkpointing", "_greater_is_better", b"_greater_is_better", "_learning_rate", b"_learning_rate", "_log_completions_count", b"_log_completions_count", "_log_completions_every", b"_log_completions_every", "_mask_truncated_completions", b"_mask_truncated_completions", "_max_completion_length", b"_max_completion_length", "_max_grad_norm", b"_max_grad_norm", "_max_prompt_length", b"_max_prompt_length", "_max_resample_rounds", b"_max_resample_rounds", "_max_steps", b"_max_steps", "_metric_for_best_model", b"_metric_for_best_model", "_mini_batch_size", b"_mini_batch_size", "_num_epochs", b"_num_epochs", "_num_generations", b"_num_generations", "_num_iterations", b"_num_iterations", "_off_policy_mask_threshold", b"_off_policy_mask_threshold", "_prompts_per_step", b"_prompts_per_step", "_sapo_temperature_neg", b"_sapo_temperature_neg", "_sapo_temperature_pos", b"_sapo_temperature_pos", "_save_total_limit", b"_save_total_limit", "_seed", b"_seed", "_temperature", b"_temperature", "_top_entropy_quantile", b"_top_entropy_quantile", "_top_k", b"_top_k", "_top_p", b"_top_p", "_use_adaptive_entropy", b"_use_adaptive_entropy", "_use_bias_correction_kl", b"_use_bias_correction_kl", "_use_vllm", b"_use_vllm", "_vespo_k_neg", b"_vespo_k_neg", "_vespo_k_pos", b"_vespo_k_pos", "_vespo_lambda_neg", b"_vespo_lambda_neg", "_vespo_lambda_pos", b"_vespo_lambda_pos", "_vllm_enable_sleep_mode", b"_vllm_enable_sleep_mode", "_vllm_gpu_memory_utilization", b"_vllm_gpu_memory_utilization", "_vllm_importance_sampling_clip_max", b"_vllm_importance_sampling_clip_max", "_vllm_importance_sampling_clip_min", b"_vllm_importance_sampling_clip_min", "_vllm_importance_sampling_correction", b"_vllm_importance_sampling_correction", "_vllm_max_model_length", b"_vllm_max_model_length", "_warmup_steps", b"_warmup_steps", "_weight_decay", b"_weight_decay", "adam_beta1", b"adam_beta1", "adam_beta2", b"adam_beta2", "adam_epsilon", b"adam_epsilon", "advantage_eps", b"advantage_eps", "advantage_std", b"advantage_std", "beta", b"beta", "checkpoint_every", b"checkpoint_every", "delta", b"delta", "disable_grad_clipping", b"disable_grad_clipping", "dtype", b"dtype", "dynamic_sampling", b"dynamic_sampling", "entropy_coef", b"entropy_coef", "entropy_coef_delta", b"entropy_coef_delta", "entropy_coef_max", b"entropy_coef_max", "entropy_coef_min", b"entropy_coef_min", "entropy_target", b"entropy_target", "epsilon", b"epsilon", "epsilon_high", b"epsilon_high", "eval_every", b"eval_every", "eval_samples", b"eval_samples", "generation", b"generation", "gradient_checkpointing", b"gradient_checkpointing", "greater_is_better", b"greater_is_better", "health", b"health", "importance_sampling_level", b"importance_sampling_level", "keep_all_checkpoints", b"keep_all_checkpoints", "learning_rate", b"learning_rate", "log_completions_count", b"log_completions_count", "log_completions_every", b"log_completions_every", "lora", b"lora", "loss_type", b"loss_type", "lr_scheduler", b"lr_scheduler", "mask_truncated_completions", b"mask_truncated_completions", "max_completion_length", b"max_completion_length", "max_grad_norm", b"max_grad_norm", "max_prompt_length", b"max_prompt_length", "max_resample_rounds", b"max_resample_rounds", "max_steps", b"max_steps", "metric_for_best_model", b"metric_for_best_model", "mini_batch_size", b"mini_batch_size", "multi_objective_aggregation", b"multi_objective_aggregation", "num_epochs", b"num_epochs", "num_generations", b"num_generations", "num_iterations", b"num_iterations", "off_policy_mask_threshold", b"off_policy_mask_threshold", "on_unhealthy", b"on_unhealthy", "prompts_per_step", b"prompts_per_step", "sapo_temperature_neg", b"sapo_temperature_neg", "sapo_temperature_pos", b"sapo_temperature_pos", "save_total_limit", b"save_total_limit", "scale_rewards", b"scale_rewards", "seed", b"seed", "temperature", b"temperature", "top_entropy_quantile", b"top_entropy_quantile", "top_k", b"top_k", "top_p", b"top_p", "unlimited_prompt_length", b"unlimited_prompt_length", "use_adaptive_entropy", b"use_adaptive_entropy", "use_bias_correction_kl", b"use_bias_correction_kl", "use_vllm", b"use_vllm", "vespo_k_neg", b"vespo_k_neg", "vespo_k_pos", b"vespo_k_pos", "vespo_lambda_neg", b"vespo_lambda_neg", "vespo_lambda_pos", b"vespo_lambda_pos", "vllm_enable_sleep_mode", b"vllm_enable_sleep_mode", "vllm_gpu_memory_utilization", b"vllm_gpu_memory_utilization", "vllm_importance_sampling_clip_max", b"vllm_importance_sampling_clip_max", "vllm_importance_sampling_clip_min", b"vllm_importance_sampling_clip_min", "vllm_importance_sampling_correction", b"vllm_importance_sampling_correction", "vllm_importance_sampling_mode", b"vllm_importance_sampling_mode", "vllm_importance_sampling_no_clip_max", b"vllm_importance_sampling_no_clip_max", "vllm_max_model_length", b"vllm_max_model_length", "warmup_steps", b"warmup_steps", "weight_decay", b"weight_decay"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__adam_beta1: _TypeAlias = _typing.Literal["adam_beta1"]  # noqa: Y015
     _WhichOneofArgType__adam_beta1: _TypeAlias = _typing.Literal["_adam_beta1", b"_adam_beta1"]  # noqa: Y015
@@ -810,6 +886,10 @@ class Hyperparameters(_message.Message):
     _WhichOneofArgType__top_p: _TypeAlias = _typing.Literal["_top_p", b"_top_p"]  # noqa: Y015
     _WhichOneofReturnType__use_adaptive_entropy: _TypeAlias = _typing.Literal["use_adaptive_entropy"]  # noqa: Y015
     _WhichOneofArgType__use_adaptive_entropy: _TypeAlias = _typing.Literal["_use_adaptive_entropy", b"_use_adaptive_entropy"]  # noqa: Y015
+    _WhichOneofReturnType__use_bias_correction_kl: _TypeAlias = _typing.Literal["use_bias_correction_kl"]  # noqa: Y015
+    _WhichOneofArgType__use_bias_correction_kl: _TypeAlias = _typing.Literal["_use_bias_correction_kl", b"_use_bias_correction_kl"]  # noqa: Y015
+    _WhichOneofReturnType__use_vllm: _TypeAlias = _typing.Literal["use_vllm"]  # noqa: Y015
+    _WhichOneofArgType__use_vllm: _TypeAlias = _typing.Literal["_use_vllm", b"_use_vllm"]  # noqa: Y015
     _WhichOneofReturnType__vespo_k_neg: _TypeAlias = _typing.Literal["vespo_k_neg"]  # noqa: Y015
     _WhichOneofArgType__vespo_k_neg: _TypeAlias = _typing.Literal["_vespo_k_neg", b"_vespo_k_neg"]  # noqa: Y015
     _WhichOneofReturnType__vespo_k_pos: _TypeAlias = _typing.Literal["vespo_k_pos"]  # noqa: Y015
@@ -818,6 +898,18 @@ class Hyperparameters(_message.Message):
     _WhichOneofArgType__vespo_lambda_neg: _TypeAlias = _typing.Literal["_vespo_lambda_neg", b"_vespo_lambda_neg"]  # noqa: Y015
     _WhichOneofReturnType__vespo_lambda_pos: _TypeAlias = _typing.Literal["vespo_lambda_pos"]  # noqa: Y015
     _WhichOneofArgType__vespo_lambda_pos: _TypeAlias = _typing.Literal["_vespo_lambda_pos", b"_vespo_lambda_pos"]  # noqa: Y015
+    _WhichOneofReturnType__vllm_enable_sleep_mode: _TypeAlias = _typing.Literal["vllm_enable_sleep_mode"]  # noqa: Y015
+    _WhichOneofArgType__vllm_enable_sleep_mode: _TypeAlias = _typing.Literal["_vllm_enable_sleep_mode", b"_vllm_enable_sleep_mode"]  # noqa: Y015
+    _WhichOneofReturnType__vllm_gpu_memory_utilization: _TypeAlias = _typing.Literal["vllm_gpu_memory_utilization"]  # noqa: Y015
+    _WhichOneofArgType__vllm_gpu_memory_utilization: _TypeAlias = _typing.Literal["_vllm_gpu_memory_utilization", b"_vllm_gpu_memory_utilization"]  # noqa: Y015
+    _WhichOneofReturnType__vllm_importance_sampling_clip_max: _TypeAlias = _typing.Literal["vllm_importance_sampling_clip_max"]  # noqa: Y015
+    _WhichOneofArgType__vllm_importance_sampling_clip_max: _TypeAlias = _typing.Literal["_vllm_importance_sampling_clip_max", b"_vllm_importance_sampling_clip_max"]  # noqa: Y015
+    _WhichOneofReturnType__vllm_importance_sampling_clip_min: _TypeAlias = _typing.Literal["vllm_importance_sampling_clip_min"]  # noqa: Y015
+    _WhichOneofArgType__vllm_importance_sampling_clip_min: _TypeAlias = _typing.Literal["_vllm_importance_sampling_clip_min", b"_vllm_importance_sampling_clip_min"]  # noqa: Y015
+    _WhichOneofReturnType__vllm_importance_sampling_correction: _TypeAlias = _typing.Literal["vllm_importance_sampling_correction"]  # noqa: Y015
+    _WhichOneofArgType__vllm_importance_sampling_correction: _TypeAlias = _typing.Literal["_vllm_importance_sampling_correction", b"_vllm_importance_sampling_correction"]  # noqa: Y015
+    _WhichOneofReturnType__vllm_max_model_length: _TypeAlias = _typing.Literal["vllm_max_model_length"]  # noqa: Y015
+    _WhichOneofArgType__vllm_max_model_length: _TypeAlias = _typing.Literal["_vllm_max_model_length", b"_vllm_max_model_length"]  # noqa: Y015
     _WhichOneofReturnType__warmup_steps: _TypeAlias = _typing.Literal["warmup_steps"]  # noqa: Y015
     _WhichOneofArgType__warmup_steps: _TypeAlias = _typing.Literal["_warmup_steps", b"_warmup_steps"]  # noqa: Y015
     _WhichOneofReturnType__weight_decay: _TypeAlias = _typing.Literal["weight_decay"]  # noqa: Y015
@@ -911,6 +1003,10 @@ class Hyperparameters(_message.Message):
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__use_adaptive_entropy) -> _WhichOneofReturnType__use_adaptive_entropy | None: ...
     @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__use_bias_correction_kl) -> _WhichOneofReturnType__use_bias_correction_kl | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__use_vllm) -> _WhichOneofReturnType__use_vllm | None: ...
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__vespo_k_neg) -> _WhichOneofReturnType__vespo_k_neg | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__vespo_k_pos) -> _WhichOneofReturnType__vespo_k_pos | None: ...
@@ -918,6 +1014,18 @@ class Hyperparameters(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__vespo_lambda_neg) -> _WhichOneofReturnType__vespo_lambda_neg | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__vespo_lambda_pos) -> _WhichOneofReturnType__vespo_lambda_pos | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__vllm_enable_sleep_mode) -> _WhichOneofReturnType__vllm_enable_sleep_mode | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__vllm_gpu_memory_utilization) -> _WhichOneofReturnType__vllm_gpu_memory_utilization | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__vllm_importance_sampling_clip_max) -> _WhichOneofReturnType__vllm_importance_sampling_clip_max | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__vllm_importance_sampling_clip_min) -> _WhichOneofReturnType__vllm_importance_sampling_clip_min | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__vllm_importance_sampling_correction) -> _WhichOneofReturnType__vllm_importance_sampling_correction | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__vllm_max_model_length) -> _WhichOneofReturnType__vllm_max_model_length | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__warmup_steps) -> _WhichOneofReturnType__warmup_steps | None: ...
     @_typing.overload
@@ -1145,6 +1253,7 @@ class RewardSpec(_message.Message):
     LENGTH_PENALTY_FIELD_NUMBER: _builtins.int
     REMOTE_FIELD_NUMBER: _builtins.int
     MODEL_FIELD_NUMBER: _builtins.int
+    GRADER_FIELD_NUMBER: _builtins.int
     weight: _builtins.float
     """Weight of this source in the summed reward (default 1.0)."""
     @_builtins.property
@@ -1171,6 +1280,10 @@ class RewardSpec(_message.Message):
     def model(self) -> Global___ModelReward:
         """A reward model."""
 
+    @_builtins.property
+    def grader(self) -> Global___GraderReward:
+        """An OpenAI grader (string_check, text_similarity, score_model, multi)."""
+
     def __init__(
         self,
         *,
@@ -1181,14 +1294,15 @@ class RewardSpec(_message.Message):
         length_penalty: Global___LengthPenaltyReward | None = ...,
         remote: Global___RemoteReward | None = ...,
         model: Global___ModelReward | None = ...,
+        grader: Global___GraderReward | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_weight", b"_weight", "boxed_answer", b"boxed_answer", "exact_match", b"exact_match", "length_penalty", b"length_penalty", "model", b"model", "regex_match", b"regex_match", "remote", b"remote", "source", b"source", "weight", b"weight"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_weight", b"_weight", "boxed_answer", b"boxed_answer", "exact_match", b"exact_match", "grader", b"grader", "length_penalty", b"length_penalty", "model", b"model", "regex_match", b"regex_match", "remote", b"remote", "source", b"source", "weight", b"weight"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_weight", b"_weight", "boxed_answer", b"boxed_answer", "exact_match", b"exact_match", "length_penalty", b"length_penalty", "model", b"model", "regex_match", b"regex_match", "remote", b"remote", "source", b"source", "weight", b"weight"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_weight", b"_weight", "boxed_answer", b"boxed_answer", "exact_match", b"exact_match", "grader", b"grader", "length_penalty", b"length_penalty", "model", b"model", "regex_match", b"regex_match", "remote", b"remote", "source", b"source", "weight", b"weight"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__weight: _TypeAlias = _typing.Literal["weight"]  # noqa: Y015
     _WhichOneofArgType__weight: _TypeAlias = _typing.Literal["_weight", b"_weight"]  # noqa: Y015
-    _WhichOneofReturnType_source: _TypeAlias = _typing.Literal["boxed_answer", "exact_match", "regex_match", "length_penalty", "remote", "model"]  # noqa: Y015
+    _WhichOneofReturnType_source: _TypeAlias = _typing.Literal["boxed_answer", "exact_match", "regex_match", "length_penalty", "remote", "model", "grader"]  # noqa: Y015
     _WhichOneofArgType_source: _TypeAlias = _typing.Literal["source", b"source"]  # noqa: Y015
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__weight) -> _WhichOneofReturnType__weight | None: ...
@@ -1196,6 +1310,30 @@ class RewardSpec(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType_source) -> _WhichOneofReturnType_source | None: ...
 
 Global___RewardSpec: _TypeAlias = RewardSpec  # noqa: Y015
+
+@_typing.final
+class GraderReward(_message.Message):
+    """An OpenAI grader object, as OpenAI documents it (docs/openai.md): its union of grader types travels as
+    JSON text, validated by the service like the REST body.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JSON_FIELD_NUMBER: _builtins.int
+    json: _builtins.str
+    """The grader object as JSON, e.g. {"type": "string_check", "name": "exact", ...}."""
+    def __init__(
+        self,
+        *,
+        json: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["json", b"json"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GraderReward: _TypeAlias = GraderReward  # noqa: Y015
 
 @_typing.final
 class JobSpec(_message.Message):

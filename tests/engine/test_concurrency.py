@@ -1,4 +1,4 @@
-"""The side lane (worker.grpo.cpu_threads): work moved beside the caller gives what it gives inline.
+"""The side lane (worker.grpo.concurrency): work moved beside the caller gives what it gives inline.
 
 The engine tests run on one torch thread (conftest), where no side lane is used; these set two.
 """
@@ -17,8 +17,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from contract.config import GRPOConfig
 from tests.engine.test_trainer import _capture_gradients
 from tests.engine.trainer_helpers import small_config, spread_reward, trainer_kwargs, word_rows
-from worker.grpo import fast_decoder, rollout, static_decoder, trainer
-from worker.grpo.cpu_threads import SideThread
+from worker.grpo import concurrency, fast_decoder, rollout, static_decoder
+from worker.grpo.concurrency import SideThread
 from worker.grpo.modeling import ModelBundle
 from worker.grpo.trainer import GRPOTrainer
 
@@ -131,7 +131,7 @@ def test_reference_forward_beside_the_policy_gives_the_same_update(
     runs = []
     for lane in ("side", "inline"):
         if lane == "inline":
-            monkeypatch.setattr(trainer, "side_thread_helps", lambda device: False)
+            monkeypatch.setattr(concurrency, "side_thread_helps", lambda device: False)
         run = GRPOTrainer(
             small_config(max_steps=1, beta=0.04, lora=lora),
             train_rows=word_rows(),

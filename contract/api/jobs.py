@@ -1,0 +1,116 @@
+"""Response shapes of the jobs API, and the job states (see service.jobs.states for the machine)."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from enum import StrEnum
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+
+from contract.spec import JobSpec
+
+
+class JobStatus(StrEnum):
+    queued = "queued"
+    running = "running"
+    paused = "paused"
+    succeeded = "succeeded"
+    failed = "failed"
+    cancelling = "cancelling"
+    cancelled = "cancelled"
+
+
+class Progress(BaseModel):
+    step: int = Field(description="Last optimiser step with recorded metrics (0 before the first).")
+    total_steps: int | None = Field(description="Planned steps; null until known (num_epochs-based runs).")
+
+
+class JobError(BaseModel):
+    code: str = Field(examples=["reward_endpoint_unavailable"])
+    message: str
+
+
+class JobOut(BaseModel):
+    object: Literal["job"] = "job"
+    id: str = Field(examples=["job_01JDX3V8Q4M2C6T9W1R5Y7Z0AB"])
+    name: str | None
+    status: JobStatus
+    base_model: str
+    train_dataset: str
+    eval_dataset: str | None
+    queue: str = Field(description="Worker queue: 'gpu', or 'cpu' for the builtin: tiny models.")
+    progress: Progress
+    metrics: dict[str, float | None] = Field(description="Metrics of the latest recorded step.")
+    error: JobError | None = Field(description="Set when the job failed.")
+    attempt: int = Field(description="How many times a worker has started this job.")
+    max_attempts: int
+    pause_requested: bool = Field(
+        description="A pause is requested; the worker pauses at its next checkpoint."
+    )
+    resume_checkpoint_id: str | None = Field(description="Checkpoint the next attempt resumes from.")
+    spec: JobSpec
+    metadata: dict[str, str]
+    created_at: datetime
+    updated_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
+
+
+class JobList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[JobOut]
+    has_more: bool
+    next_after: str | None = Field(description="Pass as `after` to get the next (older) page.")
+
+
+class EventOut(BaseModel):
+    id: int = Field(description="Monotonic per job; the SSE event id.")
+    job_id: str
+    type: str = Field(examples=["status", "metrics", "checkpoint", "log"])
+    message: str
+    data: dict[str, Any]
+    attempt: int
+    step: int | None = Field(None, description="The training step the event is about, if any.")
+    superseded: bool = Field(
+        False,
+        description="A later attempt re-ran this step from an earlier checkpoint (after a crash); its own event "
+        "for the step is the one that counts. Listed only with include_superseded.",
+    )
+    created_at: datetime
+
+
+class EventList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[EventOut]
+    has_more: bool
+    next_after: int | None = Field(description="Pass as `after` to get the next page.")
+
+
+class MetricSeries(BaseModel):
+    steps: list[int]
+    values: list[float]
+
+
+class MetricsOut(BaseModel):
+    job_id: str
+    series: dict[str, MetricSeries] = Field(description="One time series per metric name, ordered by step.")
+    has_more: bool
+    next_since_step: int | None = Field(description="Pass as `since_step` to continue when has_more.")
+
+
+class SampleOut(BaseModel):
+    id: int
+    step: int
+    prompt: str
+    completion: str
+    reward: float | None = Field(description="Weighted total reward.")
+    rewards: dict[str, float | None] = Field(description="Reward per source; null where a source abstained.")
+    created_at: datetime
+
+
+class SampleList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[SampleOut]
+    has_more: bool
+    next_after: int | None
