@@ -25,7 +25,6 @@ import time
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
-from functools import partial
 from typing import Any, Literal, Protocol
 
 import grpc
@@ -227,19 +226,22 @@ class RedisBuckets:
             fetch = self._fetching.get(key)
             if fetch is None:  # one fetch per bucket at a time; the others wait for it
                 refund = self._leases.pop(key).left if lease is not None else 0
-                fetch = asyncio.ensure_future(self._ask(key, limit, window_s, chunk, refund))
+                fetch = asyncio.ensure_future(self._fetch_lease(key, limit, window_s, chunk, refund))
                 self._fetching[key] = fetch
-                fetch.add_done_callback(partial(self._leased, key))
             granted, tokens = await asyncio.shield(fetch)
             if granted == 0:
                 return decide(tokens, False, limit, window_s)
             fetched = True
 
-    def _leased(self, key: str, fetch: asyncio.Future[tuple[int, float]]) -> None:
-        self._fetching.pop(key, None)
-        if not fetch.cancelled() and fetch.exception() is None:
-            granted, tokens = fetch.result()
+    async def _fetch_lease(self, key: str, limit: int, window_s: float, chunk: int, refund: int) -> tuple[int, float]:
+        """Fetch a lease and install it before finishing: a take that finds this fetch done must also find its
+        lease (awaiting a done future does not yield, so a take looping on a done fetch would spin forever)."""
+        try:
+            granted, tokens = await self._ask(key, limit, window_s, chunk, refund)
             self._leases[key] = _Lease(granted, tokens, time.monotonic() + LEASE_SECONDS)
+            return granted, tokens
+        finally:
+            self._fetching.pop(key, None)
 
     async def _ask(self, key: str, limit: int, window_s: float, count: int, refund: int) -> tuple[int, float]:
         """Take up to `count` tokens (giving `refund` back first) in the next script call."""

@@ -188,6 +188,23 @@ class TestGrpc:
 
 
 @pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
+async def test_a_busy_key_with_a_large_budget_is_served_from_leases(
+    limits: Callable[..., None], tenant_a: TenantHeaders, live: str
+) -> None:
+    """64 connections polling with one key, as the load benchmark does: every request is answered and admitted."""
+    limits(reads=1_000_000, writes=1_000_000, window_s=60)
+    headers = auth_headers(_new_key(tenant_a))
+
+    async def connection(client: httpx.AsyncClient) -> list[int]:
+        return [(await client.get("/v1/jobs", headers=headers)).status_code for _ in range(15)]
+
+    limits_ = httpx.Limits(max_connections=64)
+    async with httpx.AsyncClient(base_url=live, limits=limits_, timeout=30) as client:
+        statuses = await asyncio.wait_for(asyncio.gather(*(connection(client) for _ in range(64))), timeout=90)
+    assert {s for per in statuses for s in per} == {200}
+
+
+@pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
 async def test_rest_and_grpc_share_one_budget_in_redis(
     limits: Callable[..., None], tenant_a: TenantHeaders, live: str
 ) -> None:
@@ -254,3 +271,22 @@ class TestRedisLeases:
         finally:
             await first.close()
             await second.close()
+
+    async def test_many_clients_looping_on_one_key_all_pass_within_the_budget(self, redis_base_url: str) -> None:
+        """64 clients taking one at a time from shared leases, as requests do, all answered and all admitted."""
+        buckets = RedisBuckets(f"{redis_base_url}/14")
+        bucket = f"test-{uuid.uuid4().hex}:read"
+        allowed = 0
+
+        async def client() -> None:
+            nonlocal allowed
+            for _ in range(50):
+                decision = await buckets.take(bucket, 1_000_000, 3000.0)
+                allowed += decision.allowed  # after the await: `allowed += await ...` would read it before
+                await asyncio.sleep(0)
+
+        try:
+            await asyncio.wait_for(asyncio.gather(*(client() for _ in range(64))), timeout=60)
+        finally:
+            await buckets.close()
+        assert allowed == 64 * 50
