@@ -290,3 +290,37 @@ class TestRedisLeases:
         finally:
             await buckets.close()
         assert allowed == 64 * 50
+
+
+def test_a_take_arriving_as_a_lease_fetch_finishes_uses_that_lease() -> None:
+    """The moment between a lease fetch finishing and anything else running: a take arriving then must find the
+    fetched lease. (Were the lease installed by a callback after the fetch, such a take would find the finished
+    fetch, get its result without yielding, find no lease, and loop forever, stopping the event loop.)"""
+    outcome: list[bool] = []
+
+    async def scenario() -> None:
+        buckets = RedisBuckets("redis://127.0.0.1:6379/14")  # never contacted: the Redis call is replaced
+        release = asyncio.Event()
+
+        async def answer_when_released(key: str, limit: int, window_s: float, count: int, refund: int) -> tuple[int, float]:
+            await release.wait()
+            return count, 100.0
+
+        buckets._ask = answer_when_released  # type: ignore[method-assign]
+        first = asyncio.ensure_future(buckets.take("k", 200, 60.0))  # starts a fetch of 2 tokens
+        while not buckets._fetching:
+            await asyncio.sleep(0)
+        fetch = next(iter(buckets._fetching.values()))
+        release.set()
+        while not fetch.done():
+            await asyncio.sleep(0)
+        second = await buckets.take("k", 200, 60.0)
+        outcome.extend([second.allowed, (await first).allowed])
+        await buckets.close()
+
+    # In a thread: a loop that spins would never let a timeout inside it fire.
+    thread = threading.Thread(target=lambda: asyncio.run(scenario()), daemon=True)
+    thread.start()
+    thread.join(timeout=20)
+    assert not thread.is_alive(), "the take never returned: it spins on the finished fetch"
+    assert outcome == [True, True]
