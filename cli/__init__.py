@@ -17,12 +17,14 @@ from cli import (
     rewards,
     serve,
     train,
+    usage,
     webhooks,
     worker,
 )
 
 app = typer.Typer(help="GRPO training service: run the engine locally, serve the API, drive jobs.", no_args_is_help=True)
 app.add_typer(admin.app, name="admin")
+admin.app.command("set-budget")(usage.set_budget)
 app.add_typer(datasets.app, name="datasets")
 app.add_typer(rewards.app, name="rewards")
 app.add_typer(jobs.app, name="jobs")
@@ -34,6 +36,7 @@ app.command("migrate")(migrate.migrate)
 app.command("serve")(serve.serve)
 app.command("worker")(worker.worker)
 app.command("demo")(demo.demo)
+app.command("usage")(usage.usage)
 
 
 # Top-level modules of the `server` and `worker` extras: the operator commands (serve, worker, migrate, admin,

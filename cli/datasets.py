@@ -10,6 +10,7 @@ from cli.output import JsonOpt, api_client, emit
 
 app = typer.Typer(help="Prompt datasets (JSONL).", no_args_is_help=True)
 COLUMNS = ["id", "name", "num_rows", "bytes", "sha256", "columns", "created_at"]
+LIST_COLUMNS = ["id", "name", "num_rows", "bytes", "created_at"]
 
 
 @app.command()
@@ -27,7 +28,7 @@ def upload(
 def list_(limit: int = 20, after: str | None = None, as_json: JsonOpt = False) -> None:
     """List your datasets, newest first."""
     with api_client() as client:
-        emit(client.list_datasets(limit, after).data, ["id", "name", "num_rows", "bytes", "created_at"], as_json=as_json)
+        emit(client.list_datasets(limit, after).data, LIST_COLUMNS, as_json=as_json)
 
 
 @app.command()

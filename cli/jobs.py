@@ -1,7 +1,8 @@
-"""`grpo jobs create|list|get|watch|cancel|pause|resume|delete|events|metrics|samples|plot`."""
+"""`grpo jobs create|list|get|estimate|set-budget|watch|cancel|pause|resume|delete|events|metrics|samples|plot`."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,7 @@ from contract.api.jobs import EventOut, JobOut
 app = typer.Typer(help="Training jobs.", no_args_is_help=True)
 COLUMNS = ["id", "name", "status", "base_model", "progress", "attempt", "error", "created_at", "finished_at"]
 LIST_COLUMNS = ["id", "name", "status", "progress", "created_at"]
+SAMPLE_COLUMNS = ["step", "prompt", "completion", "reward", "rewards"]
 OUTCOME_EXIT = {"succeeded": 0, "failed": 1, "cancelled": 3, "paused": 4}
 
 
@@ -58,9 +60,47 @@ def get(job_id: str, as_json: JsonOpt = False) -> None:
     """Show a job: status, progress, latest metrics, error."""
     with api_client() as client:
         job = client.get_job(job_id)
-    emit(job, COLUMNS, as_json=as_json)
-    if not as_json and job.metrics:
+        used = client.get_job_usage(job_id)
+    if as_json:
+        typer.echo(json.dumps({**job.model_dump(mode="json"), "usage": used.model_dump(mode="json", exclude={"steps"})},
+                              indent=2))
+        return
+    emit(job, COLUMNS, as_json=False)
+    if job.metrics:
         console.print({k: v for k, v in sorted(job.metrics.items()) if v is not None})
+    console.print({"usage": used.totals.model_dump(), "budget": used.budget.model_dump(mode="json")})
+
+
+@app.command()
+def estimate(
+    file: Path = typer.Option(..., "-f", "--file", exists=True, dir_okay=False, help="Job spec YAML/JSON."),
+    as_json: JsonOpt = False,
+) -> None:
+    """Expected steps, tokens and device-seconds of a spec, before running it (nothing is created)."""
+    with api_client() as client:
+        result = client.estimate_job(load_spec(file))
+    emit(result, ["steps", "tokens_generated", "tokens_trained", "tokens", "reward_calls", "device_seconds",
+                  "calibration"], as_json=as_json)
+
+
+@app.command("set-budget")
+def set_budget(
+    job_id: str,
+    max_tokens: int | None = typer.Option(None, help="Most tokens (generated + trained) the job may use."),
+    max_device_seconds: float | None = typer.Option(None, help="Most device-seconds the job may use."),
+    clear: bool = typer.Option(False, "--clear", help="Remove the job's budget."),
+    resume: bool = typer.Option(False, "--resume", help="Then resume the job (paused with budget_exhausted)."),
+    as_json: JsonOpt = False,
+) -> None:
+    """Replace a job's budget (validated by the server: 422 names the field)."""
+    if clear == (max_tokens is not None or max_device_seconds is not None):
+        raise typer.BadParameter("give --max-tokens and/or --max-device-seconds, or --clear")
+    budget = None if clear else {"max_tokens": max_tokens, "max_device_seconds": max_device_seconds}
+    with api_client() as client:
+        job = client.set_job_budget(job_id, budget)
+        if resume:
+            job = client.resume_job(job_id)
+    emit(job, COLUMNS, as_json=as_json)
 
 
 @app.command()
@@ -175,7 +215,7 @@ def metrics(
 def samples(job_id: str, step: int | None = None, as_json: JsonOpt = False) -> None:
     """Show logged sample completions with their rewards."""
     with api_client() as client:
-        emit(client.list_job_samples(job_id, step).data, ["step", "prompt", "completion", "reward", "rewards"], as_json=as_json)
+        emit(client.list_job_samples(job_id, step).data, SAMPLE_COLUMNS, as_json=as_json)
 
 
 @app.command()

@@ -1,6 +1,8 @@
 """`grpo worker`: a Celery worker running `grpo.run_job` (see worker/celery_app.py for why it is set up so).
 
-One job at a time (concurrency 1 per GPU: start one worker per GPU with CUDA_VISIBLE_DEVICES). The
+One job at a time: start one worker per GPU with CUDA_VISIBLE_DEVICES, or one worker for several devices
+(`--devices N`, settings.worker_devices): it then also takes jobs needing up to N devices, whose ranks it
+launches (worker/runner.py). The
 service package never imports torch; the worker modules are imported only when this command runs, and
 torch only inside the child process that runs a job.
 """
@@ -37,6 +39,10 @@ def worker_argv(queues: list[str], pool: str, loglevel: str, hostname: str | Non
 
 def worker(
     queues: str = typer.Option("gpu,cpu", "--queues", "-Q", help="Comma-separated queues to consume: gpu, cpu."),
+    devices: int | None = typer.Option(
+        None, "--devices", min=1, help="Devices of this worker (default GRPO_WORKER_DEVICES, 1): it also consumes "
+        "the gpu-N / cpu-N queues of jobs needing up to that many.",
+    ),
     pool: str = typer.Option("prefork", "--pool", "-P",
                              help="prefork: each job in a fresh child process (default); solo: in this process."),
     loglevel: str = typer.Option("INFO", "--loglevel", "-l", help="Log level."),
@@ -45,7 +51,12 @@ def worker(
     """Run a worker that trains queued jobs (broker: GRPO_BROKER_URL; embedded SQLite broker by default)."""
     if pool not in POOLS:
         raise typer.BadParameter(f"unknown pool {pool!r}; choose from {', '.join(POOLS)}", param_hint="--pool")
-    argv = worker_argv(parse_queues(queues), pool, loglevel, hostname)
+    from service.kit.config import get_settings
+    from service.kit.queue import queues_for_devices
+
+    argv = worker_argv(
+        queues_for_devices(parse_queues(queues), devices or get_settings().worker_devices), pool, loglevel, hostname
+    )
     _observability()
     from worker.celery_app import app as celery_app
 

@@ -46,15 +46,16 @@ from contract.api.rewards import (
     RewardFunctionWithSecret,
     RewardTestResult,
 )
+from contract.api.usage import Estimate, JobUsage, UsageReport
 from contract.api.webhooks import DeliveryList, WebhookList, WebhookOut, WebhookWithSecret
-from contract.spec import JobSpec
+from contract.spec import JobBudget, JobSpec
 
 T = TypeVar("T", bound=BaseModel)
 RETRY_STATUSES = {429, 502, 503, 504}
 
 
 class APIError(Exception):
-    """An error answer from the API, with its stable code (see README: error shape)."""
+    """An error answer from the API, with its stable code (error shape: docs/jobs-api.md)."""
 
     def __init__(self, status: int, code: str, message: str, details: Any = None) -> None:
         super().__init__(f"{status} {code}: {message}")
@@ -158,6 +159,28 @@ class _calls:  # noqa: N801 - a namespace of request builders, one per endpoint
     @staticmethod
     def delete_job(job_id: str) -> Call[BaseModel]:
         return Call("DELETE", f"/v1/jobs/{job_id}", None)
+
+    @staticmethod
+    def estimate_job(spec: JobSpec | dict[str, Any]) -> Call[Estimate]:
+        body = spec.model_dump(mode="json", exclude_none=True) if isinstance(spec, JobSpec) else spec
+        return Call("POST", "/v1/jobs/estimate", Estimate, json=body, idempotent=True)
+
+    @staticmethod
+    def set_job_budget(job_id: str, budget: JobBudget | dict[str, Any] | None) -> Call[JobOut]:
+        value = budget.model_dump(mode="json", exclude_none=True) if isinstance(budget, JobBudget) else budget
+        # Setting a value twice leaves the same state: safe to retry.
+        return Call("PATCH", f"/v1/jobs/{job_id}", JobOut, json={"budget": value}, idempotent=True)
+
+    @staticmethod
+    def get_job_usage(job_id: str) -> Call[JobUsage]:
+        return Call("GET", f"/v1/jobs/{job_id}/usage", JobUsage, idempotent=True)
+
+    @staticmethod
+    def get_usage(
+        start: datetime | None = None, end: datetime | None = None, group_by: str = "day"
+    ) -> Call[UsageReport]:
+        params = _params(start=start and start.isoformat(), end=end and end.isoformat(), group_by=group_by)
+        return Call("GET", "/v1/usage", UsageReport, params, idempotent=True)
 
     @staticmethod
     def job_action(job_id: str, action: str) -> Call[JobOut]:
@@ -464,6 +487,24 @@ class GRPOClient:
         """Delete a finished job and its checkpoints (files included)."""
         self._run(_calls.delete_job(job_id))
 
+    # --- usage and budgets
+    def estimate_job(self, spec: JobSpec | dict[str, Any]) -> Estimate:
+        """Expected steps, tokens and device-seconds of a spec; nothing is created."""
+        return self._run(_calls.estimate_job(spec))
+
+    def set_job_budget(self, job_id: str, budget: JobBudget | dict[str, Any] | None) -> JobOut:
+        """Replace a job's budget (None removes it); then `resume_job` a job paused with budget_exhausted."""
+        return self._run(_calls.set_job_budget(job_id, budget))
+
+    def get_job_usage(self, job_id: str) -> JobUsage:
+        return self._run(_calls.get_job_usage(job_id))
+
+    def get_usage(
+        self, start: datetime | None = None, end: datetime | None = None, group_by: str = "day"
+    ) -> UsageReport:
+        """Your usage in [start, end) (default: this UTC month), by `day` or by `job`."""
+        return self._run(_calls.get_usage(start, end, group_by))
+
     def list_job_events(
         self, job_id: str, after: int | None = None, limit: int = 100, include_superseded: bool = False
     ) -> EventList:
@@ -688,6 +729,20 @@ class AsyncGRPOClient:
 
     async def delete_job(self, job_id: str) -> None:
         await self._run(_calls.delete_job(job_id))
+
+    async def estimate_job(self, spec: JobSpec | dict[str, Any]) -> Estimate:
+        return await self._run(_calls.estimate_job(spec))
+
+    async def set_job_budget(self, job_id: str, budget: JobBudget | dict[str, Any] | None) -> JobOut:
+        return await self._run(_calls.set_job_budget(job_id, budget))
+
+    async def get_job_usage(self, job_id: str) -> JobUsage:
+        return await self._run(_calls.get_job_usage(job_id))
+
+    async def get_usage(
+        self, start: datetime | None = None, end: datetime | None = None, group_by: str = "day"
+    ) -> UsageReport:
+        return await self._run(_calls.get_usage(start, end, group_by))
 
     async def list_job_events(
         self, job_id: str, after: int | None = None, limit: int = 100, include_superseded: bool = False

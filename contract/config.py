@@ -25,6 +25,7 @@ SchedulerType = Literal["constant", "linear", "cosine"]
 GenerationMode = Literal["sample", "beam"]
 DType = Literal["float32", "bfloat16", "float16", "auto"]
 VLLMImportanceSamplingMode = Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
+Parallelism = Literal["auto", "ddp", "fsdp"]
 
 # Loss types with PPO's hard clip (epsilon / epsilon_high, and delta when set).
 CLIPPED_LOSSES: tuple[LossType, ...] = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
@@ -262,6 +263,12 @@ class GRPOConfig(BaseModel):
     gradient_checkpointing: bool = Field(False, description="Trade compute for activation memory.")
     dtype: DType = Field("float32", description="Weights dtype. Log-probs are always computed in float32.")
     seed: Int64 = Field(42, description="Seeds data order, sampling and initialisation.")
+    parallelism: Parallelism = Field(
+        "auto",
+        description="With resources.devices > 1: 'ddp' replicates the model on every device and averages "
+        "gradients; 'fsdp' shards parameters, gradients and optimiser state (FSDP2) and keeps one full copy "
+        "for generation; 'auto' = ddp with LoRA, fsdp for full fine-tuning. Ignored on one device.",
+    )
 
     # --- bookkeeping ---------------------------------------------------------------------------
     checkpoint_every: int = Field(50, ge=1, le=INT32_MAX, description="Save a checkpoint every N steps (and at the end).")
@@ -367,6 +374,12 @@ class GRPOConfig(BaseModel):
     def entropy_bonus(self) -> bool:
         """Whether the loss carries an entropy bonus (adaptive control keeps it on even at coefficient 0)."""
         return self.entropy_coef > 0 or self.use_adaptive_entropy
+
+    def resolved_parallelism(self) -> Literal["ddp", "fsdp"]:
+        """The data-parallel scheme on several devices ('auto' resolved)."""
+        if self.parallelism != "auto":
+            return self.parallelism
+        return "ddp" if self.lora is not None else "fsdp"
 
     @property
     def completions_per_step(self) -> int:

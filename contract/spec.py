@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from contract.config import GRPOConfig, LoraConfig
 from contract.dataset_format import MAX_COLUMN_NAME_CHARS
-from contract.fields import Int32, Text
+from contract.fields import Int32, Int64, Text
 from contract.graders import Grader, GraderInvalid, ScoreModelGrader, grader_dump, parse_grader, sub_graders
 
 # How base_model names a model other than a Hub id or a local path.
@@ -158,6 +158,30 @@ class ModelRewardSpec(BaseModel):
         return f"model:{self.model}"
 
 
+# Bounds of a job's budget: far above any real run, low enough that sums stay exact in a float / BIGINT.
+MAX_BUDGET_DEVICE_SECONDS = 1e9
+MAX_BUDGET_TOKENS = 10**15
+
+
+class JobBudget(BaseModel):
+    """Spending limits of one job. The step that reaches one pauses the job (`budget_exhausted`, checkpoint
+    kept); raise the limit (PATCH /v1/jobs/{id}) and resume it."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    max_device_seconds: float | None = Field(
+        None, gt=0, le=MAX_BUDGET_DEVICE_SECONDS, description="Most device-seconds the job may use, all attempts."
+    )
+    max_tokens: Int64 | None = Field(
+        None, ge=1, le=MAX_BUDGET_TOKENS, description="Most tokens (generated + trained) the job may use."
+    )
+
+    @model_validator(mode="after")
+    def _some_limit(self) -> JobBudget:
+        if self.max_device_seconds is None and self.max_tokens is None:
+            raise ValueError("set max_device_seconds, max_tokens or both")
+        return self
+
+
 class GraderRewardSpec(BaseModel):
     """An OpenAI grader object (contract.graders: string_check, text_similarity, score_model, multi)."""
 
@@ -203,6 +227,31 @@ def reward_function_refs(rewards: list[RewardSpec]) -> list[tuple[str, str]]:
     return refs
 
 
+MAX_DEVICES = 1024
+MAX_NODES = 128
+
+
+class Resources(BaseModel):
+    """Devices one job trains on (docs/distributed.md). The job goes to a worker with at least that many."""
+
+    model_config = ConfigDict(extra="forbid")
+    devices: int = Field(
+        1, ge=1, le=MAX_DEVICES,
+        description="Devices (GPUs, or CPU ranks) for the whole job, across all nodes; one rank per device.",
+    )
+    nodes: int = Field(1, ge=1, le=MAX_NODES, description="Machines the devices are spread over (equally).")
+
+    @model_validator(mode="after")
+    def _check_split(self) -> Resources:
+        if self.devices % self.nodes != 0:
+            raise ValueError(f"devices ({self.devices}) must be a multiple of nodes ({self.nodes})")
+        return self
+
+    @property
+    def devices_per_node(self) -> int:
+        return self.devices // self.nodes
+
+
 class JobSpec(BaseModel):
     """One training job. `train_dataset` is a dataset id in the service and a JSONL path locally."""
 
@@ -246,7 +295,15 @@ class JobSpec(BaseModel):
     )
     rewards: list[RewardSpec] = Field(min_length=1, max_length=16)
     hyperparameters: GRPOConfig
+    resources: Resources = Field(default_factory=Resources, description="Devices and nodes for this job.")
     lora: LoraConfig | None = Field(None, description="Shorthand for hyperparameters.lora.")
+    priority: int = Field(
+        0,
+        ge=-100,
+        le=100,
+        description="Among your own queued jobs, a higher priority starts first (then the older job). It does "
+        "not move your jobs ahead of other tenants' (see docs/tenancy.md).",
+    )
     metadata: dict[
         Annotated[Text, Field(min_length=1, max_length=MAX_METADATA_KEY_CHARS)],
         Annotated[Text, Field(max_length=MAX_METADATA_VALUE_CHARS)],
@@ -255,6 +312,10 @@ class JobSpec(BaseModel):
         max_length=MAX_METADATA_KEYS,
         description=f"Free-form labels: at most {MAX_METADATA_KEYS} keys of 1-{MAX_METADATA_KEY_CHARS} characters, "
         f"values up to {MAX_METADATA_VALUE_CHARS} characters, {MAX_METADATA_JSON_BYTES} bytes as JSON in all.",
+    )
+
+    budget: JobBudget | None = Field(
+        None, description="Spending limits; the step that reaches one pauses the job with `budget_exhausted`."
     )
 
     @field_validator("base_model")
@@ -282,4 +343,24 @@ class JobSpec(BaseModel):
         duplicates = sorted({n for n in names if names.count(n) > 1})
         if duplicates:
             raise ValueError(f"reward sources listed twice: {', '.join(duplicates)}")
+        self._check_devices()
         return self
+
+    def _check_devices(self) -> None:
+        """Every rank trains an equal share of whole groups, so each runs the same forward passes."""
+        devices, config = self.resources.devices, self.hyperparameters
+        if devices == 1:
+            return
+        if config.prompts_per_step % devices != 0:
+            raise ValueError(
+                f"hyperparameters.prompts_per_step ({config.prompts_per_step}) must be a multiple of "
+                f"resources.devices ({devices}): each device trains whole groups"
+            )
+        if config.mini_batch_size is not None and config.mini_batch_size % devices != 0:
+            raise ValueError(
+                f"hyperparameters.mini_batch_size ({config.mini_batch_size}) must be a multiple of "
+                f"resources.devices ({devices})"
+            )
+        for name in ("dynamic_sampling", "entropy_bonus", "use_vllm"):
+            if getattr(config, name):
+                raise ValueError(f"hyperparameters.{name} is not supported with resources.devices > 1")

@@ -27,9 +27,11 @@ from service.observability.middleware import PrometheusMiddleware
 from service.openai import errors as openai_errors
 from service.openai.endpoints import router as openai_router
 from service.ops.endpoints import router as ops_router
+from service.quotas.endpoints import router as quotas_router
 from service.rewards.endpoints import router as rewards_router
 from service.tenants.endpoints import router as api_keys_router
 from service.tenants.ratelimit import RateLimitHeaders, close_buckets
+from service.usage.endpoints import router as usage_router
 from service.webhooks.endpoints import router as webhooks_router
 
 ERROR_SCHEMA: dict[str, Any] = {
@@ -91,12 +93,17 @@ async def _http_error(request: Request, exc: Exception) -> JSONResponse:
 def allowed_methods(request: Request) -> list[str]:
     """The methods some route serves at this path, found by matching the path once per method. Starlette's
     own `Allow` names only the methods of the first route whose path matched, while e.g. GET and POST
-    /v1/jobs are two routes."""
-    routes = request.app.router.routes
-    return [
-        method
+    /v1/jobs are two routes. A path that a route names literally (POST /v1/jobs/estimate) is that route's
+    resource, not an id of a templated one (/v1/jobs/{job_id}): only literal routes count for it."""
+    matching = {
+        method: [r for r in request.app.router.routes if r.matches({**request.scope, "method": method.value})[0]
+                 is Match.FULL]
         for method in HTTPMethod
-        if any(route.matches({**request.scope, "method": method.value})[0] is Match.FULL for route in routes)
+    }
+    literal = any(not getattr(r, "param_convertors", None) for routes in matching.values() for r in routes)
+    return [
+        method for method, routes in matching.items()
+        if any(not literal or not getattr(r, "param_convertors", None) for r in routes)
     ]
 
 
@@ -135,6 +142,8 @@ def create_app() -> FastAPI:
     app.include_router(checkpoints_router, prefix="/v1")
     app.include_router(webhooks_router, prefix="/v1")
     app.include_router(api_keys_router, prefix="/v1")
+    app.include_router(quotas_router, prefix="/v1")
+    app.include_router(usage_router, prefix="/v1")
     app.include_router(metrics_router)
     # The OpenAI-compatible door (docs/openai.md): OpenAI's shapes over the same domain services.
     app.include_router(openai_router, prefix=openai_errors.PREFIX)

@@ -6,8 +6,10 @@ from service.checkpoints import models as checkpoints_models
 from service.datasets import models as datasets_models
 from service.jobs import models as jobs_models
 from service.kit.db import Base
+from service.quotas import models as quotas_models
 from service.rewards import models as rewards_models
 from service.tenants import models as tenants_models
+from service.usage import models as usage_models
 from service.webhooks import models as webhooks_models
 
 __all__ = [
@@ -15,7 +17,9 @@ __all__ = [
     "checkpoints_models",
     "datasets_models",
     "jobs_models",
+    "quotas_models",
     "rewards_models",
     "tenants_models",
+    "usage_models",
     "webhooks_models",
 ]

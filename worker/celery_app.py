@@ -13,7 +13,8 @@ The message only wakes a worker; the job row is the truth (worker/lease.py). Tha
   memory is returned to the driver when its child exits. (`--pool solo` runs jobs in the main process:
   no fork at all; useful for debugging.)
 - Task arguments are `[job_id]` only; results are ignored (progress is written to the database).
-- Queues `gpu` and `cpu`; a worker consumes the ones it is started with (`grpo worker --queues`).
+- Queues `gpu` and `cpu`, and `gpu-N` / `cpu-N` for jobs needing N devices; a worker consumes the ones it
+  is started with (`grpo worker --queues --devices`).
 - The broker connection is retried forever: a Redis restart must not stop a worker (the running job does
   not need the broker; only the next pickup does).
 - Redis `visibility_timeout` (settings.broker_visibility_timeout): how long a delivered, unacknowledged
@@ -32,6 +33,7 @@ from celery import Celery
 from kombu import Queue
 
 from service.kit.config import Settings, get_settings
+from service.kit.queue import queues_for_devices
 from worker.embedded_broker import TRANSPORT_PATH, split_sqla_url
 
 RUN_JOB_TASK = "grpo.run_job"
@@ -48,7 +50,8 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         "task_ignore_result": True,
         "task_serializer": "json",
         "accept_content": ["json"],
-        "task_queues": [Queue(name) for name in QUEUES],
+        # gpu, cpu, and gpu-N / cpu-N for the jobs needing N <= settings.worker_devices devices.
+        "task_queues": [Queue(name) for name in queues_for_devices(list(QUEUES), settings.worker_devices)],
         "task_default_queue": "gpu",
         "task_soft_time_limit": SOFT_TIME_LIMIT_S,
         "task_time_limit": HARD_TIME_LIMIT_S,

@@ -1,13 +1,33 @@
-"""Job ownership: the claim, the lease heartbeat and attempt fencing. The job row is the truth.
+"""Job ownership: the fair claim, the lease heartbeat and attempt fencing. The job row is the truth.
 
-A Celery message only wakes a worker. The worker then *claims* the job with one conditional UPDATE:
+A Celery message `grpo.run_job(X)` only wakes a worker; it means "a job of X's queue may be ready", not "run X".
+The delivery claims the *fair choice* of X's queue (`claim_next`), which may be another job Y:
+
+1. X is `running` with an expired lease (a redelivery after its worker died): X is taken over, as below. It
+   already started, so it keeps its place.
+2. Otherwise the delivery serialises with the other claims of X's queue (`repository.lock_claims`: an advisory
+   lock on PostgreSQL, the write lock on SQLite) and chooses, among queued jobs of that queue whose tenant is
+   under its running-jobs and devices quotas, a job of the tenant with the fewest running jobs (between equals,
+   the tenant served least recently, then the one waiting longest): that tenant's highest-priority, then
+   oldest, job (`repository.next_fair_job`). Then it claims that job. With one worker every tenant has zero
+   running jobs whenever it frees up, so "served least recently" is what makes tenants take turns.
+
+Every queued job was sent one message, so there are at least as many deliveries as queued jobs; each delivery
+starts at most one. When Y ran in X's stead, Y's own message later finds X (or whichever job is fairest then),
+or nothing: a delivery that finds nothing claimable returns quietly. Duplicates, redeliveries and the reaper's
+re-sends are therefore harmless, and the order holds with any number of workers and either broker, because it
+is decided by the rows at claim time, not by the order of messages. A job left waiting by its tenant's running
+quota gets a new message when one of its tenant's jobs ends (`wake_waiting_jobs`) or when an operator raises
+the quota; the reaper's re-send of stale queued jobs is the backstop.
+
+The claim itself is one conditional UPDATE:
 
     UPDATE jobs SET attempt = attempt + 1, lease_until = now + lease, worker_id = me, version = version + 1
     WHERE id = :job AND (status = 'queued' OR (status = 'running' AND lease_until < now))
 
-Zero rows updated means someone else owns the job, or it is finished, paused or cancelled: the message was
-a duplicate (Redis redelivery, a re-send by the reaper, a second copy) and the task returns quietly. A
-queued job that was cancelled therefore never starts.
+Zero rows updated means someone else owns the job, or it is finished, paused or cancelled (on PostgreSQL a
+cancel can land between the choice and the claim: the delivery chooses again). A queued job that was
+cancelled therefore never starts.
 
 `attempt` is the fencing token. Every later write (metrics, events, checkpoints, state) runs in a
 transaction that begins with
@@ -22,7 +42,7 @@ worker frozen with SIGSTOP whose lease expired cannot write anything after it wa
 The heartbeat thread renews the lease every `lease_seconds / 3`; a frozen or dead worker stops renewing
 and the reaper (worker/reaper.py) re-enqueues the job once `lease_until` has passed.
 
-Claiming also prepares the resume: metrics and samples of steps after the latest checkpoint (written by
+Claiming also prepares the resume: metrics, samples and usage records of steps after the latest checkpoint (written by
 the dead attempt) are deleted in the claim transaction, so the new attempt, which restarts from that
 checkpoint, records every later step exactly once.
 
@@ -38,7 +58,6 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import TypeVar
 
-from sqlalchemy import delete, or_, select, update
 from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 from sqlalchemy.orm import Session
 from tenacity import (
@@ -50,9 +69,12 @@ from tenacity import (
 )
 
 from service.checkpoints.models import Checkpoint
-from service.jobs.models import Job, JobEvent, JobMetric, JobSample
+from service.jobs import repository
+from service.jobs import service as jobs_service
+from service.jobs.models import JobEvent
 from service.jobs.states import JobStatus, transition
 from service.kit.db import session_scope, utcnow
+from service.kit.queue import get_job_queue
 
 log = logging.getLogger(__name__)
 
@@ -108,32 +130,58 @@ def _lease_end(lease_seconds: int, now: datetime | None = None) -> datetime:
 
 # --- claim -------------------------------------------------------------------------------------
 
+# Times a delivery re-chooses when the job it chose changed under it (PostgreSQL: cancelled, paused or claimed
+# by a takeover between the choice and the claim). Each miss means the queue changed; the bound only keeps a
+# pathological churn from spinning.
+_FAIR_CHOICES = 8
+
+
+@dataclass(frozen=True)
+class ClaimLimits:
+    """The defaults of the quotas the claim enforces (tenant_quotas rows override them per tenant)."""
+
+    max_running_jobs: int | None = None
+    max_devices: int | None = None
+
+
+def claim_next(
+    session: Session, job_id: str, worker_id: str, lease_seconds: int, limits: ClaimLimits
+) -> Claim | None:
+    """What one delivery of `grpo.run_job(job_id)` claims (see the module docstring). Never commits."""
+    target = repository.claim_target(session, job_id)
+    if target is None:
+        return None
+    status, queue, lease_until = target
+    if status == JobStatus.running.value and lease_until is not None and lease_until < utcnow():
+        # A redelivery of a job whose worker died: it already started, so it keeps its place.
+        return claim_job(session, job_id, worker_id, lease_seconds)
+    repository.lock_claims(session, queue)
+    for _ in range(_FAIR_CHOICES):
+        chosen = repository.next_fair_job(
+            session, queue, default_max_running=limits.max_running_jobs, default_max_devices=limits.max_devices
+        )
+        if chosen is None:
+            return None
+        claim = claim_job(session, chosen, worker_id, lease_seconds)
+        if claim is not None:
+            if chosen != job_id:
+                log.info("delivery for job %s claimed job %s (the fair choice of queue %s)", job_id, chosen, queue)
+            return claim
+    return None
+
+
 
 def claim_job(session: Session, job_id: str, worker_id: str, lease_seconds: int) -> Claim | None:
     """Take ownership of `job_id` for a new attempt, or return None (duplicate delivery). Never commits."""
     now = utcnow()
-    claimable = or_(
-        Job.status == JobStatus.queued.value,
-        (Job.status == JobStatus.running.value) & (Job.lease_until < now),
-    )
-    result = session.execute(
-        update(Job)
-        .where(Job.id == job_id, claimable)
-        .values(
-            attempt=Job.attempt + 1,
-            lease_until=_lease_end(lease_seconds, now),
-            worker_id=worker_id,
-            updated_at=now,
-            version=Job.version + 1,
-        )
-        .execution_options(synchronize_session=False)
-    )
-    if result.rowcount != 1:  # type: ignore[attr-defined]
+    if not repository.claim_row(session, job_id, worker_id, now=now, lease_until=_lease_end(lease_seconds, now)):
         return None
-    job = session.execute(select(Job).where(Job.id == job_id).execution_options(populate_existing=True)).scalar_one()
+    job = repository.get_job_any_tenant(session, job_id, refresh=True)
+    if job is None:  # cannot happen: the claim's UPDATE holds the row until this transaction ends
+        raise RuntimeError(f"job {job_id!r} vanished under its claim")
     checkpoint = latest_checkpoint(session, job_id)
     resume_step = checkpoint.step if checkpoint is not None else 0
-    _discard_steps_after(session, job_id, resume_step, attempt=job.attempt)
+    repository.discard_steps_after(session, job_id, resume_step, attempt=job.attempt)
     job.current_step = resume_step
     job.resume_checkpoint_id = checkpoint.id if checkpoint is not None else None
     job.error_code = None
@@ -151,38 +199,30 @@ def claim_job(session: Session, job_id: str, worker_id: str, lease_seconds: int)
 
 
 def latest_checkpoint(session: Session, job_id: str, *, before_step: int | None = None) -> Checkpoint | None:
-    query = select(Checkpoint).where(Checkpoint.job_id == job_id)
-    if before_step is not None:
-        query = query.where(Checkpoint.step < before_step)
-    return session.execute(query.order_by(Checkpoint.step.desc()).limit(1)).scalar_one_or_none()
-
-
-def _discard_steps_after(session: Session, job_id: str, step: int, *, attempt: int) -> None:
-    """Forget what a dead attempt recorded after the step the new attempt resumes from.
-
-    Its events for those steps stay in the log, marked superseded (the new attempt writes its own).
-    """
-    session.execute(
-        update(JobEvent)
-        .where(JobEvent.job_id == job_id, JobEvent.step > step, JobEvent.attempt < attempt)
-        .values(superseded=True)
-        .execution_options(synchronize_session=False)
-    )
-    session.execute(delete(JobMetric).where(JobMetric.job_id == job_id, JobMetric.step > step))
-    session.execute(delete(JobSample).where(JobSample.job_id == job_id, JobSample.step > step))
-    session.execute(delete(Checkpoint).where(Checkpoint.job_id == job_id, Checkpoint.step > step))
+    return repository.latest_checkpoint(session, job_id, before_step=before_step)
 
 
 def rewind_to(session: Session, claim: Claim, checkpoint: Checkpoint | None) -> None:
-    """Resume from an older checkpoint than the claim chose (the newer one failed verification). Fenced."""
+    """Resume from an older checkpoint than the claim chose (the newer one failed verification). Fenced.
+
+    What the dead attempts recorded after that step is forgotten (repository.discard_steps_after).
+    """
     fence(session, claim)
     step = checkpoint.step if checkpoint is not None else 0
-    _discard_steps_after(session, claim.job_id, step, attempt=claim.attempt)
-    session.execute(
-        update(Job).where(Job.id == claim.job_id).values(
-            current_step=step, resume_checkpoint_id=checkpoint.id if checkpoint is not None else None
-        )
-    )
+    repository.discard_steps_after(session, claim.job_id, step, attempt=claim.attempt)
+    repository.set_resume_point(session, claim.job_id, step, checkpoint.id if checkpoint is not None else None)
+
+
+def wake_waiting_jobs(job_id: str) -> None:
+    """After an attempt of `job_id` ends: deliveries for its tenant's queued jobs, which its running-jobs or
+    devices quota may have held back (jobs_service.enqueue_waiting). Surplus deliveries find nothing and return."""
+    try:
+        with session_scope() as session:
+            job = repository.get_job_any_tenant(session, job_id)
+            if job is not None:
+                jobs_service.enqueue_waiting(session, job.tenant_id, get_job_queue())
+    except Exception:
+        log.warning("could not look for waiting jobs; the reaper re-sends them", exc_info=True)
 
 
 # --- fencing -----------------------------------------------------------------------------------
@@ -193,13 +233,7 @@ def fence(session: Session, claim: Claim) -> None:
 
     Call first in the transaction; the row stays locked until the transaction ends.
     """
-    result = session.execute(
-        update(Job)
-        .where(Job.id == claim.job_id, Job.attempt == claim.attempt, Job.status.in_(OWNED_STATES))
-        .values(lease_until=_lease_end(claim.lease_seconds))
-        .execution_options(synchronize_session=False)
-    )
-    if result.rowcount != 1:  # type: ignore[attr-defined]
+    if not repository.renew_lease(session, claim.job_id, claim.attempt, _lease_end(claim.lease_seconds)):
         raise LeaseLost(claim.job_id, claim.attempt)
 
 

@@ -10,7 +10,10 @@ Series (all prefixed `grpo_worker_`):
   retried (from the reward client's `on_retry` callback);
 - `reward_endpoint_errors_total{source, code}` (counter): reward failures that stopped a job
   (`reward_endpoint_unavailable` pauses it, other codes fail it);
-- `gpu_memory_bytes{device, kind}` (gauge, CUDA only): allocated / reserved / peak allocated.
+- `gpu_memory_bytes{device, kind}` (gauge, CUDA only): allocated / reserved / peak allocated;
+- `usage_tokens_generated_total{tenant}`, `usage_tokens_trained_total{tenant}`, `usage_reward_calls_total{tenant}`,
+  `usage_device_seconds_total{tenant}` (counters): each recorded step's usage (service.usage). They count work
+  done, a step re-run after a crash included; `GET /v1/usage` counts each step once.
 
 Celery's prefork pool runs every job in a fresh child process, so a child's metrics must reach the parent
 that serves /metrics: `prepare_multiprocess()` (called by `grpo worker` before the pool forks) points
@@ -31,12 +34,21 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from service.usage.service import StepUsageIn
 
 log = logging.getLogger(__name__)
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 STEP_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+USAGE_SERIES = {
+    "tokens_generated": "Completion tokens generated, by tenant.",
+    "tokens_trained": "Tokens through the policy's forward and backward, by tenant.",
+    "reward_calls": "Completions scored (once per reward source), by tenant.",
+    "device_seconds": "Device-seconds used by training steps, by tenant.",
+}
 REWARD_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
@@ -49,6 +61,7 @@ class _Series:
     reward_retries: Any
     reward_errors: Any
     gpu_memory: Any
+    usage: dict[str, Any]
 
 
 @lru_cache
@@ -71,6 +84,10 @@ def _series() -> _Series:
                               "Reward failures that paused or failed a job.", ["source", "code"]),
         gpu_memory=Gauge("grpo_worker_gpu_memory_bytes", "CUDA memory of the job's process.",
                          ["device", "kind"], multiprocess_mode="livemostrecent"),
+        usage={
+            name: Counter(f"grpo_worker_usage_{name}", help_text, ["tenant"])
+            for name, help_text in USAGE_SERIES.items()
+        },
     )
 
 
@@ -153,6 +170,18 @@ def observe_step(metrics: Mapping[str, float]) -> None:
         _observe_gpu_memory(series)
     except Exception:
         log.warning("worker metrics: could not record a step", exc_info=True)
+
+
+def observe_usage(tenant_id: str, usage: StepUsageIn) -> None:
+    """Count one recorded step's usage for its tenant."""
+    try:
+        series = _series().usage
+        series["tokens_generated"].labels(tenant_id).inc(usage.tokens_generated)
+        series["tokens_trained"].labels(tenant_id).inc(usage.tokens_trained)
+        series["reward_calls"].labels(tenant_id).inc(usage.reward_calls)
+        series["device_seconds"].labels(tenant_id).inc(usage.device_seconds)
+    except Exception:
+        log.warning("worker metrics: could not record usage", exc_info=True)
 
 
 def reward_retry(source: str, reason: str) -> None:

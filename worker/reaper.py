@@ -28,15 +28,14 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from functools import partial
 
-from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
-from service.jobs.models import Job, JobEvent
+from service.jobs import repository
+from service.jobs.models import JobEvent
 from service.jobs.states import JobStatus, transition
 from service.kit.config import Settings
 from service.kit.db import on_commit, session_scope, utcnow
 from service.kit.queue import JobQueue, send_job_logged
-from worker.lease import OWNED_STATES
 
 log = logging.getLogger(__name__)
 
@@ -61,17 +60,13 @@ def reap_once(queue: JobQueue, settings: Settings, *, now: datetime | None = Non
     now = now or utcnow()
     report = ReapReport()
     with session_scope() as session:
-        expired = session.execute(
-            select(Job.id, Job.attempt).where(Job.status.in_(OWNED_STATES), Job.lease_until < now)
-        ).all()
+        expired = repository.expired_leases(session, now)
     for job_id, attempt in expired:
         with session_scope() as session:
             _take_back(session, queue, job_id, attempt, now, report)
     cutoff = now - timedelta(seconds=settings.queued_resend_seconds)
     with session_scope() as session:
-        stale = session.execute(
-            select(Job.id).where(Job.status == JobStatus.queued.value, Job.updated_at < cutoff)
-        ).scalars().all()
+        stale = repository.stale_queued_jobs(session, cutoff)
     for job_id in stale:
         with session_scope() as session:
             _resend(session, queue, job_id, cutoff, now, report)
@@ -82,18 +77,12 @@ def reap_once(queue: JobQueue, settings: Settings, *, now: datetime | None = Non
 
 def _take_back(session: Session, queue: JobQueue, job_id: str, attempt: int, now: datetime,
                report: ReapReport) -> None:
-    taken = session.execute(
-        update(Job)
-        .where(Job.id == job_id, Job.attempt == attempt, Job.status.in_(OWNED_STATES), Job.lease_until < now)
-        .values(lease_until=None, version=Job.version + 1)
-        .execution_options(synchronize_session=False)
-    )
-    if taken.rowcount != 1:  # type: ignore[attr-defined]
+    if not repository.release_expired_lease(session, job_id, attempt, now):
         return  # renewed meanwhile, or another reaper got there first
-    job = session.execute(select(Job).where(Job.id == job_id).execution_options(populate_existing=True)).scalar_one()
-    lost = 1 + (session.scalar(
-        select(func.count()).select_from(JobEvent).where(JobEvent.job_id == job_id, JobEvent.type == LEASE_EXPIRED_EVENT)
-    ) or 0)
+    job = repository.get_job_any_tenant(session, job_id, refresh=True)
+    if job is None:  # cannot happen: the UPDATE above holds the row until this transaction ends
+        return
+    lost = 1 + repository.count_events(session, job_id, LEASE_EXPIRED_EVENT)
     session.add(JobEvent(
         job_id=job_id, type=LEASE_EXPIRED_EVENT, attempt=attempt, created_at=now,
         message=f"attempt {attempt} (worker {job.worker_id}) stopped renewing its lease",
@@ -119,13 +108,7 @@ def _take_back(session: Session, queue: JobQueue, job_id: str, attempt: int, now
 
 def _resend(session: Session, queue: JobQueue, job_id: str, cutoff: datetime, now: datetime,
             report: ReapReport) -> None:
-    bumped = session.execute(
-        update(Job)
-        .where(Job.id == job_id, Job.status == JobStatus.queued.value, Job.updated_at < cutoff)
-        .values(updated_at=now)
-        .returning(Job.queue)
-        .execution_options(synchronize_session=False)
-    ).scalar_one_or_none()
+    bumped = repository.touch_stale_queued(session, job_id, cutoff, now)
     if bumped is None:
         return
     on_commit(session, partial(send_job_logged, queue, job_id, bumped))

@@ -4,7 +4,7 @@ Thin wrappers over the jobs domain (service.jobs.progress), each in its own tran
 the lease fence (worker.lease.fence), retried through transient database errors. A write refused because
 a newer attempt owns the job raises `LeaseLost`; the runner then stops without touching anything else.
 
-Retried writes are idempotent: a step's metrics replace that step's earlier rows, samples of a step are
+Retried writes are idempotent: a step's metrics and usage replace that step's earlier rows, samples of a step are
 replaced, a checkpoint is keyed by an id chosen before the upload.
 """
 
@@ -13,19 +13,20 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 
 from service.checkpoints import service as checkpoints
 from service.checkpoints.models import Checkpoint
-from service.jobs import progress
-from service.jobs.models import Job, JobSample
+from service.jobs import progress, repository
+from service.jobs.repository import JobControl
 from service.jobs.schemas import SampleIn
 from service.jobs.states import JobStatus
 from service.storage import get_storage
+from service.usage import service as usage_service
+from service.usage.budget import BUDGET_EXHAUSTED, Exhausted
+from service.usage.service import StepUsageIn
 from worker.lease import Claim, LeaseLost, fenced_write
 
 log = logging.getLogger(__name__)
@@ -44,17 +45,49 @@ def finite_metrics(metrics: Mapping[str, float]) -> dict[str, float]:
     return {name: float(value) for name, value in metrics.items() if math.isfinite(float(value))}
 
 
-def record_step(claim: Claim, step: int, metrics: Mapping[str, float], samples: Sequence[SampleIn]) -> None:
-    """One training step's metrics and logged samples, atomically."""
+def record_step(
+    claim: Claim,
+    step: int,
+    metrics: Mapping[str, float],
+    samples: Sequence[SampleIn],
+    usage: StepUsageIn | None = None,
+) -> Exhausted | None:
+    """One training step's metrics, logged samples and usage, atomically. Returns the budget the job has
+    reached with this step, if any (service.usage.budget)."""
     values = finite_metrics(metrics)
 
-    def work(session: Session) -> None:
+    def work(session: Session) -> Exhausted | None:
         progress.record_metrics(session, claim.job_id, claim.attempt, step, values)
-        session.execute(delete(JobSample).where(JobSample.job_id == claim.job_id, JobSample.step == step))
+        repository.delete_step_samples(session, claim.job_id, step)
         if samples:
             progress.record_samples(session, claim.job_id, claim.attempt, step, samples)
+        if usage is None:
+            return None
+        job = repository.get_job_any_tenant(session, claim.job_id)  # loaded and locked by record_metrics
+        assert job is not None
+        return usage_service.record_step(session, job, step, claim.attempt, usage)
 
-    _fenced(claim, work)
+    return _fenced(claim, work)
+
+
+def pause_for_budget(claim: Claim, reached: Exhausted, step: int) -> JobStatus:
+    """Pause the job (its checkpoint of `step` is recorded) with error `budget_exhausted` naming the limit,
+    and the `budget_exhausted` event (webhook `job.budget_exhausted`). A cancel requested meanwhile wins."""
+
+    def work(session: Session) -> JobStatus:
+        job = progress.load_owned_job(session, claim.job_id, claim.attempt)
+        if job.status == JobStatus.cancelling.value:
+            progress.worker_transition(session, job.id, claim.attempt, JobStatus.cancelled, reason="cancelled")
+            return JobStatus.cancelled
+        message = f"{BUDGET_EXHAUSTED} at step {step}: {reached.message}"
+        progress.append_locked_event(session, job, BUDGET_EXHAUSTED, message, {"step": step, **reached.as_data()})
+        progress.worker_transition(session, job.id, claim.attempt, JobStatus.paused, reason=message)
+        job.error_code = BUDGET_EXHAUSTED
+        job.error_message = f"{reached.message}; raise it (PATCH /v1/jobs/{job.id}) and resume the job"
+        session.flush()
+        return JobStatus.paused
+
+    return _fenced(claim, work)
 
 
 def record_event(claim: Claim, type_: str, message: str, data: Mapping[str, Any] | None = None) -> None:
@@ -102,7 +135,7 @@ def finish(
     """
 
     def work(session: Session) -> JobStatus:
-        status = session.scalar(select(Job.status).where(Job.id == claim.job_id))
+        status = repository.job_status(session, claim.job_id)
         target = to
         if status == JobStatus.cancelling.value and to is not JobStatus.failed:
             target = JobStatus.cancelled
@@ -115,21 +148,9 @@ def finish(
     return _fenced(claim, work)
 
 
-@dataclass(frozen=True)
-class JobControl:
-    """What the runner polls between steps to know whether to go on."""
-
-    status: str  # a JobStatus value
-    pause_requested: bool
-    attempt: int  # the attempt that owns the job
-
-
 def read_control(job_id: str) -> JobControl | None:
     """The job's status, pause request and owning attempt, read without a lock; None if it is gone."""
     from service.kit.db import session_scope
 
     with session_scope() as session:
-        row = session.execute(
-            select(Job.status, Job.pause_requested, Job.attempt).where(Job.id == job_id)
-        ).one_or_none()
-    return None if row is None else JobControl(row[0], bool(row[1]), int(row[2]))
+        return repository.job_control(session, job_id)

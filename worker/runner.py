@@ -14,7 +14,8 @@ stops without writing anything more. How the outcome maps to states:
 
 - trained to the end -> `succeeded` (or `cancelled` if a cancel arrived meanwhile);
 - stopped by should_stop -> the trainer saved a checkpoint; `paused` after a pause request, `cancelled`
-  after a cancel;
+  after a cancel; `paused` with error `budget_exhausted` when the step just recorded reached the job's budget
+  or its tenant's monthly cap (service.usage.budget);
 - `RewardUnavailable` (an endpoint stayed down: its circuit opened, or too many completions of a step went
   unanswered by the step deadline) -> event `reward_endpoint_unavailable`, `paused`; a flaky endpoint whose
   few unanswered completions abstain is only reported (event `reward_degraded`);
@@ -28,31 +29,41 @@ stops without writing anything more. How the outcome maps to states:
   (`training_error`, with the exception type and message; only the type for filesystem errors).
 Metrics, events and checkpoints already recorded always stay.
 
+A job with `resources.devices: N > 1` (worker.rank_job, docs/distributed.md): this process claims it and
+renews the lease, then launches N ranks (`python -m torch.distributed.run`, a process of its own: the
+launcher cannot run inside a daemonic Celery pool process). Rank 0 runs everything above, talking to the
+database and storage alone, and hands the other ranks their inputs (spec, rows, local model and resume
+paths, reward endpoint configurations). When the launcher exits with the job still running under this
+attempt, a rank died or hung: event `rank_failed`, and the attempt ends without a final state, so that the
+lease lapses and the job resumes from its last checkpoint on the next attempt (any device count).
+
 torch is imported only inside `run()` (through the trainer), never when this module is imported: the
 Celery parent process that forks children must not initialise CUDA.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
 import socket
+import subprocess
+import threading
+import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
-
-from sqlalchemy import select
 
 from contract.reward_types import RewardError, RewardUnavailable
 from contract.spec import BUILTIN_PREFIX, JobSpec, ModelRewardSpec, RemoteRewardSpec, reward_function_refs
 from outbound.urlpolicy import UrlRejected, check_url_syntax
+from service.checkpoints import repository as checkpoints_repository
 from service.checkpoints.models import Checkpoint
 from service.checkpoints.service import new_checkpoint_id
-from service.datasets.models import Dataset
+from service.jobs import repository
 from service.jobs.model_sources import ModelSourceKind, ModelSourcePolicy
-from service.jobs.models import Job
 from service.jobs.schemas import SampleIn
 from service.jobs.states import JobStatus
 from service.kit.config import Settings, get_settings
@@ -61,24 +72,30 @@ from service.observability.logs import job_context
 from service.rewards.models import RewardFunction
 from service.rewards.service import previous_secret_in_overlap
 from service.storage import Storage, checkpoint_key, checkpoint_prefix, get_storage, tensorboard_key
+from service.usage.budget import Exhausted
+from service.usage.service import StepUsageIn
 from worker import metrics as worker_metrics
 from worker import reporting
 from worker.lease import (
     OWNED_STATES,
     Claim,
+    ClaimLimits,
     Heartbeat,
     LeaseLost,
-    claim_job,
+    claim_next,
     latest_checkpoint,
     rewind_to,
+    wake_waiting_jobs,
     with_db_retry,
 )
 from worker.model_sources import ModelUnavailable, check_hub_size, check_source
 
 if TYPE_CHECKING:
+    from contract.spec import Resources
     from outbound.rewards import RetryEvent
     from outbound.rewards.source import DegradedEvent
     from worker.grpo.data import PromptRow
+    from worker.grpo.distributed import Ranks
     from worker.grpo.rewards import CompositeReward
     from worker.grpo.trainer import TrainResult
     from worker.tensorboard import TensorBoardLog
@@ -96,6 +113,29 @@ class JobFailure(Exception):
         super().__init__(message)
         self.code = code
         self.message = message
+
+
+@dataclass(frozen=True)
+class RankInputs:
+    """What rank 0 hands the other ranks of a job: everything they need without the database or storage."""
+
+    spec: JobSpec
+    queue: str
+    train_rows: list[PromptRow]
+    eval_rows: list[PromptRow] | None
+    retain_rows: list[PromptRow] | None
+    base_model: str
+    resume_from: Path | None
+    remote_configs: dict[str, Any]  # reward_function_id -> RemoteRewardConfig
+    model_paths: dict[str, str]
+    output_dir: Path
+
+
+class _NoHeartbeat:
+    """A rank's stand-in for Heartbeat: the launching process renews the lease."""
+
+    def __init__(self) -> None:
+        self.lost = threading.Event()
 
 
 @dataclass(frozen=True)
@@ -126,31 +166,112 @@ class JobRunner:
         self.storage: Storage = get_storage()
         self._step_metrics: dict[int, dict[str, float]] = {}
         self._tensorboard: TensorBoardLog | None = None
+        self.ranks: Ranks | None = None  # set in rank 0 of a multi-device job (worker.rank_job)
+        self._inputs_sent = False
+        self._trained = False  # trainer.train() returned: every rank left the loop together
+        self._remote_configs: dict[str, Any] = {}
+        self._model_paths: dict[str, str] = {}
+        self._meter: UsageMeter | None = None
+        self._budget_reached: tuple[Exhausted, int] | None = None  # (the limit, the step that reached it)
 
     # --- entry point ---------------------------------------------------------------------------
 
     def run(self) -> str:
         """"duplicate" when the claim was refused, "lease_lost" when a newer attempt took over,
-        else the job's final state for this attempt."""
+        else the job's final state for this attempt.
+
+        The job run is the fair choice of this job's queue (worker.lease.claim_next): `job_id` afterwards."""
         claim = with_db_retry(self._claim)
         if claim is None:
-            log.info("job %s: not claimable (duplicate delivery, finished, paused or cancelled)", self.job_id)
+            log.info("job %s: not claimable, nor any other job of its queue (duplicate delivery, finished, paused, "
+                     "cancelled, or every queued job waits for its tenant's quota)", self.job_id)
             return "duplicate"
+        self.job_id = claim.job_id
         log.info("job %s: attempt %d claimed by %s, resuming at step %d",
                  self.job_id, claim.attempt, self.worker_id, claim.resume_step)
         workdir = Path(self.settings.data_dir) / "work" / self.job_id / f"attempt-{claim.attempt}"
         try:
             with Heartbeat(claim) as heartbeat, job_context(self.job_id, claim.attempt):
+                placement = with_db_retry(lambda: self._placement(claim))
+                if placement is not None and placement[0].devices > 1:
+                    return self._run_on_ranks(claim, heartbeat, workdir, *placement)
                 return self._run_claimed(claim, heartbeat, workdir).value
         except LeaseLost:
             log.warning("job %s: attempt %d lost the job to a newer attempt; stopped", self.job_id, claim.attempt)
             return "lease_lost"
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
+            wake_waiting_jobs(claim.job_id)
+
+    def _placement(self, claim: Claim) -> tuple[Resources, str] | None:
+        """The job's resources and queue; None when its spec no longer validates (the attempt then fails
+        in `_run_claimed` as usual)."""
+        from pydantic import ValidationError
+
+        with session_scope() as session:
+            job = repository.get_job_any_tenant(session, claim.job_id)
+            if job is None:
+                return None
+            spec, queue = job.spec, job.queue
+        try:
+            return JobSpec.model_validate(spec).resources, str(queue)
+        except ValidationError:
+            return None
+
+    def _run_on_ranks(self, claim: Claim, heartbeat: Heartbeat, workdir: Path, resources: Resources, queue: str) -> str:
+        """Launch the ranks and wait; see the module docstring for what their exit means."""
+        from worker.grpo.distributed import launch_command
+
+        command = launch_command(
+            "worker.rank_job", [json.dumps(asdict(claim)), str(workdir), queue],
+            nproc_per_node=resources.devices_per_node, rdzv_id=f"{claim.job_id}-{claim.attempt}",
+        )
+        launcher = subprocess.Popen(command)
+        while launcher.poll() is None:
+            # The job left this attempt's hands: rank 0 finished it (the ranks are exiting), or a newer
+            # attempt took it over (they must stop).
+            if heartbeat.lost.wait(1.0):
+                _stop(launcher, grace_s=30)
+        control = with_db_retry(lambda: reporting.read_control(self.job_id))
+        if control is None or control.attempt != claim.attempt:
+            raise LeaseLost(claim.job_id, claim.attempt)
+        if control.status in OWNED_STATES:
+            log.warning("job %s: attempt %d: ranks exited (%d) before the job ended; it resumes when the lease lapses",
+                        self.job_id, claim.attempt, launcher.returncode)
+            reporting.record_event(
+                claim, "rank_failed",
+                f"a rank of attempt {claim.attempt} died or stopped answering; the job resumes from its last checkpoint",
+                {"exit_code": launcher.returncode, "devices": resources.devices},
+            )
+            return "rank_failed"
+        return control.status
+
+    def run_rank0(self, claim: Claim, workdir: Path, ranks: Ranks) -> tuple[str, bool]:
+        """Rank 0 of a multi-device job: the claimed attempt, as `run()` would train it in one process.
+        Returns (outcome, whether the other ranks left training with it)."""
+        self.ranks = ranks
+        finished = False
+        try:
+            with job_context(self.job_id, claim.attempt):
+                status = self._run_claimed(claim, _NoHeartbeat(), workdir)  # type: ignore[arg-type]
+                finished = self._inputs_sent and self._trained
+                return status.value, finished
+        except LeaseLost:
+            return "lease_lost", False
+        finally:
+            if not self._inputs_sent:
+                self._send_inputs(None)  # the other ranks stop waiting: this attempt ends here
+
+    def _send_inputs(self, inputs: RankInputs | None) -> None:
+        from worker.grpo.distributed import broadcast_object
+
+        self._inputs_sent = True
+        broadcast_object(inputs)
 
     def _claim(self) -> Claim | None:
+        limits = ClaimLimits(self.settings.quota_max_running_jobs, self.settings.quota_max_devices)
         with session_scope() as session:
-            return claim_job(session, self.job_id, self.worker_id, self.settings.lease_seconds)
+            return claim_next(session, self.job_id, self.worker_id, self.settings.lease_seconds, limits)
 
     def _run_claimed(self, claim: Claim, heartbeat: Heartbeat, workdir: Path) -> JobStatus:
         try:
@@ -167,10 +288,18 @@ class JobRunner:
         except (JobFailure, ModelUnavailable) as exc:
             return self._fail(claim, exc.code, exc.message)
         except Exception as exc:
+            if self.ranks is not None:
+                from worker.grpo.distributed import is_collective_failure
+
+                if is_collective_failure(exc):  # another rank died or hung: not the job's failure
+                    raise
             log.exception("job %s: attempt %d crashed", self.job_id, claim.attempt)
             return self._fail(claim, "training_error", training_error_message(exc))
         if heartbeat.lost.is_set():
             raise LeaseLost(claim.job_id, claim.attempt)
+        if result.stopped and self._budget_reached is not None:  # the trainer saved a checkpoint
+            reached, step = self._budget_reached
+            return reporting.pause_for_budget(claim, reached, step)
         if result.unhealthy is not None:  # on_unhealthy: pause (the trainer saved a checkpoint)
             finding = result.unhealthy
             return reporting.finish(
@@ -212,6 +341,15 @@ class JobRunner:
 
         from worker.grpo.trainer import GRPOTrainer  # torch is imported here, in the job's process
 
+        device = "cpu" if context.queue.startswith("cpu") else None
+        if self.ranks is not None:
+            from worker.grpo.distributed import device_for
+
+            device = device_for(self.ranks)
+            self._send_inputs(RankInputs(
+                context.spec, context.queue, train_rows, eval_rows, retain_rows, base_model, resume_from,
+                self._remote_configs, self._model_paths, workdir / "checkpoints",
+            ))
         if self.settings.tensorboard:
             from worker.tensorboard import TensorBoardLog
 
@@ -237,8 +375,9 @@ class JobRunner:
                 on_health=lambda finding: reporting.record_event(
                     claim, "health", f"{finding.kind}: {finding.message}", finding.as_event_data()
                 ),
-                device="cpu" if context.queue == "cpu" else None,
+                device=device,
                 checkpoint_metadata={"job_id": self.job_id, "attempt": claim.attempt},
+                ranks=self.ranks,
             )
         except Exception as exc:
             # from_pretrained's errors describe the worker's filesystem: the tenant gets a code, the log the rest.
@@ -247,30 +386,33 @@ class JobRunner:
                 "model_load_failed", "base_model", context.spec.base_model, "could not be loaded"
             ) from exc
         reporting.set_total_steps(claim, trainer.total_steps)
+        self._meter = UsageMeter(
+            tenant_id=context.tenant_id,
+            num_sources=len(context.spec.rewards),
+            max_completion_length=context.spec.hyperparameters.max_completion_length,
+            num_iterations=context.spec.hyperparameters.num_iterations,
+            parameters=sum(p.numel() for p in trainer.models.policy.parameters()),
+            cpu=context.queue == "cpu",
+        )
         try:
-            return trainer.train()
+            result = trainer.train()
+            self._trained = True
+            return result
         finally:
             if self._tensorboard is not None:
                 self._tensorboard.close()
 
     def _load_context(self, claim: Claim) -> JobContext:
         with session_scope() as session:
-            job = session.execute(select(Job).where(Job.id == claim.job_id)).scalar_one()
+            job = repository.get_job_any_tenant(session, claim.job_id)
+            if job is None:
+                raise LeaseLost(claim.job_id, claim.attempt)  # deleted: only a finished job can be
             spec = JobSpec.model_validate(job.spec)
-            datasets = {
-                d.id: d.storage_key
-                for d in session.scalars(select(Dataset).where(
-                    Dataset.tenant_id == job.tenant_id,
-                    Dataset.id.in_([spec.train_dataset, spec.eval_dataset or spec.train_dataset,
-                                    spec.retain_dataset or spec.train_dataset]),
-                ))
-            }
+            datasets = repository.live_dataset_keys(session, job.tenant_id, [
+                spec.train_dataset, spec.eval_dataset or spec.train_dataset, spec.retain_dataset or spec.train_dataset
+            ])
             remote_ids = [rf_id for _, rf_id in reward_function_refs(spec.rewards)]
-            functions = {
-                f.id: f for f in session.scalars(select(RewardFunction).where(
-                    RewardFunction.tenant_id == job.tenant_id, RewardFunction.id.in_(remote_ids)
-                ))
-            }
+            functions = repository.live_reward_functions(session, job.tenant_id, remote_ids)
             session.expunge_all()
         if spec.train_dataset not in datasets:
             raise JobFailure("dataset_missing", f"train_dataset {spec.train_dataset!r} no longer exists")
@@ -318,9 +460,7 @@ class JobRunner:
 
     def _fetch_tenant_checkpoint(self, context: JobContext, field: str, checkpoint_id: str, directory: Path) -> Path:
         with session_scope() as session:
-            checkpoint = session.execute(select(Checkpoint).where(
-                Checkpoint.id == checkpoint_id, Checkpoint.tenant_id == context.tenant_id
-            )).scalar_one_or_none()
+            checkpoint = checkpoints_repository.get(session, context.tenant_id, checkpoint_id)
             if checkpoint is not None:
                 session.expunge(checkpoint)
         if checkpoint is None:
@@ -415,11 +555,18 @@ class JobRunner:
                      rewards={k: _finite_or_none(v) for k, v in dict(s.get("rewards", {})).items()})
             for s in samples
         ]
-        reporting.record_step(claim, step, metrics, logged)
+        usage = self._meter.take(metrics) if self._meter is not None else None
+        reached = reporting.record_step(claim, step, metrics, logged, usage)
+        if usage is not None and self._meter is not None:
+            worker_metrics.observe_usage(self._meter.tenant_id, usage)
+        if reached is not None and self._budget_reached is None:
+            log.info("job %s: %s at step %d; pausing", claim.job_id, reached.message, step)
+            self._budget_reached = (reached, step)
 
     def _should_stop(self, claim: Claim, heartbeat: Heartbeat) -> bool:
-        """Polled between steps: a cancel or pause request, or this attempt no longer owning the job."""
-        if heartbeat.lost.is_set():
+        """Polled between steps: a cancel or pause request, a reached budget, or this attempt no longer owning
+        the job."""
+        if heartbeat.lost.is_set() or self._budget_reached is not None:
             return True
         try:
             control = reporting.read_control(claim.job_id)
@@ -436,6 +583,8 @@ class JobRunner:
     # --- rewards -------------------------------------------------------------------------------
 
     def _build_rewards(self, claim: Claim, context: JobContext, models_dir: Path) -> CompositeReward:
+        """The job's reward sources (and, for the other ranks of a multi-device job, what they need to build
+        the same: endpoint configurations and local reward-model paths)."""
         from contract.graders import ScoreModelGrader
         from outbound.rewards import RemoteRewardConfig, build_remote_source
         from outbound.rewards.chat import ChatScoreSource
@@ -477,7 +626,7 @@ class JobRunner:
                 raise RewardEndpointRefused(
                     source_name, f"the registered url is refused by this worker's policy: {exc.message}"
                 ) from exc
-            return RemoteRewardConfig.model_validate({
+            config = self._remote_configs[row.id] = RemoteRewardConfig.model_validate({
                 "reward_function_id": row.id, "url": row.url, "secret": row.signing_secret,
                 # Signs with the replaced secret too while a rotation's overlap lasts (outbound.signing).
                 "previous_secret": previous_secret_in_overlap(
@@ -491,6 +640,7 @@ class JobRunner:
                 "breaker_threshold": row.breaker_threshold, "step_deadline_s": row.step_deadline_s,
                 "max_abstain_fraction": row.max_abstain_fraction,
             })
+            return config
 
         def remote(spec: RemoteRewardSpec) -> EndpointRewardSource[Any]:
             config = endpoint_config(spec.source_name, spec.reward_function_id)
@@ -511,9 +661,55 @@ class JobRunner:
 
                     path = resolve_model_path(path, Path(self.settings.data_dir) / "models")
                 model_paths[spec.model] = path
-        device = "cpu" if context.queue == "cpu" else _default_device()
+        self._model_paths = model_paths
+        device = "cpu" if context.queue.startswith("cpu") else _default_device()
         return build_reward_sources(
             context.spec.rewards, remote=remote, device=device, model_paths=model_paths, chat=chat
+        )
+
+
+class UsageMeter:
+    """Turns the engine's per-step usage metrics into a usage record, timing the device between reports:
+    a step's device-seconds run from the end of the previous step's report (or the start of training in this
+    attempt) to the end of this one's, so evaluation and checkpoint uploads are counted once, in the step
+    that follows them. A GPU job counts wall-clock seconds (the GPU is held throughout); a CPU job counts the
+    CPU-seconds its process used (cores shared with other work are not billed for the waits)."""
+
+    def __init__(
+        self,
+        *,
+        tenant_id: str,
+        num_sources: int,
+        max_completion_length: int,
+        num_iterations: int,
+        parameters: int,
+        cpu: bool,
+    ) -> None:
+        self.tenant_id = tenant_id
+        self.num_sources = max(num_sources, 1)
+        self.max_completion_length = max_completion_length
+        self.num_iterations = num_iterations
+        self.parameters = parameters
+        self._clock = time.process_time if cpu else time.monotonic
+        self._since = self._clock()
+
+    def take(self, metrics: Mapping[str, float]) -> StepUsageIn | None:
+        """The usage of a training step's metrics; None for reports without usage (the step-0 evaluation)."""
+        if "usage/tokens_generated" not in metrics:
+            return None
+        now = self._clock()
+        seconds, self._since = now - self._since, now
+        reward_calls = int(metrics["usage/reward_calls"])
+        completions = reward_calls // self.num_sources
+        return StepUsageIn(
+            tokens_generated=int(metrics["usage/tokens_generated"]),
+            tokens_trained=int(metrics["usage/tokens_trained"]),
+            reward_calls=reward_calls,
+            device_seconds=seconds,
+            completions=completions,
+            completion_capacity=completions * self.max_completion_length,
+            num_iterations=self.num_iterations,
+            parameters=self.parameters,
         )
 
 
@@ -533,6 +729,18 @@ def checkpoint_problem(exc: Exception) -> str:
     if isinstance(exc, CheckpointCorrupt):
         return f"corrupt: {exc.problem}"
     return "could not be downloaded"
+
+
+def _stop(process: subprocess.Popen[bytes], *, grace_s: float) -> None:
+    """Let `process` exit by itself for `grace_s`, then terminate it, then kill it."""
+    for stop in (None, process.terminate, process.kill):
+        if stop is not None:
+            stop()
+        try:
+            process.wait(grace_s)
+            return
+        except subprocess.TimeoutExpired:
+            continue
 
 
 def _default_device() -> str:

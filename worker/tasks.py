@@ -17,7 +17,9 @@ import logging
 # (tests/worker/test_queue_lease.py checks that importing this module never imports torch).
 from sqlalchemy.orm import configure_mappers
 
-import service.models  # noqa: F401  every table, so the foreign keys of the rows the worker writes resolve
+# Every table, so that foreign keys to tables of domains the worker never imports (tenants) resolve when the
+# claim and the progress reports flush.
+from service import models as _all_models  # noqa: F401
 from service.kit.config import get_settings
 from service.kit.db import end_idle_transactions_after
 from worker.celery_app import RUN_JOB_TASK, app

@@ -13,6 +13,7 @@ EVENT_TYPES = (
     "job.checkpoint_saved",
     "job.eval_completed",
     "job.health",
+    "job.budget_exhausted",
     "job.paused",
     "job.succeeded",
     "job.failed",

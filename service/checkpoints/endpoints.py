@@ -138,7 +138,7 @@ def download_archive(checkpoint_id: PathId, tenant: CurrentTenant, session: Sess
             key=service.file_key(checkpoint, entry),
             size=entry["size"],
         )
-        for entry in checkpoint.manifest
+        for entry in checkpoint.downloadable
     ]
     headers, total = tar_plan(members, checkpoint.created_at.timestamp())
     return StreamingResponse(

@@ -13,6 +13,9 @@ from sqlalchemy.orm import Mapped, mapped_column
 
 from service.kit.db import Base, UTCDateTime, utcnow
 
+# The engine's sharded state (worker.grpo.distributed.SHARDED_DIR): resume-only, never downloaded.
+RESUME_ONLY_DIR = "distributed/"
+
 
 class Checkpoint(Base):
     __tablename__ = "checkpoints"
@@ -33,6 +36,12 @@ class Checkpoint(Base):
     metrics: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
     attempt: Mapped[int] = mapped_column(Integer, default=0)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+
+    @property
+    def downloadable(self) -> list[dict[str, Any]]:
+        """The files a tenant sees and downloads: all but the sharded training state of a multi-device job
+        (`distributed/`, read back only when the job resumes; the weights beside it are consolidated)."""
+        return [entry for entry in self.manifest if not entry["path"].startswith(RESUME_ONLY_DIR)]
 
 
 class CheckpointPin(Base):

@@ -11,7 +11,7 @@ def checkpoint_out(checkpoint: Checkpoint) -> CheckpointOut:
         id=checkpoint.id,
         job_id=checkpoint.job_id,
         step=checkpoint.step,
-        files=[CheckpointFile.model_validate(entry) for entry in checkpoint.manifest],
+        files=[CheckpointFile.model_validate(entry) for entry in checkpoint.downloadable],
         total_bytes=checkpoint.total_bytes,
         metrics=checkpoint.metrics,
         created_at=checkpoint.created_at,

@@ -136,7 +136,7 @@ def list_job_checkpoints(session: Session, tenant_id: str, job_id: str) -> Seque
 
 def manifest_entry(checkpoint: Checkpoint, path: str) -> dict[str, Any]:
     """The listed file at exactly `path`. Anything else (traversal, unlisted names) is the same 404."""
-    for entry in checkpoint.manifest:
+    for entry in checkpoint.downloadable:
         if entry["path"] == path:
             return entry
     raise NotFound("checkpoint file", path)

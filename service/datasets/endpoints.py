@@ -13,6 +13,7 @@ from service.datasets.multipart import check_content_length, multipart_boundary,
 from service.datasets.schemas import dataset_out
 from service.kit.config import get_settings
 from service.kit.deps import SessionDep
+from service.kit.openapi import quota_responses
 from service.kit.paging import RESOURCES, Limit
 from service.kit.params import Cursor, PathId
 from service.tenants.auth import CurrentTenant
@@ -51,6 +52,7 @@ _UPLOAD_BODY: dict[str, Any] = {
     responses={
         413: {"description": "Larger than the configured limit (`payload_too_large`)."},
         422: {"description": "Invalid lines (`dataset_invalid`, details: [{line, error}], first 20)."},
+        **quota_responses(409),
     },
 )
 async def upload_dataset(request: Request, session: SessionDep, tenant: CurrentTenant) -> DatasetOut:

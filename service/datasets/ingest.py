@@ -46,6 +46,10 @@ class DatasetIngest:
         self._bytes = 0
         self._done = False
 
+    @property
+    def bytes_received(self) -> int:
+        return self._bytes
+
     def feed(self, chunk: bytes) -> None:
         """Take the next chunk. Raises PayloadTooLarge past the limit, DatasetInvalid for an overlong line."""
         self._bytes += len(chunk)

@@ -23,6 +23,7 @@ from service.kit.db import on_commit, utcnow
 from service.kit.errors import NotFound, ValidationFailed
 from service.kit.ids import new_id
 from service.kit.paging import page
+from service.quotas import service as quotas
 from service.storage import get_storage
 
 MAX_NAME_LEN = 256
@@ -46,7 +47,9 @@ def clean_name(name: str | None, fallback: str | None) -> str:
 
 
 def create_dataset(session: Session, tenant_id: str, name: str, ingest: DatasetIngest) -> Dataset:
-    """Finish the upload (raises DatasetInvalid, removing the blob) and record the dataset."""
+    """Finish the upload (raises DatasetInvalid, removing the blob) and record the dataset. Past the tenant's
+    storage quota: QuotaExceeded, before the blob is committed (the caller aborts the ingest)."""
+    quotas.check_dataset_storage(session, tenant_id, ingest.bytes_received)
     result = ingest.finish()
     row = Dataset(
         id=ingest.dataset_id,

@@ -47,6 +47,16 @@ _SERVICES: dict[str, dict[str, Scope]] = {
         "RotateRewardFunctionSecret": "write",
         "TestRewardFunction": "write",  # calls the user's endpoint
     },
+    "grpo.v1.QuotaService": {
+        "GetTenantQuotas": "admin",
+        "SetTenantQuotas": "admin",
+    },
+    "grpo.v1.UsageService": {
+        "GetUsage": "read",
+        "GetJobUsage": "read",
+        "EstimateJob": "write",  # POST /v1/jobs/estimate: REST's rule (only GET reads) holds for its twin
+        "UpdateJobBudget": "write",
+    },
     "grpo.v1.ApiKeyService": {
         "CreateApiKey": "admin",
         "ListApiKeys": "admin",

@@ -18,7 +18,7 @@ from service.jobs.schemas import event_out, job_out, sample_out
 from service.jobs.states import JobStatus
 from service.jobs.stream import job_event_stream, parse_last_event_id
 from service.kit.deps import SessionDep, reads_of
-from service.kit.openapi import error_responses
+from service.kit.openapi import error_responses, quota_responses
 from service.kit.paging import EVENTS, METRIC_POINTS, RESOURCES, EventLimit, Limit, PointLimit
 from service.kit.params import Cursor, PathId
 from service.kit.queue import JobQueue, get_job_queue
@@ -64,7 +64,7 @@ def _split(csv: str | None) -> list[str] | None:
     status_code=201,
     response_model=JobOut,
     summary="Create a training job",
-    responses=error_responses(401, 409, 422),
+    responses={**error_responses(401, 422), **quota_responses(409, 429)},
 )
 def create_job(
     spec: Annotated[JobSpec, Body(openapi_examples=_SPEC_EXAMPLES)],
@@ -167,7 +167,7 @@ def pause_job(job_id: PathId, tenant: CurrentTenant, session: SessionDep) -> Job
     "/jobs/{job_id}/resume",
     response_model=JobOut,
     summary="Resume a job",
-    responses=error_responses(401, 404, 409),
+    responses={**error_responses(401, 404, 409), **quota_responses(429)},
 )
 def resume_job(job_id: PathId, tenant: CurrentTenant, session: SessionDep, queue: QueueDep) -> JobOut:
     """A paused job is queued again and resumes from its latest checkpoint; a pending pause is withdrawn."""

@@ -36,6 +36,10 @@ class Job(Base):
     __table_args__ = (
         Index("ix_jobs_tenant_id_id", "tenant_id", "id"),
         Index("ix_jobs_tenant_id_status_id", "tenant_id", "status", "id"),
+        # The fair claim's scan: queued jobs of one queue (worker/lease.py).
+        Index("ix_jobs_status_queue", "status", "queue"),
+        # ... and its "served least recently" per tenant.
+        Index("ix_jobs_tenant_id_started_at", "tenant_id", "started_at"),
     )
 
     id: Mapped[str] = mapped_column(String(40), primary_key=True)
@@ -48,6 +52,10 @@ class Job(Base):
     train_dataset_id: Mapped[str] = mapped_column(ForeignKey("datasets.id"), index=True)
     eval_dataset_id: Mapped[str | None] = mapped_column(ForeignKey("datasets.id"), index=True, nullable=True)
     queue: Mapped[str] = mapped_column(String(16))
+    # Devices the job occupies while it runs (service.jobs.service.job_devices): counted against max_devices.
+    devices: Mapped[int] = mapped_column(Integer, server_default="1")
+    # Among one tenant's queued jobs, higher runs first (then older).
+    priority: Mapped[int] = mapped_column(Integer, server_default="0")
     metadata_: Mapped[dict[str, Any]] = mapped_column("metadata", JSON)
 
     # --- progress ------------------------------------------------------------------------------------

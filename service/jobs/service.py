@@ -28,9 +28,11 @@ from service.kit.db import on_commit, utcnow
 from service.kit.errors import Conflict, IllegalTransition, NotFound, ValidationFailed
 from service.kit.ids import new_id
 from service.kit.paging import page
-from service.kit.queue import JobQueue, send_job_logged
+from service.kit.queue import JobQueue, queue_name, send_job_logged
 from service.kit.reads import Reads
+from service.quotas import service as quotas
 from service.storage import Storage, job_prefix
+from service.usage import budget
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +41,10 @@ log = logging.getLogger(__name__)
 
 
 def create_job(session: Session, tenant_id: str, spec: JobSpec, queue: JobQueue) -> Job:
-    """Validate what the spec refers to, insert the job `queued`, and enqueue it once committed."""
+    """Check the tenant's quotas and what the spec refers to, insert the job `queued`, and enqueue it once
+    committed."""
+    devices = job_devices(spec)
+    quotas.check_can_queue(session, tenant_id, devices)
     check_references(session, tenant_id, spec)
     now = utcnow()
     job = Job(
@@ -52,6 +57,8 @@ def create_job(session: Session, tenant_id: str, spec: JobSpec, queue: JobQueue)
         train_dataset_id=spec.train_dataset,
         eval_dataset_id=spec.eval_dataset,
         queue=queue_for(spec),
+        devices=devices,
+        priority=spec.priority,
         metadata_=dict(spec.metadata),
         current_step=0,
         total_steps=spec.hyperparameters.max_steps,
@@ -79,12 +86,30 @@ def create_job(session: Session, tenant_id: str, spec: JobSpec, queue: JobQueue)
 
 
 def queue_for(spec: JobSpec) -> str:
-    """The builtin: models are small enough for CPU workers; everything else needs a GPU."""
-    return "cpu" if spec.base_model.startswith(BUILTIN_PREFIX) else "gpu"
+    """The builtin: models are small enough for CPU workers; everything else needs a GPU. A job needing N
+    devices goes to the queue of that device count (service.kit.queue), which only workers with N or more
+    devices consume."""
+    kind = "cpu" if spec.base_model.startswith(BUILTIN_PREFIX) else "gpu"
+    return queue_name(kind, spec.resources.devices)
+
+
+def job_devices(spec: JobSpec) -> int:
+    """Devices the job occupies while it runs: what the max_devices quota counts."""
+    return spec.resources.devices
 
 
 def enqueue_after_commit(session: Session, job: Job, queue: JobQueue) -> None:
     on_commit(session, partial(send_job_logged, queue, job.id, job.queue))
+
+
+def enqueue_waiting(session: Session, tenant_id: str, queue: JobQueue) -> None:
+    """Once committed, send one delivery to every queue where the tenant has a queued job (naming its oldest).
+
+    For when the tenant's running jobs or devices go down, or its quota goes up: a job held back by that quota
+    had its own message consumed by a claim that could not start it. A delivery that finds nothing it may
+    start returns at once (worker/lease.py)."""
+    for name, job_id in repository.oldest_queued_per_queue(session, tenant_id).items():
+        on_commit(session, partial(send_job_logged, queue, job_id, name))
 
 
 def check_references(session: Session, tenant_id: str, spec: JobSpec) -> None:
@@ -129,6 +154,11 @@ def check_references(session: Session, tenant_id: str, spec: JobSpec) -> None:
             session, tenant_id, source.value
         ):
             errors.append(_missing(field, f"checkpoint {source.value!r} not found"))
+
+    if spec.resources.nodes > 1:
+        # A job's ranks run under one worker (docs/distributed.md, "Several nodes").
+        errors.append({"field": "resources.nodes", "message": "must be 1: a job runs on the devices of one worker",
+                       "type": "unsupported"})
 
     if errors:
         raise ValidationFailed(f"{errors[0]['field']}: {errors[0]['message']}", details=errors)
@@ -316,7 +346,8 @@ def pause_job(session: Session, tenant_id: str, job_id: str) -> Job:
 
 
 def resume_job(session: Session, tenant_id: str, job_id: str, queue: JobQueue) -> Job:
-    """paused -> queued (re-enqueued, resuming from the latest checkpoint); withdraws a pending pause."""
+    """paused -> queued (re-enqueued, resuming from the latest checkpoint); withdraws a pending pause.
+    A job whose budget (or its tenant's monthly cap) is still reached stays paused: 409 `budget_exhausted`."""
     job = get_job(session, tenant_id, job_id, for_update=True)
     if job.status == JobStatus.running and job.pause_requested:
         job.pause_requested = False
@@ -328,6 +359,8 @@ def resume_job(session: Session, tenant_id: str, job_id: str, queue: JobQueue) -
             f"job {job.id!r} is {job.status}: only a paused job can be resumed",
             details={"current_status": job.status, "requested_status": JobStatus.queued.value},
         )
+    quotas.check_can_queue(session, tenant_id, job.devices)
+    budget.refuse_if_exhausted(session, job)
     job.resume_checkpoint_id = repository.latest_checkpoint_id(session, job.id) or job.resume_checkpoint_id
     transition(
         session, job, JobStatus.queued, reason="resumed", data={"checkpoint_id": job.resume_checkpoint_id}

@@ -55,6 +55,16 @@ class Settings(BaseSettings):
     idempotency_ttl_hours: int = Field(24, ge=24, description="How long Idempotency-Key records are kept.")
     lease_seconds: int = Field(60, ge=5, description="Worker lease on a running job; renewed by heartbeat.")
     max_attempts: int = Field(3, ge=1, description="Attempts before a job whose worker keeps dying is failed.")
+    worker_devices: int = Field(
+        1, ge=1, le=1024,
+        description="Devices this worker has (GPUs, or CPU ranks): `grpo worker` consumes the queues of jobs needing "
+        "1 to this many devices (service.kit.queue).",
+    )
+    collective_timeout_seconds: float = Field(
+        600.0, gt=0,
+        description="Multi-device jobs: how long a rank waits in a collective for the others before the attempt "
+        "ends (a dead or hung rank); it must exceed the longest evaluation and checkpoint upload on rank 0.",
+    )
     queued_resend_seconds: int = Field(120, ge=5, description="Re-send jobs left queued this long (lost messages).")
     broker_visibility_timeout: int = Field(
         3600, ge=60, description="Redis: seconds a delivered, unacknowledged task stays hidden before redelivery."
@@ -118,6 +128,31 @@ class Settings(BaseSettings):
         "reach (gc.freeze) while serving: its full collections then pause the event loop several times less "
         "(see service/kit/heap.py).",
     )
+    quota_max_running_jobs: int | None = Field(
+        None,
+        ge=0,
+        description="Jobs a tenant may have running at once (None = no limit); more wait `queued`. Per-tenant "
+        "overrides: `grpo admin quotas`, PUT /v1/admin/tenants/{id}/quotas.",
+    )
+    quota_max_queued_jobs: int | None = Field(
+        1000, ge=0, description="Jobs a tenant may have queued (None = no limit); beyond: 429 `quota_exceeded`."
+    )
+    quota_max_devices: int | None = Field(
+        None,
+        ge=0,
+        description="Devices a tenant's running jobs may occupy together (None = no limit); a job waits `queued` "
+        "until its devices fit, and one that alone needs more is refused (409 `quota_exceeded`).",
+    )
+    quota_max_dataset_storage_bytes: int | None = Field(
+        100 * 1024**3,
+        ge=0,
+        description="Total bytes of a tenant's datasets (None = no limit); an upload past it: 409 `quota_exceeded`.",
+    )
+    operator_tenants: list[str] = Field(
+        [],
+        description="Tenants (names or ids) whose `admin` keys manage every tenant's quotas over the API "
+        "(JSON list). Other admin keys may only read their own tenant's.",
+    )
     log_json: bool = Field(False, description="Structured JSON logs.")
     tensorboard: bool = Field(
         False,
@@ -126,6 +161,17 @@ class Settings(BaseSettings):
     )
     worker_metrics_port: int = Field(
         0, ge=0, le=65535, description="Port of the worker's Prometheus /metrics server (0 = off)."
+    )
+    monthly_max_tokens: int | None = Field(
+        None, ge=1, description="Default monthly cap of a tenant's tokens (generated + trained; None = no cap); "
+        "`grpo admin set-budget` sets a tenant's own. The step that reaches it pauses the job (`budget_exhausted`)."
+    )
+    monthly_max_device_seconds: float | None = Field(
+        None, gt=0, description="Default monthly cap of a tenant's device-seconds (None = no cap), as above."
+    )
+    estimate_seconds_per_token: float = Field(
+        0.01, gt=0, description="Device-seconds per token (generated or trained) that POST /v1/jobs/estimate assumes for a "
+        "model (or size bucket) no worker has measured yet.",
     )
     webhook_max_attempts: int = Field(10, ge=1, description="Delivery attempts per webhook event before giving up.")
     webhook_timeout_s: float = Field(10.0, gt=0, le=120, description="Timeout of one webhook delivery request.")

@@ -35,3 +35,15 @@ _DESCRIPTIONS = {
 def error_responses(*codes: int) -> dict[int | str, dict[str, Any]]:
     """`responses=` for a route: each listed status documented with the error body."""
     return {code: {"model": ErrorBody, "description": _DESCRIPTIONS[code]} for code in codes}
+
+
+def quota_responses(*codes: int) -> dict[int | str, dict[str, Any]]:
+    """`responses=` entries for a route a tenant's quota can refuse (service.quotas): 429 for the queued-jobs
+    quota, 409 for the devices and dataset-storage quotas."""
+    descriptions = {
+        409: "Conflict with the current state, or a quota that only a change frees up: `quota_exceeded` "
+        "(`max_devices`, `max_dataset_storage_bytes`), details {quota, limit, current, requested}.",
+        429: "Over the tenant's queued-jobs quota: `quota_exceeded` (`max_queued_jobs`), details {quota, limit, "
+        "current, requested}.",
+    }
+    return {code: {"model": ErrorBody, "description": descriptions[code]} for code in codes}

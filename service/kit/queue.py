@@ -3,6 +3,10 @@
 The service only *sends* tasks, by name (`grpo.run_job`, args `[job_id]`), so it never imports
 the worker (and so never torch). Sends happen after the job row is committed (service.kit.db.on_commit).
 
+One queue per kind and device count: `gpu` and `cpu` for one device, `gpu-N` / `cpu-N` for jobs needing N
+devices. A worker with D devices (settings.worker_devices) consumes the queues for 1 to D devices
+(`queues_for_devices`), so a job only reaches a worker that has enough.
+
 `JobQueue` is the seam tests substitute (a recording stub), either through FastAPI's
 `app.dependency_overrides[get_job_queue]` or, for non-HTTP callers, `set_job_queue()`.
 """
@@ -18,9 +22,31 @@ from celery import Celery
 from service.kit.config import get_settings
 
 RUN_JOB_TASK = "grpo.run_job"
-QUEUES = ("gpu", "cpu")
+QUEUES = ("gpu", "cpu")  # the kinds of device; one queue per kind and device count
+MAX_QUEUE_DEVICES = 1024
 
 log = logging.getLogger(__name__)
+
+
+def queue_name(kind: str, devices: int) -> str:
+    """The queue of jobs of `kind` (gpu, cpu) needing `devices` devices."""
+    if kind not in QUEUES or not 1 <= devices <= MAX_QUEUE_DEVICES:
+        raise ValueError(f"no queue for {devices} {kind} devices")
+    return kind if devices == 1 else f"{kind}-{devices}"
+
+
+def parse_queue(name: str) -> tuple[str, int]:
+    """"gpu" -> ("gpu", 1), "cpu-4" -> ("cpu", 4); ValueError for any other name."""
+    kind, _, count = name.partition("-")
+    devices = int(count) if count.isdigit() else (1 if not count else 0)
+    if queue_name(kind, devices) != name:
+        raise ValueError(f"unknown queue {name!r}")
+    return kind, devices
+
+
+def queues_for_devices(kinds: list[str], devices: int) -> list[str]:
+    """Every queue a worker with `devices` devices of `kinds` serves: 1 to `devices` devices each."""
+    return [queue_name(kind, n) for kind in kinds for n in range(1, devices + 1)]
 
 
 class JobQueue(Protocol):
@@ -43,8 +69,7 @@ class CeleryJobQueue:
         )
 
     def send_job(self, job_id: str, *, queue: str) -> None:
-        if queue not in QUEUES:
-            raise ValueError(f"unknown queue {queue!r}")
+        parse_queue(queue)  # ValueError for an unknown name
         self._app.send_task(RUN_JOB_TASK, args=[job_id], queue=queue)
 
     @property

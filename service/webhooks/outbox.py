@@ -13,6 +13,7 @@ Which job events are lifecycle events (`webhook_event_type`):
     checkpoint event                                                 ->  job.checkpoint_saved
     metrics event carrying eval/* metrics                            ->  job.eval_completed
     health event (a training-health detector fired)                  ->  job.health
+    budget_exhausted event (a budget paused the job)                 ->  job.budget_exhausted
 
 `cancelling` (an intermediate state) is not announced: `job.cancelled` follows when the worker stops.
 
@@ -38,6 +39,7 @@ STATUS_EVENT = "status"
 CHECKPOINT_EVENT = "checkpoint"
 METRICS_EVENT = "metrics"
 HEALTH_EVENT = "health"
+BUDGET_EVENT = "budget_exhausted"
 EVAL_PREFIX = "eval/"
 
 ANNOUNCED_STATES = ("queued", "running", "paused", "succeeded", "failed", "cancelled")
@@ -52,6 +54,8 @@ def webhook_event_type(type_: str, data: dict[str, Any]) -> str | None:
         return "job.checkpoint_saved"
     if type_ == HEALTH_EVENT:
         return "job.health"
+    if type_ == BUDGET_EVENT:
+        return "job.budget_exhausted"
     if type_ == METRICS_EVENT:
         metrics = data.get("metrics") or {}
         return "job.eval_completed" if any(str(k).startswith(EVAL_PREFIX) for k in metrics) else None

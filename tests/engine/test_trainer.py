@@ -53,6 +53,9 @@ EXPECTED_METRICS = {
     "time/train_s",
     "time/step_s",
     "tokens_per_s",
+    "usage/tokens_generated",
+    "usage/tokens_trained",
+    "usage/reward_calls",
 }
 
 
@@ -159,9 +162,15 @@ class TestMetricsAndHooks:
         for _, metrics, _ in seen:
             assert set(metrics) == EXPECTED_METRICS
             assert all(math.isfinite(v) for v in metrics.values())
+            completions = config.prompts_per_step * config.num_generations
+            assert metrics["usage/tokens_generated"] == round(metrics["completion_length/mean"] * completions)
+            assert metrics["usage/reward_calls"] == completions  # one reward source
+            assert metrics["usage/tokens_trained"] > metrics["usage/tokens_generated"]  # prompts too
         assert seen[0][2] == [] and len(seen[1][2]) == 3
         sample = seen[1][2][0]
-        assert set(sample) == {"step", "group", "prompt", "completion", "reward", "advantage"}
+        assert set(sample) == {"step", "group", "prompt", "completion", "reward", "rewards", "advantage"}
+        for logged in seen[1][2]:  # one source: its reward, by name, is the total
+            assert logged["rewards"] == {"spread": logged["reward"]}
         assert [s for s, _, _ in checkpoints] == [1, 2]
         for _, path, manifest in checkpoints[1:]:
             assert verify_manifest(path) == manifest

@@ -9,7 +9,7 @@ from pydantic import BaseModel
 
 from contract.config import GRPOConfig, LoraConfig
 from contract.gen.grpo.v1 import job_spec_pb2
-from contract.spec import BUILTIN_PARAMS, JobSpec, ModelRewardSpec, RemoteRewardSpec
+from contract.spec import BUILTIN_PARAMS, JobSpec, ModelRewardSpec, RemoteRewardSpec, Resources
 from service.grpc.convert import (
     BUILTIN_REWARDS,
     NONE_FLAGS,
@@ -27,6 +27,7 @@ PAIRS: list[tuple[type[BaseModel], type[typing.Any]]] = [
     (LoraConfig, job_spec_pb2.LoraConfig),
     (HealthConfig, job_spec_pb2.HealthConfig),
     (JobSpec, job_spec_pb2.JobSpec),
+    (Resources, job_spec_pb2.Resources),
     (RemoteRewardSpec, job_spec_pb2.RemoteReward),
     (ModelRewardSpec, job_spec_pb2.ModelReward),
     *((BUILTIN_PARAMS[name], getattr(job_spec_pb2, f"{name.title().replace('_', '')}Reward")) for name in BUILTIN_REWARDS),
@@ -71,6 +72,18 @@ def test_roundtrip_health_settings_and_retain_dataset() -> None:
             "retain_dataset": "ds_3",
             "rewards": [{"type": "builtin", "name": "exact_match"}],
             "hyperparameters": {"max_steps": 3, "on_unhealthy": "pause", "health": {"kl_max": 5.0, "patience": 2}},
+        }
+    )
+
+
+def test_roundtrip_resources_and_parallelism() -> None:
+    _roundtrip(
+        {
+            "base_model": "builtin:tiny",
+            "train_dataset": "ds_1",
+            "rewards": [{"type": "builtin", "name": "exact_match"}],
+            "hyperparameters": {"max_steps": 3, "parallelism": "fsdp"},
+            "resources": {"devices": 2, "nodes": 1},
         }
     )
 

@@ -13,7 +13,15 @@ from types import ModuleType
 import pytest
 from fastapi import FastAPI
 
-from contract.gen.grpo.v1 import api_keys_pb2, checkpoints_pb2, datasets_pb2, jobs_pb2, reward_functions_pb2
+from contract.gen.grpo.v1 import (
+    api_keys_pb2,
+    checkpoints_pb2,
+    datasets_pb2,
+    jobs_pb2,
+    quotas_pb2,
+    reward_functions_pb2,
+    usage_pb2,
+)
 from service.checkpoints import endpoints as checkpoints_rest
 from service.datasets import endpoints as datasets_rest
 from service.grpc import watch
@@ -21,10 +29,14 @@ from service.grpc.servicers import api_keys as api_keys_grpc
 from service.grpc.servicers import checkpoints as checkpoints_grpc
 from service.grpc.servicers import datasets as datasets_grpc
 from service.grpc.servicers import jobs as jobs_grpc
+from service.grpc.servicers import quotas as quotas_grpc
 from service.grpc.servicers import rewards as rewards_grpc
+from service.grpc.servicers import usage as usage_grpc
 from service.jobs import endpoints as jobs_rest
+from service.quotas import endpoints as quotas_rest
 from service.rewards import endpoints as rewards_rest
 from service.tenants import endpoints as api_keys_rest
+from service.usage import endpoints as usage_rest
 
 # (REST route, REST module, RPC, gRPC modules, domain function both must call)
 OPERATIONS: list[tuple[str, ModuleType, str, tuple[ModuleType, ...], str]] = [
@@ -57,6 +69,12 @@ OPERATIONS: list[tuple[str, ModuleType, str, tuple[ModuleType, ...], str]] = [
     ("POST /v1/api-keys", api_keys_rest, "ApiKeyService.CreateApiKey", (api_keys_grpc,), "service.create_api_key_for"),
     ("GET /v1/api-keys", api_keys_rest, "ApiKeyService.ListApiKeys", (api_keys_grpc,), "service.list_api_keys"),
     ("DELETE /v1/api-keys/{api_key_id}", api_keys_rest, "ApiKeyService.RevokeApiKey", (api_keys_grpc,), "service.revoke_api_key"),
+    ("GET /v1/admin/tenants/{tenant_id}/quotas", quotas_rest, "QuotaService.GetTenantQuotas", (quotas_grpc,), "admin.read_quotas"),
+    ("PUT /v1/admin/tenants/{tenant_id}/quotas", quotas_rest, "QuotaService.SetTenantQuotas", (quotas_grpc,), "admin.write_quotas"),
+    ("GET /v1/usage", usage_rest, "UsageService.GetUsage", (usage_grpc,), "service.report"),
+    ("GET /v1/jobs/{job_id}/usage", usage_rest, "UsageService.GetJobUsage", (usage_grpc,), "service.job_usage"),
+    ("POST /v1/jobs/estimate", usage_rest, "UsageService.EstimateJob", (usage_grpc,), "service.estimate"),
+    ("PATCH /v1/jobs/{job_id}", usage_rest, "UsageService.UpdateJobBudget", (usage_grpc,), "service.set_job_budget"),
 ]
 # The tar archive is a REST convenience for browsers and curl; gRPC clients use DownloadCheckpoint.
 # The plot is a PNG for browsers (gRPC clients plot GetJobMetrics). Webhook registration is REST-only:
@@ -82,6 +100,8 @@ SERVICES = [
         (checkpoints_pb2.DESCRIPTOR, "CheckpointService"),
         (reward_functions_pb2.DESCRIPTOR, "RewardFunctionService"),
         (api_keys_pb2.DESCRIPTOR, "ApiKeyService"),
+        (quotas_pb2.DESCRIPTOR, "QuotaService"),
+        (usage_pb2.DESCRIPTOR, "UsageService"),
     )
 ]
 

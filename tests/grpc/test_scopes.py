@@ -22,7 +22,7 @@ from service.tenants.scopes import ALL_SCOPES
 from tests.grpc.helpers import bearer, error_code
 from tests.service.factories import TenantHeaders, create_key
 
-ADMIN_SERVICES = {"grpo.v1.ApiKeyService"}
+ADMIN_SERVICES = {"grpo.v1.ApiKeyService", "grpo.v1.QuotaService"}
 READ_PREFIXES = ("Get", "List", "Watch", "Download")
 
 

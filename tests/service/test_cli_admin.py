@@ -12,6 +12,7 @@ from fastapi.testclient import TestClient
 from sqlalchemy import create_engine, inspect
 
 from service.kit.config import Settings
+from tests.service.jobs_support import job_spec, make_dataset
 
 GRPO = str(Path(sys.executable).parent / "grpo")
 
@@ -70,3 +71,34 @@ def test_admin_errors_exit_non_zero(client: TestClient, settings: Settings, tmp_
     assert missing.returncode == 1 and "not found" in missing.stderr and not missing.stdout
     bad_name = grpo("admin", "create-tenant", "bad name!", database_url=url, tmp_path=tmp_path)
     assert bad_name.returncode == 1 and "tenant name" in bad_name.stderr
+
+
+def test_admin_quotas_shows_and_changes_a_tenants_overrides(
+    client: TestClient, settings: Settings, tmp_path: Path
+) -> None:
+    url = settings.database_url
+    created = grpo("admin", "create-tenant", "acme", database_url=url, tmp_path=tmp_path)
+    key, tenant_id = created.stdout.strip(), created.stderr.split("tenant: ")[1].split()[0]
+    changed = grpo(
+        "admin", "quotas", "acme", "--max-running-jobs", "2", "--max-queued-jobs", "0",
+        database_url=url, tmp_path=tmp_path,
+    )
+    assert changed.returncode == 0, changed.stderr
+    lines = changed.stdout.splitlines()
+    assert any(line.split()[:3] == ["max_running_jobs", "2", "(override)"] for line in lines), changed.stdout
+    assert any(line.split()[:3] == ["max_devices", "no", "limit"] for line in lines), changed.stdout
+    response = client.post(
+        "/v1/jobs", json=job_spec(make_dataset(tenant_id)), headers={"Authorization": f"Bearer {key}"}
+    )
+    assert response.status_code == 429 and response.json()["error"]["details"]["quota"] == "max_queued_jobs"
+
+    reset = grpo("admin", "quotas", "acme", "--max-queued-jobs", "default", database_url=url, tmp_path=tmp_path)
+    assert reset.returncode == 0, reset.stderr
+    assert any(line.split()[:3] == ["max_queued_jobs", str(settings.quota_max_queued_jobs), "(default)"]
+               for line in reset.stdout.splitlines()), reset.stdout
+    assert any(line.split()[:3] == ["max_running_jobs", "2", "(override)"] for line in reset.stdout.splitlines())
+
+    bad = grpo("admin", "quotas", "acme", "--max-devices", "lots", database_url=url, tmp_path=tmp_path)
+    assert bad.returncode == 2 and "--max-devices" in bad.stderr
+    negative = grpo("admin", "quotas", "acme", "--max-devices", "-1", database_url=url, tmp_path=tmp_path)
+    assert negative.returncode == 1 and "max_devices" in negative.stderr

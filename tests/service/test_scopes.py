@@ -24,7 +24,7 @@ from service.tenants.scopes import ALL_SCOPES, parse_scopes
 from tests.service.factories import TenantHeaders, auth_headers, create_key
 
 # Paths whose every method needs `admin` (key management; quota overrides join them).
-ADMIN_PATH_PREFIXES = ("/v1/api-keys",)
+ADMIN_PATH_PREFIXES = ("/v1/api-keys", "/v1/admin/")
 # Served without a key: probes, Prometheus, the API description.
 PUBLIC_PATHS = {"/healthz", "/readyz", "/metrics", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"}
 

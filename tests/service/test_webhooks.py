@@ -144,8 +144,8 @@ class TestRegistry:
     ) -> None:
         created = register(client, tenant_a, "https://hooks.example.com/grpo")
         assert created["id"].startswith("wh_") and created["secret"].startswith("whsec_")
-        assert "job.checkpoint_saved" in created["event_types"] and len(created["event_types"]) == 9
-        assert "job.health" in created["event_types"]
+        assert "job.checkpoint_saved" in created["event_types"] and len(created["event_types"]) == 10
+        assert "job.health" in created["event_types"] and "job.budget_exhausted" in created["event_types"]
         webhook_id = created["id"]
 
         got = client.get(f"/v1/webhooks/{webhook_id}", headers=tenant_a).json()

@@ -46,6 +46,7 @@ def write_spec(path: Path, dataset_id: str, reward_function_id: str) -> Path:
             "prompts_per_step": 2,
             "max_completion_length": 8,
             "checkpoint_every": 3,
+            "log_completions_every": 3,
             "seed": 0,
         },
     }
@@ -108,6 +109,16 @@ def test_cli_upload_register_create_watch_download(tmp_path: Path, processes: Pr
     assert watched.returncode == 0, describe(watched) + processes.logs()
     assert f"{job['id']}: succeeded" in watched.stdout, describe(watched)
     stages["create + watch"] = time.monotonic() - started
+
+    # --- tables at 80 columns show whole ids; samples name the reward of each source (one here)
+    narrow = {**cli_env, "COLUMNS": "80"}
+    for args, ids in ((["datasets", "list"], [dataset["id"]]), (["jobs", "list"], [job["id"]])):
+        listed = run_cli(narrow, *args)
+        assert listed.returncode == 0, describe(listed)
+        assert all(len(line) <= 80 for line in listed.stdout.splitlines()), describe(listed)
+        assert all(i in listed.stdout for i in ids), describe(listed)
+    samples = run_cli({**cli_env, "COLUMNS": "200"}, "jobs", "samples", job["id"])
+    assert samples.returncode == 0 and f"remote:{reward['id']}=" in samples.stdout, describe(samples)
 
     # --- checkpoints list -> download, and the directory loads with transformers
     checkpoints = cli_json(cli_env, "checkpoints", "list", job["id"])

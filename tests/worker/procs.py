@@ -104,9 +104,11 @@ class Stack:
     data_dir: Path
     lease_seconds: int = 5
     queued_resend_seconds: int = 5
+    collective_timeout_seconds: int = 15  # multi-device jobs: a hung rank ends the attempt after this
     procs: list[Proc] = field(default_factory=list)
     api_port: int = 0
     grpc_port: int = 0  # 0 = no gRPC server
+    extra_env: dict[str, str] = field(default_factory=dict)  # more GRPO_* settings for every process
     _worker_count: int = 0
 
     @property
@@ -121,6 +123,7 @@ class Stack:
                 "GRPO_STORAGE_URL": str(self.data_dir / "storage"),
                 "GRPO_LEASE_SECONDS": str(self.lease_seconds),
                 "GRPO_QUEUED_RESEND_SECONDS": str(self.queued_resend_seconds),
+                "GRPO_COLLECTIVE_TIMEOUT_SECONDS": str(self.collective_timeout_seconds),
                 "GRPO_GRPC_PORT": str(self.grpc_port),
                 # Two shared CPU cores: one thread per process keeps tests from starving each other.
                 "OMP_NUM_THREADS": "1",
@@ -128,6 +131,7 @@ class Stack:
                 "TOKENIZERS_PARALLELISM": "false",
                 "HF_HUB_OFFLINE": "1",
                 "PYTHONUNBUFFERED": "1",
+                **self.extra_env,
             }
         )
         return env
@@ -159,12 +163,12 @@ class Stack:
         except httpx.HTTPError:
             return False
 
-    def start_worker(self, *, ready_timeout: float = 90) -> Proc:
+    def start_worker(self, *, ready_timeout: float = 90, devices: int = 1) -> Proc:
         self._worker_count += 1
         name = f"worker{self._worker_count}"
         proc = spawn(
             name,
-            [*GRPO, "worker", "--queues", "gpu,cpu", "--hostname", f"{name}@%h"],
+            [*GRPO, "worker", "--queues", "gpu,cpu", "--devices", str(devices), "--hostname", f"{name}@%h"],
             self.env,
             self.data_dir,
         )

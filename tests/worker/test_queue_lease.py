@@ -179,3 +179,17 @@ def test_worker_parent_and_api_never_import_torch() -> None:
     code = "import sys, worker.tasks, cli, service.app, worker.reaper; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_worker_process_knows_every_table() -> None:
+    """What `grpo worker` imports resolves every foreign key (jobs.tenant_id -> tenants), so its writes can flush."""
+    import subprocess
+    import sys
+
+    code = (
+        "import cli, worker.tasks; from service.kit.db import Base; "
+        "print(sorted(t.name for t in Base.metadata.sorted_tables))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    assert out.returncode == 0, out.stderr
+    assert "tenants" in out.stdout and "jobs" in out.stdout, out.stdout

@@ -81,6 +81,24 @@ def test_in_process_recording_without_the_server() -> None:
     assert REGISTRY.get_sample_value("grpo_worker_tokens_per_second") == 50.0
 
 
+def test_usage_counters_by_tenant() -> None:
+    from service.usage.service import StepUsageIn
+
+    def value(name: str, tenant: str) -> float:
+        return REGISTRY.get_sample_value(f"grpo_worker_usage_{name}_total", {"tenant": tenant}) or 0.0
+
+    before = {name: value(name, "ten_a") for name in worker_metrics.USAGE_SERIES}
+    usage = StepUsageIn(tokens_generated=30, tokens_trained=90, reward_calls=8, device_seconds=1.25, completions=8,
+                        completion_capacity=64, num_iterations=1, parameters=10)
+    worker_metrics.observe_usage("ten_a", usage)
+    worker_metrics.observe_usage("ten_a", usage)
+    worker_metrics.observe_usage("ten_b", usage)
+    assert {name: value(name, "ten_a") - before[name] for name in worker_metrics.USAGE_SERIES} == {
+        "tokens_generated": 60, "tokens_trained": 180, "reward_calls": 16, "device_seconds": 2.5
+    }
+    assert value("tokens_generated", "ten_b") >= 30
+
+
 def test_reason_labels_stay_bounded() -> None:
     assert worker_metrics._reason_class("HTTP 503") == "HTTP 503"
     assert worker_metrics._reason_class("connection failed (ConnectError: [Errno 111] refused)") == "connection_failed"

@@ -155,7 +155,8 @@ def batch_metrics(batch: StepBatch) -> dict[str, float]:
 
 
 def sample_records(step: int, batch: StepBatch, count: int) -> list[dict[str, Any]]:
-    """The first `count` completions of the trained batch, for display and storage."""
+    """The first `count` completions of the trained batch, for display and storage, with the reward of
+    each source by name (one source included)."""
     scored = batch.scored
     count = min(count, len(scored.rollout.completion_texts))
     group_size = scored.rollout.group_size
@@ -166,6 +167,7 @@ def sample_records(step: int, batch: StepBatch, count: int) -> list[dict[str, An
             "prompt": scored.prompts[i // group_size],
             "completion": scored.rollout.completion_texts[i],
             "reward": float(scored.rewards[i]),
+            "rewards": {name: values[i] for name, values in scored.per_source.items()},  # None: abstained
             "advantage": float(batch.advantages[i]),
         }
         for i in range(count)

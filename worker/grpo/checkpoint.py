@@ -8,6 +8,8 @@ Layout of ``<output_dir>/checkpoint-<step>/``:
   the tokenizer, a plain model for ``AutoModelForCausalLM.from_pretrained``;
 - ``grpo_config.json``: the run's GRPOConfig (plus any extra metadata the caller passes);
 - ``trainer_state.pt``: step, optimiser, scheduler, Python/NumPy/torch RNG states, data cursor, metrics history;
+- from a sharded (FSDP) run, ``distributed/``: model and optimiser shards (torch.distributed.checkpoint), read
+  back by any number of ranks; the optimiser is then not in ``trainer_state.pt`` (worker.grpo.distributed);
 - ``manifest.json``: every other file with its size and sha256.
 
 The directory is written under a temporary hidden name next to its final place and renamed
@@ -193,8 +195,12 @@ def save_checkpoint(
     trainer_state: dict[str, Any],
     save_total_limit: int | None = None,
     metadata: dict[str, Any] | None = None,
+    extra_dirs: dict[str, Path] | None = None,
 ) -> tuple[Path, dict[str, Any]]:
     """Write ``checkpoint-<step>`` atomically and prune old ones; returns (path, manifest).
+
+    ``extra_dirs`` (name -> a directory written beforehand, e.g. sharded state) are moved in under their
+    names and listed in the manifest like every other file.
 
     ``model`` is a transformers model or a peft model (then only the adapter is saved).
     ``trainer_state`` must hold plain types and tensors (it is loaded with weights_only=True).
@@ -212,6 +218,8 @@ def save_checkpoint(
         config_doc = {"step": step, "config": config.model_dump(mode="json"), "metadata": metadata or {}}
         (tmp / CONFIG_NAME).write_text(json.dumps(config_doc, indent=2, sort_keys=True), encoding="utf-8")
         torch.save({**trainer_state, "step": step}, tmp / STATE_NAME)
+        for name, directory in (extra_dirs or {}).items():
+            os.rename(directory, tmp / name)
         manifest = build_manifest(tmp, step)
         (tmp / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2, sort_keys=True), encoding="utf-8")
         _fsync_tree(tmp)

@@ -5,18 +5,24 @@ where `train_dataset` / `eval_dataset` are JSONL paths relative to the YAML file
 `output_dir` (relative to the YAML file too). Re-running with the same output directory resumes
 from its newest checkpoint. Ctrl-C stops after the current step and saves a checkpoint.
 
+With `resources.devices: N > 1` the command launches N ranks on this machine (torch.distributed.run,
+gloo on CPU, NCCL on GPUs) that each run this module; rank 0 shows the progress and writes the checkpoint.
+
 Exit codes: 0 done, 2 bad input (YAML, spec, dataset, checkpoint), 1 training failed, 130 interrupted.
 """
 
 from __future__ import annotations
 
 import math
+import os
 import signal
+import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 from pydantic import ValidationError
@@ -35,6 +41,9 @@ from contract.reward_types import RewardError
 from contract.spec import JobSpec
 from worker.grpo.checkpoint import CheckpointCorrupt, latest_checkpoint
 from worker.grpo.data import DatasetError, PromptRow, load_jsonl
+
+if TYPE_CHECKING:
+    from worker.grpo.distributed import Ranks
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
 
@@ -136,26 +145,57 @@ class _StopFlag:
 
 def run_local(config_path: Path, output_dir: Path | None) -> int:
     """Train the job described by `config_path`; returns the process exit code."""
-    console = Console()
+    from worker.grpo.distributed import Ranks
+
+    in_launched_rank = "WORLD_SIZE" in os.environ
+    rank = int(os.environ.get("RANK", "0"))
+    console = Console(quiet=rank != 0)
     try:
         job = load_local_job(config_path, output_dir)
     except LocalJobError as exc:
         console.print(f"[bold red]error:[/bold red] {exc}", highlight=False)
         return EXIT_BAD_INPUT
+    devices = job.spec.resources.devices
+    if devices > 1 and not in_launched_rank:
+        if job.spec.resources.nodes > 1:
+            console.print("[bold red]error:[/bold red] grpo train runs on one machine: set resources.nodes to 1")
+            return EXIT_BAD_INPUT
+        return _launch_ranks(config_path, job.output_dir, devices)
+    ranks = Ranks()
+    if in_launched_rank:
+        from worker.grpo.distributed import init_from_env
+
+        ranks = init_from_env()
     try:
-        return _train(job, console)
+        return _train(job, console, ranks)
     except (CheckpointCorrupt, LocalJobError) as exc:
         console.print(f"[bold red]error:[/bold red] {exc}", highlight=False)
         return EXIT_BAD_INPUT
     except RewardError as exc:
         console.print(f"[bold red]training failed:[/bold red] {exc}", highlight=False)
         return EXIT_FAILED
+    finally:
+        if in_launched_rank:
+            from worker.grpo.distributed import shutdown
+
+            shutdown()
 
 
-def _train(job: LocalJob, console: Console) -> int:
+def _launch_ranks(config_path: Path, output_dir: Path, devices: int) -> int:
+    """Run this module as `devices` ranks; rank 0's exit code (the launcher's) is the command's."""
+    from worker.grpo.distributed import launch_command
+
+    command = launch_command(
+        "worker.grpo.local", [str(config_path), str(output_dir)], nproc_per_node=devices
+    )
+    return subprocess.call(command)
+
+
+def _train(job: LocalJob, console: Console, ranks: Ranks) -> int:
     # Imported here: torch and transformers take seconds to import; bad input should fail fast.
     import transformers
 
+    from worker.grpo.distributed import device_for
     from worker.grpo.rewards import build_reward_sources
     from worker.grpo.trainer import GRPOTrainer
     from worker.grpo.vllm_rollout import VLLMUnavailable, vllm_installed
@@ -172,6 +212,7 @@ def _train(job: LocalJob, console: Console) -> int:
         console.print(f"resuming from {resume}")
     stop = _StopFlag()
     previous_handler = signal.signal(signal.SIGINT, stop)
+    main = ranks.is_main
     columns = (
         TextColumn("[bold]GRPO[/bold]"),
         BarColumn(),
@@ -199,16 +240,19 @@ def _train(job: LocalJob, console: Console) -> int:
                 output_dir=job.output_dir,
                 model_cache_dir=job.output_dir / "base-models",
                 resume_from=resume,
-                on_metrics=display.on_metrics,
+                on_metrics=display.on_metrics if main else None,
                 should_stop=stop.should_stop,
                 on_health=lambda f: progress.console.print(f"[yellow]health[/yellow] step {f.step} {f.kind}: {f.message}"),
                 checkpoint_metadata={"job_name": job.spec.name or ""},
+                ranks=ranks,
+                device=device_for(ranks),
             )
             progress.update(task, completed=trainer.step)
             result = trainer.train()
     finally:
         signal.signal(signal.SIGINT, previous_handler)
-    console.print(_summary(result.history, result.step, time.perf_counter() - started))
+    if main:
+        console.print(_summary(result.history, result.step, time.perf_counter() - started))
     console.print(f"checkpoint: {result.last_checkpoint}", highlight=False, soft_wrap=True)
     return EXIT_INTERRUPTED if result.stopped else EXIT_OK
 
@@ -229,3 +273,7 @@ def _summary(history: list[dict[str, float]], step: int, seconds: float) -> Tabl
 
 def _fmt(value: float) -> str:
     return "nan" if math.isnan(value) else f"{value:.4f}"
+
+
+if __name__ == "__main__":  # one rank of a multi-device `grpo train` (see _launch_ranks)
+    sys.exit(run_local(Path(sys.argv[1]), Path(sys.argv[2])))

@@ -171,7 +171,10 @@ class NativeRollout:
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, config: GRPOConfig) -> None:
         self.model, self.tokenizer, self.config = model, tokenizer, config
 
-    def generate(self, prompts: list[str], *, generator_seed: int, side: SideThread | None = None) -> Rollout:
+    def generate(
+        self, prompts: list[str], *, generator_seed: int | list[int], side: SideThread | None = None
+    ) -> Rollout:
+        """G samples of each prompt; `generator_seed`: one for the batch, or one per prompt (generate_rollout)."""
         return generate_rollout(
             self.model, self.tokenizer, prompts, self.config, generator_seed=generator_seed, side=side
         )
@@ -190,14 +193,15 @@ def generate_rollout(
     prompts: list[str],
     config: GRPOConfig,
     *,
-    generator_seed: int | None = None,
+    generator_seed: int | list[int] | None = None,
     side: SideThread | None = None,
 ) -> Rollout:
     """Generate G = config.num_generations completions for each already-rendered prompt.
 
     Sampling mode repeats each prompt G times (contiguous rows) and samples with temperature,
     top_p and top_k; beam mode runs beam search with G beams and returns all G. With
-    `generator_seed` the sampling is reproducible and the global RNG state is left as it was.
+    `generator_seed` the sampling is reproducible and the global RNG state is left as it was; a list
+    holds one seed per prompt, so that a group samples the same tokens whichever batch (or rank) it is in.
     `side`, a second CPU lane, lets small models decode half the rows beside the caller.
     The model is put in eval mode for generation (no dropout) and restored afterwards. All
     returned tensors live on the model's device.
@@ -215,8 +219,10 @@ def generate_rollout(
     model.eval()
     try:
         if config.generation == "sample":
-            generator = None
-            if generator_seed is not None:  # a private generator: the global RNG is left untouched
+            generator: torch.Generator | list[torch.Generator] | None = None
+            if isinstance(generator_seed, list):
+                generator = [torch.Generator(device=device).manual_seed(seed) for seed in generator_seed]
+            elif generator_seed is not None:  # a private generator: the global RNG is left untouched
                 generator = torch.Generator(device=device).manual_seed(generator_seed)
             completion_ids = sample_completions(
                 model, prompt_ids, prompt_mask, config, eos_ids, _pad_token_id(tokenizer), generator, side
@@ -390,7 +396,7 @@ def sample_completions(
     config: GRPOConfig,
     eos_ids: list[int],
     pad_id: int,
-    generator: torch.Generator | None,
+    generator: torch.Generator | list[torch.Generator] | None,
     side: SideThread | None = None,
 ) -> Tensor:
     """Sample up to max_completion_length tokens per row; (B, P) left-padded prompts -> (B, C') ids.
@@ -403,7 +409,11 @@ def sample_completions(
     batch, device = prompt_ids.shape[0], prompt_ids.device
     # One uniform per (token, row), drawn up front: row r's t-th token inverts the CDF at
     # draws[t, r] whichever lane decodes it, so lanes do not change what a seed samples.
-    draws = torch.rand(max_new, batch, generator=generator, device=device)  # (C, B)
+    if isinstance(generator, list):  # one generator per prompt's block of rows
+        rows = batch // len(generator)
+        draws = torch.cat([torch.rand(max_new, rows, generator=g, device=device) for g in generator], dim=1)
+    else:
+        draws = torch.rand(max_new, batch, generator=generator, device=device)  # (C, B)
     with torch.inference_mode():
         lanes = _lanes(model, prompt_mask, max_new, parallel=side is not None)
 

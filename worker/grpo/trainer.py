@@ -14,7 +14,8 @@ old log-probs are the detached current ones and no extra forward pass runs (as i
 Model plumbing (loading, LoRA, reference, optimiser, scheduler) lives in `worker.grpo.modeling`,
 the step's data containers and metric helpers in `worker.grpo.batch`, the work that runs beside
 the loop (reward scoring, the reference forward, half of decoding) in `worker.grpo.concurrency`,
-checkpoint files in `worker.grpo.checkpoint`.
+checkpoint files in `worker.grpo.checkpoint`, what changes on several devices (ranks) in
+`worker.grpo.distributed`.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ from worker.grpo.batch import (
 from worker.grpo.checkpoint import capture_rng_state, load_checkpoint, restore_rng_state, save_checkpoint
 from worker.grpo.concurrency import StepLanes, completed
 from worker.grpo.data import PromptRow, PromptSampler
+from worker.grpo.distributed import SHARDED_DIR, Parallel, Ranks, group_seeds, main_first, share
 from worker.grpo.evaluation import greedy_metrics, pass_at_k
 from worker.grpo.health import Finding, HealthGuard, dominated_fraction
 from worker.grpo.logprobs import completion_logprobs
@@ -105,6 +107,7 @@ class GRPOTrainer:
         on_health: HealthHook | None = None,
         device: str | None = None,
         checkpoint_metadata: dict[str, Any] | None = None,
+        ranks: Ranks | None = None,
     ) -> None:
         if not train_rows:
             raise ValueError("train_rows is empty")
@@ -127,14 +130,18 @@ class GRPOTrainer:
         keep_freed_memory()  # each step reuses the last one's pages (no page faults per tensor)
         checkpoint = load_checkpoint(resume_from) if resume_from is not None else None
         cache_dir = model_cache_dir or self.output_dir / "models"
-        self.models: ModelBundle = build_model_bundle(
-            base_model,
-            config,
-            cache_dir=cache_dir,
-            total_updates=self.total_steps * config.num_iterations,
-            device=device,
-            resume_dir=None if checkpoint is None else checkpoint.path,
-        )
+        ranks = ranks or Ranks()
+        with main_first(ranks):  # rank 0 fills the shared model cache
+            self.models: ModelBundle = build_model_bundle(
+                base_model,
+                config,
+                cache_dir=cache_dir,
+                total_updates=self.total_steps * config.num_iterations,
+                device=device,
+                resume_dir=None if checkpoint is None else checkpoint.path,
+            )
+        # One process, or this rank's part of a job on several devices (hooks: rank 0 only).
+        self.parallel = Parallel.wrap(self.models, ranks, config.resolved_parallelism(), config.loss_type)
         self.loss_settings = LossSettings.from_config(config)
         self.correction = SamplingCorrection.from_config(config)  # None unless another engine samples
         self.entropy_control = AdaptiveEntropy.from_config(config)
@@ -162,9 +169,9 @@ class GRPOTrainer:
         with self.lanes, closing(self.rollouts):
             if self.step == 0 and self._evaluates():
                 # The starting point, so every later eval has something to be compared with.
-                self._report_eval(0, self._evaluate(0))
+                self._report_eval(0, self.parallel.on_main(lambda: self._evaluate(0)))
             while self.step < self.total_steps and self.unhealthy is None:
-                if self.should_stop is not None and self.should_stop():
+                if self.parallel.from_main(self.should_stop is not None and self.should_stop()):
                     stopped = True
                     break
                 self._run_step()
@@ -195,9 +202,20 @@ class GRPOTrainer:
 
         # ===== 3. metrics, samples, eval, checkpoint
         timings["time/step_s"] = time.perf_counter() - started
+        batch = self.parallel.gather_batch(batch)  # the global batch: metrics as one process reports them
         metrics = {**batch_metrics(batch), **train_stats, **timings}
         generated_tokens = sum(int(s.rollout.completion_mask.sum()) for s in batch.generated)
         metrics["tokens_per_s"] = generated_tokens / max(timings["time/step_s"], 1e-9)
+        # Usage counts (metered per step by the service): completion tokens of every sampling round; prompt +
+        # completion tokens (no padding) through the policy's forward and backward, once per pass; completions
+        # scored, once per reward source.
+        metrics["usage/tokens_generated"] = float(generated_tokens)
+        metrics["usage/tokens_trained"] = float(
+            int(batch.scored.rollout.attention_mask.sum()) * self.config.num_iterations
+        )
+        metrics["usage/reward_calls"] = float(
+            sum(int(s.rewards.numel()) for s in batch.generated) * len(self.reward.sources)
+        )
         health = self.config.health
         metrics["groups/dominated_frac"] = dominated_fraction(
             batch.scored.rollout.completion_texts,
@@ -208,8 +226,9 @@ class GRPOTrainer:
         )
         every = self.config.eval_every
         if every and self.eval_rows and (step % every == 0 or step == self.total_steps):
-            self.evaluations[step] = self._evaluate(step)
+            self.evaluations[step] = self.parallel.on_main(lambda: self._evaluate(step))
             metrics.update(self.evaluations[step])
+        metrics = self.parallel.from_main(metrics)  # rank 0's timings: every rank decides on the same values
         samples = (
             sample_records(step, batch, self.config.log_completions_count)
             if step % self.config.log_completions_every == 0
@@ -285,11 +304,14 @@ class GRPOTrainer:
 
     def _generate(self, step: int, round_index: int, num_prompts: int, timings: dict[str, float]) -> Generated:
         started = time.perf_counter()
-        rows = [self.train_rows[i] for i in self.sampler.next_indices(num_prompts)]
+        indices = self.sampler.next_indices(num_prompts)  # the global batch, the same on every rank
+        mine = share(len(indices), self.parallel.ranks)  # this rank's whole groups
+        rows = [self.train_rows[indices[i]] for i in mine]
         prompts = [render_prompt(self.models.tokenizer, row.prompt) for row in rows]
-        # A seed per (run, step, round): sampling is reproducible across resumes whatever ran before.
-        seed = (self.config.seed * 1_000_003 + step * 101 + round_index) % (2**63)
-        rollout = self.rollouts.generate(prompts, generator_seed=seed, side=self.lanes.side)
+        # A seed per (run, step, round, group position): sampling is reproducible across resumes whatever
+        # ran before, and a group samples the same tokens on any number of ranks.
+        seeds = [s % (2**63) for s in group_seeds(self.config.seed, step, round_index, mine)]
+        rollout = self.rollouts.generate(prompts, generator_seed=seeds, side=self.lanes.side)
         timings["time/generate_s"] += time.perf_counter() - started
         return Generated(rollout, rows, prompts)
 
@@ -369,14 +391,16 @@ class GRPOTrainer:
         return logps
 
     def _mini_batches(self, total: int) -> list[slice]:
-        return list(iter_chunks(total, self.config.mini_batch_size or total))
+        """This rank's share of each global mini-batch: every rank makes the same number of passes."""
+        size = (self.config.mini_batch_size or 0) // self.parallel.ranks.world_size
+        return list(iter_chunks(total, size or total))
 
     # --- 2. optimise ---------------------------------------------------------------------------
 
     def _optimise(self, batch: StepBatch) -> dict[str, float]:
         rollout = batch.scored.rollout
         slices = self._mini_batches(rollout.completion_ids.shape[0])
-        step_tokens = int(batch.loss_mask.sum())
+        step_tokens = int(self.parallel.sum([float(batch.loss_mask.sum())])[0])  # over all ranks
         sums: dict[str, float] = {}
         losses: list[float] = []
         grad_norms: list[float] = []
@@ -398,6 +422,7 @@ class GRPOTrainer:
             grad_norms.append(self._optimizer_update())
             losses.append(pass_loss)
             if self.config.use_adaptive_entropy:
+                bonus_entropy, bonus_tokens = self.parallel.sum([bonus_entropy, bonus_tokens])
                 self.entropy_control.update(bonus_entropy / max(bonus_tokens, 1.0))
         passes = self.config.num_iterations * len(slices)
         metrics = {key: value / passes for key, value in sums.items()}
@@ -411,14 +436,14 @@ class GRPOTrainer:
             metrics.update(
                 self.correction.metrics(torch.cat(sampled_by), rollout.sampler_logps, rollout.completion_mask)
             )
-        mask = rollout.completion_mask
-        entropy_sum = sum(entropy_sums)
+        entropy_sum, entropy_tokens = self.parallel.sum([sum(entropy_sums), float(rollout.completion_mask.sum())])
         metrics.update(
             loss=sum(losses) / len(losses),
             grad_norm=sum(grad_norms) / len(grad_norms),
             learning_rate=self.models.optimizer.param_groups[0]["lr"],
-            entropy=entropy_sum / max(float(mask.sum()), 1.0),
         )
+        metrics = self.parallel.merge_stats(metrics, float(batch.loss_mask.sum()))  # the global batch's
+        metrics["entropy"] = entropy_sum / max(entropy_tokens, 1.0)
         return metrics
 
     def _backward_mini_batch(
@@ -429,8 +454,7 @@ class GRPOTrainer:
         rollout = batch.scored.rollout
         completion_length = rollout.completion_ids.shape[1]
         with self.lanes.own_core_while(batch.reference):
-            logps, entropy = completion_logprobs(
-                self.models.policy,
+            logps, entropy = self.parallel.completion_logprobs(
                 rollout.input_ids[rows],
                 rollout.attention_mask[rows],
                 completion_length,
@@ -460,6 +484,7 @@ class GRPOTrainer:
             entropy_coef=self.entropy_control.coef_to_apply(),
             is_weights=is_weights,
         )  # already this mini-batch's share of the step's loss
+        scaled = scaled * self.parallel.loss_scale  # over several ranks: this rank's share of the global loss
         scaled.backward()
         entropy_sum = None
         if entropy is not None and iteration == 0:  # the entropy metric: the policy before this step's updates
@@ -469,12 +494,12 @@ class GRPOTrainer:
 
     def _optimizer_update(self) -> float:
         """Clip, step the optimiser and the scheduler; returns the pre-clip gradient norm."""
-        params = self.models.trainable_parameters
         max_norm = self.config.max_grad_norm if self.config.max_grad_norm is not None else math.inf
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        grad_norm = self.parallel.clip_gradients(max_norm)  # averaged over ranks first
         self.models.optimizer.step()
         self.models.scheduler.step()
         self.models.optimizer.zero_grad(set_to_none=True)
+        self.parallel.after_update()
         return grad_norm
 
     # --- 3. metrics, samples, eval, checkpoint -------------------------------------------------
@@ -525,8 +550,13 @@ class GRPOTrainer:
         return metrics
 
     def _save(self) -> None:
+        # Sharded state first (every rank writes its shards); rank 0 then writes the checkpoint around it.
+        sharded = self.parallel.save_sharded(self.output_dir / f".sharded-{self.step}")
+        self._saved_step = self.step
+        if not self.parallel.ranks.is_main:
+            return
         state = {
-            "optimizer": self.models.optimizer.state_dict(),
+            "optimizer": self.parallel.optimizer_state(),
             "scheduler": self.models.scheduler.state_dict(),
             "rng": capture_rng_state(),
             "sampler": self.sampler.state_dict(),
@@ -542,6 +572,7 @@ class GRPOTrainer:
             trainer_state=state,
             save_total_limit=self.config.save_total_limit,
             metadata=self.checkpoint_metadata,
+            extra_dirs=None if sharded is None else {SHARDED_DIR: sharded},
         )
         self.last_checkpoint = path
         self._saved_step = self.step
@@ -550,7 +581,7 @@ class GRPOTrainer:
 
     def _restore(self, state: dict[str, Any], path: Path) -> None:
         """Continue exactly: optimiser, scheduler, data cursor, metrics history and RNG states."""
-        self.models.optimizer.load_state_dict(state["optimizer"])
+        self.parallel.load_optimizer(state.get("optimizer"), path)
         self.models.scheduler.load_state_dict(state["scheduler"])
         self.sampler.load_state_dict(state["sampler"])
         self.history = list(state["history"])

@@ -152,7 +152,9 @@ class VLLMRollout:
 
     # --- rollout -------------------------------------------------------------------------------
 
-    def generate(self, prompts: list[str], *, generator_seed: int, side: SideThread | None = None) -> Rollout:
+    def generate(
+        self, prompts: list[str], *, generator_seed: int | list[int], side: SideThread | None = None
+    ) -> Rollout:
         """G = num_generations samples of each rendered prompt, laid out as the native rollout's.
         `side` is not used: the engine schedules its own threads."""
         from vllm import SamplingParams
@@ -165,7 +167,10 @@ class VLLMRollout:
             for ids, mask in zip(prompt_ids, prompt_mask, strict=True)
         ]
         # One seed per prompt: vLLM seeds each request on its own, so identical prompts with one
-        # seed would get identical completions.
+        # seed would get identical completions. A list gives each prompt's own seed.
+        seeds = generator_seed if isinstance(generator_seed, list) else [
+            generator_seed + index for index in range(len(requests))
+        ]
         params = [
             SamplingParams(
                 n=group,
@@ -176,9 +181,9 @@ class VLLMRollout:
                 stop_token_ids=self.eos_ids,
                 logprobs=0,  # the sampled token's own log-prob
                 detokenize=False,
-                seed=(generator_seed + index) % 2**31,
+                seed=seed % 2**31,
             )
-            for index in range(len(requests))
+            for seed in seeds
         ]
         if self._asleep:
             self.llm.wake_up(tags=["kv_cache"])

@@ -17,14 +17,20 @@ from contract.gen.grpo.v1 import (
     datasets_pb2_grpc,
     jobs_pb2,
     jobs_pb2_grpc,
+    quotas_pb2,
+    quotas_pb2_grpc,
     reward_functions_pb2,
     reward_functions_pb2_grpc,
+    usage_pb2,
+    usage_pb2_grpc,
 )
 from service.grpc.servicers.api_keys import ApiKeyServicer
 from service.grpc.servicers.checkpoints import CheckpointServicer
 from service.grpc.servicers.datasets import DatasetServicer
 from service.grpc.servicers.jobs import JobServicer
+from service.grpc.servicers.quotas import QuotaServicer
 from service.grpc.servicers.rewards import RewardFunctionServicer
+from service.grpc.servicers.usage import UsageServicer
 from service.kit.reads import THREADED_READS, Reads
 
 
@@ -37,10 +43,14 @@ def register_all(server: grpc.aio.Server, reads: Reads = THREADED_READS) -> tupl
     checkpoints_pb2_grpc.add_CheckpointServiceServicer_to_server(CheckpointServicer(), server)
     reward_functions_pb2_grpc.add_RewardFunctionServiceServicer_to_server(RewardFunctionServicer(), server)
     api_keys_pb2_grpc.add_ApiKeyServiceServicer_to_server(ApiKeyServicer(), server)
+    quotas_pb2_grpc.add_QuotaServiceServicer_to_server(QuotaServicer(), server)
+    usage_pb2_grpc.add_UsageServiceServicer_to_server(UsageServicer(), server)
     return (
         api_keys_pb2.DESCRIPTOR.services_by_name["ApiKeyService"].full_name,
         checkpoints_pb2.DESCRIPTOR.services_by_name["CheckpointService"].full_name,
         datasets_pb2.DESCRIPTOR.services_by_name["DatasetService"].full_name,
         jobs_pb2.DESCRIPTOR.services_by_name["JobService"].full_name,
         reward_functions_pb2.DESCRIPTOR.services_by_name["RewardFunctionService"].full_name,
+        quotas_pb2.DESCRIPTOR.services_by_name["QuotaService"].full_name,
+        usage_pb2.DESCRIPTOR.services_by_name["UsageService"].full_name,
     )

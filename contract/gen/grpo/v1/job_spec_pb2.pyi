@@ -336,6 +336,67 @@ ON_UNHEALTHY_PAUSE: OnUnhealthy.ValueType  # 2
 """Also pause the job (resumable) with the finding as its reason."""
 Global___OnUnhealthy: _TypeAlias = OnUnhealthy  # noqa: Y015
 
+class _Parallelism:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _ParallelismEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Parallelism.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    PARALLELISM_UNSPECIFIED: _Parallelism.ValueType  # 0
+    """Server default (auto)."""
+    PARALLELISM_AUTO: _Parallelism.ValueType  # 1
+    """ddp with LoRA, fsdp for full fine-tuning."""
+    PARALLELISM_DDP: _Parallelism.ValueType  # 2
+    """The model on every device, gradients averaged."""
+    PARALLELISM_FSDP: _Parallelism.ValueType  # 3
+    """Parameters, gradients and optimiser state sharded (FSDP2)."""
+
+class Parallelism(_Parallelism, metaclass=_ParallelismEnumTypeWrapper):
+    """How one job's training is spread over several devices (hyperparameters.parallelism)."""
+
+PARALLELISM_UNSPECIFIED: Parallelism.ValueType  # 0
+"""Server default (auto)."""
+PARALLELISM_AUTO: Parallelism.ValueType  # 1
+"""ddp with LoRA, fsdp for full fine-tuning."""
+PARALLELISM_DDP: Parallelism.ValueType  # 2
+"""The model on every device, gradients averaged."""
+PARALLELISM_FSDP: Parallelism.ValueType  # 3
+"""Parameters, gradients and optimiser state sharded (FSDP2)."""
+Global___Parallelism: _TypeAlias = Parallelism  # noqa: Y015
+
+@_typing.final
+class Resources(_message.Message):
+    """Devices one job trains on; the job goes to a worker with at least that many."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DEVICES_FIELD_NUMBER: _builtins.int
+    NODES_FIELD_NUMBER: _builtins.int
+    devices: _builtins.int
+    """Devices (GPUs, or CPU ranks) for the whole job, one rank each (default 1)."""
+    nodes: _builtins.int
+    """Machines the devices are spread over (default 1; the service accepts 1)."""
+    def __init__(
+        self,
+        *,
+        devices: _builtins.int | None = ...,
+        nodes: _builtins.int | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_devices", b"_devices", "_nodes", b"_nodes", "devices", b"devices", "nodes", b"nodes"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_devices", b"_devices", "_nodes", b"_nodes", "devices", b"devices", "nodes", b"nodes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__devices: _TypeAlias = _typing.Literal["devices"]  # noqa: Y015
+    _WhichOneofArgType__devices: _TypeAlias = _typing.Literal["_devices", b"_devices"]  # noqa: Y015
+    _WhichOneofReturnType__nodes: _TypeAlias = _typing.Literal["nodes"]  # noqa: Y015
+    _WhichOneofArgType__nodes: _TypeAlias = _typing.Literal["_nodes", b"_nodes"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__devices) -> _WhichOneofReturnType__devices | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__nodes) -> _WhichOneofReturnType__nodes | None: ...
+
+Global___Resources: _TypeAlias = Resources  # noqa: Y015
+
 @_typing.final
 class HealthConfig(_message.Message):
     """Thresholds of the training-health detectors (HealthConfig). Unset = the server default."""
@@ -551,6 +612,7 @@ class Hyperparameters(_message.Message):
     GREATER_IS_BETTER_FIELD_NUMBER: _builtins.int
     ON_UNHEALTHY_FIELD_NUMBER: _builtins.int
     HEALTH_FIELD_NUMBER: _builtins.int
+    PARALLELISM_FIELD_NUMBER: _builtins.int
     USE_VLLM_FIELD_NUMBER: _builtins.int
     VLLM_GPU_MEMORY_UTILIZATION_FIELD_NUMBER: _builtins.int
     VLLM_ENABLE_SLEEP_MODE_FIELD_NUMBER: _builtins.int
@@ -688,6 +750,8 @@ class Hyperparameters(_message.Message):
     """Whether higher is better for metric_for_best_model; unset = yes unless its name ends with "loss"."""
     on_unhealthy: Global___OnUnhealthy.ValueType
     """What a health warning does (default warn)."""
+    parallelism: Global___Parallelism.ValueType
+    """Data-parallel scheme with resources.devices > 1 (default auto)."""
     use_vllm: _builtins.bool
     """Generate completions with a vLLM engine in the job's process, synced from the policy after every
     optimiser step (default false). Needs vLLM on the worker.
@@ -784,6 +848,7 @@ class Hyperparameters(_message.Message):
         greater_is_better: _builtins.bool | None = ...,
         on_unhealthy: Global___OnUnhealthy.ValueType = ...,
         health: Global___HealthConfig | None = ...,
+        parallelism: Global___Parallelism.ValueType = ...,
         use_vllm: _builtins.bool | None = ...,
         vllm_gpu_memory_utilization: _builtins.float | None = ...,
         vllm_enable_sleep_mode: _builtins.bool | None = ...,
@@ -796,7 +861,7 @@ class Hyperparameters(_message.Message):
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_adam_beta1", b"_adam_beta1", "_adam_beta2", b"_adam_beta2", "_adam_epsilon", b"_adam_epsilon", "_advantage_eps", b"_advantage_eps", "_beta", b"_beta", "_checkpoint_every", b"_checkpoint_every", "_delta", b"_delta", "_dynamic_sampling", b"_dynamic_sampling", "_entropy_coef", b"_entropy_coef", "_entropy_coef_delta", b"_entropy_coef_delta", "_entropy_coef_max", b"_entropy_coef_max", "_entropy_coef_min", b"_entropy_coef_min", "_entropy_target", b"_entropy_target", "_epsilon", b"_epsilon", "_epsilon_high", b"_epsilon_high", "_eval_every", b"_eval_every", "_eval_samples", b"_eval_samples", "_gradient_checkpointing", b"_gradient_checkpointing", "_greater_is_better", b"_greater_is_better", "_learning_rate", b"_learning_rate", "_log_completions_count", b"_log_completions_count", "_log_completions_every", b"_log_completions_every", "_mask_truncated_completions", b"_mask_truncated_completions", "_max_completion_length", b"_max_completion_length", "_max_grad_norm", b"_max_grad_norm", "_max_prompt_length", b"_max_prompt_length", "_max_resample_rounds", b"_max_resample_rounds", "_max_steps", b"_max_steps", "_metric_for_best_model", b"_metric_for_best_model", "_mini_batch_size", b"_mini_batch_size", "_num_epochs", b"_num_epochs", "_num_generations", b"_num_generations", "_num_iterations", b"_num_iterations", "_off_policy_mask_threshold", b"_off_policy_mask_threshold", "_prompts_per_step", b"_prompts_per_step", "_sapo_temperature_neg", b"_sapo_temperature_neg", "_sapo_temperature_pos", b"_sapo_temperature_pos", "_save_total_limit", b"_save_total_limit", "_seed", b"_seed", "_temperature", b"_temperature", "_top_entropy_quantile", b"_top_entropy_quantile", "_top_k", b"_top_k", "_top_p", b"_top_p", "_use_adaptive_entropy", b"_use_adaptive_entropy", "_use_bias_correction_kl", b"_use_bias_correction_kl", "_use_vllm", b"_use_vllm", "_vespo_k_neg", b"_vespo_k_neg", "_vespo_k_pos", b"_vespo_k_pos", "_vespo_lambda_neg", b"_vespo_lambda_neg", "_vespo_lambda_pos", b"_vespo_lambda_pos", "_vllm_enable_sleep_mode", b"_vllm_enable_sleep_mode", "_vllm_gpu_memory_utilization", b"_vllm_gpu_memory_utilization", "_vllm_importance_sampling_clip_max", b"_vllm_importance_sampling_clip_max", "_vllm_importance_sampling_clip_min", b"_vllm_importance_sampling_clip_min", "_vllm_importance_sampling_correction", b"_vllm_importance_sampling_correction", "_vllm_max_model_length", b"_vllm_max_model_length", "_warmup_steps", b"_warmup_steps", "_weight_decay", b"_weight_decay", "adam_beta1", b"adam_beta1", "adam_beta2", b"adam_beta2", "adam_epsilon", b"adam_epsilon", "advantage_eps", b"advantage_eps", "beta", b"beta", "checkpoint_every", b"checkpoint_every", "delta", b"delta", "dynamic_sampling", b"dynamic_sampling", "entropy_coef", b"entropy_coef", "entropy_coef_delta", b"entropy_coef_delta", "entropy_coef_max", b"entropy_coef_max", "entropy_coef_min", b"entropy_coef_min", "entropy_target", b"entropy_target", "epsilon", b"epsilon", "epsilon_high", b"epsilon_high", "eval_every", b"eval_every", "eval_samples", b"eval_samples", "gradient_checkpointing", b"gradient_checkpointing", "greater_is_better", b"greater_is_better", "health", b"health", "learning_rate", b"learning_rate", "log_completions_count", b"log_completions_count", "log_completions_every", b"log_completions_every", "lora", b"lora", "mask_truncated_completions", b"mask_truncated_completions", "max_completion_length", b"max_completion_length", "max_grad_norm", b"max_grad_norm", "max_prompt_length", b"max_prompt_length", "max_resample_rounds", b"max_resample_rounds", "max_steps", b"max_steps", "metric_for_best_model", b"metric_for_best_model", "mini_batch_size", b"mini_batch_size", "num_epochs", b"num_epochs", "num_generations", b"num_generations", "num_iterations", b"num_iterations", "off_policy_mask_threshold", b"off_policy_mask_threshold", "prompts_per_step", b"prompts_per_step", "sapo_temperature_neg", b"sapo_temperature_neg", "sapo_temperature_pos", b"sapo_temperature_pos", "save_total_limit", b"save_total_limit", "seed", b"seed", "temperature", b"temperature", "top_entropy_quantile", b"top_entropy_quantile", "top_k", b"top_k", "top_p", b"top_p", "use_adaptive_entropy", b"use_adaptive_entropy", "use_bias_correction_kl", b"use_bias_correction_kl", "use_vllm", b"use_vllm", "vespo_k_neg", b"vespo_k_neg", "vespo_k_pos", b"vespo_k_pos", "vespo_lambda_neg", b"vespo_lambda_neg", "vespo_lambda_pos", b"vespo_lambda_pos", "vllm_enable_sleep_mode", b"vllm_enable_sleep_mode", "vllm_gpu_memory_utilization", b"vllm_gpu_memory_utilization", "vllm_importance_sampling_clip_max", b"vllm_importance_sampling_clip_max", "vllm_importance_sampling_clip_min", b"vllm_importance_sampling_clip_min", "vllm_importance_sampling_correction", b"vllm_importance_sampling_correction", "vllm_max_model_length", b"vllm_max_model_length", "warmup_steps", b"warmup_steps", "weight_decay", b"weight_decay"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_adam_beta1", b"_adam_beta1", "_adam_beta2", b"_adam_beta2", "_adam_epsilon", b"_adam_epsilon", "_advantage_eps", b"_advantage_eps", "_beta", b"_beta", "_checkpoint_every", b"_checkpoint_every", "_delta", b"_delta", "_dynamic_sampling", b"_dynamic_sampling", "_entropy_coef", b"_entropy_coef", "_entropy_coef_delta", b"_entropy_coef_delta", "_entropy_coef_max", b"_entropy_coef_max", "_entropy_coef_min", b"_entropy_coef_min", "_entropy_target", b"_entropy_target", "_epsilon", b"_epsilon", "_epsilon_high", b"_epsilon_high", "_eval_every", b"_eval_every", "_eval_samples", b"_eval_samples", "_gradient_checkpointing", b"_gradient_checkpointing", "_greater_is_better", b"_greater_is_better", "_learning_rate", b"_learning_rate", "_log_completions_count", b"_log_completions_count", "_log_completions_every", b"_log_completions_every", "_mask_truncated_completions", b"_mask_truncated_completions", "_max_completion_length", b"_max_completion_length", "_max_grad_norm", b"_max_grad_norm", "_max_prompt_length", b"_max_prompt_length", "_max_resample_rounds", b"_max_resample_rounds", "_max_steps", b"_max_steps", "_metric_for_best_model", b"_metric_for_best_model", "_mini_batch_size", b"_mini_batch_size", "_num_epochs", b"_num_epochs", "_num_generations", b"_num_generations", "_num_iterations", b"_num_iterations", "_off_policy_mask_threshold", b"_off_policy_mask_threshold", "_prompts_per_step", b"_prompts_per_step", "_sapo_temperature_neg", b"_sapo_temperature_neg", "_sapo_temperature_pos", b"_sapo_temperature_pos", "_save_total_limit", b"_save_total_limit", "_seed", b"_seed", "_temperature", b"_temperature", "_top_entropy_quantile", b"_top_entropy_quantile", "_top_k", b"_top_k", "_top_p", b"_top_p", "_use_adaptive_entropy", b"_use_adaptive_entropy", "_use_bias_correction_kl", b"_use_bias_correction_kl", "_use_vllm", b"_use_vllm", "_vespo_k_neg", b"_vespo_k_neg", "_vespo_k_pos", b"_vespo_k_pos", "_vespo_lambda_neg", b"_vespo_lambda_neg", "_vespo_lambda_pos", b"_vespo_lambda_pos", "_vllm_enable_sleep_mode", b"_vllm_enable_sleep_mode", "_vllm_gpu_memory_utilization", b"_vllm_gpu_memory_utilization", "_vllm_importance_sampling_clip_max", b"_vllm_importance_sampling_clip_max", "_vllm_importance_sampling_clip_min", b"_vllm_importance_sampling_clip_min", "_vllm_importance_sampling_correction", b"_vllm_importance_sampling_correction", "_vllm_max_model_length", b"_vllm_max_model_length", "_warmup_steps", b"_warmup_steps", "_weight_decay", b"_weight_decay", "adam_beta1", b"adam_beta1", "adam_beta2", b"adam_beta2", "adam_epsilon", b"adam_epsilon", "advantage_eps", b"advantage_eps", "advantage_std", b"advantage_std", "beta", b"beta", "checkpoint_every", b"checkpoint_every", "delta", b"delta", "disable_grad_clipping", b"disable_grad_clipping", "dtype", b"dtype", "dynamic_sampling", b"dynamic_sampling", "entropy_coef", b"entropy_coef", "entropy_coef_delta", b"entropy_coef_delta", "entropy_coef_max", b"entropy_coef_max", "entropy_coef_min", b"entropy_coef_min", "entropy_target", b"entropy_target", "epsilon", b"epsilon", "epsilon_high", b"epsilon_high", "eval_every", b"eval_every", "eval_samples", b"eval_samples", "generation", b"generation", "gradient_checkpointing", b"gradient_checkpointing", "greater_is_better", b"greater_is_better", "health", b"health", "importance_sampling_level", b"importance_sampling_level", "keep_all_checkpoints", b"keep_all_checkpoints", "learning_rate", b"learning_rate", "log_completions_count", b"log_completions_count", "log_completions_every", b"log_completions_every", "lora", b"lora", "loss_type", b"loss_type", "lr_scheduler", b"lr_scheduler", "mask_truncated_completions", b"mask_truncated_completions", "max_completion_length", b"max_completion_length", "max_grad_norm", b"max_grad_norm", "max_prompt_length", b"max_prompt_length", "max_resample_rounds", b"max_resample_rounds", "max_steps", b"max_steps", "metric_for_best_model", b"metric_for_best_model", "mini_batch_size", b"mini_batch_size", "multi_objective_aggregation", b"multi_objective_aggregation", "num_epochs", b"num_epochs", "num_generations", b"num_generations", "num_iterations", b"num_iterations", "off_policy_mask_threshold", b"off_policy_mask_threshold", "on_unhealthy", b"on_unhealthy", "prompts_per_step", b"prompts_per_step", "sapo_temperature_neg", b"sapo_temperature_neg", "sapo_temperature_pos", b"sapo_temperature_pos", "save_total_limit", b"save_total_limit", "scale_rewards", b"scale_rewards", "seed", b"seed", "temperature", b"temperature", "top_entropy_quantile", b"top_entropy_quantile", "top_k", b"top_k", "top_p", b"top_p", "unlimited_prompt_length", b"unlimited_prompt_length", "use_adaptive_entropy", b"use_adaptive_entropy", "use_bias_correction_kl", b"use_bias_correction_kl", "use_vllm", b"use_vllm", "vespo_k_neg", b"vespo_k_neg", "vespo_k_pos", b"vespo_k_pos", "vespo_lambda_neg", b"vespo_lambda_neg", "vespo_lambda_pos", b"vespo_lambda_pos", "vllm_enable_sleep_mode", b"vllm_enable_sleep_mode", "vllm_gpu_memory_utilization", b"vllm_gpu_memory_utilization", "vllm_importance_sampling_clip_max", b"vllm_importance_sampling_clip_max", "vllm_importance_sampling_clip_min", b"vllm_importance_sampling_clip_min", "vllm_importance_sampling_correction", b"vllm_importance_sampling_correction", "vllm_importance_sampling_mode", b"vllm_importance_sampling_mode", "vllm_importance_sampling_no_clip_max", b"vllm_importance_sampling_no_clip_max", "vllm_max_model_length", b"vllm_max_model_length", "warmup_steps", b"warmup_steps", "weight_decay", b"weight_decay"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_adam_beta1", b"_adam_beta1", "_adam_beta2", b"_adam_beta2", "_adam_epsilon", b"_adam_epsilon", "_advantage_eps", b"_advantage_eps", "_beta", b"_beta", "_checkpoint_every", b"_checkpoint_every", "_delta", b"_delta", "_dynamic_sampling", b"_dynamic_sampling", "_entropy_coef", b"_entropy_coef", "_entropy_coef_delta", b"_entropy_coef_delta", "_entropy_coef_max", b"_entropy_coef_max", "_entropy_coef_min", b"_entropy_coef_min", "_entropy_target", b"_entropy_target", "_epsilon", b"_epsilon", "_epsilon_high", b"_epsilon_high", "_eval_every", b"_eval_every", "_eval_samples", b"_eval_samples", "_gradient_checkpointing", b"_gradient_checkpointing", "_greater_is_better", b"_greater_is_better", "_learning_rate", b"_learning_rate", "_log_completions_count", b"_log_completions_count", "_log_completions_every", b"_log_completions_every", "_mask_truncated_completions", b"_mask_truncated_completions", "_max_completion_length", b"_max_completion_length", "_max_grad_norm", b"_max_grad_norm", "_max_prompt_length", b"_max_prompt_length", "_max_resample_rounds", b"_max_resample_rounds", "_max_steps", b"_max_steps", "_metric_for_best_model", b"_metric_for_best_model", "_mini_batch_size", b"_mini_batch_size", "_num_epochs", b"_num_epochs", "_num_generations", b"_num_generations", "_num_iterations", b"_num_iterations", "_off_policy_mask_threshold", b"_off_policy_mask_threshold", "_prompts_per_step", b"_prompts_per_step", "_sapo_temperature_neg", b"_sapo_temperature_neg", "_sapo_temperature_pos", b"_sapo_temperature_pos", "_save_total_limit", b"_save_total_limit", "_seed", b"_seed", "_temperature", b"_temperature", "_top_entropy_quantile", b"_top_entropy_quantile", "_top_k", b"_top_k", "_top_p", b"_top_p", "_use_adaptive_entropy", b"_use_adaptive_entropy", "_use_bias_correction_kl", b"_use_bias_correction_kl", "_use_vllm", b"_use_vllm", "_vespo_k_neg", b"_vespo_k_neg", "_vespo_k_pos", b"_vespo_k_pos", "_vespo_lambda_neg", b"_vespo_lambda_neg", "_vespo_lambda_pos", b"_vespo_lambda_pos", "_vllm_enable_sleep_mode", b"_vllm_enable_sleep_mode", "_vllm_gpu_memory_utilization", b"_vllm_gpu_memory_utilization", "_vllm_importance_sampling_clip_max", b"_vllm_importance_sampling_clip_max", "_vllm_importance_sampling_clip_min", b"_vllm_importance_sampling_clip_min", "_vllm_importance_sampling_correction", b"_vllm_importance_sampling_correction", "_vllm_max_model_length", b"_vllm_max_model_length", "_warmup_steps", b"_warmup_steps", "_weight_decay", b"_weight_decay", "adam_beta1", b"adam_beta1", "adam_beta2", b"adam_beta2", "adam_epsilon", b"adam_epsilon", "advantage_eps", b"advantage_eps", "advantage_std", b"advantage_std", "beta", b"beta", "checkpoint_every", b"checkpoint_every", "delta", b"delta", "disable_grad_clipping", b"disable_grad_clipping", "dtype", b"dtype", "dynamic_sampling", b"dynamic_sampling", "entropy_coef", b"entropy_coef", "entropy_coef_delta", b"entropy_coef_delta", "entropy_coef_max", b"entropy_coef_max", "entropy_coef_min", b"entropy_coef_min", "entropy_target", b"entropy_target", "epsilon", b"epsilon", "epsilon_high", b"epsilon_high", "eval_every", b"eval_every", "eval_samples", b"eval_samples", "generation", b"generation", "gradient_checkpointing", b"gradient_checkpointing", "greater_is_better", b"greater_is_better", "health", b"health", "importance_sampling_level", b"importance_sampling_level", "keep_all_checkpoints", b"keep_all_checkpoints", "learning_rate", b"learning_rate", "log_completions_count", b"log_completions_count", "log_completions_every", b"log_completions_every", "lora", b"lora", "loss_type", b"loss_type", "lr_scheduler", b"lr_scheduler", "mask_truncated_completions", b"mask_truncated_completions", "max_completion_length", b"max_completion_length", "max_grad_norm", b"max_grad_norm", "max_prompt_length", b"max_prompt_length", "max_resample_rounds", b"max_resample_rounds", "max_steps", b"max_steps", "metric_for_best_model", b"metric_for_best_model", "mini_batch_size", b"mini_batch_size", "multi_objective_aggregation", b"multi_objective_aggregation", "num_epochs", b"num_epochs", "num_generations", b"num_generations", "num_iterations", b"num_iterations", "off_policy_mask_threshold", b"off_policy_mask_threshold", "on_unhealthy", b"on_unhealthy", "parallelism", b"parallelism", "prompts_per_step", b"prompts_per_step", "sapo_temperature_neg", b"sapo_temperature_neg", "sapo_temperature_pos", b"sapo_temperature_pos", "save_total_limit", b"save_total_limit", "scale_rewards", b"scale_rewards", "seed", b"seed", "temperature", b"temperature", "top_entropy_quantile", b"top_entropy_quantile", "top_k", b"top_k", "top_p", b"top_p", "unlimited_prompt_length", b"unlimited_prompt_length", "use_adaptive_entropy", b"use_adaptive_entropy", "use_bias_correction_kl", b"use_bias_correction_kl", "use_vllm", b"use_vllm", "vespo_k_neg", b"vespo_k_neg", "vespo_k_pos", b"vespo_k_pos", "vespo_lambda_neg", b"vespo_lambda_neg", "vespo_lambda_pos", b"vespo_lambda_pos", "vllm_enable_sleep_mode", b"vllm_enable_sleep_mode", "vllm_gpu_memory_utilization", b"vllm_gpu_memory_utilization", "vllm_importance_sampling_clip_max", b"vllm_importance_sampling_clip_max", "vllm_importance_sampling_clip_min", b"vllm_importance_sampling_clip_min", "vllm_importance_sampling_correction", b"vllm_importance_sampling_correction", "vllm_importance_sampling_mode", b"vllm_importance_sampling_mode", "vllm_importance_sampling_no_clip_max", b"vllm_importance_sampling_no_clip_max", "vllm_max_model_length", b"vllm_max_model_length", "warmup_steps", b"warmup_steps", "weight_decay", b"weight_decay"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__adam_beta1: _TypeAlias = _typing.Literal["adam_beta1"]  # noqa: Y015
     _WhichOneofArgType__adam_beta1: _TypeAlias = _typing.Literal["_adam_beta1", b"_adam_beta1"]  # noqa: Y015
@@ -1370,6 +1435,9 @@ class JobSpec(_message.Message):
     LORA_FIELD_NUMBER: _builtins.int
     METADATA_FIELD_NUMBER: _builtins.int
     RETAIN_DATASET_FIELD_NUMBER: _builtins.int
+    PRIORITY_FIELD_NUMBER: _builtins.int
+    RESOURCES_FIELD_NUMBER: _builtins.int
+    BUDGET_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """Optional human-readable name ([A-Za-z0-9][A-Za-z0-9_.-]{0,63})."""
     base_model: _builtins.str
@@ -1382,6 +1450,8 @@ class JobSpec(_message.Message):
     """Optional dataset id of evaluation prompts."""
     retain_dataset: _builtins.str
     """Optional dataset id of prompts of skills to keep, evaluated with the eval set (eval/retain/*)."""
+    priority: _builtins.int
+    """Among the tenant's own queued jobs, higher starts first (-100 to 100, default 0); never ahead of other tenants."""
     @_builtins.property
     def rewards(self) -> _containers.RepeatedCompositeFieldContainer[Global___RewardSpec]:
         """Reward sources (1 to 16)."""
@@ -1398,6 +1468,14 @@ class JobSpec(_message.Message):
     def metadata(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
         """Free-form string labels (at most 32)."""
 
+    @_builtins.property
+    def resources(self) -> Global___Resources:
+        """Devices and nodes (default one device)."""
+
+    @_builtins.property
+    def budget(self) -> Global___JobBudget:
+        """Spending limits; the step that reaches one pauses the job with budget_exhausted (resumable after raising it)."""
+
     def __init__(
         self,
         *,
@@ -1410,15 +1488,20 @@ class JobSpec(_message.Message):
         lora: Global___LoraConfig | None = ...,
         metadata: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
         retain_dataset: _builtins.str | None = ...,
+        priority: _builtins.int | None = ...,
+        resources: Global___Resources | None = ...,
+        budget: Global___JobBudget | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_eval_dataset", b"_eval_dataset", "_name", b"_name", "_retain_dataset", b"_retain_dataset", "eval_dataset", b"eval_dataset", "hyperparameters", b"hyperparameters", "lora", b"lora", "name", b"name", "retain_dataset", b"retain_dataset"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_eval_dataset", b"_eval_dataset", "_name", b"_name", "_priority", b"_priority", "_retain_dataset", b"_retain_dataset", "budget", b"budget", "eval_dataset", b"eval_dataset", "hyperparameters", b"hyperparameters", "lora", b"lora", "name", b"name", "priority", b"priority", "resources", b"resources", "retain_dataset", b"retain_dataset"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_eval_dataset", b"_eval_dataset", "_name", b"_name", "_retain_dataset", b"_retain_dataset", "base_model", b"base_model", "eval_dataset", b"eval_dataset", "hyperparameters", b"hyperparameters", "lora", b"lora", "metadata", b"metadata", "name", b"name", "retain_dataset", b"retain_dataset", "rewards", b"rewards", "train_dataset", b"train_dataset"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_eval_dataset", b"_eval_dataset", "_name", b"_name", "_priority", b"_priority", "_retain_dataset", b"_retain_dataset", "base_model", b"base_model", "budget", b"budget", "eval_dataset", b"eval_dataset", "hyperparameters", b"hyperparameters", "lora", b"lora", "metadata", b"metadata", "name", b"name", "priority", b"priority", "resources", b"resources", "retain_dataset", b"retain_dataset", "rewards", b"rewards", "train_dataset", b"train_dataset"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__eval_dataset: _TypeAlias = _typing.Literal["eval_dataset"]  # noqa: Y015
     _WhichOneofArgType__eval_dataset: _TypeAlias = _typing.Literal["_eval_dataset", b"_eval_dataset"]  # noqa: Y015
     _WhichOneofReturnType__name: _TypeAlias = _typing.Literal["name"]  # noqa: Y015
     _WhichOneofArgType__name: _TypeAlias = _typing.Literal["_name", b"_name"]  # noqa: Y015
+    _WhichOneofReturnType__priority: _TypeAlias = _typing.Literal["priority"]  # noqa: Y015
+    _WhichOneofArgType__priority: _TypeAlias = _typing.Literal["_priority", b"_priority"]  # noqa: Y015
     _WhichOneofReturnType__retain_dataset: _TypeAlias = _typing.Literal["retain_dataset"]  # noqa: Y015
     _WhichOneofArgType__retain_dataset: _TypeAlias = _typing.Literal["_retain_dataset", b"_retain_dataset"]  # noqa: Y015
     @_typing.overload
@@ -1426,6 +1509,41 @@ class JobSpec(_message.Message):
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__name) -> _WhichOneofReturnType__name | None: ...
     @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__priority) -> _WhichOneofReturnType__priority | None: ...
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__retain_dataset) -> _WhichOneofReturnType__retain_dataset | None: ...
 
 Global___JobSpec: _TypeAlias = JobSpec  # noqa: Y015
+
+@_typing.final
+class JobBudget(_message.Message):
+    """Spending limits of one job (at least one set)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MAX_DEVICE_SECONDS_FIELD_NUMBER: _builtins.int
+    MAX_TOKENS_FIELD_NUMBER: _builtins.int
+    max_device_seconds: _builtins.float
+    """Most device-seconds the job may use over all its attempts (> 0, <= 1e9)."""
+    max_tokens: _builtins.int
+    """Most tokens, generated + trained, the job may use (1 to 1e15)."""
+    def __init__(
+        self,
+        *,
+        max_device_seconds: _builtins.float | None = ...,
+        max_tokens: _builtins.int | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_max_device_seconds", b"_max_device_seconds", "_max_tokens", b"_max_tokens", "max_device_seconds", b"max_device_seconds", "max_tokens", b"max_tokens"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_device_seconds", b"_max_device_seconds", "_max_tokens", b"_max_tokens", "max_device_seconds", b"max_device_seconds", "max_tokens", b"max_tokens"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__max_device_seconds: _TypeAlias = _typing.Literal["max_device_seconds"]  # noqa: Y015
+    _WhichOneofArgType__max_device_seconds: _TypeAlias = _typing.Literal["_max_device_seconds", b"_max_device_seconds"]  # noqa: Y015
+    _WhichOneofReturnType__max_tokens: _TypeAlias = _typing.Literal["max_tokens"]  # noqa: Y015
+    _WhichOneofArgType__max_tokens: _TypeAlias = _typing.Literal["_max_tokens", b"_max_tokens"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__max_device_seconds) -> _WhichOneofReturnType__max_device_seconds | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__max_tokens) -> _WhichOneofReturnType__max_tokens | None: ...
+
+Global___JobBudget: _TypeAlias = JobBudget  # noqa: Y015

@@ -4,7 +4,7 @@ it still signs.
 Keys that exist before this revision get every scope (`read write admin`): they were made by `grpo admin`,
 which only made full-access keys, and keep working exactly as before.
 
-Revision ID: 0007_api_keys
+Revision ID: 0005_api_keys
 Revises: 0004_robustness
 Create Date: 2026-11-25
 """
@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
-revision: str = "0007_api_keys"
+revision: str = "0005_api_keys"
 down_revision: str | None = "0004_robustness"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None

@@ -1,0 +1,207 @@
+"""One job on 1 or 2 ranks (gloo on CPU, 2 ranks x 1 thread) gives the same weights and metrics.
+
+Each run is `grpo train` (worker.grpo.local) with a checkpoint after every step, so one run shows both
+one GRPO step (checkpoint-1) and a few (checkpoint-3). Sampling is included: a group samples the same
+tokens whatever rank generates it. Checkpoints resume across rank counts, FSDP's sharded ones too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from contract.spec import JobSpec
+from worker.grpo.checkpoint import verify_manifest
+from worker.grpo.distributed import SHARDED_DIR, merge_rank_stats
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+WORDS = ["cat", "dog", "sun", "map", "hat", "pen", "cup", "box"]
+TIMING = ("time/", "tokens_per_s")
+
+SPEC: dict[str, Any] = {
+    "base_model": "builtin:tiny",
+    "train_dataset": "train.jsonl",
+    "rewards": [{"type": "builtin", "name": "regex_match", "params": {"pattern": "[aeiou]"}}],
+    "hyperparameters": {
+        "max_steps": 3, "num_generations": 4, "prompts_per_step": 4, "max_completion_length": 4,
+        "learning_rate": 0.003, "lr_scheduler": "constant", "beta": 0.04, "seed": 0,
+        "checkpoint_every": 1, "save_total_limit": None,
+    },
+}
+
+
+def _spec(devices: int, parallelism: str, lora: bool, **hyper: Any) -> dict[str, Any]:
+    spec = json.loads(json.dumps(SPEC))
+    spec["resources"] = {"devices": devices}
+    spec["hyperparameters"].update(parallelism=parallelism, **hyper)
+    if lora:
+        spec["lora"] = {"r": 4, "alpha": 8}
+    return spec
+
+
+def grpo_train(root: Path, name: str, spec: dict[str, Any], output: Path | None = None) -> Path:
+    """`grpo train` in a child process (the ranks are its children); returns the output directory."""
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "train.jsonl").write_text("".join(json.dumps({"prompt": f"{w}: "}) + "\n" for w in WORDS))
+    config = root / f"{name}.yaml"
+    config.write_text(yaml.safe_dump(spec))
+    output = output or root / name
+    code = (
+        "import sys; from pathlib import Path; from worker.grpo.local import run_local; "
+        f"sys.exit(run_local(Path({str(config)!r}), Path({str(output)!r})))"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return output
+
+
+def weights(checkpoint: Path, lora: bool) -> dict[str, torch.Tensor]:
+    return load_file(checkpoint / ("adapter_model.safetensors" if lora else "model.safetensors"))
+
+
+def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+def history(checkpoint: Path) -> list[dict[str, float]]:
+    return list(torch.load(checkpoint / "trainer_state.pt", weights_only=True)["history"])
+
+
+def assert_same_metrics(one: list[dict[str, float]], two: list[dict[str, float]]) -> None:
+    assert len(one) == len(two)
+    for step, (a, b) in enumerate(zip(one, two, strict=True), start=1):
+        assert a.keys() == b.keys(), step
+        for key in a:
+            if not key.startswith(TIMING):
+                assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), (step, key)
+
+
+class Runs(dict[str, Path]):
+    """"single-full", "fsdp-lora"...: each run made the first time a test asks for it, then shared."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__()
+        self.root = root
+
+    def __missing__(self, name: str) -> Path:
+        scheme, kind = name.split("-")
+        devices, parallelism = (1, "auto") if scheme == "single" else (2, scheme)
+        self[name] = grpo_train(self.root, name, _spec(devices, parallelism, kind == "lora"))
+        return self[name]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
+    return Runs(tmp_path_factory.mktemp("dist"))
+
+
+@pytest.mark.parametrize("kind", ["full", "lora"])
+@pytest.mark.parametrize("parallelism", ["ddp", "fsdp"])
+class TestSameResultOnTwoRanks:
+    def test_one_step_gives_the_same_parameters(self, runs: dict[str, Path], parallelism: str, kind: str) -> None:
+        lora = kind == "lora"
+        single = weights(runs[f"single-{kind}"] / "checkpoint-1", lora)
+        diff = max_abs_diff(single, weights(runs[f"{parallelism}-{kind}"] / "checkpoint-1", lora))
+        print(f"one step, {parallelism} {kind}: max abs difference {diff:.3g}")
+        assert diff <= 1e-5
+        # Not a vacuous match: the step had a gradient, and both ran it equally (global gradient norm).
+        one, two = history(runs[f"single-{kind}"] / "checkpoint-1"), history(runs[f"{parallelism}-{kind}"] / "checkpoint-1")
+        assert one[0]["grad_norm"] > 0.1
+        assert two[0]["grad_norm"] == pytest.approx(one[0]["grad_norm"], rel=1e-5)
+
+    def test_a_few_steps_give_the_same_weights_and_metrics(
+        self, runs: dict[str, Path], parallelism: str, kind: str
+    ) -> None:
+        lora = kind == "lora"
+        one, two = runs[f"single-{kind}"] / "checkpoint-3", runs[f"{parallelism}-{kind}"] / "checkpoint-3"
+        diff = max_abs_diff(weights(one, lora), weights(two, lora))
+        print(f"three steps, {parallelism} {kind}: max abs difference {diff:.3g}")
+        assert diff <= 1e-4
+        # Gradient norms, losses, rewards, KL...: what one process reports for the global batch.
+        assert_same_metrics(history(one), history(two))
+
+
+class TestCheckpoints:
+    def test_fsdp_checkpoint_holds_shards_and_consolidated_weights(self, runs: dict[str, Path]) -> None:
+        checkpoint = runs["fsdp-full"] / "checkpoint-3"
+        verify_manifest(checkpoint)
+        shards = sorted(p.name for p in (checkpoint / SHARDED_DIR).iterdir())
+        assert shards == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+        state = torch.load(checkpoint / "trainer_state.pt", weights_only=True)
+        assert state["optimizer"] is None  # sharded: in distributed/
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(checkpoint)
+        saved = weights(checkpoint, lora=False)
+        assert torch.equal(model.lm_head.weight.detach(), saved["lm_head.weight"])
+
+    def test_lora_fsdp_checkpoint_has_the_merged_model(self, runs: dict[str, Path]) -> None:
+        assert (runs["fsdp-lora"] / "checkpoint-3" / "merged" / "model.safetensors").is_file()
+
+    @pytest.mark.parametrize(
+        ("written_by", "resumed_on", "parallelism"),
+        [("fsdp-full", 1, "auto"), ("single-full", 2, "fsdp"), ("ddp-full", 2, "fsdp"), ("fsdp-full", 2, "ddp")],
+    )
+    def test_resume_on_another_rank_count(
+        self, runs: dict[str, Path], tmp_path: Path, written_by: str, resumed_on: int, parallelism: str
+    ) -> None:
+        """Stopped after step 2, resumed elsewhere for step 3: the same as never stopping."""
+        output = tmp_path / "resumed"
+        shutil.copytree(runs[written_by], output)
+        shutil.rmtree(output / "checkpoint-3")
+        grpo_train(tmp_path, "resume", _spec(resumed_on, parallelism, False), output)
+        diff = max_abs_diff(weights(runs["single-full"] / "checkpoint-3", False), weights(output / "checkpoint-3", False))
+        print(f"{written_by} checkpoint-2 resumed on {resumed_on} rank(s) ({parallelism}): max abs difference {diff:.3g}")
+        assert diff <= 1e-4
+        assert_same_metrics(history(runs["single-full"] / "checkpoint-3"), history(output / "checkpoint-3"))
+
+
+class TestSpec:
+    @pytest.mark.parametrize(
+        ("change", "message"),
+        [
+            ({"resources": {"devices": 3}}, "prompts_per_step (4) must be a multiple of resources.devices (3)"),
+            ({"resources": {"devices": 4, "nodes": 3}}, "devices (4) must be a multiple of nodes (3)"),
+            ({"resources": {"devices": 0}}, "resources.devices"),
+            ({"resources": {"devices": 2, "gpus": 2}}, "resources.gpus"),
+            ({"resources": {"devices": 2}, "hyperparameters": {"mini_batch_size": 1}},
+             "mini_batch_size (1) must be a multiple of resources.devices"),
+            ({"resources": {"devices": 2}, "hyperparameters": {"dynamic_sampling": True}},
+             "dynamic_sampling is not supported"),
+            ({"resources": {"devices": 2}, "hyperparameters": {"use_vllm": True}}, "use_vllm is not supported"),
+            ({"hyperparameters": {"parallelism": "zero3"}}, "hyperparameters.parallelism"),
+        ],
+    )
+    def test_bad_resources_are_refused_naming_the_field(self, change: dict[str, Any], message: str) -> None:
+        from pydantic import ValidationError
+
+        spec = json.loads(json.dumps(SPEC))
+        spec["resources"] = change.get("resources", {})
+        spec["hyperparameters"].update(change.get("hyperparameters", {}))
+        with pytest.raises(ValidationError) as caught:
+            JobSpec.model_validate(spec)
+        assert message in str(caught.value)
+
+    def test_parallelism_defaults_by_fine_tuning_kind(self) -> None:
+        assert JobSpec.model_validate(_spec(2, "auto", False)).hyperparameters.resolved_parallelism() == "fsdp"
+        assert JobSpec.model_validate(_spec(2, "auto", True)).hyperparameters.resolved_parallelism() == "ddp"
+        assert JobSpec.model_validate(SPEC).resources.devices == 1
+
+
+class TestMergeStats:
+    def test_token_means_weight_by_tokens_and_extremes_take_the_extreme(self) -> None:
+        parts = [({"kl": 1.0, "clip_ratio/low_min": 0.2, "loss": 1.0}, 30.0),
+                 ({"kl": 3.0, "clip_ratio/low_min": 0.1, "loss": 3.0}, 10.0)]
+        assert merge_rank_stats(parts) == {"kl": 1.5, "clip_ratio/low_min": 0.1, "loss": 2.0}

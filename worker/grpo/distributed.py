@@ -1,0 +1,499 @@
+"""One job on several devices: the torch.distributed plumbing the trainer calls (docs/distributed.md).
+
+Every rank runs the same GRPOTrainer loop in lockstep. What differs from one process:
+
+- data: all ranks draw the same global prompts (same sampler, same seed) and each generates and scores
+  its contiguous share of whole groups; a group's sampling is seeded by its global position, so the
+  same group samples the same tokens on 1 or N ranks (`group_seeds`);
+- gradients: the loss is normalised by global counts (token-level losses divide by the step's tokens
+  over all ranks, times the world size because gradients are averaged), so the averaged gradient is
+  the one a single process computes for the whole batch;
+- `ddp`: every rank holds the whole model and optimiser; after the backward passes of an update one
+  all-reduce per bucket of gradients averages them (what DistributedDataParallel does, applied after
+  gradient accumulation: the engine's fast path computes through the weights directly, not through
+  a module forward that DDP's hooks could see);
+- `fsdp`: a copy of the policy is sharded with FSDP2 (`fully_shard`) and trains, with gradients and
+  AdamW state sharded; the unsharded policy stays on every rank for generation, log-probs without
+  gradient, evaluation and the consolidated checkpoint, and receives the new weights after every
+  update (as a separate inference engine would). The copy is one FSDP unit whose weights are
+  gathered for each mini-batch's forward and backward (`register_fsdp_forward_method`): the engine's
+  fused decoder path reads every layer's weights in one function, and the same path on every rank
+  count is what makes 1 and N ranks agree (Adam's first steps turn float noise in near-zero
+  gradients into whole learning-rate steps, so the paths must match, not just nearly);
+- metrics: the step's batch is gathered so that the reported metrics are those of the global batch;
+  rank 0's metrics dict is broadcast so every rank takes the same health decisions;
+- control: only rank 0 talks to the outside world (hooks, evaluation); its stop decision is broadcast.
+
+A collective that waits longer than the process group's timeout raises on the ranks still alive: a
+dead or hung rank ends the attempt in bounded time (the launcher then stops the others).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import pickle
+import socket
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.nn import functional as F
+
+from worker.grpo.batch import Scored, StepBatch
+from worker.grpo.logprobs import completion_logprobs
+from worker.grpo.loss import STEP_TOKEN_LOSSES
+from worker.grpo.modeling import ModelBundle, merge_groups
+
+T = TypeVar("T")
+# Optimisation stats (worker.grpo.loss) that are means over the loss tokens: merged weighted by each
+# rank's tokens. `*_min` / `*_max` take the extreme over ranks; the rest are per-sequence means of equal
+# shares or the same on every rank (learning rate, gradient norm): a plain mean.
+TOKEN_MEAN_STATS = frozenset(
+    {"kl", "clip_ratio/low", "clip_ratio/high", "clip_ratio/region", "cispo_clip_ratio", "entropy_mask/kept_fraction"}
+)
+SHARDED_DIR = "distributed"
+DEFAULT_TIMEOUT_S = 600.0
+# Gradients are averaged in buckets of this many elements (one all-reduce each).
+_BUCKET_ELEMENTS = 1 << 24
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """Where this process stands in the job. One process: rank 0 of 1."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    device: str | None = None  # this rank's device; None = the trainer's default (one process)
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def init_from_env(timeout_s: float = DEFAULT_TIMEOUT_S, *, cpu: bool = False) -> Ranks:
+    """Join the process group the launcher (torch.distributed.run) describes in the environment: NCCL
+    with one GPU per rank (LOCAL_RANK), gloo on CPU (`cpu`, or no GPU). `timeout_s` bounds every
+    collective: a rank that died or hangs makes the others raise after it. Without a launcher
+    (WORLD_SIZE unset or 1): one process, no group."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
+    if world_size == 1:
+        return Ranks()
+    if torch.cuda.is_available() and not cpu:
+        torch.cuda.set_device(local_rank)
+        backend, device = "nccl", f"cuda:{local_rank}"
+    else:
+        backend, device = "gloo", "cpu"
+    if not dist.is_initialized():
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    return Ranks(rank, world_size, local_rank, device)
+
+
+def launch_command(
+    module: str,
+    args: list[str],
+    *,
+    nproc_per_node: int,
+    nnodes: int = 1,
+    rdzv_endpoint: str | None = None,
+    rdzv_id: str = "grpo",
+) -> list[str]:
+    """`python -m torch.distributed.run ... -m module args`: the elastic launcher as a process of its
+    own (it cannot run inside a daemonic Celery pool process). No restarts: a failed rank ends the
+    attempt and the job resumes from its checkpoint. torchrun gives each rank one intra-op thread."""
+    command = [
+        sys.executable, "-m", "torch.distributed.run",
+        f"--nproc-per-node={nproc_per_node}", "--max-restarts=0", "--monitor-interval=0.5",
+    ]
+    if nnodes == 1 and rdzv_endpoint is None:
+        command.append("--standalone")  # a free local port for the rendezvous
+    else:
+        command += [f"--nnodes={nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}",
+                    f"--rdzv-id={rdzv_id}"]
+    return [*command, "-m", module, *args]
+
+
+def device_for(ranks: Ranks) -> str | None:
+    """This rank's device, or None (the trainer's default) for one process."""
+    return ranks.device
+
+
+@contextmanager
+def main_first(ranks: Ranks) -> Iterator[None]:
+    """Rank 0 runs the block first (e.g. builds a model into a shared cache), the others after it."""
+    if ranks.distributed and not ranks.is_main:
+        dist.barrier()
+    yield
+    if ranks.distributed and ranks.is_main:
+        dist.barrier()
+
+
+def broadcast_object(value: T | None) -> T | None:
+    """Rank 0's `value` on every rank (objects that pickle)."""
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def is_collective_failure(exc: BaseException) -> bool:
+    """Whether `exc` comes from a collective whose peer died or did not answer in time (gloo raises plain
+    RuntimeErrors naming its sources; NCCL and the c10d store raise torch.distributed.DistError)."""
+    if isinstance(exc, dist.DistError):
+        return True
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and ("gloo" in text or "NCCL" in text or "ProcessGroup" in text)
+
+
+def local_peer_pids(ranks: Ranks) -> list[int]:
+    """The process ids of the other ranks on this machine (a collective: call it on every rank)."""
+    parts: list[Any] = [None] * ranks.world_size
+    dist.all_gather_object(parts, (socket.gethostname(), os.getpid()))
+    host = socket.gethostname()
+    return [pid for name, pid in parts if name == host and pid != os.getpid()]
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def share(total: int, ranks: Ranks) -> range:
+    """This rank's contiguous share of `total` global positions (groups); equal shares."""
+    if total % ranks.world_size != 0:
+        raise ValueError(f"{total} groups do not split equally over {ranks.world_size} ranks")
+    size = total // ranks.world_size
+    return range(ranks.rank * size, (ranks.rank + 1) * size)
+
+
+def group_seeds(seed: int, step: int, round_index: int, positions: range) -> list[int]:
+    """One sampling seed per group, from the run's seed, the step, the generation round and the
+    group's global position: independent of how many ranks share the step."""
+    return [(seed * 1_000_003 + step * 101 + round_index) * 4099 + p for p in positions]
+
+
+class Parallel:
+    """This rank's part in training: the module that trains, gradient averaging, agreement on metrics
+    and decisions, sharded checkpoints. With one process every method is the identity."""
+
+    def __init__(
+        self,
+        ranks: Ranks,
+        mode: Literal["single", "ddp", "fsdp"],
+        models: ModelBundle,
+        train_model: Any,
+        loss_type: str,
+    ) -> None:
+        self.ranks = ranks
+        self.mode = mode
+        self.models = models
+        self.train_model = train_model  # the module whose parameters the optimiser updates
+        # Token-level losses divide by the global token count; averaging over ranks divides again.
+        self.loss_scale = float(ranks.world_size) if loss_type in STEP_TOKEN_LOSSES else 1.0
+
+    @classmethod
+    def wrap(cls, models: ModelBundle, ranks: Ranks, parallelism: Literal["ddp", "fsdp"], loss_type: str) -> Parallel:
+        """Prepare `models` for this rank (rebuilding the optimiser and scheduler over the shards with fsdp)."""
+        if not ranks.distributed:
+            return cls(ranks, "single", models, models.policy, loss_type)
+        _broadcast_from_main(models.policy)  # identical starting weights, whatever each rank loaded
+        if parallelism == "ddp":
+            return cls(ranks, "ddp", models, models.policy, loss_type)
+        sharded = ShardedPolicy(copy.deepcopy(models.policy))
+        old = models.optimizer
+        # One AdamW over the shards with the same settings; the per-tensor kernel (fused is not for DTensors).
+        settings = {k: old.defaults[k] for k in ("lr", "betas", "eps", "weight_decay")}
+        models.optimizer = torch.optim.AdamW([p for p in sharded.parameters() if p.requires_grad], **settings)
+        models.scheduler = torch.optim.lr_scheduler.LambdaLR(models.optimizer, models.scheduler.lr_lambdas[0])
+        return cls(ranks, "fsdp", models, sharded, loss_type)
+
+    # --- gradients and updates -----------------------------------------------------------------
+
+    def completion_logprobs(self, *args: Any, **kwargs: Any) -> tuple[Tensor, Tensor | None]:
+        """worker.grpo.logprobs.completion_logprobs of the training module (with gradient)."""
+        if isinstance(self.train_model, ShardedPolicy):
+            return self.train_model.completion_logprobs(*args, **kwargs)
+        return completion_logprobs(self.train_model, *args, **kwargs)
+
+    def trainable_parameters(self) -> list[torch.nn.Parameter]:
+        return [p for p in self.train_model.parameters() if p.requires_grad]
+
+    def clip_gradients(self, max_norm: float) -> float:
+        """Average gradients over ranks (ddp; fsdp has reduce-scattered them), clip to the global
+        norm; returns the pre-clip norm, the same on every rank."""
+        params = self.trainable_parameters()
+        if self.mode == "ddp":
+            _average_gradients(params, self.ranks.world_size)
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        if self.mode == "fsdp":
+            norm = norm.full_tensor()  # type: ignore[attr-defined]  # a DTensor from sharded gradients
+        return float(norm)
+
+    @torch.no_grad()
+    def after_update(self) -> None:
+        """fsdp: copy the updated weights into the unsharded policy (all-gathers every trainable shard)."""
+        if self.mode != "fsdp":
+            return
+        full = dict(self.models.policy.named_parameters())
+        for name, shard in self.train_model.named_parameters():
+            if shard.requires_grad:
+                full[_policy_name(name)].copy_(shard.full_tensor())
+
+    # --- agreement -----------------------------------------------------------------------------
+
+    def sum(self, values: list[float]) -> list[float]:
+        """Element-wise sum over ranks (float64)."""
+        if not self.ranks.distributed:
+            return values
+        tensor = torch.tensor(values, dtype=torch.float64, device=self._device())
+        dist.all_reduce(tensor)
+        return [float(v) for v in tensor.tolist()]
+
+    def merge_stats(self, stats: dict[str, float], tokens: float) -> dict[str, float]:
+        """The optimisation stats of the global batch from every rank's (`tokens`: its loss tokens)."""
+        if not self.ranks.distributed:
+            return stats
+        parts: list[Any] = [None] * self.ranks.world_size
+        dist.all_gather_object(parts, (stats, tokens))
+        return merge_rank_stats(parts)
+
+    def from_main(self, value: T) -> T:
+        """Rank 0's `value` on every rank (a decision, or metrics everyone must agree on)."""
+        if not self.ranks.distributed:
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, src=0, device=self._object_device())
+        return box[0]
+
+    def on_main(self, compute: Callable[[], T]) -> T:
+        """`compute()` on rank 0 only (it talks to the outside world), its result on every rank."""
+        value = compute() if self.ranks.is_main else None
+        return self.from_main(value)  # type: ignore[return-value]  # rank 0 sent a T
+
+    def gather_batch(self, batch: StepBatch) -> StepBatch:
+        """The global batch (every rank's groups in rank order), for metrics and samples. Without
+        futures or log-probs: only what the metrics read."""
+        if not self.ranks.distributed:
+            return batch
+        local = _portable(batch)
+        parts: list[Any] = [None] * self.ranks.world_size
+        dist.all_gather_object(parts, pickle.dumps(local), group=None)
+        return _concat([pickle.loads(p) for p in parts])
+
+    # --- checkpoints ---------------------------------------------------------------------------
+
+    def optimizer_state(self) -> dict[str, Any] | None:
+        """The optimiser state for trainer_state.pt, or None when it is sharded (saved by `save_sharded`)."""
+        return None if self.mode == "fsdp" else self.models.optimizer.state_dict()
+
+    def save_sharded(self, directory: Path) -> Path | None:
+        """fsdp: every rank writes its shards of model and optimiser under `directory`; None otherwise."""
+        if self.mode != "fsdp":
+            return None
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_state, optim_state = get_state_dict(self.train_model, self.models.optimizer)
+        # Saved under the policy's own names, so that a plain (unsharded) model loads them too.
+        state = {"model": _renamed(model_state, _policy_name), "optim": _renamed(optim_state, _policy_name)}
+        dcp.save(state, checkpoint_id=str(directory))
+        dist.barrier()  # every shard is written before rank 0 moves the directory into the checkpoint
+        return directory
+
+    def load_optimizer(self, state: dict[str, Any] | None, checkpoint: Path) -> None:
+        """Restore the optimiser from any checkpoint, whatever number of ranks or scheme wrote it."""
+        sharded = checkpoint / SHARDED_DIR
+        if sharded.is_dir():
+            self._load_sharded(sharded)
+        elif state is None:
+            raise ValueError(f"checkpoint {checkpoint} holds no optimiser state")
+        elif self.mode == "fsdp":  # a whole-model state keyed by position: re-key by name, then shard
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+            by_name = _renamed(_keyed_by_name(state, self.models.policy), _sharded_name)
+            set_optimizer_state_dict(
+                self.train_model, self.models.optimizer, by_name, options=StateDictOptions(full_state_dict=True)
+            )
+        else:
+            self.models.optimizer.load_state_dict(state)
+
+    def _load_sharded(self, directory: Path) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        model_state, optim_state = get_state_dict(self.train_model, self.models.optimizer)
+        target = {"model": _renamed(model_state, _policy_name), "optim": _renamed(optim_state, _policy_name)}
+        dcp.load(target, checkpoint_id=str(directory))  # in place, resharded to this run's ranks
+        rename = _sharded_name if self.mode == "fsdp" else _policy_name
+        set_state_dict(
+            self.train_model, self.models.optimizer,
+            model_state_dict=_renamed(target["model"], rename), optim_state_dict=_renamed(target["optim"], rename),
+        )
+        if self.mode == "fsdp":
+            self.after_update()
+
+    def _device(self) -> torch.device:
+        return next(self.models.policy.parameters()).device
+
+    def _object_device(self) -> torch.device | None:
+        return self._device() if dist.get_backend() == "nccl" else None
+
+
+def merge_rank_stats(parts: list[tuple[dict[str, float], float]]) -> dict[str, float]:
+    """Combine (stats, loss tokens) of each rank as TOKEN_MEAN_STATS says."""
+    total_tokens = sum(tokens for _, tokens in parts)
+    merged: dict[str, float] = {}
+    for key in parts[0][0]:
+        values = [stats[key] for stats, _ in parts]
+        if key.endswith("_min"):
+            merged[key] = min(values)
+        elif key.endswith("_max"):
+            merged[key] = max(values)
+        elif key in TOKEN_MEAN_STATS and total_tokens > 0:
+            merged[key] = sum(stats[key] * tokens for stats, tokens in parts) / total_tokens
+        else:
+            merged[key] = sum(values) / len(values)
+    return merged
+
+
+# --- FSDP2 -------------------------------------------------------------------------------------
+
+
+class ShardedPolicy(torch.nn.Module):
+    """The training copy of the policy as one FSDP2 unit. The policy sits inside unchanged (its class
+    is what selects the engine's fast path); `completion_logprobs` runs with its weights gathered and
+    reduce-scatters their gradients in the backward pass, like a forward of the unit."""
+
+    def __init__(self, policy: Any) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
+
+        super().__init__()
+        self.policy = policy
+        device = next(policy.parameters()).device
+        fully_shard(self, mesh=init_device_mesh(device.type, (dist.get_world_size(),)))
+        register_fsdp_forward_method(self, "completion_logprobs")
+
+    def completion_logprobs(self, *args: Any, **kwargs: Any) -> tuple[Tensor, Tensor | None]:
+        logps, entropy = completion_logprobs(self.policy, *args, **kwargs)
+        # Fresh tensors, not views: FSDP's backward hooks sit on the outputs (an in-place op on a view drops them).
+        return logps.clone(), None if entropy is None else entropy.clone()
+
+
+_PREFIX = "policy."
+
+
+def _policy_name(name: str) -> str:
+    """A ShardedPolicy parameter's name in the policy itself."""
+    return name.removeprefix(_PREFIX)
+
+
+def _sharded_name(name: str) -> str:
+    return _PREFIX + name
+
+
+def _renamed(state: dict[str, Any], rename: Callable[[str], str]) -> dict[str, Any]:
+    """A model state dict, or an optimiser state dict keyed by name (get_state_dict's forms), renamed."""
+    if "param_groups" in state:
+        return {
+            "state": {rename(k): v for k, v in state["state"].items()},
+            "param_groups": [{**g, "params": [rename(p) for p in g["params"]]} for g in state["param_groups"]],
+        }
+    return {rename(k): v for k, v in state.items()}
+
+
+def _keyed_by_name(state: dict[str, Any], model: Any) -> dict[str, Any]:
+    """An optimizer.state_dict() over `model`'s trainable parameters, keyed by parameter name."""
+    names = [name for name, p in model.named_parameters() if p.requires_grad]
+    return {
+        "state": {names[index]: value for index, value in state["state"].items()},
+        "param_groups": [{**group, "params": [names[i] for i in group["params"]]} for group in state["param_groups"]],
+    }
+
+
+# --- DDP ---------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def _broadcast_from_main(model: Any) -> None:
+    for tensor in [*model.parameters(), *model.buffers()]:
+        dist.broadcast(tensor.data, src=0)
+
+
+@torch.no_grad()
+def _average_gradients(params: list[torch.nn.Parameter], world_size: int) -> None:
+    """All-reduce the gradients as flat buckets of one dtype each, then divide by the world size."""
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    for p, g in zip(params, grads, strict=True):
+        p.grad = g
+    buckets: dict[tuple[torch.dtype, torch.device], list[list[Tensor]]] = {}
+    for grad in grads:
+        per_kind = buckets.setdefault((grad.dtype, grad.device), [[]])
+        if sum(t.numel() for t in per_kind[-1]) + grad.numel() > _BUCKET_ELEMENTS and per_kind[-1]:
+            per_kind.append([])
+        per_kind[-1].append(grad)
+    for per_kind in buckets.values():
+        for bucket in per_kind:
+            flat = torch.cat([t.reshape(-1) for t in bucket])
+            dist.all_reduce(flat)
+            flat.div_(world_size)
+            offset = 0
+            for t in bucket:
+                t.copy_(flat[offset : offset + t.numel()].view_as(t))
+                offset += t.numel()
+
+
+# --- the global batch, for metrics ---------------------------------------------------------------
+
+
+def _portable(batch: StepBatch) -> StepBatch:
+    """A CPU copy of what the metrics read, without futures (which do not pickle)."""
+
+    def cpu(scored: Scored) -> Scored:
+        rollout = scored.rollout
+        moved = replace(
+            rollout,
+            prompt_ids=rollout.prompt_ids.cpu(), prompt_mask=rollout.prompt_mask.cpu(),
+            completion_ids=rollout.completion_ids.cpu(), completion_mask=rollout.completion_mask.cpu(),
+            is_truncated=rollout.is_truncated.cpu(),
+        )
+        return replace(scored, rollout=moved, rewards=scored.rewards.cpu(), group_std=scored.group_std.cpu())
+
+    return StepBatch(
+        cpu(batch.scored), batch.advantages.cpu(), batch.loss_mask.cpu(), None, None,
+        [cpu(s) for s in batch.generated],
+    )
+
+
+def _concat(parts: list[StepBatch]) -> StepBatch:
+    pad_id = 0  # completion padding is masked everywhere the metrics look
+    rollout = merge_groups([(p.scored.rollout, g) for p in parts for g in range(len(p.scored.rows))], pad_id)
+    width = max(p.loss_mask.shape[1] for p in parts)
+    scored = Scored(
+        rollout,
+        [row for p in parts for row in p.scored.rows],
+        [prompt for p in parts for prompt in p.scored.prompts],
+        torch.cat([p.scored.rewards for p in parts]),
+        {name: [v for p in parts for v in p.scored.per_source[name]] for name in parts[0].scored.per_source},
+        torch.cat([p.scored.group_std for p in parts]),
+    )
+    return StepBatch(
+        scored,
+        torch.cat([p.advantages for p in parts]),
+        torch.cat([F.pad(p.loss_mask, (0, width - p.loss_mask.shape[1])) for p in parts]),
+        None,
+        None,
+        [s for p in parts for s in p.generated],
+    )
