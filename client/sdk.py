@@ -40,6 +40,7 @@ from contract.api.api_keys import ApiKeyList, ApiKeyWithSecret
 from contract.api.checkpoints import CheckpointList, CheckpointOut
 from contract.api.datasets import DatasetList, DatasetOut
 from contract.api.jobs import EventList, EventOut, JobList, JobOut, MetricsOut, SampleList
+from contract.api.quotas import QuotaLimits, QuotasOut
 from contract.api.rewards import (
     RewardFunctionList,
     RewardFunctionOut,
@@ -259,6 +260,16 @@ class _calls:  # noqa: N801 - a namespace of request builders, one per endpoint
     @staticmethod
     def revoke_api_key(api_key_id: str) -> Call[BaseModel]:
         return Call("DELETE", f"/v1/api-keys/{api_key_id}", None)
+
+    @staticmethod
+    def get_tenant_quotas(tenant_id: str) -> Call[QuotasOut]:
+        return Call("GET", f"/v1/admin/tenants/{tenant_id}/quotas", QuotasOut, idempotent=True)
+
+    @staticmethod
+    def set_tenant_quotas(tenant_id: str, limits: QuotaLimits | dict[str, Any]) -> Call[QuotasOut]:
+        body = limits.model_dump(mode="json") if isinstance(limits, QuotaLimits) else limits
+        # Replacing the overrides with the same values leaves the same state: safe to retry.
+        return Call("PUT", f"/v1/admin/tenants/{tenant_id}/quotas", QuotasOut, json=body, idempotent=True)
 
 
 def _raise_for_error(response: httpx.Response) -> None:
@@ -620,6 +631,14 @@ class GRPOClient:
     def revoke_api_key(self, api_key_id: str) -> None:
         self._run(_calls.revoke_api_key(api_key_id))
 
+    # --- quotas (an `admin` key; another tenant's needs an operator tenant's key)
+    def get_tenant_quotas(self, tenant_id: str) -> QuotasOut:
+        return self._run(_calls.get_tenant_quotas(tenant_id))
+
+    def set_tenant_quotas(self, tenant_id: str, limits: QuotaLimits | dict[str, Any]) -> QuotasOut:
+        """Replace the tenant's overrides (None in a field: the service default)."""
+        return self._run(_calls.set_tenant_quotas(tenant_id, limits))
+
 
 class AsyncGRPOClient:
     """Asynchronous client with the same API calls as GRPOClient (upload, streaming and single-file download included)."""
@@ -859,3 +878,11 @@ class AsyncGRPOClient:
 
     async def revoke_api_key(self, api_key_id: str) -> None:
         await self._run(_calls.revoke_api_key(api_key_id))
+
+    # --- quotas (an `admin` key; another tenant's needs an operator tenant's key)
+    async def get_tenant_quotas(self, tenant_id: str) -> QuotasOut:
+        return await self._run(_calls.get_tenant_quotas(tenant_id))
+
+    async def set_tenant_quotas(self, tenant_id: str, limits: QuotaLimits | dict[str, Any]) -> QuotasOut:
+        """Replace the tenant's overrides (None in a field: the service default)."""
+        return await self._run(_calls.set_tenant_quotas(tenant_id, limits))
