@@ -29,6 +29,14 @@ for its turn in a round and stopped after it, so at most one of them holds datab
 
     .venv/bin/python bench/api_load.py [--duration 10] [--rounds 3] [--open-fractions 0.5 0.1] [--baseline DIR]
 
+`--checks` instead measures what the per-key checks cost: the same API with rate limiting on (budgets so high
+they never trigger) and off (`GRPO_RATE_LIMIT_READS=0`, `..._WRITES=0`), alternating which goes first in each
+round, on `--database sqlite` (in-process buckets, the embedded mode) or `--database postgres` (buckets in the
+Redis at $GRPO_TEST_REDIS_URL, default redis://127.0.0.1:6379, db 13: production). Usage metering is done by
+the worker, not on the API path, so it has no share in these figures.
+
+    .venv/bin/python bench/api_load.py --checks --database sqlite [--duration 10] [--rounds 3]
+
 Both servers and the load generator share this machine's cores: read the ratios, not the absolutes.
 """
 
@@ -60,6 +68,7 @@ from fastapi import FastAPI
 
 ROOT = Path(__file__).resolve().parents[1]
 ADMIN_URL = os.environ.get("GRPO_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
+REDIS_URL = os.environ.get("GRPO_TEST_REDIS_URL", "redis://127.0.0.1:6379")
 
 # The baseline (uvicorn runs it as `api_load:hello_app`): FastAPI's own README example, a `def` route.
 hello_app = FastAPI()
@@ -382,6 +391,12 @@ def parse_args() -> argparse.Namespace:
         "--baseline", type=Path, help="Another source tree of the API to measure in the same rounds."
     )
     parser.add_argument("--json", type=Path, help="Also write the results here.")
+    parser.add_argument(
+        "--checks", action="store_true", help="Compare the API with rate limiting on and off (see above)."
+    )
+    parser.add_argument(
+        "--database", choices=["postgres", "sqlite"], default="postgres", help="--checks: the database."
+    )
     return parser.parse_args()
 
 
@@ -454,8 +469,80 @@ def print_target(
     print(f"  against the async def hello-world instead: closed-loop ratio {strict:.2f}")
 
 
+# Rate limiting on with budgets no run reaches (1e9 per minute), and off.
+CHECKS_ON = {"GRPO_RATE_LIMIT_READS": "1000000000", "GRPO_RATE_LIMIT_WRITES": "1000000000"}
+CHECKS_OFF = {"GRPO_RATE_LIMIT_READS": "0", "GRPO_RATE_LIMIT_WRITES": "0"}
+
+
+@contextmanager
+def bench_database(kind: str, data_dir: str) -> Iterator[str]:
+    if kind == "sqlite":
+        yield f"sqlite:///{data_dir}/bench.db"
+        return
+    with throwaway_database() as url:
+        yield url
+
+
+def main_checks(args: argparse.Namespace) -> None:
+    """The API with rate limiting on and off, alternating which goes first per round; medians and ratios."""
+    results: dict[str, dict[str, list[tuple[float, float]]]] = {}  # endpoint -> on/off -> [(req/s, CPU ms)]
+    with tempfile.TemporaryDirectory() as data_dir, bench_database(args.database, data_dir) as database_url:
+        env = {
+            "GRPO_DATABASE_URL": database_url,
+            "GRPO_DATA_DIR": data_dir,
+            "GRPO_BROKER_URL": "memory://",
+            "GRPO_ENV": "development",
+            # postgres: the production setup, buckets shared in Redis; sqlite: the embedded one, in-process.
+            "GRPO_RATE_LIMIT_REDIS_URL": f"{REDIS_URL}/13" if args.database == "postgres" else "",
+        }
+        os.environ.update(env)
+        key, dataset_id, job_id = seed(database_url)
+        gc.collect()
+        gc.freeze()  # see main()
+        headers = {"Authorization": f"Bearer {key}"}
+        calls = [
+            (TARGET, Call("GET", f"/v1/jobs/{job_id}", headers)),
+            ("POST /v1/jobs", Call("POST", "/v1/jobs", headers, job_body(dataset_id))),
+        ]
+        print(
+            f"rate limiting on vs off, {args.database}, uvicorn {args.workers} worker(s), {args.connections} "
+            f"connections, {os.cpu_count()} CPUs, {args.rounds} rounds of {args.duration:.0f} s per measurement",
+            flush=True,
+        )
+        for round_no in range(1, args.rounds + 1):
+            print(f"round {round_no}", flush=True)
+            order = [("on", CHECKS_ON), ("off", CHECKS_OFF)]
+            for mode, overrides in order if round_no % 2 else order[::-1]:
+                with uvicorn_server("service.app:create_app", {**env, **overrides}, args, factory=True) as (
+                    api_url,
+                    api_pid,
+                ):
+                    for name, call in calls:
+                        result, cpu = run_load(f"{name} [{mode}]", api_url, call, args, api_pid)
+                        assert result.errors == 0, f"{name} [{mode}]: {result.errors} errors"
+                        results.setdefault(name, {}).setdefault(mode, []).append((result.rps, cpu))
+    print(f"\nrate limiting on / off ({args.database}), medians over rounds")
+    print(f"  {'endpoint':<20} {'on req/s':>9} {'off req/s':>9} {'ratio':>6} {'per-round ratios':>24} "
+          f"{'CPU ms/req on/off':>18}")
+    summary: dict[str, dict[str, float]] = {}
+    for name, modes in results.items():
+        on, off = modes["on"], modes["off"]
+        ratios = [a[0] / b[0] for a, b in zip(on, off, strict=True)]
+        on_rps, off_rps = statistics.median(r for r, _ in on), statistics.median(r for r, _ in off)
+        on_cpu, off_cpu = statistics.median(c for _, c in on), statistics.median(c for _, c in off)
+        summary[name] = {"on_rps": on_rps, "off_rps": off_rps, "ratio": on_rps / off_rps,
+                         "on_cpu_ms": on_cpu, "off_cpu_ms": off_cpu}
+        print(f"  {name:<20} {on_rps:9.0f} {off_rps:9.0f} {on_rps / off_rps:6.2f} "
+              f"{' '.join(f'{r:.2f}' for r in ratios):>24} {on_cpu:8.2f}/{off_cpu:.2f}")
+    if args.json:
+        args.json.write_text(json.dumps({"database": args.database, "checks": summary}, indent=2))
+
+
 def main() -> None:
     args = parse_args()
+    if args.checks:
+        main_checks(args)
+        return
     closed: dict[str, list[tuple[Result, float, float]]] = {}  # name -> [(result, ratio, cpu ms/req)]
     opened: dict[str, list[tuple[Result, float, float]]] = {}  # name -> [(result, offered rate, 0)]
     with throwaway_database() as database_url, tempfile.TemporaryDirectory() as data_dir:

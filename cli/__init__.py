@@ -6,7 +6,21 @@ import os
 
 import typer
 
-from cli import admin, checkpoints, datasets, demo, jobs, migrate, rewards, serve, train, usage, worker
+from cli import (
+    admin,
+    checkpoints,
+    datasets,
+    demo,
+    jobs,
+    keys,
+    migrate,
+    rewards,
+    serve,
+    train,
+    usage,
+    webhooks,
+    worker,
+)
 
 app = typer.Typer(help="GRPO training service: run the engine locally, serve the API, drive jobs.", no_args_is_help=True)
 app.add_typer(admin.app, name="admin")
@@ -15,6 +29,8 @@ app.add_typer(datasets.app, name="datasets")
 app.add_typer(rewards.app, name="rewards")
 app.add_typer(jobs.app, name="jobs")
 app.add_typer(checkpoints.app, name="checkpoints")
+app.add_typer(keys.app, name="keys")
+app.add_typer(webhooks.app, name="webhooks")
 app.command("train")(train.train)
 app.command("migrate")(migrate.migrate)
 app.command("serve")(serve.serve)

@@ -1,15 +1,29 @@
-"""`grpo admin ...`: tenants, API keys and quotas (on an already migrated database: run `grpo migrate` first)."""
+"""`grpo admin ...`: tenants, API keys and quotas (on an already migrated database: run `grpo migrate` first).
+
+The same operations as /v1/api-keys, from the server's shell: for the first key of a tenant, and for when no
+admin key is at hand. Keys made here have every scope unless `--scope` says otherwise. Each command imports
+the service when it runs: the client-only install has none of it.
+"""
 
 from __future__ import annotations
 
 import typer
 
+from cli.keys import COLUMNS, expiry
+from cli.output import JsonOpt, emit
+
 app = typer.Typer(help="Administration: tenants, API keys and quotas.", no_args_is_help=True)
+ScopeOpt = typer.Option(None, "--scope", help="read, write or admin; repeat for several (default: all three).")
+
+
+def _fail(message: str) -> typer.Exit:
+    typer.echo(f"error: {message}", err=True)
+    return typer.Exit(1)
 
 
 @app.command("create-tenant")
 def create_tenant(name: str = typer.Argument(..., help="Unique tenant name.")) -> None:
-    """Create a tenant and print its id and a first API key (shown once)."""
+    """Create a tenant and print its id and a first API key, with every scope (shown once)."""
     from service.kit.db import session_scope
     from service.kit.errors import DomainError
     from service.tenants import service as tenants
@@ -17,18 +31,71 @@ def create_tenant(name: str = typer.Argument(..., help="Unique tenant name.")) -
     try:
         with session_scope() as session:
             tenant = tenants.create_tenant(session, name)
-            _key, token = tenants.create_api_key(session, tenant)
+            _key, token = tenants.create_api_key(session, tenant, name="created with the tenant")
     except DomainError as exc:
-        typer.echo(f"error: {exc.message}", err=True)
-        raise typer.Exit(1) from exc
+        raise _fail(exc.message) from exc
     typer.echo(f"tenant: {tenant.id} ({tenant.name})", err=True)
     typer.echo("api key (shown once, store it now):", err=True)
     typer.echo(token)
 
 
 @app.command("create-key")
-def create_key(tenant: str = typer.Argument(..., help="Tenant name or id.")) -> None:
+def create_key(
+    tenant: str = typer.Argument(..., help="Tenant name or id."),
+    scope: list[str] | None = ScopeOpt,
+    name: str = typer.Option("", help="What the key is for."),
+    expires_in_days: float | None = typer.Option(None, help="Days until the key stops working (default never)."),
+    as_json: JsonOpt = False,
+) -> None:
     """Create a new API key for an existing tenant and print it (shown once)."""
+    from service.kit.db import session_scope
+    from service.kit.errors import DomainError
+    from service.tenants import service as tenants
+    from service.tenants.schemas import api_key_with_secret
+    from service.tenants.scopes import ALL_SCOPES
+
+    try:
+        with session_scope() as session:
+            row = tenants.find_tenant(session, tenant)
+            key, token = tenants.create_api_key(
+                session, row, scopes=scope or ALL_SCOPES, name=name, expires_at=expiry(expires_in_days)
+            )
+            created = api_key_with_secret(key, token)
+    except DomainError as exc:
+        raise _fail(exc.message) from exc
+    if as_json:
+        emit(created, [*COLUMNS, "key"], as_json=True)
+        return
+    typer.echo(f"api key {created.id} for {row.name}, scopes {' '.join(created.scopes)} (shown once, store it now):",
+               err=True)
+    typer.echo(token)
+
+
+@app.command("list-keys")
+def list_keys(
+    tenant: str = typer.Argument(..., help="Tenant name or id."), limit: int = 100, as_json: JsonOpt = False
+) -> None:
+    """List a tenant's API keys, revoked and expired ones included."""
+    from service.kit.db import session_scope
+    from service.kit.errors import DomainError
+    from service.tenants import service as tenants
+    from service.tenants.schemas import api_key_out
+
+    try:
+        with session_scope() as session:
+            row = tenants.find_tenant(session, tenant)
+            keys, _more = tenants.list_api_keys(session, row.id, limit=limit, after=None)
+            listed = [api_key_out(k) for k in keys]
+    except DomainError as exc:
+        raise _fail(exc.message) from exc
+    emit(listed, COLUMNS, as_json=as_json)
+
+
+@app.command("revoke-key")
+def revoke_key(
+    tenant: str = typer.Argument(..., help="Tenant name or id."), api_key_id: str = typer.Argument(..., help="key_...")
+) -> None:
+    """Revoke a key. API processes refuse it within GRPO_AUTH_CACHE_SECONDS."""
     from service.kit.db import session_scope
     from service.kit.errors import DomainError
     from service.tenants import service as tenants
@@ -36,12 +103,10 @@ def create_key(tenant: str = typer.Argument(..., help="Tenant name or id.")) -> 
     try:
         with session_scope() as session:
             row = tenants.find_tenant(session, tenant)
-            _key, token = tenants.create_api_key(session, row)
+            tenants.revoke_api_key(session, row.id, api_key_id)
     except DomainError as exc:
-        typer.echo(f"error: {exc.message}", err=True)
-        raise typer.Exit(1) from exc
-    typer.echo(f"api key for {row.name} (shown once, store it now):", err=True)
-    typer.echo(token)
+        raise _fail(exc.message) from exc
+    typer.echo(f"revoked {api_key_id}")
 
 
 _QUOTA_HELP = "A number, or 'default' for the service default (settings quota_*). Unchanged if not given."
@@ -69,13 +134,13 @@ def quotas_command(
     """Show a tenant's quotas (limits, overrides, use); with options, change its overrides first."""
     from pydantic import ValidationError
 
+    from contract.api.quotas import QUOTA_NAMES, QuotaLimits
     from service.grpc.errors import from_validation_error
     from service.kit.db import session_scope
     from service.kit.errors import DomainError
     from service.kit.queue import get_job_queue
     from service.quotas import admin as quota_admin
     from service.quotas import service as quota_service
-    from service.quotas.schemas import QUOTA_NAMES, QuotaLimits
     from service.tenants import service as tenants
 
     changes = {

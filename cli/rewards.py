@@ -58,9 +58,13 @@ def test(
 
 @app.command("rotate-secret")
 def rotate_secret(reward_function_id: str, as_json: JsonOpt = False) -> None:
-    """Issue a new signing secret (printed once)."""
+    """Issue a new signing secret (printed once); requests are signed with both until the overlap ends."""
     with api_client() as client:
-        emit(client.rotate_reward_secret(reward_function_id), ["id", "signing_secret"], as_json=as_json)
+        emit(
+            client.rotate_reward_secret(reward_function_id),
+            ["id", "signing_secret", "previous_secret_expires_at"],
+            as_json=as_json,
+        )
 
 
 @app.command()

@@ -2,7 +2,9 @@
 
 Every endpoint is described once, as a `Call` built by a function in `_calls`; the two clients only differ in how
 they send it. Idempotent calls (GET, and POST /v1/jobs, which always carries an Idempotency-Key) are retried on
-connection errors, 429 and 502/503/504 with exponential backoff; others are not.
+connection errors, 429 and 502/503/504 with exponential backoff; others only on a 429 that carries Retry-After
+(a rate limit: the request was refused before it ran). A Retry-After is honoured (waited, not guessed) up to
+`max_retry_after` seconds; a longer one is returned as the APIError at once.
 
     client = GRPOClient("http://127.0.0.1:8000", api_key="grpo_sk_...")
     dataset = client.upload_dataset("train.jsonl")
@@ -18,7 +20,8 @@ import os
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import UTC, datetime
+from email.utils import parsedate_to_datetime
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
@@ -26,15 +29,18 @@ import httpx
 from pydantic import BaseModel
 from tenacity import (
     AsyncRetrying,
+    RetryCallState,
     Retrying,
     retry_if_exception,
     stop_after_attempt,
     wait_random_exponential,
 )
 
+from contract.api.api_keys import ApiKeyList, ApiKeyWithSecret
 from contract.api.checkpoints import CheckpointList, CheckpointOut
 from contract.api.datasets import DatasetList, DatasetOut
 from contract.api.jobs import EventList, EventOut, JobList, JobOut, MetricsOut, SampleList
+from contract.api.quotas import QuotaLimits, QuotasOut
 from contract.api.rewards import (
     RewardFunctionList,
     RewardFunctionOut,
@@ -230,11 +236,40 @@ class _calls:  # noqa: N801 - a namespace of request builders, one per endpoint
         return Call("DELETE", f"/v1/webhooks/{webhook_id}", None)
 
     @staticmethod
+    def rotate_webhook_secret(webhook_id: str) -> Call[WebhookWithSecret]:
+        return Call("POST", f"/v1/webhooks/{webhook_id}/rotate-secret", WebhookWithSecret)
+
+    @staticmethod
     def list_webhook_deliveries(webhook_id: str, limit: int = 20, after: int | None = None) -> Call[DeliveryList]:
         return Call(
             "GET", f"/v1/webhooks/{webhook_id}/deliveries", DeliveryList, _params(limit=limit, after=after),
             idempotent=True,
         )
+
+    @staticmethod
+    def create_api_key(
+        name: str, scopes: list[str] | None = None, expires_at: datetime | None = None
+    ) -> Call[ApiKeyWithSecret]:
+        body = _params(name=name, scopes=scopes, expires_at=expires_at.isoformat() if expires_at else None)
+        return Call("POST", "/v1/api-keys", ApiKeyWithSecret, json=body)
+
+    @staticmethod
+    def list_api_keys(limit: int = 20, after: str | None = None) -> Call[ApiKeyList]:
+        return Call("GET", "/v1/api-keys", ApiKeyList, _params(limit=limit, after=after), idempotent=True)
+
+    @staticmethod
+    def revoke_api_key(api_key_id: str) -> Call[BaseModel]:
+        return Call("DELETE", f"/v1/api-keys/{api_key_id}", None)
+
+    @staticmethod
+    def get_tenant_quotas(tenant_id: str) -> Call[QuotasOut]:
+        return Call("GET", f"/v1/admin/tenants/{tenant_id}/quotas", QuotasOut, idempotent=True)
+
+    @staticmethod
+    def set_tenant_quotas(tenant_id: str, limits: QuotaLimits | dict[str, Any]) -> Call[QuotasOut]:
+        body = limits.model_dump(mode="json") if isinstance(limits, QuotaLimits) else limits
+        # Replacing the overrides with the same values leaves the same state: safe to retry.
+        return Call("PUT", f"/v1/admin/tenants/{tenant_id}/quotas", QuotasOut, json=body, idempotent=True)
 
 
 def _raise_for_error(response: httpx.Response) -> None:
@@ -254,8 +289,49 @@ def _parse(call: Call[T], response: httpx.Response) -> T:
     return call.model.model_validate(response.json())
 
 
-def _is_retryable(exc: BaseException) -> bool:
-    return isinstance(exc, _Retryable | httpx.TransportError)
+def retry_after_seconds(response: httpx.Response) -> float | None:
+    """The response's Retry-After in seconds (delta-seconds or an HTTP date), or None."""
+    value = response.headers.get("Retry-After")
+    if value is None:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        pass
+    try:
+        when = parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    return max(0.0, (when - datetime.now(UTC)).total_seconds())
+
+
+def _needs_retry(call: Call[Any], response: httpx.Response) -> bool:
+    """Whether a retry of `call` may help and is safe: a retryable status of an idempotent call, or a rate limit
+    (429 with Retry-After) of any call."""
+    if response.status_code not in RETRY_STATUSES:
+        return False
+    return call.idempotent or (response.status_code == 429 and "Retry-After" in response.headers)
+
+
+class _RetryPolicy:
+    """tenacity's retry predicate and wait for one call: Retry-After when the server sent one, else backoff."""
+
+    def __init__(self, call: Call[Any], max_retry_after: float) -> None:
+        self.call = call
+        self.max_retry_after = max_retry_after
+        self.backoff = wait_random_exponential(multiplier=0.5, max=8)
+
+    def should_retry(self, exc: BaseException) -> bool:
+        if isinstance(exc, _Retryable):
+            after = retry_after_seconds(exc.response)
+            return after is None or after <= self.max_retry_after
+        return self.call.idempotent and isinstance(exc, httpx.TransportError)
+
+    def wait(self, state: RetryCallState) -> float:
+        exc = state.outcome.exception() if state.outcome is not None else None
+        if isinstance(exc, _Retryable) and (after := retry_after_seconds(exc.response)) is not None:
+            return after
+        return float(self.backoff(state))
 
 
 def _settings(base_url: str | None, api_key: str | None) -> tuple[str, dict[str, str]]:
@@ -321,12 +397,15 @@ class GRPOClient:
         *,
         timeout: float = 30.0,
         retries: int = 4,
+        max_retry_after: float = 60.0,
         transport: httpx.BaseTransport | None = None,
     ) -> None:
-        """`transport` replaces httpx's network transport (tests, proxies, custom TLS)."""
+        """`transport` replaces httpx's network transport (tests, proxies, custom TLS). A rate-limited call (429 with
+        Retry-After) is retried after the time the server names, up to `max_retry_after` seconds."""
         url, headers = _settings(base_url, api_key)
         self._http = httpx.Client(base_url=url, headers=headers, timeout=timeout, transport=transport)
         self._retries = retries
+        self._max_retry_after = max_retry_after
 
     def close(self) -> None:
         self._http.close()
@@ -341,16 +420,15 @@ class GRPOClient:
         response = self._http.request(
             call.method, call.path, params=call.params, json=call.json, headers=call.headers
         )
-        if call.idempotent and response.status_code in RETRY_STATUSES:
+        if _needs_retry(call, response):
             raise _Retryable(response)
         return response
 
     def _run(self, call: Call[T]) -> T:
-        if not call.idempotent:
-            return _parse(call, self._send(call))
+        policy = _RetryPolicy(call, self._max_retry_after)
         retrying = Retrying(
-            retry=retry_if_exception(_is_retryable),
-            wait=wait_random_exponential(multiplier=0.5, max=8),
+            retry=retry_if_exception(policy.should_retry),
+            wait=policy.wait,
             stop=stop_after_attempt(self._retries),
             reraise=True,
         )
@@ -533,8 +611,33 @@ class GRPOClient:
     def delete_webhook(self, webhook_id: str) -> None:
         self._run(_calls.delete_webhook(webhook_id))
 
+    def rotate_webhook_secret(self, webhook_id: str) -> WebhookWithSecret:
+        """A new signing secret (shown once); deliveries carry both signatures until `previous_secret_expires_at`."""
+        return self._run(_calls.rotate_webhook_secret(webhook_id))
+
     def list_webhook_deliveries(self, webhook_id: str, limit: int = 20, after: int | None = None) -> DeliveryList:
         return self._run(_calls.list_webhook_deliveries(webhook_id, limit, after))
+
+    # --- API keys (an `admin` key)
+    def create_api_key(
+        self, name: str, scopes: list[str] | None = None, expires_at: datetime | None = None
+    ) -> ApiKeyWithSecret:
+        """A new key of your tenant; `.key` is the only time it is shown."""
+        return self._run(_calls.create_api_key(name, scopes, expires_at))
+
+    def list_api_keys(self, limit: int = 20, after: str | None = None) -> ApiKeyList:
+        return self._run(_calls.list_api_keys(limit, after))
+
+    def revoke_api_key(self, api_key_id: str) -> None:
+        self._run(_calls.revoke_api_key(api_key_id))
+
+    # --- quotas (an `admin` key; another tenant's needs an operator tenant's key)
+    def get_tenant_quotas(self, tenant_id: str) -> QuotasOut:
+        return self._run(_calls.get_tenant_quotas(tenant_id))
+
+    def set_tenant_quotas(self, tenant_id: str, limits: QuotaLimits | dict[str, Any]) -> QuotasOut:
+        """Replace the tenant's overrides (None in a field: the service default)."""
+        return self._run(_calls.set_tenant_quotas(tenant_id, limits))
 
 
 class AsyncGRPOClient:
@@ -547,12 +650,14 @@ class AsyncGRPOClient:
         *,
         timeout: float = 30.0,
         retries: int = 4,
+        max_retry_after: float = 60.0,
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
         """`transport` replaces httpx's network transport (e.g. httpx.ASGITransport(app) in tests)."""
         url, headers = _settings(base_url, api_key)
         self._http = httpx.AsyncClient(base_url=url, headers=headers, timeout=timeout, transport=transport)
         self._retries = retries
+        self._max_retry_after = max_retry_after
 
     async def aclose(self) -> None:
         await self._http.aclose()
@@ -567,16 +672,15 @@ class AsyncGRPOClient:
         response = await self._http.request(
             call.method, call.path, params=call.params, json=call.json, headers=call.headers
         )
-        if call.idempotent and response.status_code in RETRY_STATUSES:
+        if _needs_retry(call, response):
             raise _Retryable(response)
         return response
 
     async def _run(self, call: Call[T]) -> T:
-        if not call.idempotent:
-            return _parse(call, await self._send(call))
+        policy = _RetryPolicy(call, self._max_retry_after)
         retrying = AsyncRetrying(
-            retry=retry_if_exception(_is_retryable),
-            wait=wait_random_exponential(multiplier=0.5, max=8),
+            retry=retry_if_exception(policy.should_retry),
+            wait=policy.wait,
             stop=stop_after_attempt(self._retries),
             reraise=True,
         )
@@ -753,7 +857,32 @@ class AsyncGRPOClient:
     async def delete_webhook(self, webhook_id: str) -> None:
         await self._run(_calls.delete_webhook(webhook_id))
 
+    async def rotate_webhook_secret(self, webhook_id: str) -> WebhookWithSecret:
+        """A new signing secret (shown once); deliveries carry both signatures until `previous_secret_expires_at`."""
+        return await self._run(_calls.rotate_webhook_secret(webhook_id))
+
     async def list_webhook_deliveries(
         self, webhook_id: str, limit: int = 20, after: int | None = None
     ) -> DeliveryList:
         return await self._run(_calls.list_webhook_deliveries(webhook_id, limit, after))
+
+    # --- API keys (an `admin` key)
+    async def create_api_key(
+        self, name: str, scopes: list[str] | None = None, expires_at: datetime | None = None
+    ) -> ApiKeyWithSecret:
+        """A new key of your tenant; `.key` is the only time it is shown."""
+        return await self._run(_calls.create_api_key(name, scopes, expires_at))
+
+    async def list_api_keys(self, limit: int = 20, after: str | None = None) -> ApiKeyList:
+        return await self._run(_calls.list_api_keys(limit, after))
+
+    async def revoke_api_key(self, api_key_id: str) -> None:
+        await self._run(_calls.revoke_api_key(api_key_id))
+
+    # --- quotas (an `admin` key; another tenant's needs an operator tenant's key)
+    async def get_tenant_quotas(self, tenant_id: str) -> QuotasOut:
+        return await self._run(_calls.get_tenant_quotas(tenant_id))
+
+    async def set_tenant_quotas(self, tenant_id: str, limits: QuotaLimits | dict[str, Any]) -> QuotasOut:
+        """Replace the tenant's overrides (None in a field: the service default)."""
+        return await self._run(_calls.set_tenant_quotas(tenant_id, limits))

@@ -6,12 +6,18 @@ pushes a retry outside the receiver's 5-minute tolerance.
 
 gRPC endpoints get the same three values as call metadata; the signed content is the base64 of the
 serialised ``ScoreRequest`` (the HMAC input must be text), see `grpc_signed_content` and reward.proto.
+
+After a secret is rotated, requests are signed with the new and the previous secret until the overlap ends
+(`SigningKeys`): ``webhook-signature: v1,<new> v1,<old>``, space-separated as Standard Webhooks allows, so a
+receiver verifying with either secret accepts them and can switch at any time within the overlap.
 """
 
 from __future__ import annotations
 
 import base64
 import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import UTC, datetime
 
 from standardwebhooks import Webhook
@@ -35,13 +41,42 @@ def new_message_id() -> str:
     return f"msg_{uuid.uuid4().hex}"
 
 
-def sign_headers(signer: Webhook, msg_id: str, body: bytes, *, now: datetime | None = None) -> dict[str, str]:
-    """The three Standard Webhooks headers for `body` sent as message `msg_id` at `now`."""
+@dataclass(frozen=True)
+class SigningKeys:
+    """The secret requests are signed with, and the one a rotation replaced while its overlap lasts."""
+
+    current: Webhook
+    previous: Webhook | None = None
+    previous_until: datetime | None = None
+
+    @classmethod
+    def load(
+        cls, secret: str, previous: str | None = None, previous_until: datetime | None = None
+    ) -> SigningKeys:
+        """ValueError naming the problem for a malformed secret (see `load_secret`)."""
+        if previous is None or previous_until is None:
+            return cls(load_secret(secret))
+        return cls(load_secret(secret), load_secret(previous), previous_until)
+
+    def active(self, now: datetime) -> Sequence[Webhook]:
+        """The signers of a request sent at `now`: the current secret first."""
+        if self.previous is not None and self.previous_until is not None and now < self.previous_until:
+            return (self.current, self.previous)
+        return (self.current,)
+
+
+def sign_headers(
+    signer: Webhook | SigningKeys, msg_id: str, body: bytes, *, now: datetime | None = None
+) -> dict[str, str]:
+    """The three Standard Webhooks headers for `body` sent as message `msg_id` at `now` (one signature per
+    active secret)."""
     timestamp = now or datetime.now(tz=UTC)
+    signers = signer.active(timestamp) if isinstance(signer, SigningKeys) else (signer,)
+    text = body.decode()
     return {
         "webhook-id": msg_id,
         "webhook-timestamp": str(int(timestamp.timestamp())),
-        "webhook-signature": signer.sign(msg_id, timestamp, body.decode()),
+        "webhook-signature": " ".join(s.sign(msg_id, timestamp, text) for s in signers),
     }
 
 

@@ -29,6 +29,8 @@ from service.openai.endpoints import router as openai_router
 from service.ops.endpoints import router as ops_router
 from service.quotas.endpoints import router as quotas_router
 from service.rewards.endpoints import router as rewards_router
+from service.tenants.endpoints import router as api_keys_router
+from service.tenants.ratelimit import RateLimitHeaders, close_buckets
 from service.usage.endpoints import router as usage_router
 from service.webhooks.endpoints import router as webhooks_router
 
@@ -56,7 +58,7 @@ async def _domain_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, DomainError)
     if openai_errors.in_scope(request):
         return openai_errors.render_domain(exc)
-    return JSONResponse(status_code=exc.http_status, content=exc.to_body())
+    return JSONResponse(status_code=exc.http_status, content=exc.to_body(), headers=exc.http_headers() or None)
 
 
 async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
@@ -116,6 +118,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     finally:
         await app.state.reads.close()
         del app.state.reads
+        await close_buckets()
 
 
 def create_app() -> FastAPI:
@@ -138,6 +141,7 @@ def create_app() -> FastAPI:
     app.include_router(rewards_router, prefix="/v1")
     app.include_router(checkpoints_router, prefix="/v1")
     app.include_router(webhooks_router, prefix="/v1")
+    app.include_router(api_keys_router, prefix="/v1")
     app.include_router(quotas_router, prefix="/v1")
     app.include_router(usage_router, prefix="/v1")
     app.include_router(metrics_router)
@@ -149,6 +153,7 @@ def create_app() -> FastAPI:
         max_bytes=get_settings().max_request_body_bytes,
         exempt={("POST", "/v1/datasets"), ("POST", f"{openai_errors.PREFIX}/files")},
     )
+    app.add_middleware(RateLimitHeaders)
     app.add_middleware(UnhandledErrors)  # added before the metrics middleware: inside it, so 500s are counted
     app.add_middleware(PrometheusMiddleware)
     return app

@@ -67,9 +67,10 @@ from service.jobs.model_sources import ModelSourceKind, ModelSourcePolicy
 from service.jobs.schemas import SampleIn
 from service.jobs.states import JobStatus
 from service.kit.config import Settings, get_settings
-from service.kit.db import session_scope
+from service.kit.db import session_scope, utcnow
 from service.observability.logs import job_context
 from service.rewards.models import RewardFunction
+from service.rewards.service import previous_secret_in_overlap
 from service.storage import Storage, checkpoint_key, checkpoint_prefix, get_storage, tensorboard_key
 from service.usage.budget import Exhausted
 from service.usage.service import StepUsageIn
@@ -627,6 +628,11 @@ class JobRunner:
                 ) from exc
             config = self._remote_configs[row.id] = RemoteRewardConfig.model_validate({
                 "reward_function_id": row.id, "url": row.url, "secret": row.signing_secret,
+                # Signs with the replaced secret too while a rotation's overlap lasts (outbound.signing).
+                "previous_secret": previous_secret_in_overlap(
+                    row.previous_signing_secret, row.previous_secret_expires_at, utcnow()
+                ),
+                "previous_secret_until": row.previous_secret_expires_at,
                 "job_id": context.job_id, "timeout_s": row.timeout_s, "max_batch_size": row.max_batch_size,
                 "max_concurrency": row.max_concurrency, "headers": {str(k): str(v) for k, v in row.headers.items()},
                 "allow_private": allow_private,

@@ -23,6 +23,11 @@ class RewardFunctionOut(BaseModel):
     max_abstain_fraction: float
     created_at: datetime
     updated_at: datetime
+    previous_secret_expires_at: datetime | None = Field(
+        None,
+        description="After a rotation: until when requests are signed with the replaced secret too (both "
+        "signatures in webhook-signature). None when no overlap is running.",
+    )
 
 
 class RewardFunctionWithSecret(RewardFunctionOut):

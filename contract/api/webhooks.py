@@ -28,6 +28,11 @@ class WebhookOut(BaseModel):
     description: str | None
     event_types: list[str] = Field(description="Every job lifecycle event is sent to every webhook.")
     created_at: datetime
+    previous_secret_expires_at: datetime | None = Field(
+        None,
+        description="After a rotation: until when deliveries are signed with the replaced secret too (both "
+        "signatures in webhook-signature). None when no overlap is running.",
+    )
 
 
 class WebhookWithSecret(WebhookOut):

@@ -24,7 +24,6 @@ from outbound.rewards.source import (
     RetryEvent,
     SourceStats,
 )
-from outbound.signing import load_secret
 from outbound.transport import PinnedResolutionTransport
 from outbound.urlpolicy import Resolver, is_grpc_url
 
@@ -49,7 +48,7 @@ class RemoteRewardSource(EndpointRewardSource[httpx.AsyncClient]):
         caller = EndpointCaller(
             source=config.source_name,
             url=config.url,
-            signer=load_secret(config.secret.get_secret_value()),
+            signer=config.signing_keys(),
             headers=dict(config.headers),
             max_bytes=config.max_response_bytes,
         )

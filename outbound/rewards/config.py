@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
+from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 from contract.fields import HeaderValue
-from outbound.signing import SIGNING_HEADERS, load_secret
+from outbound.signing import SIGNING_HEADERS, SigningKeys, load_secret
 from outbound.urlpolicy import UrlRejected, check_url_syntax
 
 # Headers the client owns; a user-configured header may not override them.
@@ -24,6 +24,10 @@ class RemoteRewardConfig(BaseModel):
         min_length=1, description="The endpoint; checked by outbound.urlpolicy on every call."
     )
     secret: SecretStr = Field(description="Standard Webhooks signing secret, whsec_<base64>.")
+    previous_secret: SecretStr | None = Field(
+        None, description="The secret a rotation replaced: requests are signed with it too until previous_secret_until."
+    )
+    previous_secret_until: AwareDatetime | None = Field(None, description="End of the rotation's overlap.")
     job_id: str = Field(min_length=1, description="Sent in every request body.")
     timeout_s: float = Field(30.0, gt=0, description="Read timeout of one attempt (and its overall budget).")
     connect_timeout_s: float = Field(5.0, gt=0, description="TCP/TLS connect timeout of one attempt.")
@@ -55,11 +59,16 @@ class RemoteRewardConfig(BaseModel):
     breaker_reset_s: float = Field(30.0, ge=0, description="How long an open circuit fails fast.")
     cache_max_entries: int = Field(100_000, ge=0, description="Reward cache size (0 disables caching).")
 
-    @field_validator("secret")
+    @field_validator("secret", "previous_secret")
     @classmethod
-    def _secret_is_whsec(cls, value: SecretStr) -> SecretStr:
-        load_secret(value.get_secret_value())
+    def _secret_is_whsec(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is not None:
+            load_secret(value.get_secret_value())
         return value
+
+    def signing_keys(self) -> SigningKeys:
+        previous = self.previous_secret.get_secret_value() if self.previous_secret is not None else None
+        return SigningKeys.load(self.secret.get_secret_value(), previous, self.previous_secret_until)
 
     @field_validator("headers")
     @classmethod

@@ -17,7 +17,7 @@ from outbound.rewards.errors import (
     RewardEndpointRefused,
 )
 from outbound.rewards.protocol import ResponseInvalid, parse_response
-from outbound.signing import sign_headers
+from outbound.signing import SigningKeys, sign_headers
 from outbound.urlpolicy import UrlRejected
 
 RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
@@ -69,7 +69,7 @@ class EndpointCaller:
         *,
         source: str,
         url: str,
-        signer: Webhook,
+        signer: Webhook | SigningKeys,
         headers: dict[str, str],
         max_bytes: int,
         parse: Callable[..., list[float | None]] = parse_response,

@@ -45,7 +45,7 @@ from outbound.rewards.errors import (
 )
 from outbound.rewards.protocol import ResponseInvalid, check_rewards
 from outbound.rewards.source import EndpointRewardSource, OnDegraded, OnRetry, Pending
-from outbound.signing import grpc_signed_content, load_secret, sign_headers
+from outbound.signing import grpc_signed_content, sign_headers
 from outbound.urlpolicy import Resolver, UrlRejected, host_and_port, is_grpc_url, resolve_and_check
 
 logger = logging.getLogger(__name__)
@@ -230,7 +230,7 @@ class GrpcRewardSource(EndpointRewardSource[PinnedChannels]):
             if problem is not None:
                 raise ValueError(problem)
         super().__init__(config, where=config.url, on_retry=on_retry, on_degraded=on_degraded)
-        self._signer = load_secret(config.secret.get_secret_value())
+        self._signer = config.signing_keys()
         self._metadata = tuple((name.lower(), value) for name, value in config.headers.items())
         self._resolver = resolver
         self._root_certificates = root_certificates

@@ -12,6 +12,7 @@ from contextlib import asynccontextmanager
 from contextvars import ContextVar
 
 from service.tenants.auth import TenantContext, authenticate_on_loop
+from service.tenants.ratelimit import admit
 from service.tenants.scopes import InsufficientScope, Scope, require_scope
 
 _TENANT: ContextVar[TenantContext | None] = ContextVar("grpo_grpc_tenant", default=None)
@@ -57,6 +58,7 @@ async def authenticated(
     if scope is None:
         raise InsufficientScope("this method declares no scope (service.grpc.scopes), so no key may call it")
     require_scope(tenant, scope)
+    await admit(tenant.api_key_id, "read" if scope == "read" else "write")
     binding = _TENANT.set(tenant)
     try:
         yield tenant

@@ -349,6 +349,7 @@ def reward_function_to_proto(row: RewardFunctionOut) -> reward_functions_pb2.Rew
         headers=row.headers,
         created_at=timestamp(row.created_at),
         updated_at=timestamp(row.updated_at),
+        previous_secret_expires_at=timestamp(row.previous_secret_expires_at),
         max_attempts=row.max_attempts,
         backoff_s=row.backoff_s,
         breaker_threshold=row.breaker_threshold,

@@ -92,6 +92,7 @@ def status_of(exc: DomainError) -> tuple[grpc.StatusCode, str, tuple[tuple[str, 
     details = _details_json(exc.details)
     if details is not None:
         trailers.append((ERROR_DETAILS_KEY, details))
+    trailers.extend(exc.grpc_trailers())
     return exc.grpc_status, exc.message, tuple(trailers)
 
 

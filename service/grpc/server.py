@@ -22,6 +22,7 @@ from service.grpc.validation import TextInterceptor
 from service.kit.config import get_settings
 from service.kit.heap import startup_objects_frozen
 from service.kit.reads import THREADED_READS, Reads, open_reads
+from service.tenants.ratelimit import close_buckets
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +89,7 @@ async def running_grpc(port: int, host: str = "127.0.0.1") -> AsyncIterator[tupl
             await server.stop(grace=5)
     finally:
         await reads.close()
+        await close_buckets()
 
 
 async def serve_grpc(port: int, host: str = "127.0.0.1") -> None:

@@ -92,6 +92,28 @@ class Settings(BaseSettings):
         "(as many at once); beyond it unknown keys from that address get 429 `too_many_auth_failures` until the "
         "budget refills (60/N s per lookup). Keys already authenticated are not affected. 0 = no limit.",
     )
+    rate_limit_reads: int = Field(
+        6000,
+        ge=0,
+        description="Reads (GET routes, read RPCs) each API key may make per rate-limit window, as many at once "
+        "(a token bucket refilled continuously); beyond it 429 `rate_limited` with Retry-After. 0 = no limit.",
+    )
+    rate_limit_writes: int = Field(
+        600, ge=0, description="Writes (every other route and RPC) each API key may make per window. 0 = no limit."
+    )
+    rate_limit_window_seconds: float = Field(60.0, gt=0, le=86400, description="The rate-limit window.")
+    rate_limit_redis_url: str | None = Field(
+        None,
+        description="Redis holding the rate-limit buckets, shared by every API process. None = the broker's "
+        "Redis if the broker is one, else in-process buckets (per process); \"\" = in-process.",
+    )
+    secret_rotation_overlap_seconds: float = Field(
+        86400.0,
+        ge=0,
+        le=30 * 86400,
+        description="After a webhook or reward-function signing secret is rotated, how long requests are signed "
+        "with the old secret too (both signatures in webhook-signature), so receivers can switch without a gap.",
+    )
     db_async_reads: bool = Field(
         True,
         description="PostgreSQL: the polled reads (GET /v1/jobs/{id}, GET /v1/jobs, the stream's first read) run on "

@@ -22,6 +22,14 @@ class DomainError(Exception):
     def to_body(self) -> dict[str, Any]:
         return {"error": {"code": self.code, "message": self.message, "details": self.details}}
 
+    def http_headers(self) -> dict[str, str]:
+        """Headers the REST error response carries besides its body (e.g. Retry-After)."""
+        return {}
+
+    def grpc_trailers(self) -> tuple[tuple[str, str], ...]:
+        """Trailing metadata the gRPC status carries besides the error code, field and details."""
+        return ()
+
 
 class NotFound(DomainError):
     code = "not_found"

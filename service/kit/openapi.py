@@ -21,11 +21,13 @@ class ErrorBody(BaseModel):
 
 _DESCRIPTIONS = {
     401: "Missing or invalid API key (`unauthenticated`).",
+    403: "The API key lacks the scope this route needs (`insufficient_scope`).",
     404: "Unknown id, or another tenant's (`not_found`, identical either way).",
     409: "Conflict with the current state (`illegal_transition`, `idempotency_key_in_flight`, `conflict`).",
     413: "Payload too large (`payload_too_large`).",
     416: "Range not satisfiable.",
     422: "Invalid input (`validation_error`); `details` names each field.",
+    429: "Rate limit of this API key reached (`rate_limited`): retry after `Retry-After` seconds.",
     503: "A dependency is unavailable (`service_unavailable`).",
 }
 

@@ -86,7 +86,7 @@ def render_domain(exc: DomainError) -> JSONResponse:
         param = openai_param(str(field)) if field else None
         if param and field and first.get("message"):
             message = f"{param}: {first['message']}"
-    return error_response(exc.http_status, message, param=param, code=exc.code)
+    return error_response(exc.http_status, message, param=param, code=exc.code, headers=exc.http_headers() or None)
 
 
 def render_validation(errors: Sequence[Any]) -> JSONResponse:

@@ -11,12 +11,12 @@ from __future__ import annotations
 import grpc
 from sqlalchemy.orm import Session
 
+from contract.api.quotas import QuotaLimits, QuotasOut
 from service.jobs import service as jobs_service
 from service.kit.config import get_settings
 from service.kit.errors import DomainError, NotFound
 from service.kit.queue import JobQueue
 from service.quotas import service as quotas
-from service.quotas.schemas import QuotaLimits, QuotasOut
 from service.tenants.auth import TenantContext
 
 

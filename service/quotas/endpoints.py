@@ -6,12 +6,12 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends
 
+from contract.api.quotas import QuotaLimits, QuotasOut
 from service.kit.deps import SessionDep
 from service.kit.openapi import ErrorBody, error_responses
 from service.kit.params import PathId
 from service.kit.queue import JobQueue, get_job_queue
 from service.quotas import admin
-from service.quotas.schemas import QuotaLimits, QuotasOut
 from service.tenants.auth import AdminTenant
 
 router = APIRouter(tags=["admin"])

@@ -21,12 +21,12 @@ from __future__ import annotations
 import grpc
 from sqlalchemy.orm import Session
 
+from contract.api.quotas import QUOTA_NAMES, QuotaLimits, QuotaName, QuotasOut, QuotaUsage
 from service.kit.config import Settings, get_settings
 from service.kit.db import utcnow
 from service.kit.errors import DomainError, NotFound
 from service.quotas import repository
 from service.quotas.models import TenantQuota
-from service.quotas.schemas import QUOTA_NAMES, QuotaLimits, QuotaName, QuotasOut, QuotaUsage
 from service.tenants import repository as tenants_repository
 
 

@@ -35,9 +35,10 @@ from contract.reward_types import RewardError, RewardUnavailable
 from outbound.rewards import RemoteRewardConfig, RewardItem, test_endpoint
 from outbound.rewards.errors import RewardEndpointGrpcError, RewardEndpointHTTPError
 from service.kit.config import get_settings
+from service.kit.db import utcnow
 from service.kit.errors import DomainError
 from service.rewards.schemas import RewardTestItem
-from service.rewards.service import get_reward_function, run_blocking
+from service.rewards.service import get_reward_function, previous_secret_in_overlap, run_blocking
 
 TEST_JOB_ID = "test"
 
@@ -66,6 +67,10 @@ def endpoint_config(session: Session, tenant_id: str, rf_id: str) -> RemoteRewar
             reward_function_id=row.id,
             url=row.url,
             secret=row.signing_secret,  # pydantic wraps it in SecretStr
+            previous_secret=previous_secret_in_overlap(
+                row.previous_signing_secret, row.previous_secret_expires_at, utcnow()
+            ),
+            previous_secret_until=row.previous_secret_expires_at,
             job_id=TEST_JOB_ID,
             timeout_s=row.timeout_s,
             max_batch_size=row.max_batch_size,

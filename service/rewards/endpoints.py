@@ -76,7 +76,9 @@ def delete_reward_function(reward_function_id: PathId, session: SessionDep, tena
 def rotate_secret(
     reward_function_id: PathId, session: SessionDep, tenant: CurrentTenant
 ) -> RewardFunctionWithSecret:
-    """Issue a new signing secret (returned once); requests signed from now on use it."""
+    """Issue a new signing secret (returned once). Until `previous_secret_expires_at`
+    (GRPO_SECRET_ROTATION_OVERLAP_SECONDS, default 24 h) requests carry signatures with both the new and the
+    replaced secret, so the endpoint can switch to the new one at any time within that window."""
     return reward_function_with_secret(
         service.rotate_secret(session, tenant.tenant_id, reward_function_id)
     )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+from datetime import UTC, datetime
 from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -184,6 +185,11 @@ class RewardTestRequest(BaseModel):
     )
 
 
+def overlap_end(until: datetime | None) -> datetime | None:
+    """A rotation's overlap end while it lasts (a past one is not shown)."""
+    return until if until is not None and until > datetime.now(UTC) else None
+
+
 def reward_function_out(row: RewardFunction) -> RewardFunctionOut:
     return RewardFunctionOut(
         id=row.id,
@@ -200,6 +206,7 @@ def reward_function_out(row: RewardFunction) -> RewardFunctionOut:
         max_abstain_fraction=row.max_abstain_fraction,
         created_at=row.created_at,
         updated_at=row.updated_at,
+        previous_secret_expires_at=overlap_end(row.previous_secret_expires_at),
     )
 
 

@@ -11,6 +11,7 @@ import asyncio
 import base64
 import secrets
 from collections.abc import Coroutine, Sequence
+from datetime import datetime, timedelta
 from typing import Any, TypeVar
 
 from sqlalchemy.orm import Session
@@ -114,13 +115,29 @@ def delete_reward_function(session: Session, tenant_id: str, rf_id: str) -> None
     session.flush()
 
 
+def rotation_overlap_end(now: datetime) -> datetime | None:
+    """Until when a secret replaced at `now` still signs (GRPO_SECRET_ROTATION_OVERLAP_SECONDS); None: no overlap."""
+    overlap = get_settings().secret_rotation_overlap_seconds
+    return now + timedelta(seconds=overlap) if overlap > 0 else None
+
+
+def previous_secret_in_overlap(previous: str | None, until: datetime | None, now: datetime) -> str | None:
+    """The replaced secret while its overlap lasts, else None."""
+    return previous if previous is not None and until is not None and now < until else None
+
+
 def rotate_secret(session: Session, tenant_id: str, rf_id: str) -> RewardFunction:
-    """Issue a new signing secret; the old one stops being used for requests signed from now on."""
+    """Issue a new signing secret. Requests are signed with the new and the replaced secret until the overlap
+    ends (both in webhook-signature); rotating again within it drops the older secret at once."""
     row = repository.get(session, tenant_id, rf_id, for_update=True)
     if row is None:
         raise NotFound("reward function", rf_id)
+    now = utcnow()
+    until = rotation_overlap_end(now)
+    row.previous_signing_secret = row.signing_secret if until is not None else None
+    row.previous_secret_expires_at = until
     row.signing_secret = new_signing_secret()
-    row.updated_at = utcnow()
+    row.updated_at = now
     session.flush()
     return row
 

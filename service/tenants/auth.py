@@ -22,6 +22,8 @@ from service.kit.reads import unavailable_database_is_503
 from service.tenants import repository
 from service.tenants.failures import FailedLookups, TooManyAuthFailures
 from service.tenants.keycache import KeyCache
+from service.tenants.lastused import LastUsed
+from service.tenants.ratelimit import STATE_KEY, admit
 from service.tenants.scopes import Scope, parse_scopes, require_scope
 from service.tenants.service import hash_key, lookup_prefix
 
@@ -48,6 +50,8 @@ class TenantContext:
 KEY_CACHE: KeyCache[TenantContext] = KeyCache()
 # Recently refused keys and each address's budget of lookups of unknown keys (see failures).
 FAILED_LOOKUPS = FailedLookups()
+# When this process last wrote each key's last_used_at (see lastused).
+LAST_USED = LastUsed()
 
 
 def look_up_key(session: Session, bearer_token: str) -> TenantContext:
@@ -116,14 +120,16 @@ async def authenticate_on_loop(bearer_token: str | None, address: str | None = N
     ttl = get_settings().auth_cache_seconds
     key_hash = hash_key(bearer_token)
     if ttl <= 0:
-        return await _bounded_lookup(bearer_token, key_hash, address or "")
-    if (cached := KEY_CACHE.lookup(key_hash)) is not None:
+        tenant = await _bounded_lookup(bearer_token, key_hash, address or "")
+    elif (cached := KEY_CACHE.lookup(key_hash)) is not None:
         tenant, seconds_left = cached
         if seconds_left < REFRESH_WHEN_LEFT * ttl:
             _shared_lookup(bearer_token, key_hash, None)  # in the background: this request is answered now
-        return tenant
-    # Shielded: a caller that goes away (client disconnect) must not cancel the others' lookup.
-    return await asyncio.shield(_shared_lookup(bearer_token, key_hash, address or ""))
+    else:
+        # Shielded: a caller that goes away (client disconnect) must not cancel the others' lookup.
+        tenant = await asyncio.shield(_shared_lookup(bearer_token, key_hash, address or ""))
+    LAST_USED.touch(tenant.api_key_id)
+    return tenant
 
 
 async def _bounded_lookup(bearer_token: str, key_hash: str, address: str | None) -> TenantContext:
@@ -199,7 +205,11 @@ class _BearerTenant(HTTPBearer):
         credentials = await super().__call__(request)
         address = request.client.host if request.client else None
         tenant = await authenticate_on_loop(credentials.credentials if credentials else None, address)
-        require_scope(tenant, self.scope or scope_of_method(request.method))
+        scope = self.scope or scope_of_method(request.method)
+        require_scope(tenant, scope)
+        decision = await admit(tenant.api_key_id, "read" if scope == "read" else "write")
+        if decision is not None:
+            setattr(request.state, STATE_KEY, decision)  # for the RateLimit-* headers (RateLimitHeaders)
         return tenant
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from datetime import datetime
 
-from sqlalchemy import or_, select
+from sqlalchemy import or_, select, update
 from sqlalchemy.orm import Session
 
 from service.tenants.models import ApiKey, Tenant
@@ -35,6 +35,23 @@ def active_keys_with_prefix(session: Session, prefix: str, now: datetime) -> Seq
         )
     ).all()
     return [(key, tenant) for key, tenant in rows]
+
+
+def list_api_keys(session: Session, tenant_id: str, *, limit: int, after: str | None) -> Sequence[ApiKey]:
+    """Newest first; ids are time-sortable, so `id < after` is a stable cursor."""
+    stmt = select(ApiKey).where(ApiKey.tenant_id == tenant_id)
+    if after is not None:
+        stmt = stmt.where(ApiKey.id < after)
+    return session.scalars(stmt.order_by(ApiKey.id.desc()).limit(limit)).all()
+
+
+def mark_used(session: Session, key_ids: Sequence[str], now: datetime, older_than: datetime) -> None:
+    """Set last_used_at of keys not marked since `older_than` (so concurrent processes write about once)."""
+    session.execute(
+        update(ApiKey)
+        .where(ApiKey.id.in_(key_ids), or_(ApiKey.last_used_at.is_(None), ApiKey.last_used_at < older_than))
+        .values(last_used_at=now)
+    )
 
 
 def add(session: Session, row: Tenant | ApiKey) -> None:

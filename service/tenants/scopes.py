@@ -9,13 +9,13 @@ exactly what it lists. `require_scope` is the one check; REST routes get it thro
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Literal, Protocol, get_args
+from typing import Protocol, get_args
 
 import grpc
 
+from contract.api.api_keys import Scope
 from service.kit.errors import DomainError, ValidationFailed
 
-Scope = Literal["read", "write", "admin"]
 ALL_SCOPES: tuple[Scope, ...] = get_args(Scope)
 # What a key gets when its creator names no scopes: everything but key management.
 DEFAULT_SCOPES: tuple[Scope, ...] = ("read", "write")

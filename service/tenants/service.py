@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import re
 import secrets
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from datetime import datetime
 
 from sqlalchemy.orm import Session
@@ -17,6 +17,7 @@ from sqlalchemy.orm import Session
 from service.kit.db import on_commit, utcnow
 from service.kit.errors import Conflict, NotFound, ValidationFailed
 from service.kit.ids import new_id
+from service.kit.paging import page
 from service.tenants import repository
 from service.tenants.models import ApiKey, Tenant
 from service.tenants.scopes import ALL_SCOPES, normalize_scopes
@@ -85,6 +86,26 @@ def create_api_key(
     )
     repository.add(session, key)
     return key, token
+
+
+def create_api_key_for(
+    session: Session, tenant_id: str, *, name: str, scopes: Iterable[str], expires_at: datetime | None
+) -> tuple[ApiKey, str]:
+    """A key made over the API (by an admin key of the same tenant). Raises ValidationFailed for an expiry that
+    is not in the future."""
+    if expires_at is not None and expires_at <= utcnow():
+        raise ValidationFailed(
+            "expires_at: must be in the future", details=[{"field": "expires_at", "message": "in the past"}]
+        )
+    tenant = repository.get_tenant(session, tenant_id)
+    if tenant is None:
+        raise NotFound("tenant", tenant_id)
+    return create_api_key(session, tenant, scopes=scopes, name=name, expires_at=expires_at)
+
+
+def list_api_keys(session: Session, tenant_id: str, *, limit: int, after: str | None) -> tuple[Sequence[ApiKey], bool]:
+    """The tenant's keys, revoked and expired ones included, newest first."""
+    return page(repository.list_api_keys(session, tenant_id, limit=limit + 1, after=after), limit)
 
 
 def revoke_api_key(session: Session, tenant_id: str, key_id: str) -> ApiKey:

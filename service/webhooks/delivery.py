@@ -32,7 +32,7 @@ from datetime import datetime, timedelta
 import httpx
 from tenacity import RetryCallState, Retrying, wait_exponential_jitter
 
-from outbound.signing import load_secret, sign_headers
+from outbound.signing import SigningKeys, sign_headers
 from outbound.transport import PinnedResolutionTransport
 from outbound.urlpolicy import Resolver, UrlRejected
 from service.kit.config import Settings
@@ -94,7 +94,7 @@ class _Claimed:
     message_id: str
     payload: bytes
     url: str
-    secret: str
+    signing: SigningKeys
     attempts: int
 
 
@@ -160,7 +160,7 @@ class Dispatcher:
             headers = {
                 "content-type": "application/json",
                 "user-agent": USER_AGENT,
-                **sign_headers(load_secret(item.secret), item.message_id, item.payload),
+                **sign_headers(item.signing, item.message_id, item.payload),
             }
             response = await self._client.post(item.url, content=item.payload, headers=headers)
         except UrlRejected as exc:
@@ -213,7 +213,8 @@ class Dispatcher:
 
 def _claimed(delivery: WebhookDelivery, endpoint: WebhookEndpoint) -> _Claimed:
     body = json.dumps(delivery.payload, separators=(",", ":"), sort_keys=True).encode()
-    return _Claimed(delivery.id, delivery.message_id, body, endpoint.url, endpoint.secret, delivery.attempts)
+    signing = SigningKeys.load(endpoint.secret, endpoint.previous_secret, endpoint.previous_secret_expires_at)
+    return _Claimed(delivery.id, delivery.message_id, body, endpoint.url, signing, delivery.attempts)
 
 
 def _safe_url(url: str) -> str:

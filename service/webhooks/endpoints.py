@@ -63,6 +63,15 @@ def delete_webhook(webhook_id: PathId, session: SessionDep, tenant: CurrentTenan
     return Response(status_code=204)
 
 
+@router.post("/webhooks/{webhook_id}/rotate-secret", response_model=WebhookWithSecret,
+             summary="Rotate a webhook's signing secret", responses=error_responses(401, 403, 404))
+def rotate_webhook_secret(webhook_id: PathId, session: SessionDep, tenant: CurrentTenant) -> WebhookWithSecret:
+    """Issue a new signing secret (returned once). Until `previous_secret_expires_at`
+    (GRPO_SECRET_ROTATION_OVERLAP_SECONDS, default 24 h) every delivery carries signatures with both the new and
+    the replaced secret (`webhook-signature: v1,<new> v1,<old>`), so the receiver can switch at any time."""
+    return webhook_with_secret(service.rotate_webhook_secret(session, tenant.tenant_id, webhook_id))
+
+
 @router.get("/webhooks/{webhook_id}/deliveries", response_model=DeliveryList,
             summary="A webhook's deliveries, newest first", responses=error_responses(401, 404, 422))
 def list_deliveries(

@@ -11,6 +11,7 @@ from contract.api.webhooks import (
     WebhookWithSecret,
 )
 from contract.fields import Text
+from service.rewards.schemas import overlap_end
 from service.webhooks.models import WebhookDelivery, WebhookEndpoint
 
 
@@ -32,7 +33,8 @@ class WebhookCreate(BaseModel):
 
 def webhook_out(row: WebhookEndpoint) -> WebhookOut:
     return WebhookOut(id=row.id, url=row.url, description=row.description, event_types=list(EVENT_TYPES),
-               created_at=row.created_at)
+               created_at=row.created_at,
+                      previous_secret_expires_at=overlap_end(row.previous_secret_expires_at))
 
 
 def webhook_with_secret(row: WebhookEndpoint) -> WebhookWithSecret:

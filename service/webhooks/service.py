@@ -17,7 +17,7 @@ from service.kit.db import utcnow
 from service.kit.errors import NotFound
 from service.kit.ids import new_id
 from service.kit.paging import page
-from service.rewards.service import check_registration_url, new_signing_secret
+from service.rewards.service import check_registration_url, new_signing_secret, rotation_overlap_end
 from service.webhooks import repository
 from service.webhooks.models import WebhookDelivery, WebhookEndpoint
 from service.webhooks.schemas import WebhookCreate
@@ -45,6 +45,20 @@ def get_webhook(session: Session, tenant_id: str, webhook_id: str) -> WebhookEnd
     row = repository.get_endpoint(session, tenant_id, webhook_id)
     if row is None:
         raise NotFound("webhook", webhook_id)
+    return row
+
+
+def rotate_webhook_secret(session: Session, tenant_id: str, webhook_id: str) -> WebhookEndpoint:
+    """Issue a new signing secret. Deliveries carry signatures with the new and the replaced secret until the
+    overlap ends (GRPO_SECRET_ROTATION_OVERLAP_SECONDS); rotating again within it drops the older secret."""
+    row = repository.get_endpoint(session, tenant_id, webhook_id)
+    if row is None:
+        raise NotFound("webhook", webhook_id)
+    until = rotation_overlap_end(utcnow())
+    row.previous_secret = row.secret if until is not None else None
+    row.previous_secret_expires_at = until
+    row.secret = new_signing_secret()
+    session.flush()
     return row
 
 

@@ -14,6 +14,7 @@ import pytest
 from fastapi import FastAPI
 
 from contract.gen.grpo.v1 import (
+    api_keys_pb2,
     checkpoints_pb2,
     datasets_pb2,
     jobs_pb2,
@@ -24,6 +25,7 @@ from contract.gen.grpo.v1 import (
 from service.checkpoints import endpoints as checkpoints_rest
 from service.datasets import endpoints as datasets_rest
 from service.grpc import watch
+from service.grpc.servicers import api_keys as api_keys_grpc
 from service.grpc.servicers import checkpoints as checkpoints_grpc
 from service.grpc.servicers import datasets as datasets_grpc
 from service.grpc.servicers import jobs as jobs_grpc
@@ -33,6 +35,7 @@ from service.grpc.servicers import usage as usage_grpc
 from service.jobs import endpoints as jobs_rest
 from service.quotas import endpoints as quotas_rest
 from service.rewards import endpoints as rewards_rest
+from service.tenants import endpoints as api_keys_rest
 from service.usage import endpoints as usage_rest
 
 # (REST route, REST module, RPC, gRPC modules, domain function both must call)
@@ -63,6 +66,9 @@ OPERATIONS: list[tuple[str, ModuleType, str, tuple[ModuleType, ...], str]] = [
     ("GET /v1/checkpoints/{checkpoint_id}", checkpoints_rest, "CheckpointService.GetCheckpoint", (checkpoints_grpc,), "service.get_checkpoint"),
     # Per-file Range download over REST; DownloadCheckpoint streams every (or the chosen) files with offsets.
     ("GET /v1/checkpoints/{checkpoint_id}/files/{path}", checkpoints_rest, "CheckpointService.DownloadCheckpoint", (checkpoints_grpc,), "service.manifest_entry"),
+    ("POST /v1/api-keys", api_keys_rest, "ApiKeyService.CreateApiKey", (api_keys_grpc,), "service.create_api_key_for"),
+    ("GET /v1/api-keys", api_keys_rest, "ApiKeyService.ListApiKeys", (api_keys_grpc,), "service.list_api_keys"),
+    ("DELETE /v1/api-keys/{api_key_id}", api_keys_rest, "ApiKeyService.RevokeApiKey", (api_keys_grpc,), "service.revoke_api_key"),
     ("GET /v1/admin/tenants/{tenant_id}/quotas", quotas_rest, "QuotaService.GetTenantQuotas", (quotas_grpc,), "admin.read_quotas"),
     ("PUT /v1/admin/tenants/{tenant_id}/quotas", quotas_rest, "QuotaService.SetTenantQuotas", (quotas_grpc,), "admin.write_quotas"),
     ("GET /v1/usage", usage_rest, "UsageService.GetUsage", (usage_grpc,), "service.report"),
@@ -81,6 +87,7 @@ REST_ONLY = {
     "GET /v1/webhooks/{webhook_id}",
     "DELETE /v1/webhooks/{webhook_id}",
     "GET /v1/webhooks/{webhook_id}/deliveries",
+    "POST /v1/webhooks/{webhook_id}/rotate-secret",
 }
 # Declared in the API, waiting for its domain operation: UNIMPLEMENTED until then (none at the moment).
 GRPC_PENDING: set[str] = set()
@@ -92,6 +99,7 @@ SERVICES = [
         (jobs_pb2.DESCRIPTOR, "JobService"),
         (checkpoints_pb2.DESCRIPTOR, "CheckpointService"),
         (reward_functions_pb2.DESCRIPTOR, "RewardFunctionService"),
+        (api_keys_pb2.DESCRIPTOR, "ApiKeyService"),
         (quotas_pb2.DESCRIPTOR, "QuotaService"),
         (usage_pb2.DESCRIPTOR, "UsageService"),
     )

@@ -9,12 +9,12 @@ from collections.abc import Callable, Iterator
 import grpc
 import pytest
 
+from contract.api.quotas import QuotaLimits
 from contract.gen.grpo.v1 import datasets_pb2_grpc, jobs_pb2, jobs_pb2_grpc, quotas_pb2, quotas_pb2_grpc
 from service.kit.config import Settings, get_settings
 from service.kit.db import session_scope
 from service.kit.queue import set_job_queue
 from service.quotas import service as quotas
-from service.quotas.schemas import QuotaLimits
 from tests.grpc.helpers import bearer, error_code, error_details, error_field, upload_requests
 from tests.grpc.test_jobs import spec_message
 from tests.service.factories import TenantHeaders

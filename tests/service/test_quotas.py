@@ -14,11 +14,11 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
+from contract.api.quotas import QuotaLimits
 from service.kit import db as kit_db
 from service.kit.config import Settings, get_settings
 from service.kit.db import session_scope
 from service.quotas import service as quotas
-from service.quotas.schemas import QuotaLimits
 from service.storage import get_storage
 from tests.service.factories import TenantHeaders, auth_headers, create_key
 from tests.service.jobs_support import RecordingQueue, job_spec, make_dataset, recording_queue, start_job

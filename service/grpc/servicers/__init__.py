@@ -9,6 +9,8 @@ from __future__ import annotations
 import grpc
 
 from contract.gen.grpo.v1 import (
+    api_keys_pb2,
+    api_keys_pb2_grpc,
     checkpoints_pb2,
     checkpoints_pb2_grpc,
     datasets_pb2,
@@ -22,6 +24,7 @@ from contract.gen.grpo.v1 import (
     usage_pb2,
     usage_pb2_grpc,
 )
+from service.grpc.servicers.api_keys import ApiKeyServicer
 from service.grpc.servicers.checkpoints import CheckpointServicer
 from service.grpc.servicers.datasets import DatasetServicer
 from service.grpc.servicers.jobs import JobServicer
@@ -39,9 +42,11 @@ def register_all(server: grpc.aio.Server, reads: Reads = THREADED_READS) -> tupl
     jobs_pb2_grpc.add_JobServiceServicer_to_server(JobServicer(reads), server)
     checkpoints_pb2_grpc.add_CheckpointServiceServicer_to_server(CheckpointServicer(), server)
     reward_functions_pb2_grpc.add_RewardFunctionServiceServicer_to_server(RewardFunctionServicer(), server)
+    api_keys_pb2_grpc.add_ApiKeyServiceServicer_to_server(ApiKeyServicer(), server)
     quotas_pb2_grpc.add_QuotaServiceServicer_to_server(QuotaServicer(), server)
     usage_pb2_grpc.add_UsageServiceServicer_to_server(UsageServicer(), server)
     return (
+        api_keys_pb2.DESCRIPTOR.services_by_name["ApiKeyService"].full_name,
         checkpoints_pb2.DESCRIPTOR.services_by_name["CheckpointService"].full_name,
         datasets_pb2.DESCRIPTOR.services_by_name["DatasetService"].full_name,
         jobs_pb2.DESCRIPTOR.services_by_name["JobService"].full_name,

@@ -7,13 +7,13 @@ from typing import Any
 import grpc
 from pydantic import ValidationError
 
+from contract.api.quotas import QUOTA_NAMES, QuotaLimits, QuotasOut
 from contract.gen.grpo.v1 import quotas_pb2, quotas_pb2_grpc
 from service.grpc.auth import current_tenant
 from service.grpc.calls import in_session
 from service.grpc.errors import from_validation_error
 from service.kit.queue import get_job_queue
 from service.quotas import admin
-from service.quotas.schemas import QUOTA_NAMES, QuotaLimits, QuotasOut
 
 Context = grpc.aio.ServicerContext[Any, Any]
 

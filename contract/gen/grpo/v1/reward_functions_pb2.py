@@ -26,7 +26,7 @@ from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__
 from contract.gen.grpo.v1 import reward_pb2 as grpo_dot_v1_dot_reward__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1egrpo/v1/reward_functions.proto\x12\x07grpo.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x14grpo/v1/reward.proto\"\xbd\x03\n\x0eRewardFunction\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0b\n\x03url\x18\x03 \x01(\t\x12\x11\n\ttimeout_s\x18\x04 \x01(\x01\x12\x16\n\x0emax_batch_size\x18\x05 \x01(\x05\x12\x17\n\x0fmax_concurrency\x18\x06 \x01(\x05\x12\x35\n\x07headers\x18\x07 \x03(\x0b\x32$.grpo.v1.RewardFunction.HeadersEntry\x12.\n\ncreated_at\x18\x08 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12.\n\nupdated_at\x18\t \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x14\n\x0cmax_attempts\x18\n \x01(\x05\x12\x11\n\tbackoff_s\x18\x0b \x01(\x01\x12\x19\n\x11\x62reaker_threshold\x18\x0c \x01(\x05\x12\x17\n\x0fstep_deadline_s\x18\r \x01(\x01\x12\x1c\n\x14max_abstain_fraction\x18\x0e \x01(\x01\x1a.\n\x0cHeadersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xae\x04\n\x1dRegisterRewardFunctionRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0b\n\x03url\x18\x02 \x01(\t\x12\x16\n\ttimeout_s\x18\x03 \x01(\x01H\x00\x88\x01\x01\x12\x1b\n\x0emax_batch_size\x18\x04 \x01(\x05H\x01\x88\x01\x01\x12\x1c\n\x0fmax_concurrency\x18\x05 \x01(\x05H\x02\x88\x01\x01\x12\x44\n\x07headers\x18\x06 \x03(\x0b\x32\x33.grpo.v1.RegisterRewardFunctionRequest.HeadersEntry\x12\x19\n\x0cmax_attempts\x18\x07 \x01(\x05H\x03\x88\x01\x01\x12\x16\n\tbackoff_s\x18\x08 \x01(\x01H\x04\x88\x01\x01\x12\x1e\n\x11\x62reaker_threshold\x18\t \x01(\x05H\x05\x88\x01\x01\x12\x1c\n\x0fstep_deadline_s\x18\n \x01(\x01H\x06\x88\x01\x01\x12!\n\x14max_abstain_fraction\x18\x0b \x01(\x01H\x07\x88\x01\x01\x1a.\n\x0cHeadersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x0c\n\n_timeout_sB\x11\n\x0f_max_batch_sizeB\x12\n\x10_max_concurrencyB\x0f\n\r_max_attemptsB\x0c\n\n_backoff_sB\x14\n\x12_breaker_thresholdB\x12\n\x10_step_deadline_sB\x17\n\x15_max_abstain_fraction\"j\n\x1eRegisterRewardFunctionResponse\x12\x30\n\x0freward_function\x18\x01 \x01(\x0b\x32\x17.grpo.v1.RewardFunction\x12\x16\n\x0esigning_secret\x18\x02 \x01(\t\"6\n\x18GetRewardFunctionRequest\x12\x1a\n\x12reward_function_id\x18\x01 \x01(\t\"M\n\x19GetRewardFunctionResponse\x12\x30\n\x0freward_function\x18\x01 \x01(\x0b\x32\x17.grpo.v1.RewardFunction\"C\n\x1aListRewardFunctionsRequest\x12\x11\n\tpage_size\x18\x01 \x01(\x05\x12\x12\n\npage_token\x18\x02 \x01(\t\"i\n\x1bListRewardFunctionsResponse\x12\x31\n\x10reward_functions\x18\x01 \x03(\x0b\x32\x17.grpo.v1.RewardFunction\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"9\n\x1b\x44\x65leteRewardFunctionRequest\x12\x1a\n\x12reward_function_id\x18\x01 \x01(\t\"\x1e\n\x1c\x44\x65leteRewardFunctionResponse\"?\n!RotateRewardFunctionSecretRequest\x12\x1a\n\x12reward_function_id\x18\x01 \x01(\t\"n\n\"RotateRewardFunctionSecretResponse\x12\x30\n\x0freward_function\x18\x01 \x01(\x0b\x32\x17.grpo.v1.RewardFunction\x12\x16\n\x0esigning_secret\x18\x02 \x01(\t\"\xb5\x01\n\nTestSample\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x12\n\ncompletion\x18\x02 \x01(\t\x12<\n\rmetadata_json\x18\x03 \x03(\x0b\x32%.grpo.v1.TestSample.MetadataJsonEntry\x12\x10\n\x08group_id\x18\x04 \x01(\x05\x1a\x33\n\x11MetadataJsonEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"]\n\x19TestRewardFunctionRequest\x12\x1a\n\x12reward_function_id\x18\x01 \x01(\t\x12$\n\x07samples\x18\x02 \x03(\x0b\x32\x13.grpo.v1.TestSample\"o\n\x1aTestRewardFunctionResponse\x12\x12\n\nlatency_ms\x18\x03 \x01(\x01\x12 \n\x07rewards\x18\x05 \x03(\x0b\x32\x0f.grpo.v1.RewardJ\x04\x08\x01\x10\x02J\x04\x08\x02\x10\x03J\x04\x08\x04\x10\x05R\x02okR\x05\x65rror2\xfb\x04\n\x15RewardFunctionService\x12i\n\x16RegisterRewardFunction\x12&.grpo.v1.RegisterRewardFunctionRequest\x1a\'.grpo.v1.RegisterRewardFunctionResponse\x12Z\n\x11GetRewardFunction\x12!.grpo.v1.GetRewardFunctionRequest\x1a\".grpo.v1.GetRewardFunctionResponse\x12`\n\x13ListRewardFunctions\x12#.grpo.v1.ListRewardFunctionsRequest\x1a$.grpo.v1.ListRewardFunctionsResponse\x12\x63\n\x14\x44\x65leteRewardFunction\x12$.grpo.v1.DeleteRewardFunctionRequest\x1a%.grpo.v1.DeleteRewardFunctionResponse\x12u\n\x1aRotateRewardFunctionSecret\x12*.grpo.v1.RotateRewardFunctionSecretRequest\x1a+.grpo.v1.RotateRewardFunctionSecretResponse\x12]\n\x12TestRewardFunction\x12\".grpo.v1.TestRewardFunctionRequest\x1a#.grpo.v1.TestRewardFunctionResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1egrpo/v1/reward_functions.proto\x12\x07grpo.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x14grpo/v1/reward.proto\"\xfe\x03\n\x0eRewardFunction\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0b\n\x03url\x18\x03 \x01(\t\x12\x11\n\ttimeout_s\x18\x04 \x01(\x01\x12\x16\n\x0emax_batch_size\x18\x05 \x01(\x05\x12\x17\n\x0fmax_concurrency\x18\x06 \x01(\x05\x12\x35\n\x07headers\x18\x07 \x03(\x0b\x32$.grpo.v1.RewardFunction.HeadersEntry\x12.\n\ncreated_at\x18\x08 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12.\n\nupdated_at\x18\t \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x14\n\x0cmax_attempts\x18\n \x01(\x05\x12\x11\n\tbackoff_s\x18\x0b \x01(\x01\x12\x19\n\x11\x62reaker_threshold\x18\x0c \x01(\x05\x12\x17\n\x0fstep_deadline_s\x18\r \x01(\x01\x12\x1c\n\x14max_abstain_fraction\x18\x0e \x01(\x01\x12?\n\x1aprevious_secret_expires_at\x18\xc9\x01 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x1a.\n\x0cHeadersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xae\x04\n\x1dRegisterRewardFunctionRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0b\n\x03url\x18\x02 \x01(\t\x12\x16\n\ttimeout_s\x18\x03 \x01(\x01H\x00\x88\x01\x01\x12\x1b\n\x0emax_batch_size\x18\x04 \x01(\x05H\x01\x88\x01\x01\x12\x1c\n\x0fmax_concurrency\x18\x05 \x01(\x05H\x02\x88\x01\x01\x12\x44\n\x07headers\x18\x06 \x03(\x0b\x32\x33.grpo.v1.RegisterRewardFunctionRequest.HeadersEntry\x12\x19\n\x0cmax_attempts\x18\x07 \x01(\x05H\x03\x88\x01\x01\x12\x16\n\tbackoff_s\x18\x08 \x01(\x01H\x04\x88\x01\x01\x12\x1e\n\x11\x62reaker_threshold\x18\t \x01(\x05H\x05\x88\x01\x01\x12\x1c\n\x0fstep_deadline_s\x18\n \x01(\x01H\x06\x88\x01\x01\x12!\n\x14max_abstain_fraction\x18\x0b \x01(\x01H\x07\x88\x01\x01\x1a.\n\x0cHeadersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x0c\n\n_timeout_sB\x11\n\x0f_max_batch_sizeB\x12\n\x10_max_concurrencyB\x0f\n\r_max_attemptsB\x0c\n\n_backoff_sB\x14\n\x12_breaker_thresholdB\x12\n\x10_step_deadline_sB\x17\n\x15_max_abstain_fraction\"j\n\x1eRegisterRewardFunctionResponse\x12\x30\n\x0freward_function\x18\x01 \x01(\x0b\x32\x17.grpo.v1.RewardFunction\x12\x16\n\x0esigning_secret\x18\x02 \x01(\t\"6\n\x18GetRewardFunctionRequest\x12\x1a\n\x12reward_function_id\x18\x01 \x01(\t\"M\n\x19GetRewardFunctionResponse\x12\x30\n\x0freward_function\x18\x01 \x01(\x0b\x32\x17.grpo.v1.RewardFunction\"C\n\x1aListRewardFunctionsRequest\x12\x11\n\tpage_size\x18\x01 \x01(\x05\x12\x12\n\npage_token\x18\x02 \x01(\t\"i\n\x1bListRewardFunctionsResponse\x12\x31\n\x10reward_functions\x18\x01 \x03(\x0b\x32\x17.grpo.v1.RewardFunction\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"9\n\x1b\x44\x65leteRewardFunctionRequest\x12\x1a\n\x12reward_function_id\x18\x01 \x01(\t\"\x1e\n\x1c\x44\x65leteRewardFunctionResponse\"?\n!RotateRewardFunctionSecretRequest\x12\x1a\n\x12reward_function_id\x18\x01 \x01(\t\"n\n\"RotateRewardFunctionSecretResponse\x12\x30\n\x0freward_function\x18\x01 \x01(\x0b\x32\x17.grpo.v1.RewardFunction\x12\x16\n\x0esigning_secret\x18\x02 \x01(\t\"\xb5\x01\n\nTestSample\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x12\n\ncompletion\x18\x02 \x01(\t\x12<\n\rmetadata_json\x18\x03 \x03(\x0b\x32%.grpo.v1.TestSample.MetadataJsonEntry\x12\x10\n\x08group_id\x18\x04 \x01(\x05\x1a\x33\n\x11MetadataJsonEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"]\n\x19TestRewardFunctionRequest\x12\x1a\n\x12reward_function_id\x18\x01 \x01(\t\x12$\n\x07samples\x18\x02 \x03(\x0b\x32\x13.grpo.v1.TestSample\"o\n\x1aTestRewardFunctionResponse\x12\x12\n\nlatency_ms\x18\x03 \x01(\x01\x12 \n\x07rewards\x18\x05 \x03(\x0b\x32\x0f.grpo.v1.RewardJ\x04\x08\x01\x10\x02J\x04\x08\x02\x10\x03J\x04\x08\x04\x10\x05R\x02okR\x05\x65rror2\xfb\x04\n\x15RewardFunctionService\x12i\n\x16RegisterRewardFunction\x12&.grpo.v1.RegisterRewardFunctionRequest\x1a\'.grpo.v1.RegisterRewardFunctionResponse\x12Z\n\x11GetRewardFunction\x12!.grpo.v1.GetRewardFunctionRequest\x1a\".grpo.v1.GetRewardFunctionResponse\x12`\n\x13ListRewardFunctions\x12#.grpo.v1.ListRewardFunctionsRequest\x1a$.grpo.v1.ListRewardFunctionsResponse\x12\x63\n\x14\x44\x65leteRewardFunction\x12$.grpo.v1.DeleteRewardFunctionRequest\x1a%.grpo.v1.DeleteRewardFunctionResponse\x12u\n\x1aRotateRewardFunctionSecret\x12*.grpo.v1.RotateRewardFunctionSecretRequest\x1a+.grpo.v1.RotateRewardFunctionSecretResponse\x12]\n\x12TestRewardFunction\x12\".grpo.v1.TestRewardFunctionRequest\x1a#.grpo.v1.TestRewardFunctionResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,39 +40,39 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TESTSAMPLE_METADATAJSONENTRY']._loaded_options = None
   _globals['_TESTSAMPLE_METADATAJSONENTRY']._serialized_options = b'8\001'
   _globals['_REWARDFUNCTION']._serialized_start=99
-  _globals['_REWARDFUNCTION']._serialized_end=544
-  _globals['_REWARDFUNCTION_HEADERSENTRY']._serialized_start=498
-  _globals['_REWARDFUNCTION_HEADERSENTRY']._serialized_end=544
-  _globals['_REGISTERREWARDFUNCTIONREQUEST']._serialized_start=547
-  _globals['_REGISTERREWARDFUNCTIONREQUEST']._serialized_end=1105
-  _globals['_REGISTERREWARDFUNCTIONREQUEST_HEADERSENTRY']._serialized_start=498
-  _globals['_REGISTERREWARDFUNCTIONREQUEST_HEADERSENTRY']._serialized_end=544
-  _globals['_REGISTERREWARDFUNCTIONRESPONSE']._serialized_start=1107
-  _globals['_REGISTERREWARDFUNCTIONRESPONSE']._serialized_end=1213
-  _globals['_GETREWARDFUNCTIONREQUEST']._serialized_start=1215
-  _globals['_GETREWARDFUNCTIONREQUEST']._serialized_end=1269
-  _globals['_GETREWARDFUNCTIONRESPONSE']._serialized_start=1271
-  _globals['_GETREWARDFUNCTIONRESPONSE']._serialized_end=1348
-  _globals['_LISTREWARDFUNCTIONSREQUEST']._serialized_start=1350
-  _globals['_LISTREWARDFUNCTIONSREQUEST']._serialized_end=1417
-  _globals['_LISTREWARDFUNCTIONSRESPONSE']._serialized_start=1419
-  _globals['_LISTREWARDFUNCTIONSRESPONSE']._serialized_end=1524
-  _globals['_DELETEREWARDFUNCTIONREQUEST']._serialized_start=1526
-  _globals['_DELETEREWARDFUNCTIONREQUEST']._serialized_end=1583
-  _globals['_DELETEREWARDFUNCTIONRESPONSE']._serialized_start=1585
-  _globals['_DELETEREWARDFUNCTIONRESPONSE']._serialized_end=1615
-  _globals['_ROTATEREWARDFUNCTIONSECRETREQUEST']._serialized_start=1617
-  _globals['_ROTATEREWARDFUNCTIONSECRETREQUEST']._serialized_end=1680
-  _globals['_ROTATEREWARDFUNCTIONSECRETRESPONSE']._serialized_start=1682
-  _globals['_ROTATEREWARDFUNCTIONSECRETRESPONSE']._serialized_end=1792
-  _globals['_TESTSAMPLE']._serialized_start=1795
-  _globals['_TESTSAMPLE']._serialized_end=1976
-  _globals['_TESTSAMPLE_METADATAJSONENTRY']._serialized_start=1925
-  _globals['_TESTSAMPLE_METADATAJSONENTRY']._serialized_end=1976
-  _globals['_TESTREWARDFUNCTIONREQUEST']._serialized_start=1978
-  _globals['_TESTREWARDFUNCTIONREQUEST']._serialized_end=2071
-  _globals['_TESTREWARDFUNCTIONRESPONSE']._serialized_start=2073
-  _globals['_TESTREWARDFUNCTIONRESPONSE']._serialized_end=2184
-  _globals['_REWARDFUNCTIONSERVICE']._serialized_start=2187
-  _globals['_REWARDFUNCTIONSERVICE']._serialized_end=2822
+  _globals['_REWARDFUNCTION']._serialized_end=609
+  _globals['_REWARDFUNCTION_HEADERSENTRY']._serialized_start=563
+  _globals['_REWARDFUNCTION_HEADERSENTRY']._serialized_end=609
+  _globals['_REGISTERREWARDFUNCTIONREQUEST']._serialized_start=612
+  _globals['_REGISTERREWARDFUNCTIONREQUEST']._serialized_end=1170
+  _globals['_REGISTERREWARDFUNCTIONREQUEST_HEADERSENTRY']._serialized_start=563
+  _globals['_REGISTERREWARDFUNCTIONREQUEST_HEADERSENTRY']._serialized_end=609
+  _globals['_REGISTERREWARDFUNCTIONRESPONSE']._serialized_start=1172
+  _globals['_REGISTERREWARDFUNCTIONRESPONSE']._serialized_end=1278
+  _globals['_GETREWARDFUNCTIONREQUEST']._serialized_start=1280
+  _globals['_GETREWARDFUNCTIONREQUEST']._serialized_end=1334
+  _globals['_GETREWARDFUNCTIONRESPONSE']._serialized_start=1336
+  _globals['_GETREWARDFUNCTIONRESPONSE']._serialized_end=1413
+  _globals['_LISTREWARDFUNCTIONSREQUEST']._serialized_start=1415
+  _globals['_LISTREWARDFUNCTIONSREQUEST']._serialized_end=1482
+  _globals['_LISTREWARDFUNCTIONSRESPONSE']._serialized_start=1484
+  _globals['_LISTREWARDFUNCTIONSRESPONSE']._serialized_end=1589
+  _globals['_DELETEREWARDFUNCTIONREQUEST']._serialized_start=1591
+  _globals['_DELETEREWARDFUNCTIONREQUEST']._serialized_end=1648
+  _globals['_DELETEREWARDFUNCTIONRESPONSE']._serialized_start=1650
+  _globals['_DELETEREWARDFUNCTIONRESPONSE']._serialized_end=1680
+  _globals['_ROTATEREWARDFUNCTIONSECRETREQUEST']._serialized_start=1682
+  _globals['_ROTATEREWARDFUNCTIONSECRETREQUEST']._serialized_end=1745
+  _globals['_ROTATEREWARDFUNCTIONSECRETRESPONSE']._serialized_start=1747
+  _globals['_ROTATEREWARDFUNCTIONSECRETRESPONSE']._serialized_end=1857
+  _globals['_TESTSAMPLE']._serialized_start=1860
+  _globals['_TESTSAMPLE']._serialized_end=2041
+  _globals['_TESTSAMPLE_METADATAJSONENTRY']._serialized_start=1990
+  _globals['_TESTSAMPLE_METADATAJSONENTRY']._serialized_end=2041
+  _globals['_TESTREWARDFUNCTIONREQUEST']._serialized_start=2043
+  _globals['_TESTREWARDFUNCTIONREQUEST']._serialized_end=2136
+  _globals['_TESTREWARDFUNCTIONRESPONSE']._serialized_start=2138
+  _globals['_TESTREWARDFUNCTIONRESPONSE']._serialized_end=2249
+  _globals['_REWARDFUNCTIONSERVICE']._serialized_start=2252
+  _globals['_REWARDFUNCTIONSERVICE']._serialized_end=2887
 # @@protoc_insertion_point(module_scope)

@@ -60,6 +60,7 @@ class RewardFunction(_message.Message):
     BREAKER_THRESHOLD_FIELD_NUMBER: _builtins.int
     STEP_DEADLINE_S_FIELD_NUMBER: _builtins.int
     MAX_ABSTAIN_FRACTION_FIELD_NUMBER: _builtins.int
+    PREVIOUS_SECRET_EXPIRES_AT_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     """Reward function id ("rf_...")."""
     name: _builtins.str
@@ -94,6 +95,10 @@ class RewardFunction(_message.Message):
     def updated_at(self) -> _timestamp_pb2.Timestamp:
         """When it was last changed (e.g. secret rotated)."""
 
+    @_builtins.property
+    def previous_secret_expires_at(self) -> _timestamp_pb2.Timestamp:
+        """After a rotation: until when requests are signed with the replaced secret too; unset when no overlap runs."""
+
     def __init__(
         self,
         *,
@@ -111,10 +116,11 @@ class RewardFunction(_message.Message):
         breaker_threshold: _builtins.int = ...,
         step_deadline_s: _builtins.float = ...,
         max_abstain_fraction: _builtins.float = ...,
+        previous_secret_expires_at: _timestamp_pb2.Timestamp | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "updated_at", b"updated_at"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "previous_secret_expires_at", b"previous_secret_expires_at", "updated_at", b"updated_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["backoff_s", b"backoff_s", "breaker_threshold", b"breaker_threshold", "created_at", b"created_at", "headers", b"headers", "id", b"id", "max_abstain_fraction", b"max_abstain_fraction", "max_attempts", b"max_attempts", "max_batch_size", b"max_batch_size", "max_concurrency", b"max_concurrency", "name", b"name", "step_deadline_s", b"step_deadline_s", "timeout_s", b"timeout_s", "updated_at", b"updated_at", "url", b"url"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backoff_s", b"backoff_s", "breaker_threshold", b"breaker_threshold", "created_at", b"created_at", "headers", b"headers", "id", b"id", "max_abstain_fraction", b"max_abstain_fraction", "max_attempts", b"max_attempts", "max_batch_size", b"max_batch_size", "max_concurrency", b"max_concurrency", "name", b"name", "previous_secret_expires_at", b"previous_secret_expires_at", "step_deadline_s", b"step_deadline_s", "timeout_s", b"timeout_s", "updated_at", b"updated_at", "url", b"url"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -100,7 +100,7 @@ class RewardFunctionServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def RotateRewardFunctionSecret(self, request, context):
-        """Issue a new signing secret; the old one stops being used at once.
+        """Issue a new signing secret; requests are signed with the replaced one too until previous_secret_expires_at.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

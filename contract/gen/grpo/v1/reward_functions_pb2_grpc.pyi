@@ -42,7 +42,7 @@ class RewardFunctionServiceStub:
     DeleteRewardFunction: _grpc.UnaryUnaryMultiCallable[_reward_functions_pb2.DeleteRewardFunctionRequest, _reward_functions_pb2.DeleteRewardFunctionResponse]
     """Delete a reward function (jobs that reference it keep working)."""
     RotateRewardFunctionSecret: _grpc.UnaryUnaryMultiCallable[_reward_functions_pb2.RotateRewardFunctionSecretRequest, _reward_functions_pb2.RotateRewardFunctionSecretResponse]
-    """Issue a new signing secret; the old one stops being used at once."""
+    """Issue a new signing secret; requests are signed with the replaced one too until previous_secret_expires_at."""
     TestRewardFunction: _grpc.UnaryUnaryMultiCallable[_reward_functions_pb2.TestRewardFunctionRequest, _reward_functions_pb2.TestRewardFunctionResponse]
     """Call the endpoint once with sample inputs, as a job would, and report what it answered."""
 
@@ -60,7 +60,7 @@ class RewardFunctionServiceAsyncStub(RewardFunctionServiceStub):
     DeleteRewardFunction: _aio.UnaryUnaryMultiCallable[_reward_functions_pb2.DeleteRewardFunctionRequest, _reward_functions_pb2.DeleteRewardFunctionResponse]  # type: ignore[assignment]
     """Delete a reward function (jobs that reference it keep working)."""
     RotateRewardFunctionSecret: _aio.UnaryUnaryMultiCallable[_reward_functions_pb2.RotateRewardFunctionSecretRequest, _reward_functions_pb2.RotateRewardFunctionSecretResponse]  # type: ignore[assignment]
-    """Issue a new signing secret; the old one stops being used at once."""
+    """Issue a new signing secret; requests are signed with the replaced one too until previous_secret_expires_at."""
     TestRewardFunction: _aio.UnaryUnaryMultiCallable[_reward_functions_pb2.TestRewardFunctionRequest, _reward_functions_pb2.TestRewardFunctionResponse]  # type: ignore[assignment]
     """Call the endpoint once with sample inputs, as a job would, and report what it answered."""
 
@@ -105,7 +105,7 @@ class RewardFunctionServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _reward_functions_pb2.RotateRewardFunctionSecretRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_reward_functions_pb2.RotateRewardFunctionSecretResponse, _abc.Awaitable[_reward_functions_pb2.RotateRewardFunctionSecretResponse]]:
-        """Issue a new signing secret; the old one stops being used at once."""
+        """Issue a new signing secret; requests are signed with the replaced one too until previous_secret_expires_at."""
 
     @_abc_1.abstractmethod
     def TestRewardFunction(

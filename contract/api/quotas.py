@@ -1,4 +1,4 @@
-"""Pydantic shapes of the quotas API."""
+"""Pydantic shapes of the quotas API (the admin routes `/v1/admin/tenants/{id}/quotas`)."""
 
 from __future__ import annotations
 
