@@ -189,11 +189,11 @@ class GraderSource:
         """Each sub-grader's scores; a score_model abstention counts as its lowest score."""
         local = {k: g for k, g in self._parts.items() if not isinstance(g, ScoreModelGrader)}
         remote = [k for k, g in self._parts.items() if isinstance(g, ScoreModelGrader)]
+        ready = {k: self._json_ready(items, self._parts[k]) for k in remote}  # raises MissingField before any call
         local_call = asyncio.wait_for(asyncio.to_thread(self._score_local, local, items), self.timeout_s)
         try:
             local_scores, answers = await asyncio.gather(
-                local_call,
-                asyncio.gather(*(self._chat[k](self._json_ready(items, self._parts[k]), step=step) for k in remote)),
+                local_call, asyncio.gather(*(self._chat[k](ready[k], step=step) for k in remote))
             )
         except TimeoutError as exc:
             raise RewardTimedOut(self.name, f"grading {len(items)} completions took longer than {self.timeout_s:g}s") from exc

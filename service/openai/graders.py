@@ -31,7 +31,8 @@ def _model_params(grader: Grader) -> dict[str, ScoreModelGrader]:
 
 
 def chat_configs(session: Session, tenant_id: str, grader: Grader) -> dict[str, RemoteRewardConfig]:
-    """The client configuration of each score_model's endpoint, by grader name; unknown ids name the param."""
+    """The client configuration of each score_model's endpoint, by reward function id (sub-graders' names need
+    not differ); unknown ids name the param. One attempt, no retry of a failed call, no cache, as the dry run."""
     configs: dict[str, RemoteRewardConfig] = {}
     for param, sub in _model_params(grader).items():
         try:
@@ -41,7 +42,9 @@ def chat_configs(session: Session, tenant_id: str, grader: Grader) -> dict[str, 
                 param, f"reward function {sub.reward_function_id!r} not found: register the chat endpoint "
                 "(POST /v1/reward-functions, its chat completions URL) and name it as <id>/<model>"
             ) from exc
-        configs[sub.name] = config.model_copy(update={"max_attempts": 1})
+        configs[sub.reward_function_id] = config.model_copy(
+            update={"max_attempts": 1, "breaker_threshold": 1, "cache_max_entries": 0}
+        )
     return configs
 
 
@@ -52,11 +55,18 @@ def check_endpoints(session: Session, tenant_id: str, grader: Grader) -> None:
 async def run(grader: Grader, item: dict[str, Any], model_sample: str, chats: dict[str, RemoteRewardConfig]) -> dict[str, Any]:
     """OpenAI's GraderRunResponse for one sample."""
 
+    sources: list[ChatScoreSource] = []
+
     def chat(sub: ScoreModelGrader) -> RewardSource:
-        return ChatScoreSource(f"score_model:{sub.name}", sub, chats[sub.name])
+        sources.append(ChatScoreSource(f"score_model:{sub.name}", sub, chats[sub.reward_function_id]))
+        return sources[-1]
 
     started = time.perf_counter()
-    outcome = await run_grader(grader, item, model_sample, chat=chat)
+    try:
+        outcome = await run_grader(grader, item, model_sample, chat=chat)
+    finally:
+        for source in sources:  # their HTTP clients hold connections open until closed
+            await source.aclose()
     errors: dict[str, Any] = {
         "formula_parse_error": False, "invalid_variable_error": False, "model_grader_parse_error": False,
         "model_grader_refusal_error": False, "model_grader_server_error": False,
