@@ -19,16 +19,12 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-import httpx
-
 from contract.graders import MissingField, Sample, SampleNotJson, ScoreModelGrader, render
 from contract.reward_types import RewardInput
+from outbound.rewards.client import HttpEndpointSource
 from outbound.rewards.config import RemoteRewardConfig
-from outbound.rewards.endpoint import EndpointCaller
 from outbound.rewards.protocol import ResponseInvalid
-from outbound.rewards.source import EndpointRewardSource, OnDegraded, OnRetry, Pending
-from outbound.signing import load_secret
-from outbound.transport import PinnedResolutionTransport
+from outbound.rewards.source import OnDegraded, OnRetry, Pending
 from outbound.urlpolicy import Resolver
 
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?")
@@ -68,7 +64,7 @@ def _parse_chat(low: float, high: float) -> Any:
     return parse
 
 
-class ChatScoreSource(EndpointRewardSource[httpx.AsyncClient]):
+class ChatScoreSource(HttpEndpointSource):
     """Implements `contract.reward_types.RewardSource` for one score_model grader within one job."""
 
     def __init__(
@@ -82,19 +78,12 @@ class ChatScoreSource(EndpointRewardSource[httpx.AsyncClient]):
         resolver: Resolver | None = None,
     ) -> None:
         config = config.model_copy(update={"max_batch_size": 1})  # one chat request scores one completion
-        caller = EndpointCaller(
-            source=name,
-            url=config.url,
-            signer=load_secret(config.secret.get_secret_value()),
-            headers=dict(config.headers),
-            max_bytes=config.max_response_bytes,
-            parse=_parse_chat(*grader.range),
+        super().__init__(
+            config, name=name, parse=_parse_chat(*grader.range),
+            on_retry=on_retry, on_degraded=on_degraded, resolver=resolver,
         )
-        super().__init__(config, where=caller.where, on_retry=on_retry, on_degraded=on_degraded)
         self.name = name
         self.grader = grader
-        self._caller = caller
-        self._resolver = resolver
 
     async def __call__(self, items: Sequence[RewardInput], *, step: int) -> list[float | None]:
         # A sample the messages cannot be rendered for (output_json of a non-JSON completion) is not sent.
@@ -123,25 +112,3 @@ class ChatScoreSource(EndpointRewardSource[httpx.AsyncClient]):
         }
         body.update({k: v for k, v in optional.items() if v is not None})
         return json.dumps(body, ensure_ascii=False).encode()
-
-    async def _attempt(
-        self, conn: httpx.AsyncClient, *, msg_id: str, body: bytes, expected: int, budget_s: float
-    ) -> list[float | None]:
-        return await self._caller.attempt(conn, msg_id=msg_id, body=body, expected=expected, budget_s=budget_s)
-
-    def _connect(self) -> httpx.AsyncClient:
-        return httpx.AsyncClient(
-            transport=PinnedResolutionTransport(
-                allow_private=self.config.allow_private,
-                resolver=self._resolver,
-                limits=httpx.Limits(max_connections=self.config.max_concurrency),
-            ),
-            timeout=httpx.Timeout(
-                self.config.timeout_s, connect=self.config.connect_timeout_s, pool=self.config.timeout_s
-            ),
-            follow_redirects=False,
-            trust_env=False,
-        )
-
-    async def _disconnect(self, conn: httpx.AsyncClient) -> None:
-        await conn.aclose()

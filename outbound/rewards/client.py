@@ -9,13 +9,13 @@ address, no redirects), the answer classified by `EndpointCaller`.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import httpx
 
 from outbound.rewards.config import RemoteRewardConfig
 from outbound.rewards.endpoint import EndpointCaller
-from outbound.rewards.protocol import RewardItem, RewardRequest, encode_request
+from outbound.rewards.protocol import RewardItem, RewardRequest, encode_request, parse_response
 from outbound.rewards.source import (
     EndpointRewardSource,
     OnDegraded,
@@ -27,18 +27,21 @@ from outbound.rewards.source import (
 from outbound.transport import PinnedResolutionTransport
 from outbound.urlpolicy import Resolver, is_grpc_url
 
-__all__ = ["RemoteRewardSource", "RetryEvent", "SourceStats"]
+__all__ = ["HttpEndpointSource", "RemoteRewardSource", "RetryEvent", "SourceStats"]
 
 logger = logging.getLogger(__name__)
 
 
-class RemoteRewardSource(EndpointRewardSource[httpx.AsyncClient]):
-    """Implements `contract.reward_types.RewardSource` for one HTTP(S) endpoint within one job."""
+class HttpEndpointSource(EndpointRewardSource[httpx.AsyncClient]):
+    """An `EndpointRewardSource` over HTTP(S): signed POSTs through the pinned transport. Subclasses say how a
+    batch is encoded (`_encode`) and how an answer is read (`parse`)."""
 
     def __init__(
         self,
         config: RemoteRewardConfig,
         *,
+        name: str | None = None,
+        parse: Callable[..., list[float | None]] = parse_response,
         on_retry: OnRetry | None = None,
         on_degraded: OnDegraded | None = None,
         resolver: Resolver | None = None,
@@ -46,11 +49,12 @@ class RemoteRewardSource(EndpointRewardSource[httpx.AsyncClient]):
         if is_grpc_url(config.url):
             raise ValueError(f"{config.url!r} is a gRPC endpoint: use GrpcRewardSource (or build_remote_source)")
         caller = EndpointCaller(
-            source=config.source_name,
+            source=name or config.source_name,
             url=config.url,
             signer=config.signing_keys(),
             headers=dict(config.headers),
             max_bytes=config.max_response_bytes,
+            parse=parse,
         )
         super().__init__(config, where=caller.where, on_retry=on_retry, on_degraded=on_degraded)
         self._caller = caller
@@ -58,25 +62,8 @@ class RemoteRewardSource(EndpointRewardSource[httpx.AsyncClient]):
         if config.allow_private:
             logger.warning(
                 "reward endpoint %s may resolve to loopback/private addresses (allow_private: development mode)",
-                self.name,
+                caller.source,
             )
-
-    def _encode(self, batch: Sequence[Pending], step: int) -> bytes:
-        request = RewardRequest(
-            job_id=self.config.job_id,
-            step=step,
-            items=[
-                RewardItem(
-                    id=str(p.index),
-                    prompt=p.item.prompt,
-                    completion=p.item.completion,
-                    metadata=p.item.extras,
-                    group_id=p.item.group_id,
-                )
-                for p in batch
-            ],
-        )
-        return encode_request(request)
 
     async def _attempt(
         self, conn: httpx.AsyncClient, *, msg_id: str, body: bytes, expected: int, budget_s: float
@@ -99,3 +86,24 @@ class RemoteRewardSource(EndpointRewardSource[httpx.AsyncClient]):
 
     async def _disconnect(self, conn: httpx.AsyncClient) -> None:
         await conn.aclose()
+
+
+class RemoteRewardSource(HttpEndpointSource):
+    """Implements `contract.reward_types.RewardSource` for one HTTP(S) endpoint of the reward protocol within one job."""
+
+    def _encode(self, batch: Sequence[Pending], step: int) -> bytes:
+        request = RewardRequest(
+            job_id=self.config.job_id,
+            step=step,
+            items=[
+                RewardItem(
+                    id=str(p.index),
+                    prompt=p.item.prompt,
+                    completion=p.item.completion,
+                    metadata=p.item.extras,
+                    group_id=p.item.group_id,
+                )
+                for p in batch
+            ],
+        )
+        return encode_request(request)
