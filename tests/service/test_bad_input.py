@@ -334,7 +334,7 @@ class TestMethodNotAllowed:
         ("path", "allowed"),
         [
             ("/v1/jobs", {"GET", "POST"}),
-            ("/v1/jobs/job_x", {"GET", "DELETE"}),
+            ("/v1/jobs/job_x", {"GET", "DELETE", "PATCH"}),
             ("/v1/datasets/ds_x", {"GET", "DELETE"}),
             ("/healthz", {"GET"}),
         ],
