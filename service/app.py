@@ -78,15 +78,14 @@ async def _http_error(request: Request, exc: Exception) -> JSONResponse:
     if isinstance(exc, BodyTooLarge):
         return await _domain_error(request, payload_too_large(exc.limit))
     code = {401: "unauthenticated", 404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+    headers = dict(exc.headers or {})
+    if exc.status_code == 405:
+        headers["Allow"] = ", ".join(allowed_methods(request))
     if openai_errors.in_scope(request):
         code = "invalid_api_key" if exc.status_code == 401 else code
-        return openai_errors.error_response(
-            exc.status_code, str(exc.detail), param=None, code=code, headers=dict(exc.headers or {})
-        )
+        return openai_errors.error_response(exc.status_code, str(exc.detail), param=None, code=code, headers=headers)
     response = _error(exc.status_code, code, str(exc.detail), None)
-    response.headers.update(exc.headers or {})
-    if exc.status_code == 405:
-        response.headers["Allow"] = ", ".join(allowed_methods(request))
+    response.headers.update(headers)
     return response
 
 

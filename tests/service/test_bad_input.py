@@ -336,6 +336,7 @@ class TestMethodNotAllowed:
             ("/v1/jobs", {"GET", "POST"}),
             ("/v1/jobs/job_x", {"GET", "DELETE", "PATCH"}),
             ("/v1/datasets/ds_x", {"GET", "DELETE"}),
+            ("/openai/v1/files", {"GET", "POST"}),  # OpenAI's error shape, the same Allow
             ("/healthz", {"GET"}),
         ],
     )
