@@ -7,6 +7,7 @@ children (the Celery parent and the child running the job), like a machine dying
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import shutil
@@ -22,6 +23,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import httpx
+import redis
 
 from service.kit import db as kit_db
 from service.kit.config import get_settings
@@ -51,6 +53,20 @@ def wait_for(
             raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
         time.sleep(interval)
 
+
+
+# Databases 1-15 of the shared Redis, handed out in turn so that a test's broker is never one an earlier test of
+# this session used moments ago (db 0 is left to the rate limiter's tests).
+_REDIS_DATABASES = itertools.cycle(range(1, 16))
+
+
+def fresh_redis_database(base_url: str) -> str:
+    """The URL of an emptied Redis database for one stack's broker: a message another test (or an interrupted
+    run) left in it would otherwise be delivered before this test's own, or keep a queue from draining."""
+    url = f"{base_url}/{next(_REDIS_DATABASES)}"
+    with redis.Redis.from_url(url) as client:
+        client.flushdb()
+    return url
 
 @dataclass
 class Proc:

@@ -7,7 +7,6 @@ job resumes from its last checkpoint, recording every step once.
 from __future__ import annotations
 
 import os
-import random
 import signal
 import time
 from collections.abc import Iterator
@@ -16,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.worker.conftest import PROMPTS, tiny_spec
-from tests.worker.procs import ApiClient, Stack, private_tmp, wait_for
+from tests.worker.procs import ApiClient, Stack, fresh_redis_database, private_tmp, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres, pytest.mark.redis]
 
@@ -46,7 +45,7 @@ def rank_pid(stack: Stack, rank: int) -> int | None:
 
 @pytest.fixture(scope="module")
 def stack(_postgres_database: str, redis_base_url: str) -> Iterator[Stack]:
-    broker = f"{redis_base_url}/{random.randint(1, 15)}"
+    broker = fresh_redis_database(redis_base_url)
     stack = Stack(database_url=_postgres_database, broker_url=broker, data_dir=private_tmp("grpo-dist-"))
     try:
         stack.start_api()

@@ -7,7 +7,6 @@ One stack per module (API + worker) keeps the suite fast; every test uses its ow
 
 from __future__ import annotations
 
-import random
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,7 +14,7 @@ import pytest
 
 from service.kit.queue import CeleryJobQueue
 from tests.worker.conftest import PROMPTS, tiny_spec
-from tests.worker.procs import ApiClient, Stack, private_tmp, wait_for
+from tests.worker.procs import ApiClient, Stack, fresh_redis_database, private_tmp, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres, pytest.mark.redis]
 
@@ -24,7 +23,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.postgres, pytest.mark.redis]
 def stack(_postgres_database: str, redis_base_url: str) -> Iterator[Stack]:
     # A Redis database number of our own: stale messages from other runs name jobs this database does
     # not have, and the claim turns them into no-ops.
-    broker = f"{redis_base_url}/{random.randint(1, 15)}"
+    broker = fresh_redis_database(redis_base_url)
     stack = Stack(database_url=_postgres_database, broker_url=broker, data_dir=private_tmp("grpo-e2e-"))
     try:
         stack.start_api()

@@ -5,14 +5,13 @@ and on PostgreSQL with Redis (`grpo serve --no-worker` + `grpo worker`).
 
 from __future__ import annotations
 
-import random
 from collections.abc import Iterator
 from datetime import datetime
 
 import pytest
 
 from tests.worker.conftest import PROMPTS, tiny_spec
-from tests.worker.procs import Stack, private_tmp, wait_for
+from tests.worker.procs import Stack, fresh_redis_database, private_tmp, wait_for
 
 pytestmark = [pytest.mark.slow]
 
@@ -29,7 +28,7 @@ def stack(request: pytest.FixtureRequest) -> Iterator[Stack]:
         database = request.getfixturevalue("_postgres_database")
         redis = request.getfixturevalue("redis_base_url")
         # A Redis database of our own: messages of other runs name jobs this database does not have.
-        stack = Stack(database_url=database, broker_url=f"{redis}/{random.randint(1, 15)}", data_dir=data_dir)
+        stack = Stack(database_url=database, broker_url=fresh_redis_database(redis), data_dir=data_dir)
     try:
         if request.param == "sqlite":
             api = stack.start_api(worker=True)

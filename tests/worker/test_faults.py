@@ -5,7 +5,6 @@ exactly once, and a zombie attempt's late writes refused.
 
 from __future__ import annotations
 
-import random
 import signal
 import time
 from collections.abc import Iterator
@@ -20,6 +19,7 @@ from tests.worker.procs import (
     RedisServer,
     Stack,
     free_port,
+    fresh_redis_database,
     private_tmp,
     wait_for,
 )
@@ -67,7 +67,7 @@ def _assert_resumed_cleanly(stack: Stack, api: ApiClient, job_id: str, steps: in
 
 @pytest.fixture(scope="module")
 def stack(_postgres_database: str, redis_base_url: str) -> Iterator[Stack]:
-    broker = f"{redis_base_url}/{random.randint(1, 15)}"
+    broker = fresh_redis_database(redis_base_url)
     stack = Stack(database_url=_postgres_database, broker_url=broker, data_dir=private_tmp("grpo-faults-"))
     try:
         stack.start_api()
@@ -145,7 +145,7 @@ class TestDatabaseRestart:
     def test_postgres_restart_mid_job(self, redis_base_url: str) -> None:
         cluster = PostgresCluster(free_port(), private_tmp("grpo-pg-"))
         cluster.init()
-        broker = f"{redis_base_url}/{random.randint(1, 15)}"
+        broker = fresh_redis_database(redis_base_url)
         # A lease longer than the outage: the job must survive the restart on its own worker.
         stack = Stack(database_url=cluster.url, broker_url=broker, data_dir=private_tmp("grpo-pr-"),
                       lease_seconds=60)

@@ -10,21 +10,20 @@ one `grpo worker` -> PostgreSQL.
 
 from __future__ import annotations
 
-import random
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.worker.conftest import PROMPTS, tiny_spec
-from tests.worker.procs import ApiClient, Stack, private_tmp
+from tests.worker.procs import ApiClient, Stack, fresh_redis_database, private_tmp
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres, pytest.mark.redis]
 
 
 @pytest.fixture(scope="module")
 def stack(_postgres_database: str, redis_base_url: str) -> Iterator[Stack]:
-    broker = f"{redis_base_url}/{random.randint(1, 15)}"
+    broker = fresh_redis_database(redis_base_url)
     stack = Stack(database_url=_postgres_database, broker_url=broker, data_dir=private_tmp("grpo-owned-"))
     try:
         stack.start_api()

@@ -3,21 +3,20 @@ real API, two `grpo worker` processes, Redis and PostgreSQL (the quota: the sett
 
 from __future__ import annotations
 
-import random
 from collections.abc import Iterator
 from datetime import datetime
 
 import pytest
 
 from tests.worker.conftest import PROMPTS, tiny_spec
-from tests.worker.procs import Stack, private_tmp
+from tests.worker.procs import Stack, fresh_redis_database, private_tmp
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres, pytest.mark.redis]
 
 
 @pytest.fixture
 def stack(_postgres_database: str, redis_base_url: str) -> Iterator[Stack]:
-    broker = f"{redis_base_url}/{random.randint(1, 15)}"
+    broker = fresh_redis_database(redis_base_url)
     stack = Stack(
         database_url=_postgres_database, broker_url=broker, data_dir=private_tmp("grpo-quota-"),
         # The reaper's re-send must not be what starts the waiting job: the finished job's wake-up is.

@@ -4,36 +4,20 @@ tokens generated are the completion lengths the engine reported for it."""
 
 from __future__ import annotations
 
-import random
 from collections.abc import Iterator
 
 import pytest
 
 from tests.worker.conftest import PROMPTS, tiny_spec
-from tests.worker.procs import Stack, private_tmp
+from tests.worker.procs import Stack, fresh_redis_database, private_tmp
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres, pytest.mark.redis]
 FIELDS = ("steps", "tokens_generated", "tokens_trained", "tokens", "reward_calls", "device_seconds")
 
 
-def _idle_database(redis_base_url: str) -> str:
-    """A Redis database number with no queued task, if there is one: the Redis server is shared, and a backlog
-    of other runs' messages (jobs this database does not have, each a no-op claim) would delay ours by minutes."""
-    import redis
-
-    for number in random.sample(range(1, 16), 15):
-        client = redis.Redis.from_url(f"{redis_base_url}/{number}")
-        try:
-            if client.llen("cpu") == 0 and client.llen("gpu") == 0:
-                return f"{redis_base_url}/{number}"
-        finally:
-            client.close()
-    return f"{redis_base_url}/{random.randint(1, 15)}"
-
-
 @pytest.fixture(scope="module")
 def stack(_postgres_database: str, redis_base_url: str) -> Iterator[Stack]:
-    broker = _idle_database(redis_base_url)
+    broker = fresh_redis_database(redis_base_url)
     stack = Stack(database_url=_postgres_database, broker_url=broker, data_dir=private_tmp("grpo-usage-"))
     try:
         stack.start_api()

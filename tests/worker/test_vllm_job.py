@@ -6,14 +6,13 @@ replaced and the job resumes from its last checkpoint, the new attempt's engine 
 from __future__ import annotations
 
 import json
-import random
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.worker.procs import ApiClient, Stack, private_tmp, wait_for
+from tests.worker.procs import ApiClient, Stack, fresh_redis_database, private_tmp, wait_for
 from tests.worker.test_faults import _assert_resumed_cleanly
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres, pytest.mark.redis]
@@ -61,7 +60,7 @@ def _series(api: ApiClient, job_id: str) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def stack(_postgres_database: str, redis_base_url: str) -> Iterator[Stack]:
-    broker = f"{redis_base_url}/{random.randint(1, 15)}"
+    broker = fresh_redis_database(redis_base_url)
     stack = Stack(database_url=_postgres_database, broker_url=broker, data_dir=private_tmp("grpo-vllm-"))
     try:
         stack.start_api()
