@@ -42,6 +42,11 @@ def _sqlite_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def _postgres_database(postgres_admin_url: str) -> Iterator[str]:
+    yield from new_postgres_database(postgres_admin_url)
+
+
+def new_postgres_database(postgres_admin_url: str) -> Iterator[str]:
+    """A migrated PostgreSQL database of its own, dropped afterwards (a generator for fixtures)."""
     name = f"grpo_test_{uuid.uuid4().hex[:12]}"
     admin = create_engine(postgres_admin_url, isolation_level="AUTOCOMMIT")
     with admin.connect() as conn:

@@ -8,6 +8,7 @@ from datetime import datetime
 
 import pytest
 
+from tests.service.conftest import new_postgres_database
 from tests.worker.conftest import PROMPTS, tiny_spec
 from tests.worker.procs import Stack, fresh_redis_database, private_tmp
 
@@ -15,10 +16,17 @@ pytestmark = [pytest.mark.slow, pytest.mark.postgres, pytest.mark.redis]
 
 
 @pytest.fixture
-def stack(_postgres_database: str, redis_base_url: str) -> Iterator[Stack]:
+def own_database(postgres_admin_url: str) -> Iterator[str]:
+    """A database of this test's own: with the running quota at 1 for every tenant, queued jobs other tests left in
+    the session's database would be claimed (fairly) before this test's."""
+    yield from new_postgres_database(postgres_admin_url)
+
+
+@pytest.fixture
+def stack(own_database: str, redis_base_url: str) -> Iterator[Stack]:
     broker = fresh_redis_database(redis_base_url)
     stack = Stack(
-        database_url=_postgres_database, broker_url=broker, data_dir=private_tmp("grpo-quota-"),
+        database_url=own_database, broker_url=broker, data_dir=private_tmp("grpo-quota-"),
         # The reaper's re-send must not be what starts the waiting job: the finished job's wake-up is.
         queued_resend_seconds=600, extra_env={"GRPO_QUOTA_MAX_RUNNING_JOBS": "1"},
     )
