@@ -17,6 +17,7 @@ from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
 from contract.api.jobs import JobOut
+from contract.fields import INT64_MAX
 from contract.graders import GraderInvalid, grader_dump, parse_grader
 from service.checkpoints import service as checkpoints
 from service.datasets import service as datasets
@@ -184,12 +185,20 @@ def resume_job(job_id: PathId, tenant: CurrentTenant, session: SessionDep, queue
 def list_events(
     job_id: PathId, tenant: CurrentTenant, session: SessionDep, limit: Limit = 20, after: Cursor = None
 ) -> dict[str, Any]:
-    try:
-        after_id = int(after) if after is not None else None
-    except ValueError as exc:
-        raise OpenAIInvalid("after", "must be an event id from an earlier page") from exc
-    rows, has_more = jobs.list_events(session, tenant.tenant_id, job_id, after=after_id, limit=limit, types=None)
+    rows, has_more = jobs.list_events(
+        session, tenant.tenant_id, job_id, after=_event_cursor(after), limit=limit, types=None
+    )
     return _page([event_object(event_out(r)) for r in rows], has_more)
+
+
+def _event_cursor(after: str | None) -> int | None:
+    """An event id from an earlier page: ASCII digits that fit the BIGINT id column (a larger number would make
+    PostgreSQL refuse the query instead of finding nothing)."""
+    if after is None:
+        return None
+    if not (after.isascii() and after.isdigit()) or int(after) > INT64_MAX:
+        raise OpenAIInvalid("after", "must be an event id from an earlier page")
+    return int(after)
 
 
 @router.get("/fine_tuning/jobs/{job_id}/checkpoints", summary="A job's checkpoints, newest first")

@@ -108,6 +108,18 @@ class TestCreateJob:
         cancelled = client.post(f"{BASE}/fine_tuning/jobs/{job['id']}/cancel", headers=tenant_a).json()
         assert cancelled["status"] == "cancelled"
 
+    @pytest.mark.parametrize("after", ["99999999999999999999", "9223372036854775808", "-1", "1_0", "٣", " 7", "x"])
+    def test_event_cursor_that_is_not_an_event_id(
+        self, client: TestClient, tenant_a: TenantHeaders, after: str
+    ) -> None:
+        job = client.post(f"{BASE}/fine_tuning/jobs", headers=tenant_a, json=job_body(upload(client, tenant_a)["id"]))
+        events = f"{BASE}/fine_tuning/jobs/{job.json()['id']}/events"
+        assert_openai_error(client.get(events, headers=tenant_a, params={"after": after}), 400, "after")
+        first = client.get(events, headers=tenant_a, params={"limit": 1}).json()["data"][0]
+        largest = client.get(events, headers=tenant_a, params={"after": "9223372036854775807"})
+        assert largest.status_code == 200 and largest.json()["data"] == []
+        assert client.get(events, headers=tenant_a, params={"after": first["id"]}).status_code == 200
+
     def test_auto_is_our_defaults(self, client: TestClient, tenant_a: TenantHeaders) -> None:
         file = upload(client, tenant_a)
         auto = dict.fromkeys(("n_epochs", "batch_size", "learning_rate_multiplier", "compute_multiplier",
