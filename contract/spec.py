@@ -239,7 +239,10 @@ class Resources(BaseModel):
         1, ge=1, le=MAX_DEVICES,
         description="Devices (GPUs, or CPU ranks) for the whole job, across all nodes; one rank per device.",
     )
-    nodes: int = Field(1, ge=1, le=MAX_NODES, description="Machines the devices are spread over (equally).")
+    nodes: int = Field(
+        1, ge=1, le=MAX_NODES,
+        description="Machines the devices are spread over (equally): one worker on each, with devices / nodes devices.",
+    )
 
     @model_validator(mode="after")
     def _check_split(self) -> Resources:

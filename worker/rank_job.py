@@ -2,8 +2,10 @@
 through torch.distributed.run (worker.runner; docs/distributed.md).
 
 Rank 0 is a JobRunner for the claimed attempt: it prepares the inputs, reports and finishes the job, and
-hands the other ranks their inputs (RankInputs). The others train their share without the database or
-storage. Exit codes: 0 when the job ended with every rank together; 3 when rank 0 ended the attempt
+hands the other ranks their inputs (RankInputs). The others train their share without the database; on a
+node other than rank 0's, that node's first rank downloads its own copies of the checkpoints rank 0
+fetched (a resume point, a `checkpoint:` model) from storage. With several nodes, rank 0 may be on any of
+them (the rendezvous orders the nodes): whichever it is, its node's worker data directory is its workdir. Exit codes: 0 when the job ended with every rank together; 3 when rank 0 ended the attempt
 alone (a failure it recorded, or the lease lost), so the launcher stops the others at once; a rank whose
 collective fails (a peer died or hung past the process-group timeout) kills its peers on this machine,
 so that a stopped (SIGSTOP) rank does not hold the attempt for the launcher's grace period too.
@@ -40,7 +42,7 @@ def main(claim_json: str, workdir: Path, queue: str) -> int:
             outcome, together = JobRunner(claim.job_id, worker_id=claim.worker_id).run_rank0(claim, workdir, ranks)
             log.info("job %s: rank 0 -> %s", claim.job_id, outcome)
             return 0 if together else EXIT_ALONE
-        _follow(ranks)
+        _follow(ranks, workdir)
         return 0
     except BaseException:
         for pid in peers:  # they wait in a collective that will not complete
@@ -50,10 +52,12 @@ def main(claim_json: str, workdir: Path, queue: str) -> int:
         shutdown()
 
 
-def _follow(ranks: object) -> None:
-    """A rank other than 0: its share of the training, no hooks."""
+def _follow(ranks: object, workdir: Path) -> None:
+    """A rank other than 0: its share of the training, no hooks. On another node than rank 0's, the first
+    rank of the node downloads its own copies of the checkpoints rank 0 fetched, into `workdir`."""
     from outbound.rewards import build_remote_source
-    from worker.grpo.distributed import Ranks, broadcast_object, device_for
+    from service.storage import get_storage
+    from worker.grpo.distributed import Ranks, broadcast_object, device_for, wait_for_nodes
     from worker.grpo.rewards import build_reward_sources
     from worker.grpo.trainer import GRPOTrainer
     from worker.runner import RankInputs
@@ -62,6 +66,13 @@ def _follow(ranks: object) -> None:
     inputs = broadcast_object(None)
     if not isinstance(inputs, RankInputs):
         return  # rank 0 ended the attempt before training (a failure it recorded, or nothing to do)
+    elsewhere = ranks.node != inputs.node
+    if elsewhere and ranks.local_rank == 0:
+        inputs.fetch_onto(workdir, get_storage())
+        log.info("node %d: downloaded its copies of %d checkpoint(s) rank 0 fetched", ranks.node, len(inputs.fetched))
+    wait_for_nodes(ranks)
+    if elsewhere:
+        inputs = inputs.on_node(workdir)
     spec = inputs.spec
     reward = build_reward_sources(
         spec.rewards,

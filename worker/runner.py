@@ -35,7 +35,9 @@ launcher cannot run inside a daemonic Celery pool process). Rank 0 runs everythi
 database and storage alone, and hands the other ranks their inputs (spec, rows, local model and resume
 paths, reward endpoint configurations). When the launcher exits with the job still running under this
 attempt, a rank died or hung: event `rank_failed`, and the attempt ends without a final state, so that the
-lease lapses and the job resumes from its last checkpoint on the next attempt (any device count).
+lease lapses and the job resumes from its last checkpoint on the next attempt (any device count). With
+`resources.nodes: M > 1` this process also invites the workers of M - 1 other machines to the attempt
+(worker.nodes) and launches its own node's ranks only.
 
 torch is imported only inside `run()` (through the trainer), never when this module is imported: the
 Celery parent process that forks children must not initialise CUDA.
@@ -52,7 +54,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -75,7 +77,7 @@ from service.storage import Storage, checkpoint_key, checkpoint_prefix, get_stor
 from service.usage.budget import Exhausted
 from service.usage.service import StepUsageIn
 from worker import metrics as worker_metrics
-from worker import reporting
+from worker import nodes, reporting
 from worker.lease import (
     OWNED_STATES,
     Claim,
@@ -116,8 +118,19 @@ class JobFailure(Exception):
 
 
 @dataclass(frozen=True)
+class FetchedCheckpoint:
+    """A checkpoint rank 0 downloaded into its working directory (to resume from, or a model source)."""
+
+    directory: Path
+    storage_path: str
+    manifest: list[dict[str, Any]]
+
+
+@dataclass(frozen=True)
 class RankInputs:
-    """What rank 0 hands the other ranks of a job: everything they need without the database or storage."""
+    """What rank 0 hands the other ranks of a job: everything they need without the database. Ranks on
+    rank 0's node use its files; a rank on another node gets its own copies of `fetched` from storage
+    (`on_node`)."""
 
     spec: JobSpec
     queue: str
@@ -129,6 +142,45 @@ class RankInputs:
     remote_configs: dict[str, Any]  # reward_function_id -> RemoteRewardConfig
     model_paths: dict[str, str]
     output_dir: Path
+    workdir: Path  # rank 0's working directory, under which every path above lies
+    node: int  # rank 0's node
+    fetched: tuple[FetchedCheckpoint, ...]
+
+    def fetch_onto(self, workdir: Path, storage: Storage) -> None:
+        """Download what rank 0 fetched into the same places under this node's `workdir`."""
+        for checkpoint in self.fetched:
+            directory = workdir / checkpoint.directory.relative_to(self.workdir)
+            download_checkpoint_files(storage, checkpoint.storage_path, checkpoint.manifest, directory)
+
+    def on_node(self, workdir: Path) -> RankInputs:
+        """These inputs with rank 0's working directory replaced by this node's `workdir`."""
+
+        def moved(path: str) -> str:
+            inside = Path(path).is_relative_to(self.workdir)
+            return str(workdir / Path(path).relative_to(self.workdir)) if inside else path
+
+        return replace(
+            self,
+            base_model=moved(self.base_model),
+            resume_from=None if self.resume_from is None else Path(moved(str(self.resume_from))),
+            model_paths={name: moved(path) for name, path in self.model_paths.items()},
+            output_dir=Path(moved(str(self.output_dir))),
+            workdir=workdir,
+        )
+
+
+def download_checkpoint_files(storage: Storage, storage_path: str, manifest: list[dict[str, Any]], directory: Path) -> Path:
+    """Download every file `manifest` lists into `directory` and verify them (CheckpointCorrupt)."""
+    from worker.grpo.checkpoint import verify_manifest
+
+    shutil.rmtree(directory, ignore_errors=True)
+    for entry in manifest:
+        target = directory / entry["path"]
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with storage.open(f"{storage_path}/{entry['path']}") as source, target.open("wb") as handle:
+            shutil.copyfileobj(source, handle, _CHUNK)
+    verify_manifest(directory)
+    return directory
 
 
 class _NoHeartbeat:
@@ -171,6 +223,7 @@ class JobRunner:
         self._trained = False  # trainer.train() returned: every rank left the loop together
         self._remote_configs: dict[str, Any] = {}
         self._model_paths: dict[str, str] = {}
+        self._fetched: list[FetchedCheckpoint] = []  # for ranks on other nodes (RankInputs.fetch_onto)
         self._meter: UsageMeter | None = None
         self._budget_reached: tuple[Exhausted, int] | None = None  # (the limit, the step that reached it)
 
@@ -219,29 +272,35 @@ class JobRunner:
             return None
 
     def _run_on_ranks(self, claim: Claim, heartbeat: Heartbeat, workdir: Path, resources: Resources, queue: str) -> str:
-        """Launch the ranks and wait; see the module docstring for what their exit means."""
+        """Launch the ranks (this node's, after inviting the other nodes' workers: worker.nodes) and wait; see
+        the module docstring for what their exit means."""
         from worker.grpo.distributed import launch_command
 
-        command = launch_command(
-            "worker.rank_job", [json.dumps(asdict(claim)), str(workdir), queue],
-            nproc_per_node=resources.devices_per_node, rdzv_id=f"{claim.job_id}-{claim.attempt}",
-        )
-        launcher = subprocess.Popen(command)
+        if resources.nodes > 1:
+            invitation = nodes.invite(claim, queue, nodes.rendezvous_endpoint(self.settings), resources)
+            launcher = nodes.launch_node(invitation, workdir, host=True, settings=self.settings)
+        else:
+            launcher = subprocess.Popen(launch_command(
+                "worker.rank_job", [json.dumps(asdict(claim)), str(workdir), queue],
+                nproc_per_node=resources.devices_per_node, rdzv_id=f"{claim.job_id}-{claim.attempt}",
+            ))
         while launcher.poll() is None:
             # The job left this attempt's hands: rank 0 finished it (the ranks are exiting), or a newer
             # attempt took it over (they must stop).
             if heartbeat.lost.wait(1.0):
-                _stop(launcher, grace_s=30)
+                stop_process(launcher, grace_s=30)
         control = with_db_retry(lambda: reporting.read_control(self.job_id))
         if control is None or control.attempt != claim.attempt:
             raise LeaseLost(claim.job_id, claim.attempt)
         if control.status in OWNED_STATES:
             log.warning("job %s: attempt %d: ranks exited (%d) before the job ended; it resumes when the lease lapses",
                         self.job_id, claim.attempt, launcher.returncode)
+            missing = " (or a node did not join in time)" if resources.nodes > 1 else ""
             reporting.record_event(
                 claim, "rank_failed",
-                f"a rank of attempt {claim.attempt} died or stopped answering; the job resumes from its last checkpoint",
-                {"exit_code": launcher.returncode, "devices": resources.devices},
+                f"a rank of attempt {claim.attempt} died or stopped answering{missing}; "
+                "the job resumes from its last checkpoint",
+                {"exit_code": launcher.returncode, "devices": resources.devices, "nodes": resources.nodes},
             )
             return "rank_failed"
         return control.status
@@ -263,10 +322,12 @@ class JobRunner:
                 self._send_inputs(None)  # the other ranks stop waiting: this attempt ends here
 
     def _send_inputs(self, inputs: RankInputs | None) -> None:
-        from worker.grpo.distributed import broadcast_object
+        from worker.grpo.distributed import broadcast_object, wait_for_nodes
 
         self._inputs_sent = True
         broadcast_object(inputs)
+        if inputs is not None and self.ranks is not None:
+            wait_for_nodes(self.ranks)  # the other nodes download their copies (worker.rank_job)
 
     def _claim(self) -> Claim | None:
         limits = ClaimLimits(self.settings.quota_max_running_jobs, self.settings.quota_max_devices)
@@ -349,6 +410,7 @@ class JobRunner:
             self._send_inputs(RankInputs(
                 context.spec, context.queue, train_rows, eval_rows, retain_rows, base_model, resume_from,
                 self._remote_configs, self._model_paths, workdir / "checkpoints",
+                workdir, self.ranks.node, tuple(self._fetched),
             ))
         if self.settings.tensorboard:
             from worker.tensorboard import TensorBoardLog
@@ -477,12 +539,8 @@ class JobRunner:
 
     def _fetch_checkpoint(self, checkpoint: Checkpoint, directory: Path) -> Path:
         """Download every listed file and verify it against the engine's manifest (CheckpointCorrupt)."""
-        from worker.grpo.checkpoint import verify_manifest
-
-        shutil.rmtree(directory, ignore_errors=True)
-        for entry in checkpoint.manifest:
-            self._download(f"{checkpoint.storage_path}/{entry['path']}", directory / entry["path"])
-        verify_manifest(directory)
+        download_checkpoint_files(self.storage, checkpoint.storage_path, checkpoint.manifest, directory)
+        self._fetched.append(FetchedCheckpoint(directory, checkpoint.storage_path, list(checkpoint.manifest)))
         return directory
 
     def _prepare_resume(self, claim: Claim, root: Path) -> Path | None:
@@ -731,7 +789,7 @@ def checkpoint_problem(exc: Exception) -> str:
     return "could not be downloaded"
 
 
-def _stop(process: subprocess.Popen[bytes], *, grace_s: float) -> None:
+def stop_process(process: subprocess.Popen[bytes], *, grace_s: float) -> None:
     """Let `process` exit by itself for `grace_s`, then terminate it, then kill it."""
     for stop in (None, process.terminate, process.kill):
         if stop is not None:

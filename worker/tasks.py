@@ -1,4 +1,5 @@
-"""Celery tasks. `grpo.run_job(job_id)` is the only one: ids in, nothing out (results are ignored).
+"""Celery tasks: `grpo.run_job(job_id)`, and `grpo.join_job(invitation)` for the other nodes of a job on several
+(worker.nodes). Nothing comes out (results are ignored).
 
 The task is idempotent by construction: JobRunner claims the job row first, so a duplicate or redelivered
 message returns at once, and a retry after a crash resumes from the latest checkpoint instead of training
@@ -11,6 +12,7 @@ whose lease expires.
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 # Imported here, in the Celery parent, so every forked child starts with it loaded (seconds saved between
 # pickup and claim). It is torch-free: torch loads inside JobRunner.run(), in the child
@@ -23,6 +25,7 @@ from service import models as _all_models  # noqa: F401
 from service.kit.config import get_settings
 from service.kit.db import end_idle_transactions_after
 from worker.celery_app import RUN_JOB_TASK, app
+from worker.nodes import JOIN_JOB_TASK, Invitation, join
 from worker.runner import JobRunner
 
 # Mapper configuration is per process and costs a noticeable fraction of a second; done once here, it is
@@ -40,4 +43,12 @@ def run_job(job_id: str) -> str:
     end_idle_transactions_after(get_settings().lease_seconds)
     outcome = JobRunner(job_id).run()
     log.info("grpo.run_job %s -> %s", job_id, outcome)
+    return outcome
+
+
+@app.task(name=JOIN_JOB_TASK, ignore_result=True, acks_late=True, reject_on_worker_lost=True)
+def join_job(invitation: dict[str, Any]) -> str:
+    """Run this worker's node of a job on several nodes (a stale invitation returns at once)."""
+    outcome = join(Invitation(**invitation))
+    log.info("grpo.join_job %s attempt %s -> %s", invitation["claim"]["job_id"], invitation["claim"]["attempt"], outcome)
     return outcome

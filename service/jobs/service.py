@@ -87,10 +87,10 @@ def create_job(session: Session, tenant_id: str, spec: JobSpec, queue: JobQueue)
 
 def queue_for(spec: JobSpec) -> str:
     """The builtin: models are small enough for CPU workers; everything else needs a GPU. A job needing N
-    devices goes to the queue of that device count (service.kit.queue), which only workers with N or more
-    devices consume."""
+    devices on each of its nodes goes to the queue of that device count (service.kit.queue), which only
+    workers with N or more devices consume (one worker per node)."""
     kind = "cpu" if spec.base_model.startswith(BUILTIN_PREFIX) else "gpu"
-    return queue_name(kind, spec.resources.devices)
+    return queue_name(kind, spec.resources.devices_per_node)
 
 
 def job_devices(spec: JobSpec) -> int:
@@ -154,11 +154,6 @@ def check_references(session: Session, tenant_id: str, spec: JobSpec) -> None:
             session, tenant_id, source.value
         ):
             errors.append(_missing(field, f"checkpoint {source.value!r} not found"))
-
-    if spec.resources.nodes > 1:
-        # A job's ranks run under one worker (docs/distributed.md, "Several nodes").
-        errors.append({"field": "resources.nodes", "message": "must be 1: a job runs on the devices of one worker",
-                       "type": "unsupported"})
 
     if errors:
         raise ValidationFailed(f"{errors[0]['field']}: {errors[0]['message']}", details=errors)

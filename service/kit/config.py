@@ -65,6 +65,17 @@ class Settings(BaseSettings):
         description="Multi-device jobs: how long a rank waits in a collective for the others before the attempt "
         "ends (a dead or hung rank); it must exceed the longest evaluation and checkpoint upload on rank 0.",
     )
+    worker_address: str = Field(
+        "", max_length=253,
+        description="Jobs on several nodes: the host name or IP address at which this worker's machine is reached by "
+        "the other nodes' workers; the rendezvous of a job this worker claims listens there. Empty: the machine's "
+        "fully qualified host name.",
+    )
+    node_join_timeout_seconds: float = Field(
+        600.0, gt=0,
+        description="Jobs on several nodes: how long the claiming worker waits for the other nodes' workers to join "
+        "before the attempt ends (it is retried when its lease lapses).",
+    )
     queued_resend_seconds: int = Field(120, ge=5, description="Re-send jobs left queued this long (lost messages).")
     broker_visibility_timeout: int = Field(
         3600, ge=60, description="Redis: seconds a delivered, unacknowledged task stays hidden before redelivery."

@@ -168,6 +168,71 @@ class TestCheckpoints:
         assert_same_metrics(history(runs["single-full"] / "checkpoint-3"), history(output / "checkpoint-3"))
 
 
+def grpo_train_on_two_nodes(root: Path, name: str, spec: dict[str, Any], output: Path | None = None) -> Path:
+    """The ranks of `grpo train` as two "nodes" on loopback: two launchers of one rank each, meeting at a
+    c10d rendezvous (the first serves its store), as two workers' launchers do (worker.nodes)."""
+    from tests.worker.procs import free_port
+    from worker.grpo.distributed import launch_command
+
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "train.jsonl").write_text("".join(json.dumps({"prompt": f"{w}: "}) + "\n" for w in WORDS))
+    config = root / f"{name}.yaml"
+    config.write_text(yaml.safe_dump(spec))
+    output = output or root / name
+    endpoint = f"127.0.0.1:{free_port()}"
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
+    launchers = [
+        subprocess.Popen(
+            launch_command("worker.grpo.local", [str(config), str(output)], nproc_per_node=1, nnodes=2,
+                           rdzv_endpoint=endpoint, rdzv_id=name, rdzv_host=host, join_timeout_s=120),
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+        for host in (True, False)
+    ]
+    outputs = [launcher.communicate(timeout=300)[0] for launcher in launchers]
+    assert all(launcher.returncode == 0 for launcher in launchers), "\n".join(o[-3000:] for o in outputs)
+    return output
+
+
+class TestTwoNodes:
+    """Ranks on different nodes share no filesystem: an fsdp checkpoint then gathers the optimiser state into
+    trainer_state.pt instead of keeping each rank's shards, and still resumes exactly anywhere."""
+
+    @pytest.fixture(scope="class")
+    def two_nodes(self, tmp_path_factory: pytest.TempPathFactory) -> Path:
+        return grpo_train_on_two_nodes(tmp_path_factory.mktemp("nodes"), "nodes", _spec(2, "fsdp", False))
+
+    def test_same_weights_and_metrics_as_one_process(self, runs: dict[str, Path], two_nodes: Path) -> None:
+        one, two = runs["single-full"] / "checkpoint-3", two_nodes / "checkpoint-3"
+        diff = max_abs_diff(weights(one, False), weights(two, False))
+        print(f"three steps, fsdp on two nodes: max abs difference {diff:.3g}")
+        assert diff <= 1e-4
+        assert_same_metrics(history(one), history(two))
+
+    def test_checkpoint_holds_the_whole_optimiser_state(self, runs: dict[str, Path], two_nodes: Path) -> None:
+        checkpoint = two_nodes / "checkpoint-3"
+        verify_manifest(checkpoint)
+        assert not (checkpoint / SHARDED_DIR).exists()
+        gathered = torch.load(checkpoint / "trainer_state.pt", weights_only=True)["optimizer"]
+        single = torch.load(runs["ddp-full"] / "checkpoint-3" / "trainer_state.pt", weights_only=True)["optimizer"]
+        assert gathered["param_groups"][0]["params"] == single["param_groups"][0]["params"]
+        for index, moments in single["state"].items():
+            for key in ("exp_avg", "exp_avg_sq"):
+                assert torch.allclose(gathered["state"][index][key], moments[key], atol=1e-6), (index, key)
+
+    @pytest.mark.parametrize(("resumed_on", "parallelism"), [(1, "auto"), (2, "fsdp")])
+    def test_resumes_on_one_node(
+        self, runs: dict[str, Path], two_nodes: Path, tmp_path: Path, resumed_on: int, parallelism: str
+    ) -> None:
+        output = tmp_path / "resumed"
+        shutil.copytree(two_nodes, output)
+        shutil.rmtree(output / "checkpoint-3")
+        grpo_train(tmp_path, "resume", _spec(resumed_on, parallelism, False), output)
+        diff = max_abs_diff(weights(runs["single-full"] / "checkpoint-3", False), weights(output / "checkpoint-3", False))
+        print(f"two-node checkpoint-2 resumed on {resumed_on} rank(s) ({parallelism}): max abs difference {diff:.3g}")
+        assert diff <= 1e-4
+
+
 class TestSpec:
     @pytest.mark.parametrize(
         ("change", "message"),

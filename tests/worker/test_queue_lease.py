@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from datetime import timedelta
 
 import pytest
@@ -17,6 +18,7 @@ from tests.service.factories import TenantHeaders
 from tests.worker.conftest import RecordingQueue, insert_job
 from worker import reporting
 from worker.lease import Claim, LeaseLost, claim_job
+from worker.nodes import Invitation, attempt_owns_job, join
 from worker.reaper import LEASE_EXPIRED_EVENT, WORKER_LOST, reap_once
 
 
@@ -169,6 +171,29 @@ class TestReaper:
         assert reap_once(queue, settings, now=later).resent == [job_id]
         assert not reap_once(queue, settings, now=later).resent
         assert queue.sent == [(job_id, _job(job_id).queue)]
+
+
+class TestNodeInvitation:
+    """worker.nodes.join: an invitation whose attempt no longer owns the job launches nothing."""
+
+    @staticmethod
+    def _invitation(claim: Claim) -> Invitation:
+        return Invitation(asdict(claim), "cpu", "127.0.0.1:1", 2, 1)
+
+    def test_an_invitation_of_an_attempt_that_was_taken_over_is_dropped(self, job_id: str) -> None:
+        first = _claim(job_id)
+        assert first is not None and attempt_owns_job(job_id, first.attempt)
+        _expire_lease(job_id)
+        second = _claim(job_id, worker="w2")
+        assert second is not None and second.attempt == 2
+        assert not attempt_owns_job(job_id, first.attempt) and attempt_owns_job(job_id, second.attempt)
+        assert join(self._invitation(first)) == "stale"
+
+    def test_an_invitation_of_a_finished_job_is_dropped(self, job_id: str) -> None:
+        claim = _claim(job_id)
+        assert claim is not None
+        reporting.finish(claim, JobStatus.succeeded, reason="done")
+        assert join(self._invitation(claim)) == "stale"
 
 
 def test_worker_parent_and_api_never_import_torch() -> None:

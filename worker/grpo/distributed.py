@@ -73,6 +73,13 @@ class Ranks:
     world_size: int = 1
     local_rank: int = 0
     device: str | None = None  # this rank's device; None = the trainer's default (one process)
+    node: int = 0  # this rank's node (torchrun's GROUP_RANK)
+    local_world_size: int = 1  # ranks on this node
+
+    @property
+    def one_node(self) -> bool:
+        """Every rank runs on this machine (and so shares its filesystem)."""
+        return self.local_world_size == self.world_size
 
     @property
     def is_main(self) -> bool:
@@ -90,6 +97,7 @@ def init_from_env(timeout_s: float = DEFAULT_TIMEOUT_S, *, cpu: bool = False) ->
     (WORLD_SIZE unset or 1): one process, no group."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
+    node, local_world_size = int(os.environ.get("GROUP_RANK", "0")), int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     if world_size == 1:
         return Ranks()
     if torch.cuda.is_available() and not cpu:
@@ -99,7 +107,7 @@ def init_from_env(timeout_s: float = DEFAULT_TIMEOUT_S, *, cpu: bool = False) ->
         backend, device = "gloo", "cpu"
     if not dist.is_initialized():
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
-    return Ranks(rank, world_size, local_rank, device)
+    return Ranks(rank, world_size, local_rank, device, node, local_world_size)
 
 
 def launch_command(
@@ -110,10 +118,16 @@ def launch_command(
     nnodes: int = 1,
     rdzv_endpoint: str | None = None,
     rdzv_id: str = "grpo",
+    rdzv_host: bool | None = None,
+    join_timeout_s: float | None = None,
 ) -> list[str]:
     """`python -m torch.distributed.run ... -m module args`: the elastic launcher as a process of its
     own (it cannot run inside a daemonic Celery pool process). No restarts: a failed rank ends the
-    attempt and the job resumes from its checkpoint. torchrun gives each rank one intra-op thread."""
+    attempt and the job resumes from its checkpoint. torchrun gives each rank one intra-op thread.
+
+    Several nodes meet at `rdzv_endpoint` (c10d rendezvous): `rdzv_host` says whether this node serves
+    the rendezvous store there (the others connect to it), `join_timeout_s` how long a node waits for
+    all `nnodes` to arrive."""
     command = [
         sys.executable, "-m", "torch.distributed.run",
         f"--nproc-per-node={nproc_per_node}", "--max-restarts=0", "--monitor-interval=0.5",
@@ -123,6 +137,11 @@ def launch_command(
     else:
         command += [f"--nnodes={nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}",
                     f"--rdzv-id={rdzv_id}"]
+        conf = ([] if rdzv_host is None else [f"is_host={int(rdzv_host)}"]) + (
+            [] if join_timeout_s is None else [f"join_timeout={int(join_timeout_s)}"]
+        )
+        if conf:
+            command.append(f"--rdzv-conf={','.join(conf)}")
     return [*command, "-m", module, *args]
 
 
@@ -138,6 +157,13 @@ def main_first(ranks: Ranks) -> Iterator[None]:
         dist.barrier()
     yield
     if ranks.distributed and ranks.is_main:
+        dist.barrier()
+
+
+def wait_for_nodes(ranks: Ranks) -> None:
+    """Across nodes, every rank waits here for the others (e.g. until each node has its own copy of a
+    file rank 0 downloaded); on one node, nothing."""
+    if ranks.distributed and not ranks.one_node:
         dist.barrier()
 
 
@@ -158,11 +184,11 @@ def is_collective_failure(exc: BaseException) -> bool:
 
 
 def local_peer_pids(ranks: Ranks) -> list[int]:
-    """The process ids of the other ranks on this machine (a collective: call it on every rank)."""
+    """The process ids of the other ranks of this node (a collective: call it on every rank)."""
     parts: list[Any] = [None] * ranks.world_size
-    dist.all_gather_object(parts, (socket.gethostname(), os.getpid()))
-    host = socket.gethostname()
-    return [pid for name, pid in parts if name == host and pid != os.getpid()]
+    here = (socket.gethostname(), ranks.node)
+    dist.all_gather_object(parts, (here, os.getpid()))
+    return [pid for node, pid in parts if tuple(node) == here and pid != os.getpid()]
 
 
 def shutdown() -> None:
@@ -294,13 +320,34 @@ class Parallel:
 
     # --- checkpoints ---------------------------------------------------------------------------
 
+    @property
+    def shards_on_disk(self) -> bool:
+        """fsdp checkpoints keep the optimiser's shards as written by every rank, in rank 0's checkpoint
+        directory: only when every rank shares this machine's filesystem. Across nodes the state is
+        gathered into trainer_state.pt instead (rank 0's memory then holds all of it while saving)."""
+        return self.mode == "fsdp" and self.ranks.one_node
+
     def optimizer_state(self) -> dict[str, Any] | None:
-        """The optimiser state for trainer_state.pt, or None when it is sharded (saved by `save_sharded`)."""
-        return None if self.mode == "fsdp" else self.models.optimizer.state_dict()
+        """The optimiser state for trainer_state.pt, or None when it is sharded (saved by `save_sharded`).
+        A collective with fsdp across nodes: call it on every rank (the others get None)."""
+        if self.mode != "fsdp":
+            return self.models.optimizer.state_dict()
+        if self.shards_on_disk:
+            return None
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        full = get_optimizer_state_dict(
+            self.train_model, self.models.optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
+        if not self.ranks.is_main:
+            return None
+        # Keyed by position like a one-process optimizer.state_dict(), so any run reads it back.
+        return _keyed_by_position(_renamed(full, _policy_name), self.models.policy)
 
     def save_sharded(self, directory: Path) -> Path | None:
-        """fsdp: every rank writes its shards of model and optimiser under `directory`; None otherwise."""
-        if self.mode != "fsdp":
+        """fsdp on one node: every rank writes its shards of model and optimiser under `directory`;
+        None otherwise."""
+        if not self.shards_on_disk:
             return None
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -420,6 +467,16 @@ def _keyed_by_name(state: dict[str, Any], model: Any) -> dict[str, Any]:
     return {
         "state": {names[index]: value for index, value in state["state"].items()},
         "param_groups": [{**group, "params": [names[i] for i in group["params"]]} for group in state["param_groups"]],
+    }
+
+
+def _keyed_by_position(state: dict[str, Any], model: Any) -> dict[str, Any]:
+    """The inverse of `_keyed_by_name`: an optimiser state keyed by parameter name, keyed by position."""
+    names = [name for name, p in model.named_parameters() if p.requires_grad]
+    positions = {name: index for index, name in enumerate(names)}
+    return {
+        "state": {positions[name]: value for name, value in state["state"].items()},
+        "param_groups": [{**group, "params": [positions[n] for n in group["params"]]} for group in state["param_groups"]],
     }
 
 

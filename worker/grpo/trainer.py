@@ -552,11 +552,12 @@ class GRPOTrainer:
     def _save(self) -> None:
         # Sharded state first (every rank writes its shards); rank 0 then writes the checkpoint around it.
         sharded = self.parallel.save_sharded(self.output_dir / f".sharded-{self.step}")
+        optimizer_state = self.parallel.optimizer_state()  # gathered from every rank when fsdp spans nodes
         self._saved_step = self.step
         if not self.parallel.ranks.is_main:
             return
         state = {
-            "optimizer": self.parallel.optimizer_state(),
+            "optimizer": optimizer_state,
             "scheduler": self.models.scheduler.state_dict(),
             "rng": capture_rng_state(),
             "sampler": self.sampler.state_dict(),

@@ -375,7 +375,7 @@ class Resources(_message.Message):
     devices: _builtins.int
     """Devices (GPUs, or CPU ranks) for the whole job, one rank each (default 1)."""
     nodes: _builtins.int
-    """Machines the devices are spread over (default 1; the service accepts 1)."""
+    """Machines the devices are spread over (default 1): one worker on each, with devices / nodes devices."""
     def __init__(
         self,
         *,
