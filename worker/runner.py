@@ -454,7 +454,8 @@ class JobRunner:
             max_completion_length=context.spec.hyperparameters.max_completion_length,
             num_iterations=context.spec.hyperparameters.num_iterations,
             parameters=sum(p.numel() for p in trainer.models.policy.parameters()),
-            cpu=context.queue == "cpu",
+            cpu=context.queue.startswith("cpu"),
+            devices=context.spec.resources.devices,
         )
         try:
             result = trainer.train()
@@ -731,7 +732,8 @@ class UsageMeter:
     a step's device-seconds run from the end of the previous step's report (or the start of training in this
     attempt) to the end of this one's, so evaluation and checkpoint uploads are counted once, in the step
     that follows them. A GPU job counts wall-clock seconds (the GPU is held throughout); a CPU job counts the
-    CPU-seconds its process used (cores shared with other work are not billed for the waits)."""
+    CPU-seconds its process used (cores shared with other work are not billed for the waits). A job on N devices
+    holds all of them for the step: N times rank 0's seconds (its ranks run in lockstep)."""
 
     def __init__(
         self,
@@ -742,12 +744,14 @@ class UsageMeter:
         num_iterations: int,
         parameters: int,
         cpu: bool,
+        devices: int = 1,
     ) -> None:
         self.tenant_id = tenant_id
         self.num_sources = max(num_sources, 1)
         self.max_completion_length = max_completion_length
         self.num_iterations = num_iterations
         self.parameters = parameters
+        self.devices = devices
         self._clock = time.process_time if cpu else time.monotonic
         self._since = self._clock()
 
@@ -763,7 +767,7 @@ class UsageMeter:
             tokens_generated=int(metrics["usage/tokens_generated"]),
             tokens_trained=int(metrics["usage/tokens_trained"]),
             reward_calls=reward_calls,
-            device_seconds=seconds,
+            device_seconds=seconds * self.devices,
             completions=completions,
             completion_capacity=completions * self.max_completion_length,
             num_iterations=self.num_iterations,

@@ -24,7 +24,7 @@ from tests.service.factories import TenantHeaders
 from tests.worker.conftest import insert_dataset, tiny_spec
 from worker import reporting
 from worker.lease import Claim, claim_job
-from worker.runner import JobRunner
+from worker.runner import JobRunner, UsageMeter
 
 FIELDS = ("tokens_generated", "tokens_trained", "reward_calls", "device_seconds")
 
@@ -181,6 +181,17 @@ def _usage(tokens: int, seconds: float = 1.0) -> StepUsageIn:
 def _expire_lease(job_id: str) -> None:
     with session_scope() as session:
         session.execute(update(Job).where(Job.id == job_id).values(lease_until=utcnow() - timedelta(seconds=1)))
+
+
+class TestUsageMeter:
+    @pytest.mark.parametrize("devices", [1, 4])
+    def test_a_step_holds_every_device_of_the_job(self, devices: int, monkeypatch: pytest.MonkeyPatch) -> None:
+        clock = iter([100.0, 102.5])
+        monkeypatch.setattr("worker.runner.time.monotonic", lambda: next(clock))
+        meter = UsageMeter(tenant_id="t", num_sources=1, max_completion_length=8, num_iterations=1, parameters=10,
+                           cpu=False, devices=devices)
+        usage = meter.take({"usage/tokens_generated": 6, "usage/tokens_trained": 12, "usage/reward_calls": 2})
+        assert usage is not None and usage.device_seconds == pytest.approx(2.5 * devices)
 
 
 class TestRerunSteps:
