@@ -15,9 +15,11 @@ from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 
 from contract.api.jobs import JobOut, MetricSeries, MetricsOut
+from contract.fields import INT32_MAX
 from contract.spec import BUILTIN_PREFIX, GraderRewardSpec, JobSpec, ModelRewardSpec, reward_function_refs
 from service.checkpoints import retention
 from service.checkpoints.models import Checkpoint
+from service.datasets.models import Dataset
 from service.jobs import model_sources, repository
 from service.jobs.model_sources import ModelSourceKind, ModelSourcePolicy, ModelSourceRefused
 from service.jobs.models import Job, JobEvent
@@ -127,6 +129,17 @@ def check_references(session: Session, tenant_id: str, spec: JobSpec) -> None:
     for field, dataset_id in datasets.items():
         if dataset_id is not None and dataset_id not in found:
             errors.append(_missing(field, f"dataset {dataset_id!r} not found"))
+
+    config = spec.hyperparameters
+    if config.num_epochs is not None and config.max_steps is None and spec.train_dataset in found_datasets:
+        # The steps column is an INTEGER; float arithmetic, since a huge num_epochs overflows int().
+        dataset = session.get(Dataset, spec.train_dataset)
+        if dataset is not None and config.num_epochs * dataset.num_rows / config.prompts_per_step > INT32_MAX:
+            errors.append({
+                "field": "hyperparameters.num_epochs",
+                "message": f"{config.num_epochs} epochs of {dataset.num_rows} prompts make more than {INT32_MAX} steps",
+                "type": "value_error",
+            })
 
     remote = reward_function_refs(spec.rewards)
     found = repository.live_reward_function_ids(session, tenant_id, [rf_id for _, rf_id in remote])

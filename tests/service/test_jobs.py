@@ -155,6 +155,21 @@ class TestCreateJob:
         assert response.status_code == 422
         assert field in error_fields(response)
 
+    @pytest.mark.parametrize("epochs", [1.5e9, 1e300])
+    def test_epochs_past_the_step_counter_are_422_naming_num_epochs(
+        self, client: TestClient, tenant_a: TenantHeaders, epochs: float
+    ) -> None:
+        """3 prompts, 2 per step: 1.5e9 epochs are 2.25e9 steps, past the INTEGER steps column."""
+        hyper = {"num_epochs": epochs, "num_generations": 4, "prompts_per_step": 2}
+        response = client.post("/v1/jobs", json=job_spec(make_dataset(tenant_a.tenant_id), hyperparameters=hyper),
+                               headers=tenant_a)
+        assert response.status_code == 422, response.text
+        assert error_fields(response) == ["hyperparameters.num_epochs"]
+        hyper["num_epochs"] = 1e9  # 1.5e9 steps fit
+        response = client.post("/v1/jobs", json=job_spec(make_dataset(tenant_a.tenant_id), hyperparameters=hyper),
+                               headers=tenant_a)
+        assert response.status_code == 201, response.text
+
     def test_requires_an_api_key(self, client: TestClient) -> None:
         response = client.post("/v1/jobs", json=job_spec("ds_x"))
         assert response.status_code == 401
