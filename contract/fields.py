@@ -42,6 +42,23 @@ def text_problem(value: str) -> str | None:
     return None
 
 
+def storable_text(value: str) -> str:
+    """`value` with what a database cannot store (NUL, unpaired surrogates) replaced by U+FFFD: for text that is
+    recorded rather than validated, such as a model's completion or a reward endpoint's error message."""
+    return _SURROGATE.sub("\ufffd", value.replace("\x00", "\ufffd"))
+
+
+def storable_json(value: Any) -> Any:
+    """`storable_text` applied to every string (keys included) of a JSON value."""
+    if isinstance(value, str):
+        return storable_text(value)
+    if isinstance(value, dict):
+        return {storable_json(k): storable_json(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [storable_json(v) for v in value]
+    return value
+
+
 def _storable(value: str) -> str:
     problem = text_problem(value)
     if problem is not None:

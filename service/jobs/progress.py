@@ -17,6 +17,7 @@ from typing import Any
 
 from sqlalchemy.orm import Session
 
+from contract.fields import storable_json, storable_text
 from service.jobs import repository
 from service.jobs.models import Job, JobEvent, JobSample
 from service.jobs.schemas import SampleIn
@@ -131,9 +132,10 @@ def worker_transition(
 ) -> Job:
     """A fenced state change by the worker: succeeded, failed (with error), paused or cancelled."""
     job = load_owned_job(session, job_id, attempt)
+    reason = storable_text(reason)  # may quote a reward endpoint's or a library's error text
     if to is JobStatus.failed:
         job.error_code = error_code or "internal_error"
-        job.error_message = error_message or reason
+        job.error_message = storable_text(error_message or reason)
     transition(session, job, to, reason=reason)
     return job
 
@@ -150,8 +152,9 @@ def _append(session: Session, job: Job, type: str, message: str, data: dict[str,
     event = JobEvent(
         job_id=job.id,
         type=type,
-        message=message,
-        data=data,
+        # Worker events quote what the service never validated (an endpoint's error text, a completion).
+        message=storable_text(message),
+        data=storable_json(data),
         attempt=job.attempt,
         step=step if isinstance(step, int) and not isinstance(step, bool) else None,
         created_at=utcnow(),

@@ -18,6 +18,7 @@ from contract.api.jobs import (
     Progress,
     SampleOut,
 )
+from contract.fields import storable_text
 from contract.spec import JobSpec
 from service.jobs.models import Job, JobEvent, JobSample
 
@@ -36,7 +37,7 @@ class SampleIn(BaseModel):
     def _storable(cls, value: str) -> str:
         # A model can generate U+0000, which PostgreSQL text cannot hold: logged as U+FFFD instead of failing
         # the step's write.
-        return value.replace("\x00", "\ufffd")
+        return storable_text(value)
 
     @field_validator("reward")
     @classmethod

@@ -147,6 +147,27 @@ class TestEvents:
         assert job["finished_at"] is not None and job["started_at"] is not None
 
 
+    def test_text_a_database_cannot_hold_is_recorded_with_replacement_characters(
+        self, client: TestClient, tenant_a: TenantHeaders
+    ) -> None:
+        """An endpoint's error text with U+0000 or a lone surrogate (PostgreSQL refuses the first, UTF-8 the
+        second) is recorded with U+FFFD in events and the job's error, instead of failing the report."""
+        job_id = create(client, tenant_a)
+        attempt = start_job(job_id)
+        with session_scope() as session:
+            progress.record_event(session, job_id, attempt, "reward_degraded", "endpoint said \x00 and \ud800",
+                                  {"detail": ["bad\x00"], "key\x00": 1})
+            progress.worker_transition(session, job_id, attempt, JobStatus.failed, reason="endpoint said \x00",
+                                       error_code="reward_invalid_response", error_message="\ud83d \x00")
+        events = client.get(f"/v1/jobs/{job_id}/events", headers=tenant_a).json()["data"]
+        degraded = next(e for e in events if e["type"] == "reward_degraded")
+        assert degraded["message"] == "endpoint said \ufffd and \ufffd"
+        assert degraded["data"] == {"detail": ["bad\ufffd"], "key\ufffd": 1}
+        assert events[-1]["data"]["reason"] == "endpoint said \ufffd"
+        job = client.get(f"/v1/jobs/{job_id}", headers=tenant_a).json()
+        assert job["error"]["message"] == "\ufffd \ufffd"
+
+
 class TestSamples:
     def test_samples_by_step_with_per_source_rewards(
         self, client: TestClient, tenant_a: TenantHeaders
