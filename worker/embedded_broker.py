@@ -24,6 +24,7 @@ from typing import Any
 from kombu.transport import sqlalchemy as kombu_sqla
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import make_url
+from sqlalchemy.exc import IntegrityError
 
 POLL_SECONDS = 0.2
 TRANSPORT_PATH = "worker.embedded_broker:EmbeddedTransport"
@@ -45,6 +46,16 @@ def _sqlite_engine(url: str) -> Engine:
 
 
 class EmbeddedChannel(kombu_sqla.Channel):
+    def _get_or_create(self, queue: str) -> Any:
+        # kombu guards the insert of a new queue's row with a lock of its own process only: when the API
+        # publishes the first job of a queue while the worker declares that queue at start-up, the second
+        # insert fails on the unique name, and the worker stopped with "Unrecoverable error". The row exists.
+        try:
+            return super()._get_or_create(queue)
+        except IntegrityError:
+            self.session.rollback()
+            return self.session.query(self.queue_cls).filter(self.queue_cls.name == queue).one()
+
     def _engine_from_config(self) -> Engine:
         url: str = self.connection.client.hostname
         if make_url(url).get_backend_name() == "sqlite":
