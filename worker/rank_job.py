@@ -4,11 +4,13 @@ through torch.distributed.run (worker.runner; docs/distributed.md).
 Rank 0 is a JobRunner for the claimed attempt: it prepares the inputs, reports and finishes the job, and
 hands the other ranks their inputs (RankInputs). The others train their share without the database; on a
 node other than rank 0's, that node's first rank downloads its own copies of the checkpoints rank 0
-fetched (a resume point, a `checkpoint:` model) from storage. With several nodes, rank 0 may be on any of
-them (the rendezvous orders the nodes): whichever it is, its node's worker data directory is its workdir. Exit codes: 0 when the job ended with every rank together; 3 when rank 0 ended the attempt
-alone (a failure it recorded, or the lease lost), so the launcher stops the others at once; a rank whose
-collective fails (a peer died or hung past the process-group timeout) kills its peers on this machine,
-so that a stopped (SIGSTOP) rank does not hold the attempt for the launcher's grace period too.
+fetched (a resume point, a `checkpoint:` model) from storage. With several nodes (worker.nodes) rank 0 may
+be on any of them, as the rendezvous numbers the nodes; WORKDIR is always the local worker's.
+
+Exit codes: 0 when the job ended with every rank together; 3 when rank 0 ended the attempt alone (a
+failure it recorded, or the lease lost), so the launcher stops the others at once; a rank whose collective
+fails (a peer died or hung past the process-group timeout) kills its peers on this node, so that a stopped
+(SIGSTOP) rank does not hold the attempt for the launcher's grace period too.
 """
 
 from __future__ import annotations
