@@ -30,9 +30,11 @@ import socket
 import subprocess
 import time
 import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
 
 from contract.spec import Resources
 from service.kit.config import Settings, get_settings
@@ -46,15 +48,16 @@ CONTROL_POLL_S = 5.0  # how often a joined node checks that the attempt still ow
 STOP_GRACE_S = 30.0
 
 
-@dataclass(frozen=True)
-class Invitation:
-    """What a claiming worker sends the other nodes' workers: everything their launchers need."""
+class Invitation(BaseModel):
+    """What a claiming worker sends the other nodes' workers (the `grpo.join_job` message): everything their
+    launchers need."""
 
+    model_config = ConfigDict(frozen=True, extra="forbid")
     claim: dict[str, Any]  # worker.lease.Claim, as JSON
     queue: str
     endpoint: str  # host:port of the rendezvous
-    nnodes: int
-    nproc_per_node: int
+    nnodes: int = Field(ge=2)
+    nproc_per_node: int = Field(ge=1)
 
     @property
     def job_id(self) -> str:
@@ -79,9 +82,12 @@ def invite(claim: Claim, queue: str, endpoint: str, resources: Resources) -> Inv
     """Send the invitations to the other `resources.nodes - 1` nodes; returns what was sent."""
     from worker.celery_app import app
 
-    invitation = Invitation(asdict(claim), queue, endpoint, resources.nodes, resources.devices_per_node)
+    invitation = Invitation(
+        claim=asdict(claim), queue=queue, endpoint=endpoint, nnodes=resources.nodes,
+        nproc_per_node=resources.devices_per_node,
+    )
     for _ in range(resources.nodes - 1):
-        app.send_task(JOIN_JOB_TASK, args=[asdict(invitation)], queue=queue)
+        app.send_task(JOIN_JOB_TASK, args=[invitation.model_dump()], queue=queue)
     log.info("job %s: attempt %d invited %d more node(s) to %s on %s",
              claim.job_id, claim.attempt, resources.nodes - 1, endpoint, queue)
     return invitation

@@ -49,6 +49,6 @@ def run_job(job_id: str) -> str:
 @app.task(name=JOIN_JOB_TASK, ignore_result=True, acks_late=True, reject_on_worker_lost=True)
 def join_job(invitation: dict[str, Any]) -> str:
     """Run this worker's node of a job on several nodes (a stale invitation returns at once)."""
-    outcome = join(Invitation(**invitation))
+    outcome = join(Invitation.model_validate(invitation))
     log.info("grpo.join_job %s attempt %s -> %s", invitation["claim"]["job_id"], invitation["claim"]["attempt"], outcome)
     return outcome
