@@ -86,14 +86,18 @@ def test_supports_plain_llama_only(model: PreTrainedModel) -> None:
     assert not fast_decoder.supports(torch.nn.Linear(2, 2), P + C)
 
 
+@pytest.mark.parametrize("uneven", [False, True])
 @pytest.mark.parametrize("skip_masked", [True, False])
 def test_completion_logits_and_gradients_match_the_module_forward(
-    model: PreTrainedModel, skip_masked: bool, monkeypatch: pytest.MonkeyPatch
+    model: PreTrainedModel, skip_masked: bool, uneven: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """With the masked completion positions left out of the stacked rows (row 5's tail is 10 % of the
-    completion positions) and with every position kept."""
+    completion positions) and with every position kept; with groups of one size (2, 2, 2) and of
+    several (1, 2, 2)."""
     monkeypatch.setattr(fast_decoder, "_MIN_SKIPPED_SHARE", 0.05 if skip_masked else 1.01)
     ids, mask = grouped_batch()
+    if uneven:
+        ids, mask = ids[1:], mask[1:]
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     real = mask[:, P - 1 : -1].bool()  # query positions that predict a completion token
     model.zero_grad()

@@ -411,6 +411,7 @@ class DecoderFunctional:
         rotary = self.rotary(stacked_positions[None], self.embed.dtype).squeeze(0).unsqueeze(1)
         x = self.embed_ids(torch.cat([input_ids[firsts, :p].reshape(-1), completion_ids]))  # (R, E)
         split = groups * p
+        group = rows // groups if bool((counts == rows // groups).all()) else None  # one size for every group
         for layer in self.layers:
             fused = layer.qkv(self.norm(x, layer.input_norm))
             fused = fused.view(-1, heads + 2 * kv_heads, dim)  # (R, H+2KV, D)
@@ -420,21 +421,15 @@ class DecoderFunctional:
             if layer.qk_norm is not None:
                 qk = self.head_norm(qk, layer.qk_norm)
             qk = rotary.apply(qk)  # RoPE on q and k at once
-            qkv_prompt, qkv_completion = torch.cat([qk, v], dim=1).split([split, qk.shape[0] - split])
+            qk_p, qk_c = qk.split([split, qk.shape[0] - split])
+            v_p, v_c = v.split([split, v.shape[0] - split])
             if kept is not None:  # back to the padded (N*C) layout for attention
-                qkv_completion = _unpack(qkv_completion, kept, rows * completion)
-            qk_p, vp = (
-                qkv_prompt.view(groups, p, -1, dim).transpose(1, 2).split([heads + kv_heads, kv_heads], dim=1)
-            )  # (n, H+KV, P, D), (n, KV, P, D)
-            qk_c, vc = (
-                qkv_completion.view(rows, completion, -1, dim)
-                .transpose(1, 2)
-                .split([heads + kv_heads, kv_heads], dim=1)
-            )  # (N, H+KV, C, D), (N, KV, C, D)
-            qp, kp = qk_p.split([heads, kv_heads], dim=1)
-            qc, kc = qk_c.split([heads, kv_heads], dim=1)
-            keys = torch.cat([kp.repeat_interleave(counts, dim=0), kc], dim=2)  # (N, KV, T, D)
-            values = torch.cat([vp.repeat_interleave(counts, dim=0), vc], dim=2)
+                qk_c, v_c = _unpack(qk_c, kept, rows * completion), _unpack(v_c, kept, rows * completion)
+            qp, kp = qk_p.view(groups, p, -1, dim).transpose(1, 2).split([heads, kv_heads], dim=1)
+            qc, kc = qk_c.view(rows, completion, -1, dim).transpose(1, 2).split([heads, kv_heads], dim=1)
+            vp = v_p.view(groups, p, kv_heads, dim).transpose(1, 2)  # (n, KV, P, D)
+            vc = v_c.view(rows, completion, kv_heads, dim).transpose(1, 2)  # (N, KV, C, D)
+            keys, values = _after_prompt(kp, kc, counts, group), _after_prompt(vp, vc, counts, group)
             attn_p = self.sdpa(qp, kp, vp, prompt_mask)  # (n, H, P, D)
             attn_c = self.sdpa(qc, keys, values, completion_mask)  # (N, H, C, D)
             attn_c = attn_c.transpose(1, 2).reshape(rows * completion, -1)
@@ -464,6 +459,18 @@ def _kept_completion_positions(completion_mask: Tensor) -> Tensor | None:
     if skipped < _MIN_SKIPPED_SHARE * flat.numel():
         return None
     return flat.nonzero().squeeze(1)
+
+
+def _after_prompt(prompt: Tensor, completion: Tensor, counts: Tensor, group: int | None) -> Tensor:
+    """Each row's keys or values over the whole sequence, (N, KV, P + C, D): its group's prompt part
+    (n, KV, P, D) then its own completion part (N, KV, C, D). With groups of one size the prompt part
+    is broadcast over the group (one copy, and its gradient a sum over the group's rows)."""
+    if group is None:
+        return torch.cat([prompt.repeat_interleave(counts, dim=0), completion], dim=2)
+    groups, kv_heads, length, dim = prompt.shape
+    shared = prompt.unsqueeze(1).expand(groups, group, kv_heads, length, dim)
+    together = torch.cat([shared, completion.view(groups, group, kv_heads, -1, dim)], dim=3)
+    return together.view(groups * group, kv_heads, -1, dim)
 
 
 def _unpack(kept_rows: Tensor, kept: Tensor, total: int) -> Tensor:
