@@ -142,7 +142,8 @@ def _adapter(module: Any) -> _Adapter | None:
 class FusedLinear:
     """Several projections of the same input as one matmul, with their LoRA adapters (if any):
     y = x @ W^T + b + (x @ A^T) @ B^T, W and b the parts stacked, A the adapted parts' A stacked and
-    B block-diagonal with each part's scale. Rows may be permuted (see `rope_pair_order`)."""
+    B block-diagonal with each part's scale. Rows of some parts may be in RoPE-pair order (see
+    `rope_pair_order`)."""
 
     weight: Tensor  # (out, in)
     bias: Tensor | None  # (out,)
@@ -152,11 +153,14 @@ class FusedLinear:
     dropouts: list[float]  # their adapter dropout probabilities
 
     @classmethod
-    def of(cls, modules: list[Any], order: Tensor | None = None, *, adapters: bool = True) -> FusedLinear:
+    def of(
+        cls, modules: list[Any], *, adapters: bool = True, paired: list[bool] | None = None, head_dim: int = 0
+    ) -> FusedLinear:
+        """`paired`: per module, whether its rows (heads of `head_dim` features) go in RoPE-pair order."""
         bases = [getattr(module, "base_layer", module) for module in modules]
-        weight = torch.cat([base.weight for base in bases]) if len(bases) > 1 else bases[0].weight
+        weight = _stacked([base.weight for base in bases], paired, head_dim)
         biases = [base.bias for base in bases]
-        bias = None if biases[0] is None else torch.cat(biases) if len(biases) > 1 else biases[0]
+        bias = None if biases[0] is None else _stacked(biases, paired, head_dim)
         parts = [_adapter(module) if adapters else None for module in modules]
         used = [adapter for adapter in parts if adapter is not None]
         a = b = None
@@ -170,10 +174,8 @@ class FusedLinear:
                 for base, adapter in zip(bases, parts, strict=True)
             ]
             b = torch.block_diag(*blocks) if len(blocks) > 1 else blocks[0]
-        if order is not None:
-            weight = weight[order]
-            bias = None if bias is None else bias[order]
-            b = None if b is None else b[order]
+            if paired is not None and any(paired):
+                b = _stacked(list(b.split([block.shape[0] for block in blocks])), paired, head_dim)
         return cls(
             weight,
             bias,
@@ -252,12 +254,6 @@ class DecoderFunctional:
     def _layer(self, layer: Any, adapters: bool) -> FusedLayer:
         attn, mlp = layer.self_attn, layer.mlp
         device = self.embed.device
-        # q and k rows in RoPE-pair order (see rope_pair_order); v keeps the model's order.
-        q_order = rope_pair_order(self.num_heads, self.head_dim, device)
-        k_order = rope_pair_order(self.num_kv_heads, self.head_dim, device)
-        q_size, k_size = q_order.numel(), k_order.numel()
-        v_rows = torch.arange(q_size + k_size, q_size + 2 * k_size, device=device)
-        qkv_order = torch.cat([q_order, q_size + k_order, v_rows])
         qk_norm = None
         q_norm = getattr(attn, "q_norm", None)
         if q_norm is not None:
@@ -270,7 +266,13 @@ class DecoderFunctional:
             )
         return FusedLayer(
             input_norm=layer.input_layernorm.weight,
-            qkv=FusedLinear.of([attn.q_proj, attn.k_proj, attn.v_proj], qkv_order, adapters=adapters),
+            # q and k rows in RoPE-pair order (see rope_pair_order); v keeps the model's order.
+            qkv=FusedLinear.of(
+                [attn.q_proj, attn.k_proj, attn.v_proj],
+                adapters=adapters,
+                paired=[True, True, False],
+                head_dim=self.head_dim,
+            ),
             qk_norm=qk_norm,
             o=FusedLinear.of([attn.o_proj], adapters=adapters),
             post_norm=layer.post_attention_layernorm.weight,
@@ -459,6 +461,23 @@ def _kept_completion_positions(completion_mask: Tensor) -> Tensor | None:
     if skipped < _MIN_SKIPPED_SHARE * flat.numel():
         return None
     return flat.nonzero().squeeze(1)
+
+
+def _stacked(parts: list[Tensor], paired: list[bool] | None, head_dim: int) -> Tensor:
+    """Row blocks (rows, ...) stacked into one tensor, the rows of each block marked in `paired` in
+    RoPE-pair order (see `rope_pair_order`). The reordering is a view (within a head, (2, D/2) ->
+    (D/2, 2)) inside the one copy the concatenation makes, so the gradient flows back through views
+    rather than an index scatter into a zero-filled tensor."""
+    if paired is None or not any(paired):
+        return torch.cat(parts) if len(parts) > 1 else parts[0]
+    half = head_dim // 2
+    views = [
+        part.view(-1, 2, half, *part.shape[1:]).transpose(1, 2)
+        if pair
+        else part.view(-1, half, 2, *part.shape[1:])
+        for part, pair in zip(parts, paired, strict=True)
+    ]
+    return torch.cat(views).view(-1, *parts[0].shape[1:])
 
 
 def _after_prompt(prompt: Tensor, completion: Tensor, counts: Tensor, group: int | None) -> Tensor:
