@@ -242,3 +242,31 @@ def test_passive_openmp_decodes_small_models_on_one_thread(
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(previous)
+
+
+@pytest.mark.parametrize("shape", [(7, 16), (3, 5, 32)])
+def test_rms_norm_matches_autograd_of_the_composite(shape: tuple[int, ...]) -> None:
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(*shape, generator=gen) * 2
+    weight = torch.randn(shape[-1], generator=gen)
+    grad = torch.randn(*shape, generator=gen)
+    ours_x, ours_w = x.clone().requires_grad_(), weight.clone().requires_grad_()
+    theirs_x, theirs_w = x.clone().requires_grad_(), weight.clone().requires_grad_()
+    ours = fast_decoder.rms_norm(ours_x, ours_w, 1e-6)
+    theirs = theirs_x * torch.rsqrt(theirs_x.pow(2).mean(-1, keepdim=True) + 1e-6) * theirs_w
+    ours.backward(grad)
+    theirs.backward(grad)
+    assert ours_x.grad is not None and ours_w.grad is not None
+    assert theirs_x.grad is not None and theirs_w.grad is not None
+    assert torch.allclose(ours, theirs, atol=1e-5)
+    assert torch.allclose(ours_x.grad, theirs_x.grad, atol=1e-5)
+    assert torch.allclose(ours_w.grad, theirs_w.grad, atol=1e-5)
+
+
+def test_rms_norm_without_the_fused_kernel_gives_the_same_values(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch releases before the fused kernel take the composite forward."""
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(1)).requires_grad_()
+    weight = torch.randn(16, generator=torch.Generator().manual_seed(2))
+    fused = fast_decoder.rms_norm(x, weight, 1e-6)
+    monkeypatch.setattr(fast_decoder, "_FUSED_RMS_NORM", False)
+    assert torch.allclose(fast_decoder.rms_norm(x, weight, 1e-6), fused, atol=1e-6)

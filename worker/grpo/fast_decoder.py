@@ -288,6 +288,8 @@ class DecoderFunctional:
     def norm(self, x: Tensor, weight: Tensor) -> Tensor:
         """LlamaRMSNorm: normalise in float32, cast back, then scale (same order as transformers)."""
         if x.dtype == torch.float32:
+            if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+                return rms_norm(x, weight, self.eps)
             return F.rms_norm(x, (x.shape[-1],), weight, self.eps)
         return weight * F.rms_norm(x.float(), (x.shape[-1],), None, self.eps).to(x.dtype)
 
@@ -461,6 +463,46 @@ def _kept_completion_positions(completion_mask: Tensor) -> Tensor | None:
     if skipped < _MIN_SKIPPED_SHARE * flat.numel():
         return None
     return flat.nonzero().squeeze(1)
+
+
+_FUSED_RMS_NORM = hasattr(torch.ops.aten, "_fused_rms_norm")
+
+
+class _RMSNorm(torch.autograd.Function):
+    """float32 RMSNorm whose forward is one fused kernel and whose backward is seven ops.
+
+    Why: `F.rms_norm` under autograd runs as its composite (pow, mean, add, rsqrt and two multiplies,
+    each with its backward), twice per layer on the whole batch's activations. Parity with it
+    (values and gradients) is tested in tests/engine/test_fast_decoder.py.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, weight: Tensor, eps: float) -> Tensor:
+        if _FUSED_RMS_NORM:
+            y, rstd = torch.ops.aten._fused_rms_norm(x, [x.shape[-1]], weight, eps)
+        else:  # torch < 2.8 has no fused kernel
+            rstd = torch.rsqrt(x.pow(2).mean(-1, keepdim=True).add_(eps))
+            y = x * rstd * weight
+        ctx.save_for_backward(x, rstd, weight)
+        return cast(Tensor, y)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None, None]:
+        x, rstd, weight = ctx.saved_tensors
+        normed = x * rstd
+        grad_normed_x = grad * normed
+        grad_weight = grad_normed_x.reshape(-1, x.shape[-1]).sum(0) if ctx.needs_input_grad[1] else None
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            # d/dx of x * rstd(x) * w: rstd * (g*w - normed * mean(g*w*normed)).
+            mean = (grad_normed_x @ weight).unsqueeze(-1).div_(x.shape[-1])
+            grad_x = torch.addcmul(grad * weight, normed, mean, value=-1).mul_(rstd)
+        return grad_x, grad_weight, None
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """x * rsqrt(mean(x^2) + eps) * weight over the last dim, float32; differentiable in x and weight."""
+    return cast(Tensor, _RMSNorm.apply(x, weight, eps))
 
 
 def _stacked(parts: list[Tensor], paired: list[bool] | None, head_dim: int) -> Tensor:
