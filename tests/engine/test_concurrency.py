@@ -83,6 +83,87 @@ def test_decode_lanes_only_split_single_threaded_decoding_with_halves_worth_a_co
     assert static_decoder.decode_lanes(net, 64) == 1
 
 
+def test_decode_layouts_to_try_put_the_rule_of_thumb_first(
+    model: PreTrainedModel, monkeypatch: pytest.MonkeyPatch, two_threads: None
+) -> None:
+    net = fast_decoder.DecoderFunctional(model)
+    layout = static_decoder.DecodeLayout
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    assert static_decoder.layout_candidates(net, 32, two_lanes=True) == [
+        layout(1, 1),
+        layout(1, 2),
+        layout(2, 1),
+    ]
+    assert static_decoder.layout_candidates(net, 64, two_lanes=True) == [
+        layout(2, 1),
+        layout(1, 1),
+        layout(1, 2),
+    ]
+    assert static_decoder.layout_candidates(net, 64, two_lanes=False) == [layout(1, 1), layout(1, 2)]
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")  # a spinning pool: every thread, no choice
+    assert static_decoder.layout_candidates(net, 64, two_lanes=True) == [layout(1, 2)]
+    torch.set_num_threads(1)
+    assert static_decoder.layout_candidates(net, 64, two_lanes=True) == [layout(1, 1)]
+
+
+def test_layout_chooser_warms_up_tries_each_layout_then_keeps_the_fastest() -> None:
+    a, b, c = (static_decoder.DecodeLayout(*shape) for shape in ((1, 1), (1, 2), (2, 1)))
+    chooser = static_decoder.LayoutChooser(trials=2)
+    seconds = {a: 3.0, b: 2.0, c: 4.0}
+    chosen = []
+    for _ in range(9):
+        layout = chooser.choose("key", [a, b, c])
+        chosen.append(layout)
+        chooser.record("key", layout, seconds[layout])
+    # warm-up (not kept), then a, b, c twice in turn, then the fastest
+    assert chosen == [a, a, b, c, a, b, c, b, b]
+    assert chooser.choose("other key", [c, a]) == c  # keys are measured apart
+    for _ in range(5):  # b slows down: its median (over 4 + 5 timings) passes a's
+        chooser.record("key", b, 100.0)
+    assert chooser.choose("key", [a, b, c]) == a
+
+
+def test_measured_decode_layouts_sample_the_same_tokens_and_follow_the_timings(
+    model: PreTrainedModel,
+    tiny_model_dir: Path,
+    side: SideThread,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    ids, mask = rollout.tokenize_prompts(tokenizer, ["a", "bb: ", "ccc: 12", "dddd"], None)
+    ids, mask = ids.repeat_interleave(8, dim=0), mask.repeat_interleave(8, dim=0)
+    config = GRPOConfig.model_validate({"max_steps": 1, "num_generations": 8, "max_completion_length": 16})
+    eos = rollout.eos_token_ids(model, tokenizer)
+    chooser = static_decoder.LayoutChooser(trials=1)
+    used: list[tuple[str, int]] = []  # (thread, intra-op threads) of each lane
+    original = rollout._sample_lane
+
+    def spy(decoder: Any, *args: Any) -> Any:
+        used.append((threading.current_thread().name, decoder.threads))
+        return original(decoder, *args)
+
+    monkeypatch.setattr(rollout, "_sample_lane", spy)
+
+    def sample() -> torch.Tensor:
+        used.clear()
+        generator = torch.Generator().manual_seed(5)
+        return rollout.sample_completions(model, ids, mask, config, eos, 0, generator, side, chooser)
+
+    tokens = [sample() for _ in range(4)]  # warm-up, then each of the three layouts once
+    assert all(torch.equal(tokens[0], other) for other in tokens[1:])
+    key = next(iter(chooser._seconds))
+    assert {(layout.lanes, layout.threads) for layout in chooser._seconds[key]} == {(1, 1), (1, 2), (2, 1)}
+    for fastest, lanes in (
+        (static_decoder.DecodeLayout(2, 1), ["MainThread", SIDE]),
+        (static_decoder.DecodeLayout(1, 2), ["MainThread"]),
+    ):
+        chooser._seconds[key] = {layout: [1.0] for layout in chooser._seconds[key]} | {fastest: [0.5]}
+        assert torch.equal(sample(), tokens[0])
+        assert sorted(name for name, _ in used) == lanes
+        assert {threads for _, threads in used} == {fastest.threads}
+
+
 def test_two_decode_lanes_sample_the_tokens_one_lane_samples(
     model: PreTrainedModel,
     tiny_model_dir: Path,

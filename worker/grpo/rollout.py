@@ -13,6 +13,7 @@ never tokenised again (a decode/encode round trip is not the identity for most t
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -168,15 +169,24 @@ class NativeRollout:
     """Rollouts from the policy itself (`generate_rollout`); the other engine is
     `worker.grpo.vllm_rollout.VLLMRollout`, with the same three methods."""
 
-    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, config: GRPOConfig) -> None:
+    def __init__(
+        self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, config: GRPOConfig
+    ) -> None:
         self.model, self.tokenizer, self.config = model, tokenizer, config
+        self.layouts = static_decoder.LayoutChooser()  # this run's decode layouts, by measurement
 
     def generate(
         self, prompts: list[str], *, generator_seed: int | list[int], side: SideThread | None = None
     ) -> Rollout:
         """G samples of each prompt; `generator_seed`: one for the batch, or one per prompt (generate_rollout)."""
         return generate_rollout(
-            self.model, self.tokenizer, prompts, self.config, generator_seed=generator_seed, side=side
+            self.model,
+            self.tokenizer,
+            prompts,
+            self.config,
+            generator_seed=generator_seed,
+            side=side,
+            layouts=self.layouts,
         )
 
     def sync_weights(self) -> None:
@@ -195,6 +205,7 @@ def generate_rollout(
     *,
     generator_seed: int | list[int] | None = None,
     side: SideThread | None = None,
+    layouts: static_decoder.LayoutChooser | None = None,
 ) -> Rollout:
     """Generate G = config.num_generations completions for each already-rendered prompt.
 
@@ -202,7 +213,8 @@ def generate_rollout(
     top_p and top_k; beam mode runs beam search with G beams and returns all G. With
     `generator_seed` the sampling is reproducible and the global RNG state is left as it was; a list
     holds one seed per prompt, so that a group samples the same tokens whichever batch (or rank) it is in.
-    `side`, a second CPU lane, lets small models decode half the rows beside the caller.
+    `side`, a second CPU lane, lets small models decode half the rows beside the caller; `layouts`
+    chooses the decode layout by measurement (see sample_completions).
     The model is put in eval mode for generation (no dropout) and restored afterwards. All
     returned tensors live on the model's device.
     """
@@ -225,7 +237,15 @@ def generate_rollout(
             elif generator_seed is not None:  # a private generator: the global RNG is left untouched
                 generator = torch.Generator(device=device).manual_seed(generator_seed)
             completion_ids = sample_completions(
-                model, prompt_ids, prompt_mask, config, eos_ids, _pad_token_id(tokenizer), generator, side
+                model,
+                prompt_ids,
+                prompt_mask,
+                config,
+                eos_ids,
+                _pad_token_id(tokenizer),
+                generator,
+                side,
+                layouts,
             )  # (N, C') with C' <= max_completion_length
         else:
             completion_ids = _beam_search(model, tokenizer, prompt_ids, prompt_mask, config, eos_ids)
@@ -322,23 +342,43 @@ class _CacheDecoder:
         return out.logits[:, -1]
 
 
+@dataclass
+class _Lanes:
+    """A rollout's decoders, each with the rows it decodes, and (Llama family on a CPU with a
+    choice, see static_decoder.layout_candidates) the measured layout they follow."""
+
+    decoders: list[tuple[slice, _Decoder]]
+    layout: static_decoder.DecodeLayout | None = None
+    key: Any = None
+
+
 def _lanes(
-    model: Any, prompt_mask: Tensor, max_new_tokens: int, *, parallel: bool
-) -> list[tuple[slice, _Decoder]]:
-    """Decoders, each with the rows it decodes. Two (halves of the batch, decoded side by side)
-    only for Llama-family models whose decoding would otherwise leave a core idle; else one."""
+    model: Any,
+    prompt_mask: Tensor,
+    max_new_tokens: int,
+    *,
+    parallel: bool,
+    layouts: static_decoder.LayoutChooser | None,
+) -> _Lanes:
+    """One decoder for all rows, or two for the halves of the batch decoded side by side (Llama
+    family only): as `layouts` chooses when given, else by the rule of thumb (static_decoder)."""
     if not fast_decoder.supports(model, prompt_mask.shape[1] + max_new_tokens):
-        return [(slice(None), _CacheDecoder(model, prompt_mask, max_new_tokens))]
+        return _Lanes([(slice(None), _CacheDecoder(model, prompt_mask, max_new_tokens))])
     net = fast_decoder.DecoderFunctional(model)
     rows = prompt_mask.shape[0]
-    if not parallel or static_decoder.decode_lanes(net, rows) == 1:
-        return [(slice(None), static_decoder.StaticDecoder(net, prompt_mask, max_new_tokens))]
+    candidates = static_decoder.layout_candidates(net, rows, two_lanes=parallel)
+    key = static_decoder.layout_key(net, rows)
+    layout = candidates[0] if layouts is None else layouts.choose(key, candidates)
+    if layout.lanes == 1:
+        decoder = static_decoder.StaticDecoder(net, prompt_mask, max_new_tokens, threads=layout.threads)
+        return _Lanes([(slice(None), decoder)], layout, key)
     weights = static_decoder.DecodeWeights.of(net)
     halves = [slice(0, rows // 2), slice(rows // 2, rows)]
-    return [
-        (half, static_decoder.StaticDecoder(net, prompt_mask[half], max_new_tokens, weights))
+    decoders: list[tuple[slice, _Decoder]] = [
+        (half, static_decoder.StaticDecoder(net, prompt_mask[half], max_new_tokens, weights, layout.threads))
         for half in halves
     ]
+    return _Lanes(decoders, layout, key)
 
 
 def filter_logits(logits: Tensor, *, temperature: float, top_k: int, top_p: float) -> Tensor:
@@ -398,12 +438,15 @@ def sample_completions(
     pad_id: int,
     generator: torch.Generator | list[torch.Generator] | None,
     side: SideThread | None = None,
+    layouts: static_decoder.LayoutChooser | None = None,
 ) -> Tensor:
     """Sample up to max_completion_length tokens per row; (B, P) left-padded prompts -> (B, C') ids.
 
     Rows that have emitted an EOS get `pad_id` from then on; decoding ends once every row has
     (so C' may be shorter than max_completion_length), as generate() does. With `side`, small
     Llama-family models decode the two halves of the batch side by side (see static_decoder.decode_lanes).
+    With `layouts`, Llama-family rows decode in the layout it chooses, and the seconds per decoding
+    step are recorded there (static_decoder.LayoutChooser).
     """
     max_new = config.max_completion_length
     batch, device = prompt_ids.shape[0], prompt_ids.device
@@ -414,16 +457,20 @@ def sample_completions(
         draws = torch.cat([torch.rand(max_new, rows, generator=g, device=device) for g in generator], dim=1)
     else:
         draws = torch.rand(max_new, batch, generator=generator, device=device)  # (C, B)
+    started = time.perf_counter()
     with torch.inference_mode():
-        lanes = _lanes(model, prompt_mask, max_new, parallel=side is not None)
+        lanes = _lanes(model, prompt_mask, max_new, parallel=side is not None, layouts=layouts)
 
     def run(lane: tuple[slice, _Decoder]) -> Tensor:
         rows, decoder = lane
         return _sample_lane(decoder, prompt_ids[rows], draws[:, rows], config, eos_ids, pad_id)
 
-    beside = [side.submit(partial(run, lane)) for lane in lanes[1:]] if side is not None else []
-    outputs = [run(lanes[0]), *(future.result() for future in beside)]
+    first, *others = lanes.decoders
+    beside = [side.submit(partial(run, lane)) for lane in others] if side is not None else []
+    outputs = [run(first), *(future.result() for future in beside)]
     produced = max(out.shape[1] for out in outputs)
+    if layouts is not None and lanes.layout is not None:
+        layouts.record(lanes.key, lanes.layout, (time.perf_counter() - started) / produced)
     # A normal tensor again: inference tensors cannot be saved for backward (the embedding would).
     return torch.cat([F.pad(out, (0, produced - out.shape[1]), value=pad_id) for out in outputs])
 

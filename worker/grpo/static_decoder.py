@@ -1,13 +1,16 @@
 """Incremental decoding for the sampling loop on the functional Llama-family forward
 (`worker.grpo.fast_decoder`): a preallocated KV cache written in place, decode weights prepared
 once per rollout (LoRA adapters merged, RMSNorm weights and the attention scale folded in), and
-how many threads or lanes a CPU decodes with.
+how many threads or lanes a CPU decodes with (a rule of thumb, then what the machine measures).
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+import statistics
+import threading
+from collections.abc import Hashable
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -32,8 +35,10 @@ class StaticDecoder:
         prompt_mask: Tensor,
         max_new_tokens: int,
         weights: DecodeWeights | None = None,
+        threads: int | None = None,
     ) -> None:
-        """Decoders of one rollout's lanes share `weights` (prepared here when not given)."""
+        """Decoders of one rollout's lanes share `weights` (prepared here when not given). `threads`:
+        intra-op threads to decode with (default: `decode_threads`' rule of thumb)."""
         weights = weights or DecodeWeights.of(net)
         self.net = net
         batch, prompt_length = prompt_mask.shape
@@ -52,7 +57,7 @@ class StaticDecoder:
         self.rotary = net.rotary(torch.cat([prompt_positions, last + steps], dim=1), dtype)  # (B, S, D/2)
         self.prompt_mask = prompt_mask
         self.fold, self.linears, self.head = weights.fold, weights.layers, weights.head
-        self.threads = decode_threads(net, batch)
+        self.threads = threads or decode_threads(net, batch)
         self.length = 0  # filled cache positions
 
     def prefill(self, prompt_ids: Tensor) -> Tensor:
@@ -139,11 +144,13 @@ class DecodeWeights:
         return cls(fold, layers, _DecodeLinear(head, net.lm_head_bias))
 
 
+# The rule of thumb below is the first guess; a trainer measures the alternatives (LayoutChooser).
 # With OpenMP's passive waiting (what `grpo` processes run with, see cli/), every parallel
-# region wakes the sleeping pool threads, which costs more than a second core saves on a decode
-# step's small matmuls. The threshold sits between the presets on a 2-core CPU (32 rows): one
-# thread decodes tiny and small (largest decode matmul 3 and 17 MFLOP) faster than two, two win on
-# medium (90 MFLOP). Spinning (the default policy) keeps the pool awake, and every thread helps.
+# region wakes the sleeping pool threads, which can cost more than a second core saves on a decode
+# step's small matmuls. The threshold sits between the presets on one 2-core CPU (32 rows): one
+# thread decoded tiny and small (largest decode matmul 3 and 17 MFLOP) faster than two, two won on
+# medium (90 MFLOP); on another, two threads already won on small. Spinning (the default policy)
+# keeps the pool awake, and every thread helps.
 _PASSIVE_PARALLEL_MIN_FLOP = 2**25
 
 
@@ -163,8 +170,7 @@ def decode_threads(net: DecoderFunctional, rows: int) -> int:
     """Intra-op threads for decoding `rows` sequences with `net`: all of them, except one when the
     OpenMP pool sleeps between ops (OMP_WAIT_POLICY=PASSIVE) and the largest matmul is small."""
     threads = torch.get_num_threads()
-    passive = os.environ.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE"
-    if threads == 1 or not passive or net.embed.device.type != "cpu":
+    if threads == 1 or not _passive() or net.embed.device.type != "cpu":
         return threads
     return 1 if _largest_matmul_flop(net, rows) < _PASSIVE_PARALLEL_MIN_FLOP else threads
 
@@ -176,6 +182,85 @@ def decode_lanes(net: DecoderFunctional, rows: int) -> int:
     if rows < 2 or torch.get_num_threads() < 2 or decode_threads(net, rows) != 1:
         return 1
     return 2 if _largest_matmul_flop(net, rows // 2) >= _LANE_MIN_FLOP else 1
+
+
+@dataclass(frozen=True)
+class DecodeLayout:
+    """How a CPU decodes one rollout's rows: `lanes` side-by-side parts (two halves on two cores,
+    see `decode_lanes`), each on `threads` intra-op threads."""
+
+    lanes: int
+    threads: int
+
+
+def layout_candidates(net: DecoderFunctional, rows: int, *, two_lanes: bool) -> list[DecodeLayout]:
+    """The layouts worth trying for `rows` rows, the rule of thumb's first. Only a CPU whose OpenMP
+    pool sleeps between ops has a choice: a spinning pool, one thread or another device decode
+    all rows on every thread. `two_lanes`: a side thread is there to run the second lane."""
+    threads = torch.get_num_threads()
+    lanes = decode_lanes(net, rows) if two_lanes else 1
+    guess = DecodeLayout(lanes, 1 if lanes == 2 else decode_threads(net, rows))
+    if threads == 1 or net.embed.device.type != "cpu" or not _passive():
+        return [guess]
+    others = [DecodeLayout(1, 1), DecodeLayout(1, threads)]
+    if two_lanes and rows >= 2:
+        others.append(DecodeLayout(2, 1))
+    return [guess, *(layout for layout in others if layout != guess)]
+
+
+def layout_key(net: DecoderFunctional, rows: int) -> Hashable:
+    """What a decode step's cost depends on: the model's shapes, the rows, the dtype and the threads."""
+    return (
+        rows,
+        net.hidden,
+        net.intermediate,
+        len(net.layers),
+        net.num_heads,
+        net.num_kv_heads,
+        net.head_dim,
+        net.lm_head.shape[0],
+        net.embed.dtype,
+        torch.get_num_threads(),
+    )
+
+
+@dataclass
+class LayoutChooser:
+    """Chooses each rollout's decode layout by measurement: after a first rollout of a key that only
+    warms up (its time, with first-call costs, is not kept), rollouts try every candidate `trials`
+    times (round robin, the rule of thumb's first); later ones take the layout with the least median
+    seconds per decoding step.
+
+    Why: whether a second thread or a second lane pays off on a decode step's small matmuls depends
+    on the machine (what waking a sleeping OpenMP thread costs, GIL hand-offs between lanes, cache
+    sizes), and a fixed threshold is right on one machine only: on one 2-vCPU VM the small preset
+    decoded fastest in two lanes, on another on one lane of two threads, by 10 %. Rows are
+    independent, so every layout samples the same tokens.
+    """
+
+    trials: int = 2
+    _seconds: dict[Hashable, dict[DecodeLayout, list[float]]] = field(default_factory=dict)
+    _warm: set[Hashable] = field(default_factory=set)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def choose(self, key: Hashable, candidates: list[DecodeLayout]) -> DecodeLayout:
+        with self._lock:
+            measured = self._seconds.setdefault(key, {})
+            untried = [layout for layout in candidates if len(measured.get(layout, [])) < self.trials]
+            if untried:  # round robin: the candidate measured fewest times, the earliest on ties
+                return min(untried, key=lambda layout: len(measured.get(layout, [])))
+            return min(candidates, key=lambda layout: statistics.median(measured[layout]))
+
+    def record(self, key: Hashable, layout: DecodeLayout, seconds_per_step: float) -> None:
+        with self._lock:
+            if key not in self._warm:
+                self._warm.add(key)
+                return
+            self._seconds.setdefault(key, {}).setdefault(layout, []).append(seconds_per_step)
+
+
+def _passive() -> bool:
+    return os.environ.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE"
 
 
 class _DecodeLinear:
