@@ -12,6 +12,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from contract.reward_types import RewardInput
 from tests.engine.trainer_helpers import (
     char_count_reward,
     small_config,
@@ -350,3 +351,44 @@ class TestOverlap:
         # The reference pass did not wait for the rewards: it finished while the source was still sleeping.
         assert events["reference_end"] < events["reward_end"]
         assert metrics["time/reward_s"] >= 0.5
+
+
+class TestForwardWhileScoring:
+    @pytest.mark.filterwarnings("ignore:Seems like `optimizer.step\\(\\)` has been overridden")
+    def test_first_forward_runs_while_a_slow_reward_scores_and_changes_nothing(
+        self, tmp_path: Path, models_dir: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """A slow reward: the policy's first forward runs before its scores arrive; the update is the
+        one the forward after scoring gives (the same with fsdp's rule, where it must wait)."""
+        events: list[str] = []
+
+        def slow(item: RewardInput) -> float:
+            time.sleep(0.01)
+            events.append("scored")
+            return float(sum(item.completion_ids) % 17)
+
+        grads = []
+        for early in (True, False):
+            events.clear()
+            trainer = GRPOTrainer(
+                small_config(max_steps=1, mini_batch_size=4),
+                train_rows=word_rows(),
+                reward=CompositeReward([(FunctionSource("slow", slow), 1.0)]),
+                **trainer_kwargs(tmp_path / str(early), models_dir),
+            )
+            monkeypatch.setattr(type(trainer.parallel), "local_forward", early)  # a class attribute for the run
+            forward = trainer._policy_forward
+
+            def spy(*args: Any, forward: Any = forward, **kwargs: Any) -> Any:
+                events.append("forward")
+                return forward(*args, **kwargs)
+
+            monkeypatch.setattr(trainer, "_policy_forward", spy)
+            grads.append(_capture_gradients(trainer))
+            trainer.train()
+            first = events.index("forward")
+            # 8 completions in two mini-batches: each forward once, the first before the last score when early
+            assert events.count("forward") == 2
+            assert (first < len(events) - 1 - events[::-1].index("scored")) is early
+        for name, value in grads[0].items():
+            torch.testing.assert_close(grads[1][name], value, atol=0, rtol=0, msg=str(name))

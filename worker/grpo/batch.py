@@ -52,6 +52,8 @@ class StepBatch:
     old_logps: Tensor | None  # (N, C), None when mu == 1 (on-policy)
     reference: Future[Tensor] | None  # (N, C) reference log-probs, None when beta == 0; may still be running
     generated: list[Scored]  # every group generated this step (for reward metrics)
+    # The first mini-batch's policy forward (rows, (log-probs, entropy)), run while rewards were scored
+    early_forward: tuple[slice, tuple[Tensor, Tensor | None]] | None = None
 
     @property
     def reference_pending(self) -> bool:

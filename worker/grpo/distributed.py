@@ -247,6 +247,12 @@ class Parallel:
 
     # --- gradients and updates -----------------------------------------------------------------
 
+    @property
+    def local_forward(self) -> bool:
+        """The training forward talks to no other rank (fsdp's all-gathers weights), so this rank may
+        run it at a moment of its own choosing."""
+        return self.mode != "fsdp"
+
     def completion_logprobs(self, *args: Any, **kwargs: Any) -> tuple[Tensor, Tensor | None]:
         """worker.grpo.logprobs.completion_logprobs of the training module (with gradient)."""
         if isinstance(self.train_model, ShardedPolicy):

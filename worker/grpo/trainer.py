@@ -194,7 +194,7 @@ class GRPOTrainer:
         # ===== 2. optimise: mu passes over mini-batches, one optimiser update per pass
         train_started = time.perf_counter()
         train_stats = self._optimise(batch)
-        timings["time/train_s"] = time.perf_counter() - train_started
+        timings["time/train_s"] += time.perf_counter() - train_started  # after the early forward, if any
         if self.config.use_vllm:
             sync_started = time.perf_counter()
             self.rollouts.sync_weights()  # the next rollout samples from the updated policy
@@ -247,6 +247,8 @@ class GRPOTrainer:
     def _rollout_phase(self, step: int, timings: dict[str, float]) -> StepBatch:
         timings["time/generate_s"] = 0.0
         timings["time/reward_s"] = 0.0
+        timings["time/train_s"] = 0.0
+        early: tuple[slice, tuple[Tensor, Tensor | None]] | None = None
         first = self._generate(step, 0, self.config.prompts_per_step, timings)
         if self.config.dynamic_sampling:
             scored = self._score(first, step, timings).result()
@@ -264,6 +266,14 @@ class GRPOTrainer:
             pending = self._score(first, step, timings)
             reference = self._start_reference(first.rollout)
             old_logps = self._old_logps(first.rollout, reference)
+            if not pending.done() and self.parallel.local_forward:
+                # The policy's first forward needs no rewards: run it while scoring finishes (a remote
+                # reward's latency, or the hand-offs between threads for a local one). Not with fsdp,
+                # whose forward is collective: every rank must run it at the same point.
+                started = time.perf_counter()
+                rows = self._mini_batches(first.rollout.completion_ids.shape[0])[0]
+                early = (rows, self._policy_forward(first.rollout, rows, reference, iteration=0))
+                timings["time/train_s"] = time.perf_counter() - started
             final = pending.result()
             generated, in_loss = [final], torch.ones(len(final.rows), dtype=torch.bool)
         advantages = self._advantages(final, in_loss)  # (N,), 0 outside the loss
@@ -271,7 +281,7 @@ class GRPOTrainer:
             final.rollout, in_loss, mask_truncated=self.config.mask_truncated_completions
         )
         advantages = advantages.to(loss_mask.device)
-        return StepBatch(final, advantages, loss_mask, old_logps, reference, generated)
+        return StepBatch(final, advantages, loss_mask, old_logps, reference, generated, early)
 
     def _advantages(self, scored: Scored, in_loss: Tensor) -> Tensor:
         """(N,) group-relative advantages of the scored completions, one reward or several; groups
@@ -452,16 +462,11 @@ class GRPOTrainer:
         """Forward, loss and backward of one mini-batch (weighted by the sampling correction when
         another engine sampled)."""
         rollout = batch.scored.rollout
-        completion_length = rollout.completion_ids.shape[1]
-        with self.lanes.own_core_while(batch.reference):
-            logps, entropy = self.parallel.completion_logprobs(
-                rollout.input_ids[rows],
-                rollout.attention_mask[rows],
-                completion_length,
-                temperature=self.config.temperature,
-                with_entropy=iteration == 0 or self.loss_settings.needs_entropy,
-                entropy_grad=self.config.entropy_bonus,
-            )  # (B, C)
+        if iteration == 0 and batch.early_forward is not None and batch.early_forward[0] == rows:
+            logps, entropy = batch.early_forward[1]  # run while the rewards were being scored
+            batch.early_forward = None
+        else:
+            logps, entropy = self._policy_forward(rollout, rows, batch.reference, iteration)
         is_weights, sampled_by = None, None
         if self.correction is not None:
             assert rollout.sampler_logps is not None
@@ -491,6 +496,20 @@ class GRPOTrainer:
             mask = rollout.completion_mask[rows]
             entropy_sum = float((entropy.detach() * mask).sum())
         return MiniBatchResult(float(scaled.detach()), stats, entropy_sum, sampled_by)
+
+    def _policy_forward(
+        self, rollout: Rollout, rows: slice, reference: Future[Tensor] | None, iteration: int
+    ) -> tuple[Tensor, Tensor | None]:
+        """Log-probs (B, C) of mini-batch `rows` under the policy, with gradient, and their entropy."""
+        with self.lanes.own_core_while(reference):
+            return self.parallel.completion_logprobs(
+                rollout.input_ids[rows],
+                rollout.attention_mask[rows],
+                rollout.completion_ids.shape[1],
+                temperature=self.config.temperature,
+                with_entropy=iteration == 0 or self.loss_settings.needs_entropy,
+                entropy_grad=self.config.entropy_bonus,
+            )  # (B, C)
 
     def _optimizer_update(self) -> float:
         """Clip, step the optimiser and the scheduler; returns the pre-clip gradient norm."""
