@@ -140,8 +140,8 @@ class DecodeWeights:
         # Folded norm weights also carry sqrt(E): rsqrt(mean(x^2) + eps) = sqrt(E) * rsqrt(sum(x^2) + E*eps).
         norm_gain = net.hidden**0.5 if fold else 1.0
         layers = [_DecodeLayer.of(layer, net, fold=fold, norm_gain=norm_gain) for layer in net.layers]
-        head = net.lm_head * (net.final_norm * norm_gain) if fold else net.lm_head
-        return cls(fold, layers, _DecodeLinear(head, net.lm_head_bias))
+        head_scale = net.final_norm * norm_gain if fold else None
+        return cls(fold, layers, _DecodeLinear(net.lm_head, net.lm_head_bias, in_scale=head_scale))
 
 
 # The rule of thumb below is the first guess; a trainer measures the alternatives (LayoutChooser).
@@ -269,10 +269,29 @@ class _DecodeLinear:
     Holds a contiguous transposed copy of W, made once per rollout, so each call is one GEMM with
     the residual added by the GEMM itself (`addmm`). MKL's packed weights (`_mkl_linear`) are no
     faster at these row counts, and packing costs ~0.5 ms per matrix per rollout.
+
+    `in_scale` (in,) and `out_scale` (out,) scale W's columns and rows: the column scale is applied
+    by the transposing copy itself (a multiply reading W^T, writing the contiguous copy), which costs
+    no more than the copy alone, where scaling W first and copying after made two more passes.
     """
 
-    def __init__(self, weight: Tensor, bias: Tensor | None) -> None:
-        self.weight_t = weight.t().contiguous()
+    def __init__(
+        self,
+        weight: Tensor,
+        bias: Tensor | None,
+        *,
+        in_scale: Tensor | None = None,
+        out_scale: Tensor | None = None,
+    ) -> None:
+        out_features, in_features = weight.shape
+        self.weight_t = torch.empty(in_features, out_features, dtype=weight.dtype, device=weight.device)
+        if in_scale is None:
+            self.weight_t.copy_(weight.t())
+        else:
+            torch.mul(weight.t(), in_scale[:, None], out=self.weight_t)
+        if out_scale is not None:
+            self.weight_t.mul_(out_scale)
+            bias = None if bias is None else bias * out_scale
         self.bias = bias
 
     def __call__(self, x: Tensor, *, residual: Tensor | None = None) -> Tensor:
@@ -294,25 +313,28 @@ class _DecodeLayer:
         rows of qkv, or of the per-head q norm after it when there is one (RMSNorm would undo it).
         With `fold`, the RMSNorm weights (times `norm_gain`) scale the columns of the matrices that
         follow them: RMSNorm(x) @ W^T == (x * rstd(x)) @ (W * g)^T."""
-        qkv, qkv_bias = layer.qkv.merged_weight(), layer.qkv.bias
-        qk_norm = None
+        qkv = layer.qkv.merged_weight()
+        qk_norm = row_scale = None
         if layer.qk_norm is None:
             row_scale = torch.ones(qkv.shape[0], dtype=qkv.dtype, device=qkv.device)
             row_scale[: net.num_heads * net.head_dim] = net.head_dim**-0.5
-            qkv = qkv * row_scale[:, None]
-            qkv_bias = None if qkv_bias is None else qkv_bias * row_scale
         else:
             head_scale = torch.ones(layer.qk_norm.shape[0], 1, dtype=qkv.dtype, device=qkv.device)
             head_scale[: net.num_heads] = net.head_dim**-0.5
             qk_norm = layer.qk_norm * head_scale
-        gate_up = layer.gate_up.merged_weight()
-        if fold:
-            qkv = qkv * (layer.input_norm * norm_gain)
-            gate_up = gate_up * (layer.post_norm * norm_gain)
         return cls(
-            _DecodeLinear(qkv, qkv_bias),
+            _DecodeLinear(
+                qkv,
+                layer.qkv.bias,
+                in_scale=layer.input_norm * norm_gain if fold else None,
+                out_scale=row_scale,
+            ),
             qk_norm,
             _DecodeLinear(layer.o.merged_weight(), layer.o.bias),
-            _DecodeLinear(gate_up, layer.gate_up.bias),
+            _DecodeLinear(
+                layer.gate_up.merged_weight(),
+                layer.gate_up.bias,
+                in_scale=layer.post_norm * norm_gain if fold else None,
+            ),
             _DecodeLinear(layer.down.merged_weight(), layer.down.bias),
         )
