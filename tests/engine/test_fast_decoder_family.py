@@ -318,6 +318,25 @@ def test_other_wrappers_and_subclasses_take_the_generic_path() -> None:
     assert not fast_decoder.supports(lm_head_adapter, 8)
 
 
+def test_supports_follows_checkpointing_and_adapter_state() -> None:
+    """What the fast path cannot reproduce is refused, and accepted again once undone."""
+    model = build("qwen2")
+    model.gradient_checkpointing_enable()
+    assert not fast_decoder.supports(model, 8)
+    model.gradient_checkpointing_disable()
+    assert fast_decoder.supports(model, 8)
+    adapted = with_lora(model)
+    assert fast_decoder.supports(adapted, 8)
+    adapted.merge_adapter()  # the adapters are in the base weights: applying them again would be wrong
+    assert not fast_decoder.supports(adapted, 8)
+    adapted.unmerge_adapter()
+    assert fast_decoder.supports(adapted, 8)
+    dora = get_peft_model(build("llama"), LoraConfig(r=4, target_modules=["q_proj"], use_dora=True))
+    assert not fast_decoder.supports(dora, 8)
+    saved = get_peft_model(build("llama"), LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=["lm_head"]))
+    assert not fast_decoder.supports(saved, 8)
+
+
 def gpt2() -> PreTrainedModel:
     torch.manual_seed(0)
     config = GPT2Config(vocab_size=100, n_embd=32, n_layer=2, n_head=4, n_positions=64, eos_token_id=2)

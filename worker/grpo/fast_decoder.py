@@ -48,12 +48,6 @@ def supports(model: Any, max_length: int) -> bool:
     if base is None or type(base) not in _family():  # subclasses and other wrappers: generic path
         return False
     config = base.config
-    # transformers 5 renamed gradient checkpointing (the old property warns).
-    checkpointing = getattr(base, "is_activation_checkpointing", None)
-    if checkpointing is None:
-        checkpointing = getattr(base, "is_gradient_checkpointing", False)
-    if checkpointing:
-        return False
     if getattr(config, "pretraining_tp", 1) != 1 or config.hidden_act not in _ACTIVATIONS:
         return False
     # Attention dropout only matters in training mode; the functional path has none.
@@ -63,7 +57,10 @@ def supports(model: Any, max_length: int) -> bool:
     window = getattr(config, "sliding_window", None)
     if window is not None and max_length > window:
         return False
-    return _only_projection_adapters(base)
+    # Should transformers rename its checkpointing property, a class that has the new one is asked.
+    if getattr(type(base), "is_activation_checkpointing", None) is not None and base.is_activation_checkpointing:
+        return False
+    return _plain_modules(base)
 
 
 def _unwrap(model: Any) -> Any | None:
@@ -88,15 +85,23 @@ def _projections(base: Any) -> list[Any]:
     ]
 
 
-def _only_projection_adapters(base: Any) -> bool:
-    """Adapters (if any) are plain LoRA on the projections: no DoRA or other variant, no LoRA bias,
-    not merged, at most one active; no adapted embeddings, LM head or modules_to_save."""
+def _plain_modules(base: Any) -> bool:
+    """No module checkpoints its activations, and adapters (if any) are plain LoRA on the
+    projections: no DoRA or other variant, no LoRA bias, not merged, at most one active; no adapted
+    embeddings, LM head or modules_to_save.
+
+    One pass over the modules, which this runs several times per step: a LoRA model has several per
+    projection (1,000+ for a 24-layer one), and transformers' `is_gradient_checkpointing` property would
+    make a second pass. The flag is read from each module's own attributes, where
+    `gradient_checkpointing_enable()` sets it (a class default is False)."""
     from peft.tuners.lora import Linear as LoraLinear
     from peft.tuners.tuners_utils import BaseTunerLayer
     from peft.utils.other import AuxiliaryTrainingWrapper
 
     projections = {id(module) for module in _projections(base)}
     for module in base.modules():
+        if vars(module).get("gradient_checkpointing"):
+            return False
         if isinstance(module, AuxiliaryTrainingWrapper):
             return False
         if not isinstance(module, BaseTunerLayer):
