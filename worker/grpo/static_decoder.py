@@ -59,6 +59,23 @@ class StaticDecoder:
         self.fold, self.linears, self.head = weights.fold, weights.layers, weights.head
         self.threads = threads or decode_threads(net, batch)
         self.length = 0  # filled cache positions
+        # Besides its matmuls, a decode step is ~40 small ops per layer (~30 % of its time), so every view
+        # it needs is made here, once: the caches as (B*KV, S, D) batches (keys transposed), and the qkv and
+        # gate/up products written into buffers (`out=`) that every layer and step reuse, with their
+        # parts (q, k, v, the complex view RoPE rotates, gate, up) viewed once.
+        kv_rows = batch * net.num_kv_heads
+        self._keys_t = [k.view(kv_rows, total, net.head_dim).transpose(1, 2) for k in self.keys]
+        self._values = [v.view(kv_rows, total, net.head_dim) for v in self.values]
+        heads, kv_heads = net.num_heads, net.num_kv_heads
+        self._qkv_out = torch.empty(batch, (heads + 2 * kv_heads) * net.head_dim, dtype=dtype, device=device)
+        fused = self._qkv_out.view(batch, heads + 2 * kv_heads, net.head_dim)
+        self._q, self._qk = fused[:, :heads], fused[:, : heads + kv_heads]
+        self._k, self._v = fused[:, heads : heads + kv_heads], fused[:, heads + kv_heads :]
+        self._qk_complex = (
+            torch.view_as_complex(self._qk.unflatten(-1, (-1, 2))) if self.rotary.cis is not None else None
+        )
+        self._gate_up_out = torch.empty(batch, 2 * net.intermediate, dtype=dtype, device=device)
+        self._gate, self._up = self._gate_up_out.split(net.intermediate, dim=-1)
 
     def prefill(self, prompt_ids: Tensor) -> Tensor:
         """(B, P) -> logits (B, V) of the next token.
@@ -92,23 +109,23 @@ class StaticDecoder:
         bias = self.bias[..., :end]  # (B*KV, 1, end)
         x = net.embed_ids(tokens)  # (B, E)
         for index, (layer, t) in enumerate(zip(net.layers, self.linears, strict=True)):
-            fused = t.qkv(self._norm(x, layer.input_norm)).view(batch, heads + 2 * kv_heads, dim)
-            qk = fused[:, : heads + kv_heads]
+            t.qkv(self._norm(x, layer.input_norm), out=self._qkv_out)
             if t.qk_norm is not None:
-                qk.copy_(net.head_norm(qk, t.qk_norm))
-            rotary.apply_(qk)
-            self.keys[index][:, :, position] = fused[:, heads : heads + kv_heads]
-            self.values[index][:, :, position] = fused[:, heads + kv_heads :]
+                self._qk.copy_(net.head_norm(self._qk, t.qk_norm))
+            if self._qk_complex is not None and rotary.cis is not None:
+                self._qk_complex.mul_(rotary.cis)
+            else:
+                rotary.apply_(self._qk)
+            self.keys[index].select(2, position).copy_(self._k)
+            self.values[index].select(2, position).copy_(self._v)
             # Heads of one KV group are adjacent: (B*KV, groups, D) queries against (B*KV, end, D) keys.
-            q = fused[:, :heads].reshape(batch * kv_heads, heads // kv_heads, dim)
-            keys = self.keys[index][:, :, :end].reshape(batch * kv_heads, end, dim)
-            values = self.values[index][:, :, :end].reshape(batch * kv_heads, end, dim)
+            q = self._q.reshape(batch * kv_heads, heads // kv_heads, dim)
             # 1/sqrt(D) is folded into the q rows of the qkv matrix or of the q norm (RoPE is linear).
-            probs = torch.baddbmm(bias, q, keys.transpose(1, 2)).softmax(dim=-1)
-            attn = torch.bmm(probs, values).view(batch, heads * dim)
+            probs = torch.baddbmm(bias, q, self._keys_t[index][..., :end]).softmax(dim=-1)
+            attn = torch.bmm(probs, self._values[index][:, :end]).view(batch, heads * dim)
             x = t.o(attn, residual=x)
-            gate, up = t.gate_up(self._norm(x, layer.post_norm)).split(net.intermediate, dim=-1)
-            x = t.down(net.act(gate).mul_(up), residual=x)
+            t.gate_up(self._norm(x, layer.post_norm), out=self._gate_up_out)
+            x = t.down(net.act(self._gate).mul_(self._up), residual=x)
         self.length = end
         return self._logits(x)
 
@@ -294,9 +311,13 @@ class _DecodeLinear:
             bias = None if bias is None else bias * out_scale
         self.bias = bias
 
-    def __call__(self, x: Tensor, *, residual: Tensor | None = None) -> Tensor:
-        out = torch.mm(x, self.weight_t) if residual is None else torch.addmm(residual, x, self.weight_t)
-        return out if self.bias is None else out.add_(self.bias)
+    def __call__(self, x: Tensor, *, residual: Tensor | None = None, out: Tensor | None = None) -> Tensor:
+        """`out`: a buffer to write the product into (without `residual`)."""
+        if residual is None:
+            y = torch.mm(x, self.weight_t, out=out) if out is not None else torch.mm(x, self.weight_t)
+        else:
+            y = torch.addmm(residual, x, self.weight_t)
+        return y if self.bias is None else y.add_(self.bias)
 
 
 @dataclass
