@@ -44,9 +44,13 @@ class StaticDecoder:
         batch, prompt_length = prompt_mask.shape
         total = prompt_length + max_new_tokens
         device, dtype = prompt_mask.device, net.embed.dtype
-        shape = (batch, net.num_kv_heads, total, net.head_dim)
-        self.keys = [torch.empty(shape, dtype=dtype, device=device) for _ in net.layers]
-        self.values = [torch.empty(shape, dtype=dtype, device=device) for _ in net.layers]
+        # Per layer, keys and values in one (2, B, KV, S, D) tensor: a step writes both with one copy.
+        self._caches = [
+            torch.empty(2, batch, net.num_kv_heads, total, net.head_dim, dtype=dtype, device=device)
+            for _ in net.layers
+        ]
+        self.keys = [cache[0] for cache in self._caches]  # (B, KV, S, D)
+        self.values = [cache[1] for cache in self._caches]
         # Additive key mask over the whole horizon: prompt padding -inf, generated tokens visible.
         bias = torch.zeros(batch, total, dtype=dtype, device=device)
         bias[:, :prompt_length].masked_fill_(prompt_mask == 0, float("-inf"))
@@ -70,7 +74,8 @@ class StaticDecoder:
         self._qkv_out = torch.empty(batch, (heads + 2 * kv_heads) * net.head_dim, dtype=dtype, device=device)
         fused = self._qkv_out.view(batch, heads + 2 * kv_heads, net.head_dim)
         self._q, self._qk = fused[:, :heads], fused[:, : heads + kv_heads]
-        self._k, self._v = fused[:, heads : heads + kv_heads], fused[:, heads + kv_heads :]
+        self._new_kv = fused[:, heads:].view(batch, 2, kv_heads, net.head_dim).transpose(0, 1)  # (2, B, KV, D)
+        self._norm_eps = torch.tensor(net.hidden * net.eps, dtype=dtype, device=device)  # a Python float costs a wrap
         self._qk_complex = (
             torch.view_as_complex(self._qk.unflatten(-1, (-1, 2))) if self.rotary.cis is not None else None
         )
@@ -116,8 +121,7 @@ class StaticDecoder:
                 self._qk_complex.mul_(rotary.cis)
             else:
                 rotary.apply_(self._qk)
-            self.keys[index].select(2, position).copy_(self._k)
-            self.values[index].select(2, position).copy_(self._v)
+            self._caches[index].select(3, position).copy_(self._new_kv)
             # Heads of one KV group are adjacent: (B*KV, groups, D) queries against (B*KV, end, D) keys.
             q = self._q.reshape(batch * kv_heads, heads // kv_heads, dim)
             # 1/sqrt(D) is folded into the q rows of the qkv matrix or of the q norm (RoPE is linear).
@@ -138,7 +142,7 @@ class StaticDecoder:
         if not self.fold:
             return self.net.norm(x, weight)
         sum_sq = (x * x).sum(dim=-1, keepdim=True)
-        return x * sum_sq.add_(self.net.hidden * self.net.eps).rsqrt_()  # sqrt(E) is in the weights
+        return x * sum_sq.add_(self._norm_eps).rsqrt_()  # sqrt(E) is in the weights
 
 
 @dataclass
