@@ -317,10 +317,7 @@ class _DecodeLinear:
 
     def __call__(self, x: Tensor, *, residual: Tensor | None = None, out: Tensor | None = None) -> Tensor:
         """`out`: a buffer to write the product into (without `residual`)."""
-        if residual is None:
-            y = torch.mm(x, self.weight_t, out=out) if out is not None else torch.mm(x, self.weight_t)
-        else:
-            y = torch.addmm(residual, x, self.weight_t)
+        y = torch.mm(x, self.weight_t, out=out) if residual is None else torch.addmm(residual, x, self.weight_t)
         return y if self.bias is None else y.add_(self.bias)
 
 
