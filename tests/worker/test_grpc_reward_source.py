@@ -144,7 +144,7 @@ class TestRetries:
         [
             GrpcFault(status=grpc.StatusCode.UNAVAILABLE),
             GrpcFault(status=grpc.StatusCode.RESOURCE_EXHAUSTED),
-            GrpcFault(delay_s=1.5),  # past the 0.5 + 0.5 s deadline -> DEADLINE_EXCEEDED
+            GrpcFault(delay_s=3.0),  # past the 2 + 0.5 s deadline -> DEADLINE_EXCEEDED
         ],
         ids=["unavailable", "resource_exhausted", "deadline_exceeded"],
     )
@@ -152,8 +152,10 @@ class TestRetries:
         plan = lambda n, r: fault if n <= 2 else None  # noqa: E731
         with running_grpc(GrpcRewardServer(secret, faults=plan)) as server:
             events: list[RetryEvent] = []
+            # The connect step gets headroom: on a loaded machine a 0.5 s channel lookup can time out too,
+            # which is another (legitimate) retry that never reaches the server.
             source = GrpcRewardSource(
-                make_config(server.url, secret, timeout_s=0.5, connect_timeout_s=0.5), on_retry=events.append
+                make_config(server.url, secret, timeout_s=0.5, connect_timeout_s=2.0), on_retry=events.append
             )
             assert await source(make_items(1, 2), step=0) == expected(make_items(1, 2))
             await source.aclose()
