@@ -243,3 +243,79 @@ def test_lora_outside_the_fast_path_keeps_the_reference_forward_inline(
         **trainer_kwargs(tmp_path, models_dir),
     ).train()
     assert reference_threads == ["MainThread"]
+
+
+def _grad_threads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Names of the threads that call torch.autograd.grad from now on."""
+    return record_threads(monkeypatch, torch.autograd, "grad")
+
+
+@pytest.mark.filterwarnings("ignore:Seems like `optimizer.step\\(\\)` has been overridden")
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+def test_backward_in_halves_runs_beside_and_gives_the_whole_batch_gradient(
+    tmp_path: Path, models_dir: Path, monkeypatch: pytest.MonkeyPatch, two_threads: None, beta: float
+) -> None:
+    """With a side lane the first pass's backward runs as two halves of the groups, the second on
+    the side thread; the gradients are those of one backward over every row."""
+    grad_threads = _grad_threads(monkeypatch)
+    runs = []
+    for lane in ("halves", "whole"):
+        if lane == "whole":
+            monkeypatch.setattr(GRPOTrainer, "_halves", lambda self, rollout: None)
+        run = GRPOTrainer(
+            small_config(max_steps=1, beta=beta, prompts_per_step=4),
+            train_rows=word_rows(),
+            reward=spread_reward(),
+            **trainer_kwargs(tmp_path / lane, models_dir),
+        )
+        grads = _capture_gradients(run)
+        result = run.train()
+        runs.append((grads, result.history[0]))
+        if lane == "halves":
+            # the loss's gradient here, then one half here and the other beside
+            assert sorted(grad_threads) == ["MainThread", "MainThread", SIDE]
+    (half_grads, half_metrics), (whole_grads, whole_metrics) = runs
+    assert half_metrics["loss"] == pytest.approx(whole_metrics["loss"], rel=1e-4, abs=1e-7)
+    assert half_metrics["entropy"] == pytest.approx(whole_metrics["entropy"], rel=1e-4)
+    for index, grad in half_grads.items():
+        torch.testing.assert_close(grad, whole_grads[index], atol=1e-6, rtol=1e-4, msg=str(index))
+
+
+def test_backward_in_halves_is_reproducible_bit_for_bit(
+    tmp_path: Path, models_dir: Path, two_threads: None
+) -> None:
+    """The halves' gradients are added in a fixed order, whichever lane finishes first."""
+    weights = []
+    for run in ("first", "second"):
+        trainer = GRPOTrainer(
+            small_config(max_steps=3, beta=0.04, prompts_per_step=4),
+            train_rows=word_rows(),
+            reward=spread_reward(),
+            **trainer_kwargs(tmp_path / run, models_dir),
+        )
+        trainer.train()
+        weights.append([param.detach().clone() for param in trainer.models.trainable_parameters])
+    assert all(torch.equal(a, b) for a, b in zip(*weights, strict=True))
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [{}, {"num_iterations": 2}, {"mini_batch_size": 8}, {"prompts_per_step": 1}],
+    ids=["one-pass", "mu-2", "mini-batches", "one-group"],
+)
+def test_halves_only_for_one_pass_over_one_mini_batch_of_several_groups(
+    tmp_path: Path, models_dir: Path, two_threads: None, overrides: dict[str, int]
+) -> None:
+    trainer = GRPOTrainer(
+        small_config(**({"max_steps": 1, "prompts_per_step": 4} | overrides)),
+        train_rows=word_rows(),
+        reward=spread_reward(),
+        **trainer_kwargs(tmp_path, models_dir),
+    )
+    with trainer.lanes:
+        generated = trainer._generate(1, 0, trainer.config.prompts_per_step, {"time/generate_s": 0.0})
+        halves = trainer._halves(generated.rollout)
+    if overrides:
+        assert halves is None
+    else:
+        assert halves == (slice(0, 8), slice(8, 16))  # two groups of 4 each

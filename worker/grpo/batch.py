@@ -43,6 +43,20 @@ class Scored:
 
 
 @dataclass
+class HalfForward:
+    """One half of the rows' policy forward, run on a lane of its own: its log-probs (B, C) and
+    entropy (B, C), still attached to that half's graph."""
+
+    rows: slice
+    logps: Tensor
+    entropy: Tensor | None
+
+    def outputs(self) -> list[Tensor]:
+        """The outputs a backward runs from: the log-probs, and the entropy when it carries gradients."""
+        return [t for t in (self.logps, self.entropy) if t is not None and t.requires_grad]
+
+
+@dataclass
 class StepBatch:
     """Everything the optimisation phase needs."""
 
@@ -54,6 +68,9 @@ class StepBatch:
     generated: list[Scored]  # every group generated this step (for reward metrics)
     # The first mini-batch's policy forward (rows, (log-probs, entropy)), run while rewards were scored
     early_forward: tuple[slice, tuple[Tensor, Tensor | None]] | None = None
+    # When that forward ran as two halves side by side: each half's outputs, whose graphs its backward
+    # runs from (GRPOTrainer._backward_in_halves); early_forward holds them concatenated
+    halves: list[HalfForward] | None = None
 
     @property
     def reference_pending(self) -> bool:

@@ -34,10 +34,12 @@ import torch
 from torch import Tensor
 
 from contract.config import GRPOConfig
+from worker.grpo import fast_decoder
 from worker.grpo.advantages import decoupled_advantages, group_advantages
 from worker.grpo.allocator import keep_freed_memory
 from worker.grpo.batch import (
     Generated,
+    HalfForward,
     MiniBatchResult,
     Scored,
     StepBatch,
@@ -248,7 +250,6 @@ class GRPOTrainer:
         timings["time/generate_s"] = 0.0
         timings["time/reward_s"] = 0.0
         timings["time/train_s"] = 0.0
-        early: tuple[slice, tuple[Tensor, Tensor | None]] | None = None
         first = self._generate(step, 0, self.config.prompts_per_step, timings)
         if self.config.dynamic_sampling:
             scored = self._score(first, step, timings).result()
@@ -259,14 +260,12 @@ class GRPOTrainer:
                 self.config.num_generations,
                 self.models.tokenizer.pad_token_id,
             )
-            reference = self._start_reference(final.rollout)
-            old_logps = self._old_logps(final.rollout, reference)
+            reference, old_logps, early, halves = self._start_forwards(final.rollout, timings)
         else:
             # Rewards do not depend on the old/reference log-probs: compute them while scoring runs.
             pending = self._score(first, step, timings)
-            reference = self._start_reference(first.rollout)
-            old_logps = self._old_logps(first.rollout, reference)
-            if not pending.done() and self.parallel.local_forward:
+            reference, old_logps, early, halves = self._start_forwards(first.rollout, timings)
+            if early is None and not pending.done() and self.parallel.local_forward:
                 # The policy's first forward needs no rewards: run it while scoring finishes (a remote
                 # reward's latency, or the hand-offs between threads for a local one). Not with fsdp,
                 # whose forward is collective: every rank must run it at the same point.
@@ -281,7 +280,7 @@ class GRPOTrainer:
             final.rollout, in_loss, mask_truncated=self.config.mask_truncated_completions
         )
         advantages = advantages.to(loss_mask.device)
-        return StepBatch(final, advantages, loss_mask, old_logps, reference, generated, early)
+        return StepBatch(final, advantages, loss_mask, old_logps, reference, generated, early, halves)
 
     def _advantages(self, scored: Scored, in_loss: Tensor) -> Tensor:
         """(N,) group-relative advantages of the scored completions, one reward or several; groups
@@ -351,6 +350,51 @@ class GRPOTrainer:
             more = self._generate(step, round_index, missing, timings)
             generated.append(self._score(more, step, timings).result())
         return generated
+
+    def _start_forwards(
+        self, rollout: Rollout, timings: dict[str, float]
+    ) -> tuple[
+        Future[Tensor] | None,
+        Tensor | None,
+        tuple[slice, tuple[Tensor, Tensor | None]] | None,
+        list[HalfForward] | None,
+    ]:
+        """The reference log-probs (started, or done) and the old ones of `rollout`; where the
+        backward runs in halves (see `_halves`), the first pass's policy forward too, half by half
+        beside the reference. Returns (reference, old log-probs, early forward, its halves)."""
+        reference = self._start_reference(rollout)
+        halves = self._halves(rollout)
+        if halves is None:
+            return reference, self._old_logps(rollout, reference), None, None
+        started = time.perf_counter()
+        parts = [HalfForward(rows, *self._policy_forward(rollout, rows, reference, 0)) for rows in halves]
+        logps = torch.cat([part.logps for part in parts])
+        entropies = [part.entropy for part in parts if part.entropy is not None]
+        entropy = torch.cat(entropies) if entropies else None
+        rows = self._mini_batches(rollout.completion_ids.shape[0])[0]
+        timings["time/train_s"] = time.perf_counter() - started
+        return reference, None, (rows, (logps, entropy)), parts
+
+    def _halves(self, rollout: Rollout) -> tuple[slice, slice] | None:
+        """The rows split in two at a group boundary, when the first pass's backward runs as two
+        halves side by side, each on one thread and core (`_backward_in_halves`): with a side lane
+        (a CPU with two or more threads), a local forward on the fast path (no dropout: a half draws
+        no random numbers), and one pass (mu = 1) over one mini-batch. Why: on a small model, two
+        one-thread backwards finish sooner than one over all rows on two threads (its matmuls gain
+        ~1.6x from a second thread, its other ops less)."""
+        total, length = rollout.completion_ids.shape[0], rollout.input_ids.shape[1]
+        group = self.config.num_generations
+        if (
+            self.lanes.side is None
+            or not self.parallel.local_forward
+            or self.config.num_iterations != 1
+            or len(self._mini_batches(total)) != 1
+            or total // group < 2
+            or not fast_decoder.supports(self.parallel.train_model, length)
+        ):
+            return None
+        middle = total // group // 2 * group
+        return slice(0, middle), slice(middle, total)
 
     def _start_reference(self, rollout: Rollout) -> Future[Tensor] | None:
         """Reference log-probs (N, C) when beta > 0. They need only the rollout, so with a side lane
@@ -462,9 +506,10 @@ class GRPOTrainer:
         """Forward, loss and backward of one mini-batch (weighted by the sampling correction when
         another engine sampled)."""
         rollout = batch.scored.rollout
+        halves = None
         if iteration == 0 and batch.early_forward is not None and batch.early_forward[0] == rows:
             logps, entropy = batch.early_forward[1]  # run while the rewards were being scored
-            batch.early_forward = None
+            halves, batch.early_forward, batch.halves = batch.halves, None, None
         else:
             logps, entropy = self._policy_forward(rollout, rows, batch.reference, iteration)
         is_weights, sampled_by = None, None
@@ -490,12 +535,52 @@ class GRPOTrainer:
             is_weights=is_weights,
         )  # already this mini-batch's share of the step's loss
         scaled = scaled * self.parallel.loss_scale  # over several ranks: this rank's share of the global loss
-        scaled.backward()
+        if halves is None:
+            scaled.backward()
+        else:
+            self._backward_in_halves(scaled, halves)
         entropy_sum = None
         if entropy is not None and iteration == 0:  # the entropy metric: the policy before this step's updates
             mask = rollout.completion_mask[rows]
             entropy_sum = float((entropy.detach() * mask).sum())
         return MiniBatchResult(float(scaled.detach()), stats, entropy_sum, sampled_by)
+
+    def _backward_in_halves(self, loss: Tensor, halves: list[HalfForward]) -> None:
+        """`loss.backward()` for a forward run in halves (`_forward_in_halves`): the loss's gradient
+        with respect to each half's outputs here, then each half's backward to the weights on a lane
+        of its own, the second on the side lane. Each half's gradients are its own tensors, added
+        here in a fixed order: two backwards accumulating into the same .grad would add in the order
+        they happen to finish, and the step would not be reproducible bit for bit."""
+        outputs = [part.outputs() for part in halves]
+        flat = torch.autograd.grad(loss, [t for ts in outputs for t in ts], allow_unused=True)
+        params = self.parallel.trainable_parameters()
+
+        def gradients(index: int) -> tuple[Tensor | None, ...]:
+            start = sum(len(ts) for ts in outputs[:index])
+            pairs = [
+                (t, g)
+                for t, g in zip(outputs[index], flat[start : start + len(outputs[index])], strict=True)
+                if g is not None
+            ]
+            if not pairs:
+                return (None,) * len(params)
+            return torch.autograd.grad(
+                [t for t, _ in pairs], params, [g for _, g in pairs], allow_unused=True
+            )
+
+        beside = self.lanes.beside(partial(gradients, 1))
+        with self.lanes.own_core_while(beside):
+            first = gradients(0)
+        second = beside.result()
+        with torch.no_grad():
+            for param, a, b in zip(params, first, second, strict=True):
+                grad = b if a is None else a if b is None else a.add_(b)
+                if grad is None:
+                    continue
+                if param.grad is None:
+                    param.grad = grad
+                else:
+                    param.grad.add_(grad)
 
     def _policy_forward(
         self, rollout: Rollout, rows: slice, reference: Future[Tensor] | None, iteration: int
