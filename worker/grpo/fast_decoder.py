@@ -374,18 +374,30 @@ class DecoderFunctional:
         ids and mask run the prompt positions once per group and expand its keys/values (the
         prompt's states do not depend on what follows it, so this is the same function, and its
         gradient sums over the group). Saves (G - 1) / G of the prompt's share of the compute.
+
+        The last token predicts nothing scored and no earlier position attends to it: it is left
+        out of the forward (one position per row less to compute).
         """
         prompt_length = input_ids.shape[1] - completion_length
         keys = torch.cat([input_ids[:, :prompt_length], attention_mask[:, :prompt_length]], dim=1)
         _, counts = torch.unique_consecutive(keys, dim=0, return_counts=True)
-        if counts.shape[0] == input_ids.shape[0]:  # nothing shared
+        scored = slice(None, -1)  # every position but the last
+        if counts.shape[0] == input_ids.shape[0] or completion_length == 1:  # nothing shared, or nothing after it
             total = input_ids.shape[1]
             return self.forward_hidden(
-                input_ids, attention_mask, position_ids, slice(prompt_length - 1, total - 1)
+                input_ids[:, scored],
+                attention_mask[:, scored],
+                position_ids[:, scored],
+                slice(prompt_length - 1, total - 1),
             )
         firsts = torch.cumsum(counts, 0) - counts  # first row of each group
         return self._shared_prompt_hidden(
-            input_ids, attention_mask, position_ids, prompt_length, firsts, counts
+            input_ids[:, scored],
+            attention_mask[:, scored],
+            position_ids[:, scored],
+            prompt_length,
+            firsts,
+            counts,
         )
 
     def _shared_prompt_hidden(
@@ -398,7 +410,9 @@ class DecoderFunctional:
         counts: Tensor,
     ) -> Tensor:
         """Prompt rows (one per group, n x P) and completion rows (N x C) stacked into one (R, E)
-        matrix, so norms, projections and MLPs run once over both; only attention is split.
+        matrix, so norms, projections and MLPs run once over both; only attention is split. The rows
+        end before the sequence's last token: the hidden states (N, C + 1, E) predict the C + 1 tokens
+        after position P - 1.
 
         Completion positions after a row's EOS (attention mask 0) are left out of the stacked
         matrix when they are a noticeable share: no real position attends to them and no loss
@@ -452,7 +466,7 @@ class DecoderFunctional:
         if kept is not None:
             x_completion = _unpack(x_completion, kept, rows * completion)
         last_prompt = x_prompt.view(groups, p, -1)[:, -1:].repeat_interleave(counts, dim=0)  # (N, 1, E)
-        hidden = torch.cat([last_prompt, x_completion.view(rows, completion, -1)[:, :-1]], dim=1)  # (N, C, E)
+        hidden = torch.cat([last_prompt, x_completion.view(rows, completion, -1)], dim=1)  # (N, C + 1, E)
         return self.norm(hidden, self.final_norm)
 
 
