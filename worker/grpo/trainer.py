@@ -379,9 +379,11 @@ class GRPOTrainer:
         """The rows split in two at a group boundary, when the first pass's backward runs as two
         halves side by side, each on one thread and core (`_backward_in_halves`): with a side lane
         (a CPU with two or more threads), a local forward on the fast path (no dropout: a half draws
-        no random numbers), and one pass (mu = 1) over one mini-batch. Why: on a small model, two
-        one-thread backwards finish sooner than one over all rows on two threads (its matmuls gain
-        ~1.6x from a second thread, its other ops less)."""
+        no random numbers), and one pass (mu = 1) over one mini-batch. Why: where a second thread
+        speeds a small model's matmuls ~1.6x (and its other ops less), two one-thread backwards finish
+        sooner than one over all rows on two threads (bench/README.md: ~10 % of the training phase on
+        an AMD EPYC VM; a variant of it was even on an Intel Xeon VM, where the second thread gave
+        almost 2x)."""
         total, length = rollout.completion_ids.shape[0], rollout.input_ids.shape[1]
         group = self.config.num_generations
         if (
@@ -546,7 +548,7 @@ class GRPOTrainer:
         return MiniBatchResult(float(scaled.detach()), stats, entropy_sum, sampled_by)
 
     def _backward_in_halves(self, loss: Tensor, halves: list[HalfForward]) -> None:
-        """`loss.backward()` for a forward run in halves (`_forward_in_halves`): the loss's gradient
+        """`loss.backward()` for a forward run in halves (`_start_forwards`): the loss's gradient
         with respect to each half's outputs here, then each half's backward to the weights on a lane
         of its own, the second on the side lane. Each half's gradients are its own tensors, added
         here in a fixed order: two backwards accumulating into the same .grad would add in the order
