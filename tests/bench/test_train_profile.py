@@ -6,9 +6,11 @@ Nothing here checks a timing; the run checks that each category of the tiny pres
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 sys.path.insert(0, str(BENCH))
@@ -37,7 +39,18 @@ def test_categories(name: str, ancestors: list[str], expected: str) -> None:
     assert train_profile.category(name, ancestors) == expected
 
 
-def test_profiles_the_tiny_presets_training_phase(tmp_path: Path) -> None:
+@pytest.fixture
+def keeps_thread_count() -> Iterator[None]:
+    """profile_case sets the bench's thread count, as in its own process: tests after this one (the
+    engine's resume test among them) must keep the suite's."""
+    previous = torch.get_num_threads()
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+def test_profiles_the_tiny_presets_training_phase(tmp_path: Path, keeps_thread_count: None) -> None:
     result = train_profile.profile_case(Case("tiny"), 2, tmp_path)
     seconds = result["seconds"]
     for name in ("LM head matmuls", "LM head softmax", "layer matmuls", "attention", "optimiser", "other"):

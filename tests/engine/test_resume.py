@@ -46,7 +46,7 @@ RESUME_SCRIPT = """
 import json, sys
 from pathlib import Path
 import torch
-torch.set_num_threads(1)
+torch.set_num_threads(int(sys.argv[5]))  # the parent's: two or more threads train the halves side by side
 from tests.engine.trainer_helpers import small_config, spread_reward, word_rows
 from worker.grpo.trainer import GRPOTrainer
 checkpoint, output, settings, models = sys.argv[1:5]
@@ -101,6 +101,7 @@ def test_resume_in_a_fresh_process_continues_exactly(tmp_path: Path, tiny_model_
             str(tmp_path / "split"),
             json.dumps(settings),
             str(models),
+            str(torch.get_num_threads()),  # the same layout of work as the runs here
         ],
         capture_output=True,
         text=True,
