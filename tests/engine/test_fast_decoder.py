@@ -128,6 +128,18 @@ def test_no_shared_prompt_path_matches_too(model: PreTrainedModel) -> None:
     assert torch.allclose(logps[real], expected[real], atol=1e-5)
 
 
+def test_one_token_completions_of_shared_prompts_match_the_module_forward(model: PreTrainedModel) -> None:
+    """With one completion token nothing follows the shared prompt once the last token is left out."""
+    ids, mask = grouped_batch()
+    ids, mask = ids[:, : P + 1], mask[:, : P + 1]
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        ours = fast_decoder.DecoderFunctional(model).completion_logits(ids, mask, positions, 1)
+        theirs = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits[:, -2:-1]
+    assert ours.shape == theirs.shape
+    assert torch.allclose(ours, theirs, atol=1e-5)
+
+
 def test_decoder_matches_the_module_with_a_dynamic_cache(model: PreTrainedModel) -> None:
     ids, mask = grouped_batch()
     assert_decoder_matches(model, ids, mask, lambda ours, theirs: torch.allclose(ours, theirs, atol=1e-5))
