@@ -5,6 +5,7 @@ Models are random small configs built here; models it does not cover take the ge
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -246,6 +247,45 @@ def test_log_probs_with_a_chunked_head_and_tied_embeddings_match_the_generic_pat
     assert ours_grads.keys() == theirs_grads.keys() == trainable(model).keys()
     for name, grad in theirs_grads.items():
         assert relative_error(ours_grads[name], grad) <= 5e-5, name
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_halves_on_one_net_backpropagate_side_by_side(arch: str, lora: bool) -> None:
+    """Two halves of a batch forward on one DecoderFunctional, then their backwards to the weights
+    run at the same time on two threads (as the trainer's halves do): each half gets the gradients
+    of a forward on a net of its own, and neither backward spends what the other needs of the
+    shared weights' graph."""
+    model = build(arch)
+    if lora:
+        model = with_lora(model)
+    ids, mask = grouped_batch()
+    params = list(trainable(model).values())
+    halves = [slice(0, 2), slice(2, 6)]  # at a group boundary; the second has a row ended early
+
+    def half_logps(rows: slice, net: fast_decoder.DecoderFunctional | None) -> torch.Tensor:
+        logps, _ = completion_logprobs(model, ids[rows], mask[rows], C, temperature=1.0, net=net)
+        return (logps * mask[rows, P:]).sum()
+
+    expected = [torch.autograd.grad(half_logps(rows, None), params) for rows in halves]
+    net = fast_decoder.DecoderFunctional(model)
+    losses = [half_logps(rows, net) for rows in halves]
+    results: dict[int, tuple[torch.Tensor, ...] | BaseException] = {}
+
+    def backward(index: int) -> None:
+        try:
+            results[index] = torch.autograd.grad(losses[index], params)
+        except BaseException as error:  # noqa: BLE001 - reported by the assertions below
+            results[index] = error
+
+    beside = threading.Thread(target=backward, args=(1,))
+    beside.start()
+    backward(0)
+    beside.join()
+    for index, grads in enumerate(expected):
+        got = results[index]
+        assert not isinstance(got, BaseException), f"half {index}: {got!r}"
+        assert all(torch.equal(a, b) for a, b in zip(got, grads, strict=True)), index
 
 
 def test_lora_on_some_projections_only() -> None:

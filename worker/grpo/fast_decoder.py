@@ -171,11 +171,13 @@ class FusedLinear:
         a = b = None
         if used:
             a = torch.cat([adapter.a for adapter in used]) if len(used) > 1 else used[0].a
-            # A part without an adapter contributes zero rows to B (a (out, 0) block).
+            # A part without an adapter contributes zero rows to B (a (out, 0) block). The scale is
+            # multiplied as a Scalar: `b * scale` would wrap it in a tensor that the graph saves,
+            # and several forwards sharing one net could not all run their backward through it.
             blocks = [
                 base.weight.new_zeros(base.weight.shape[0], 0).to(used[0].b.dtype)
                 if adapter is None
-                else adapter.b * adapter.scale
+                else torch.ops.aten.mul.Scalar(adapter.b, adapter.scale)
                 for base, adapter in zip(bases, parts, strict=True)
             ]
             b = torch.block_diag(*blocks) if len(blocks) > 1 else blocks[0]
@@ -258,15 +260,15 @@ class DecoderFunctional:
 
     def _layer(self, layer: Any, adapters: bool) -> FusedLayer:
         attn, mlp = layer.self_attn, layer.mlp
-        device = self.embed.device
         qk_norm = None
         q_norm = getattr(attn, "q_norm", None)
         if q_norm is not None:
-            within = rope_pair_order(1, self.head_dim, device)
+            # Pair order within a head as a view (no index): the graph of a net's weights keeps no
+            # tensors, so several forwards may share one net and run their backwards through it.
             qk_norm = torch.cat(
                 [
-                    q_norm.weight[within].expand(self.num_heads, -1),
-                    attn.k_norm.weight[within].expand(self.num_kv_heads, -1),
+                    _pair_ordered(q_norm.weight).expand(self.num_heads, -1),
+                    _pair_ordered(attn.k_norm.weight).expand(self.num_kv_heads, -1),
                 ]
             )
         return FusedLayer(
@@ -457,7 +459,7 @@ class DecoderFunctional:
             attn_c = self.sdpa(qc, keys, values, completion_mask)  # (N, H, C, D)
             attn_c = attn_c.transpose(1, 2).reshape(rows * completion, -1)
             if kept is not None:
-                attn_c = attn_c.index_select(0, kept)
+                attn_c = _pack(attn_c, kept)
             attn = torch.cat([attn_p.transpose(1, 2).reshape(split, -1), attn_c])  # (R, H*D)
             x = x + layer.o(attn)
             x = x + self.mlp(layer, x)
@@ -554,9 +556,32 @@ def _after_prompt(prompt: Tensor, completion: Tensor, counts: Tensor, group: int
 
 
 def _unpack(kept_rows: Tensor, kept: Tensor, total: int) -> Tensor:
-    """(K, ...) rows -> (total, ...) with them at `kept` and zeros elsewhere (differentiable)."""
-    padded = kept_rows.new_zeros((total, *kept_rows.shape[1:]))
-    return padded.index_copy(0, kept, kept_rows)
+    """(K, ...) rows -> (total, ...) with them at `kept` and zeros elsewhere (differentiable).
+    In place into fresh zeros: the out-of-place index_copy would copy the zeros once more."""
+    return kept_rows.new_zeros((total, *kept_rows.shape[1:])).index_copy_(0, kept, kept_rows)
+
+
+def _pack(rows: Tensor, kept: Tensor) -> Tensor:
+    """rows[kept] (K, ...) of (total, ...) rows (differentiable); the inverse of `_unpack`."""
+    return cast(Tensor, _Pack.apply(rows, kept))
+
+
+class _Pack(torch.autograd.Function):
+    """index_select of unique rows whose backward puts the gradient back with one index_copy_ into
+    zeros. Why: autograd's index_select backward is index_add_, which the CPU runs as a
+    scatter_add, about 3x the time of index_copy_ on these rows; with unique indices both make
+    the same values (0 + g)."""
+
+    @staticmethod
+    def forward(ctx: Any, rows: Tensor, kept: Tensor) -> Tensor:
+        ctx.save_for_backward(kept)
+        ctx.total = rows.shape[0]
+        return rows.index_select(0, kept)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        (kept,) = ctx.saved_tensors
+        return _unpack(grad, kept, ctx.total), None
 
 
 def causal_padding_mask(attention_mask: Tensor) -> Tensor:
@@ -569,6 +594,11 @@ def causal_padding_mask(attention_mask: Tensor) -> Tensor:
     causal = torch.ones(length, length, dtype=torch.bool, device=attention_mask.device).tril()
     visible = causal & attention_mask.bool()[:, None, None, :]  # (B, 1, T, T)
     return visible | torch.eye(length, dtype=torch.bool, device=attention_mask.device)
+
+
+def _pair_ordered(weight: Tensor) -> Tensor:
+    """A head's (D,) feature weights in RoPE-pair order (see `rope_pair_order`): (2, D/2) -> (D/2, 2)."""
+    return weight.view(2, -1).t().reshape(-1)
 
 
 def rope_pair_order(heads: int, dim: int, device: torch.device) -> Tensor:

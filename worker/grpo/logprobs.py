@@ -65,11 +65,14 @@ def completion_logprobs(
     with_entropy: bool = False,
     entropy_grad: bool = False,
     adapters: bool = True,
+    net: fast_decoder.DecoderFunctional | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Log-probs (N, C) of the last C tokens of `input_ids` under `model`, from logits / temperature.
 
     `adapters=False` scores a peft model's base weights on the fast path, without toggling its
     adapters (see fast_decoder.DecoderFunctional); only for models `fast_decoder.supports`.
+    `net`: the model's weights already gathered for the fast path (forwards of the same weights
+    may share one; gathering copies every layer's weights), else gathered here.
 
     input_ids, attention_mask: (N, P + C), prompt left-padded, completion last. Only the C + 1
     last positions get logits (`logits_to_keep`): position t predicts token t + 1, so the logits
@@ -88,7 +91,7 @@ def completion_logprobs(
     targets = input_ids[:, -completion_length:]  # (N, C)
     if fast_decoder.supports(model, input_ids.shape[1]):
         # Same values, far fewer ops (see fast_decoder); the LM head runs chunk by chunk.
-        net = fast_decoder.DecoderFunctional(model, adapters=adapters)
+        net = net if net is not None else fast_decoder.DecoderFunctional(model, adapters=adapters)
         hidden = net.completion_hidden(
             input_ids, attention_mask, position_ids, completion_length
         )  # (N, C, E)

@@ -362,12 +362,15 @@ class GRPOTrainer:
         """The reference log-probs (started, or done) and the old ones of `rollout`; where the
         backward runs in halves (see `_halves`), the first pass's policy forward too, half by half
         beside the reference. Returns (reference, old log-probs, early forward, its halves)."""
-        reference = self._start_reference(rollout)
         halves = self._halves(rollout)
+        # Both halves run on one gathering of the policy's weights (a copy of every layer's), made
+        # with every thread before the reference forward takes the side lane's core.
+        net = None if halves is None else fast_decoder.DecoderFunctional(self.parallel.train_model)
+        reference = self._start_reference(rollout)
         if halves is None:
             return reference, self._old_logps(rollout, reference), None, None
         started = time.perf_counter()
-        parts = [HalfForward(rows, *self._policy_forward(rollout, rows, reference, 0)) for rows in halves]
+        parts = [HalfForward(rows, *self._policy_forward(rollout, rows, reference, 0, net)) for rows in halves]
         logps = torch.cat([part.logps for part in parts])
         entropies = [part.entropy for part in parts if part.entropy is not None]
         entropy = torch.cat(entropies) if entropies else None
@@ -585,9 +588,15 @@ class GRPOTrainer:
                     param.grad.add_(grad)
 
     def _policy_forward(
-        self, rollout: Rollout, rows: slice, reference: Future[Tensor] | None, iteration: int
+        self,
+        rollout: Rollout,
+        rows: slice,
+        reference: Future[Tensor] | None,
+        iteration: int,
+        net: fast_decoder.DecoderFunctional | None = None,
     ) -> tuple[Tensor, Tensor | None]:
-        """Log-probs (B, C) of mini-batch `rows` under the policy, with gradient, and their entropy."""
+        """Log-probs (B, C) of mini-batch `rows` under the policy, with gradient, and their entropy
+        (on `net`, the policy's weights gathered for the fast path, when given)."""
         with self.lanes.own_core_while(reference):
             return self.parallel.completion_logprobs(
                 rollout.input_ids[rows],
@@ -596,6 +605,7 @@ class GRPOTrainer:
                 temperature=self.config.temperature,
                 with_entropy=iteration == 0 or self.loss_settings.needs_entropy,
                 entropy_grad=self.config.entropy_bonus,
+                net=net,
             )  # (B, C)
 
     def _optimizer_update(self) -> float:
