@@ -459,7 +459,7 @@ class DecoderFunctional:
             attn_c = self.sdpa(qc, keys, values, completion_mask)  # (N, H, C, D)
             attn_c = attn_c.transpose(1, 2).reshape(rows * completion, -1)
             if kept is not None:
-                attn_c = _pack(attn_c, kept)
+                attn_c = attn_c.index_select(0, kept)
             attn = torch.cat([attn_p.transpose(1, 2).reshape(split, -1), attn_c])  # (R, H*D)
             x = x + layer.o(attn)
             x = x + self.mlp(layer, x)
@@ -556,32 +556,9 @@ def _after_prompt(prompt: Tensor, completion: Tensor, counts: Tensor, group: int
 
 
 def _unpack(kept_rows: Tensor, kept: Tensor, total: int) -> Tensor:
-    """(K, ...) rows -> (total, ...) with them at `kept` and zeros elsewhere (differentiable).
-    In place into fresh zeros: the out-of-place index_copy would copy the zeros once more."""
-    return kept_rows.new_zeros((total, *kept_rows.shape[1:])).index_copy_(0, kept, kept_rows)
-
-
-def _pack(rows: Tensor, kept: Tensor) -> Tensor:
-    """rows[kept] (K, ...) of (total, ...) rows (differentiable); the inverse of `_unpack`."""
-    return cast(Tensor, _Pack.apply(rows, kept))
-
-
-class _Pack(torch.autograd.Function):
-    """index_select of unique rows whose backward puts the gradient back with one index_copy_ into
-    zeros. Why: autograd's index_select backward is index_add_, which the CPU runs as a
-    scatter_add, about 3x the time of index_copy_ on these rows; with unique indices both make
-    the same values (0 + g)."""
-
-    @staticmethod
-    def forward(ctx: Any, rows: Tensor, kept: Tensor) -> Tensor:
-        ctx.save_for_backward(kept)
-        ctx.total = rows.shape[0]
-        return rows.index_select(0, kept)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
-        (kept,) = ctx.saved_tensors
-        return _unpack(grad, kept, ctx.total), None
+    """(K, ...) rows -> (total, ...) with them at `kept` and zeros elsewhere (differentiable)."""
+    padded = kept_rows.new_zeros((total, *kept_rows.shape[1:]))
+    return padded.index_copy(0, kept, kept_rows)
 
 
 def causal_padding_mask(attention_mask: Tensor) -> Tensor:
