@@ -148,7 +148,7 @@ class FusedLinear:
     """Several projections of the same input as one matmul, with their LoRA adapters (if any):
     y = x @ W^T + b + (x @ A^T) @ B^T, W and b the parts stacked, A the adapted parts' A stacked and
     B block-diagonal with each part's scale. Rows of some parts may be in RoPE-pair order (see
-    `rope_pair_order`)."""
+    `_pair_ordered`)."""
 
     weight: Tensor  # (out, in)
     bias: Tensor | None  # (out,)
@@ -273,7 +273,7 @@ class DecoderFunctional:
             )
         return FusedLayer(
             input_norm=layer.input_layernorm.weight,
-            # q and k rows in RoPE-pair order (see rope_pair_order); v keeps the model's order.
+            # q and k rows in RoPE-pair order (see `_pair_ordered`); v keeps the model's order.
             qkv=FusedLinear.of(
                 [attn.q_proj, attn.k_proj, attn.v_proj],
                 adapters=adapters,
@@ -528,7 +528,7 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 
 def _stacked(parts: list[Tensor], paired: list[bool] | None, head_dim: int) -> Tensor:
     """Row blocks (rows, ...) stacked into one tensor, the rows of each block marked in `paired` in
-    RoPE-pair order (see `rope_pair_order`). The reordering is a view (within a head, (2, D/2) ->
+    RoPE-pair order (see `_pair_ordered`). The reordering is a view (within a head, (2, D/2) ->
     (D/2, 2)) inside the one copy the concatenation makes, so the gradient flows back through views
     rather than an index scatter into a zero-filled tensor."""
     if paired is None or not any(paired):
@@ -573,23 +573,20 @@ def causal_padding_mask(attention_mask: Tensor) -> Tensor:
     return visible | torch.eye(length, dtype=torch.bool, device=attention_mask.device)
 
 
+# RoPE-pair order: q and k features reordered within each head as (0, D/2, 1, D/2 + 1, ...).
+# transformers rotates feature i with i + D/2 (`rotate_half`); adjacent pairs make the rotation one
+# complex multiply. q and k share the order, so q.k is unchanged. It is a view of each head's
+# features, (2, D/2) -> (D/2, 2), never an index (see `_stacked`).
+
+
 def _pair_ordered(weight: Tensor) -> Tensor:
-    """A head's (D,) feature weights in RoPE-pair order (see `rope_pair_order`): (2, D/2) -> (D/2, 2)."""
+    """A head's (D,) feature weights in RoPE-pair order: (2, D/2) -> (D/2, 2)."""
     return weight.view(2, -1).t().reshape(-1)
-
-
-def rope_pair_order(heads: int, dim: int, device: torch.device) -> Tensor:
-    """Row order for q or k weights that puts RoPE's pairs side by side: within each head, features
-    (0, D/2, 1, D/2 + 1, ...). transformers rotates feature i with i + D/2 (`rotate_half`); adjacent
-    pairs make the rotation one complex multiply. q and k share the order, so q.k is unchanged."""
-    half = dim // 2
-    within = torch.stack([torch.arange(half), torch.arange(half) + half], dim=1).reshape(-1)
-    return (torch.arange(heads)[:, None] * dim + within).reshape(-1).to(device)
 
 
 @dataclass(frozen=True)
 class Rotary:
-    """RoPE cos/sin tables (..., D/2) for pair-ordered q/k features (see `rope_pair_order`).
+    """RoPE cos/sin tables (..., D/2) for pair-ordered q/k features (see `_pair_ordered`).
 
     float32/float64 rotate with one complex multiply per tensor; other dtypes (there is no complex
     bfloat16) with the same rotation written out on the pairs.
