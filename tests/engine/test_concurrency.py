@@ -74,8 +74,8 @@ def test_decode_lanes_only_split_single_threaded_decoding_with_halves_worth_a_co
     # The tiny preset's largest decode matmul is 2 * 128 * 512 FLOP per row.
     net = fast_decoder.DecoderFunctional(model)
     monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
-    assert static_decoder.decode_lanes(net, 32) == 1  # 16-row halves: GIL hand-offs would cost more
-    assert static_decoder.decode_lanes(net, 64) == 2
+    assert static_decoder.decode_lanes(net, 8) == 1  # 4-row halves: the hand-offs would cost more
+    assert static_decoder.decode_lanes(net, 32) == 2
     assert static_decoder.decode_lanes(net, 1024) == 1  # decoding already uses both threads
     monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
     assert static_decoder.decode_lanes(net, 64) == 1  # a spinning pool decodes on both threads
@@ -89,7 +89,7 @@ def test_decode_layouts_to_try_put_the_rule_of_thumb_first(
     net = fast_decoder.DecoderFunctional(model)
     layout = static_decoder.DecodeLayout
     monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
-    assert static_decoder.layout_candidates(net, 32, two_lanes=True) == [
+    assert static_decoder.layout_candidates(net, 8, two_lanes=True) == [
         layout(1, 1),
         layout(1, 2),
         layout(2, 1),

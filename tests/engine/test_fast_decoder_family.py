@@ -28,7 +28,7 @@ from transformers import (
 )
 
 from contract.config import GRPOConfig
-from worker.grpo import fast_decoder, logprobs, rollout, static_decoder
+from worker.grpo import decode_step, fast_decoder, logprobs, rollout, static_decoder
 from worker.grpo.logprobs import completion_logprobs
 
 P, C = 9, 11  # prompt and completion lengths of the hand-made batch
@@ -204,6 +204,34 @@ def test_lora_logits_gradients_and_decoding_match_peft(arch: str, dtype: torch.d
     assert all("lora_" in name for name in trainable(model))
     assert_forward_and_gradients_match(model, dtype)
     assert_decoder_matches(model, 1e-5 if dtype == torch.float32 else 0.1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_scripted_decode_step_equals_the_python_function(arch: str, lora: bool, dtype: torch.dtype) -> None:
+    """The decode step TorchScript compiles gives the Python function's logits and caches bit for bit
+    (the Python function is what runs where scripting is unavailable)."""
+    scripted = decode_step.scripted_decode_step()
+    assert isinstance(scripted, torch.jit.ScriptFunction)  # the fallback would hide the scripted path
+    model = build(arch, dtype)
+    if lora:
+        model = with_lora(model)
+    ids, mask = grouped_batch()
+    prompt, prompt_mask = ids[:, :P], mask[:, :P]
+    with torch.inference_mode():
+        net = fast_decoder.DecoderFunctional(model)
+        weights = static_decoder.DecodeWeights.of(net)
+        decoders = [static_decoder.StaticDecoder(net, prompt_mask, C, weights) for _ in range(2)]
+        decoders[1]._step = decode_step.decode_step
+        for decoder in decoders:
+            decoder.prefill(prompt)
+        for t in range(C - 1):
+            ours, python = (decoder.step(ids[:, P + t]) for decoder in decoders)
+            assert torch.equal(ours, python), t
+        filled = decoders[0].length  # the last position of the horizon is never written
+        for ours_cache, python_cache in zip(decoders[0].state.caches, decoders[1].state.caches, strict=True):
+            assert torch.equal(ours_cache[..., :filled, :], python_cache[..., :filled, :])
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

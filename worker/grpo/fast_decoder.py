@@ -297,8 +297,7 @@ class DecoderFunctional:
         if x.dtype == torch.float32:
             if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
                 return rms_norm(x, weight, self.eps)
-            return F.rms_norm(x, (x.shape[-1],), weight, self.eps)
-        return weight * F.rms_norm(x.float(), (x.shape[-1],), None, self.eps).to(x.dtype)
+        return llama_rms_norm(x, weight, self.eps)
 
     def rotary(self, position_ids: Tensor, dtype: torch.dtype) -> Rotary:
         """The model's own RoPE (any rope_type) at `position_ids` (B, T), for pair-ordered q/k rows."""
@@ -309,10 +308,7 @@ class DecoderFunctional:
 
     def head_norm(self, qk: Tensor, weight: Tensor) -> Tensor:
         """Qwen3's per-head RMSNorm of q and k: (..., H+KV, D) with (H+KV, D) weights, rounded like `norm`."""
-        normed = F.rms_norm(qk.float(), (qk.shape[-1],), None, self.eps)
-        if qk.dtype == torch.float32:
-            return normed * weight
-        return weight * normed.to(qk.dtype)
+        return head_rms_norm(qk, weight, self.eps)
 
     def qkv(self, layer: FusedLayer, h: Tensor, rotary: Rotary) -> tuple[Tensor, Tensor, Tensor]:
         """(B, T, E) normalised input -> q (B, H, T, D), k and v (B, KV, T, D), RoPE applied."""
@@ -486,6 +482,34 @@ def _kept_completion_positions(completion_mask: Tensor) -> Tensor | None:
     return flat.nonzero().squeeze(1)
 
 
+# The three functions below are shared with the decode step, which TorchScript compiles
+# (`worker.grpo.decode_step`): plain tensor code with annotations it can read.
+
+
+def llama_rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """LlamaRMSNorm: normalise in float32, cast back, then scale (transformers' order). Differentiable;
+    float32 training takes the fused `rms_norm` below instead."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
+
+
+def head_rms_norm(qk: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """Qwen3's per-head RMSNorm of q and k: (..., H+KV, D) with (H+KV, D) weights, rounded like `norm`."""
+    normed = F.rms_norm(qk.float(), (qk.shape[-1],), None, eps)
+    if qk.dtype == torch.float32:
+        return normed * weight
+    return weight * normed.to(qk.dtype)
+
+
+def rotate_pairs(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """RoPE on pair-ordered features (..., D) written out on the (even, odd) pairs, for dtypes
+    without complex arithmetic: a rotated copy; differentiable."""
+    even, odd = x.unflatten(-1, (-1, 2)).unbind(-1)
+    rotated = (even * cos - odd * sin, odd * cos + even * sin)
+    return torch.stack(rotated, dim=-1).flatten(-2)
+
+
 _FUSED_RMS_NORM = hasattr(torch.ops.aten, "_fused_rms_norm")
 
 
@@ -623,9 +647,7 @@ class Rotary:
         pairs = x.unflatten(-1, (-1, 2))
         if self.cis is not None:
             return torch.view_as_real(torch.view_as_complex(pairs) * self.cis).flatten(-2)
-        even, odd = pairs.unbind(-1)
-        rotated = (even * self.cos - odd * self.sin, odd * self.cos + even * self.sin)
-        return torch.stack(rotated, dim=-1).flatten(-2)
+        return rotate_pairs(x, self.cos, self.sin)
 
     def apply_(self, x: Tensor) -> None:
         """Rotate x (..., D) in place (inference)."""

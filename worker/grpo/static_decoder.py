@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from worker.grpo.decode_step import DecodeState, logits_of, scripted_decode_step
 from worker.grpo.fast_decoder import DecoderFunctional, FusedLayer, causal_padding_mask
 
 
@@ -23,10 +24,11 @@ class StaticDecoder:
 
     Positions follow `generate()`: prompt positions count real tokens (left padding does not
     shift them) and each new token takes the next position. Call under torch.inference_mode(),
-    with `threads` intra-op threads (see `decode_threads`). A decode step works on (B, E)
-    matrices with weights prepared once per rollout (`_DecodeLinear`), RoPE
-    applied in place, the residual adds fused into the matmuls after attention and MLP, and
-    attention as two batched matmuls over the cache (cheaper than SDPA's kernel for one query).
+    with `threads` intra-op threads (see `decode_threads`). A decode step (`worker.grpo.decode_step`,
+    compiled by TorchScript) works on (B, E) matrices with weights prepared once per rollout
+    (`_DecodeLinear`), RoPE applied in place, the residual adds fused into the matmuls after
+    attention and MLP, and attention as two batched matmuls over the cache (cheaper than SDPA's
+    kernel for one query).
     """
 
     def __init__(
@@ -54,13 +56,11 @@ class StaticDecoder:
         # Additive key mask over the whole horizon: prompt padding -inf, generated tokens visible.
         bias = torch.zeros(batch, total, dtype=dtype, device=device)
         bias[:, :prompt_length].masked_fill_(prompt_mask == 0, float("-inf"))
-        self.bias = bias.repeat_interleave(net.num_kv_heads, dim=0).unsqueeze(1)  # (B*KV, 1, S)
         prompt_positions = (prompt_mask.long().cumsum(-1) - 1).clamp(min=0)  # (B, P)
         last = prompt_positions[:, -1:]  # left padding: the last column is a real token
         steps = torch.arange(1, max_new_tokens + 1, device=device)
         self.rotary = net.rotary(torch.cat([prompt_positions, last + steps], dim=1), dtype)  # (B, S, D/2)
         self.prompt_mask = prompt_mask
-        self.fold, self.linears, self.head = weights.fold, weights.layers, weights.head
         self.threads = threads or decode_threads(net, batch)
         self.length = 0  # filled cache positions
         # Besides its matmuls, a decode step is ~40 small ops per layer (~30 % of its time), so every view
@@ -68,19 +68,53 @@ class StaticDecoder:
         # gate/up products written into buffers (`out=`) that every layer and step reuse, with their
         # parts (q, k, v, the complex view RoPE rotates, gate, up) viewed once.
         kv_rows = batch * net.num_kv_heads
-        self._keys_t = [k.view(kv_rows, total, net.head_dim).transpose(1, 2) for k in self.keys]
-        self._values = [v.view(kv_rows, total, net.head_dim) for v in self.values]
         heads, kv_heads = net.num_heads, net.num_kv_heads
-        self._qkv_out = torch.empty(batch, (heads + 2 * kv_heads) * net.head_dim, dtype=dtype, device=device)
-        fused = self._qkv_out.view(batch, heads + 2 * kv_heads, net.head_dim)
-        self._q, self._qk = fused[:, :heads], fused[:, : heads + kv_heads]
-        self._new_kv = fused[:, heads:].view(batch, 2, kv_heads, net.head_dim).transpose(0, 1)  # (2, B, KV, D)
-        self._norm_eps = torch.tensor(net.hidden * net.eps, dtype=dtype, device=device)  # a Python float costs a wrap
-        self._qk_complex = (
-            torch.view_as_complex(self._qk.unflatten(-1, (-1, 2))) if self.rotary.cis is not None else None
+        qkv_out = torch.empty(batch, (heads + 2 * kv_heads) * net.head_dim, dtype=dtype, device=device)
+        fused = qkv_out.view(batch, heads + 2 * kv_heads, net.head_dim)
+        qk = fused[:, : heads + kv_heads]
+        complex_ok = self.rotary.cis is not None
+        gate_up_out = torch.empty(batch, 2 * net.intermediate, dtype=dtype, device=device)
+        gate, up = gate_up_out.split(net.intermediate, dim=-1)
+        layers = weights.layers
+        self.state = DecodeState(
+            embed=net.embed,
+            fold=weights.fold,
+            norm_eps=torch.tensor(net.hidden * net.eps, dtype=dtype, device=device),
+            eps=net.eps,
+            input_norms=[layer.input_norm for layer in net.layers],
+            post_norms=[layer.post_norm for layer in net.layers],
+            final_norm=net.final_norm,
+            qkv=[t.qkv.weight_t for t in layers],
+            qkv_bias=[t.qkv.bias for t in layers],
+            qk_norm=[t.qk_norm for t in layers],
+            o=[t.o.weight_t for t in layers],
+            o_bias=[t.o.bias for t in layers],
+            gate_up=[t.gate_up.weight_t for t in layers],
+            gate_up_bias=[t.gate_up.bias for t in layers],
+            down=[t.down.weight_t for t in layers],
+            down_bias=[t.down.bias for t in layers],
+            head=weights.head.weight_t,
+            head_bias=weights.head.bias,
+            caches=self._caches,
+            keys_t=[k.view(kv_rows, total, net.head_dim).transpose(1, 2) for k in self.keys],
+            values=[v.view(kv_rows, total, net.head_dim) for v in self.values],
+            qkv_out=qkv_out,
+            q=fused[:, :heads],
+            qk=qk,
+            qk_complex=torch.view_as_complex(qk.unflatten(-1, (-1, 2))) if complex_ok else None,
+            new_kv=fused[:, heads:].view(batch, 2, kv_heads, net.head_dim).transpose(0, 1),
+            gate_up_out=gate_up_out,
+            gate=gate,
+            up=up,
+            cis=self.rotary.cis,
+            cos=self.rotary.cos,
+            sin=self.rotary.sin,
+            key_bias=bias.repeat_interleave(kv_heads, dim=0).unsqueeze(1),
+            kv_heads=kv_heads,
+            groups=heads // kv_heads,
+            head_dim=net.head_dim,
         )
-        self._gate_up_out = torch.empty(batch, 2 * net.intermediate, dtype=dtype, device=device)
-        self._gate, self._up = self._gate_up_out.split(net.intermediate, dim=-1)
+        self._step = scripted_decode_step()
 
     def prefill(self, prompt_ids: Tensor) -> Tensor:
         """(B, P) -> logits (B, V) of the next token.
@@ -102,47 +136,13 @@ class StaticDecoder:
             x = x + net.attention_out(layer, net.sdpa(q, k, v, mask))
             x = x + net.mlp(layer, x)
         self.length = length
-        return self._logits(x[:, -1]).repeat_interleave(counts, dim=0)
+        return logits_of(x[:, -1], self.state).repeat_interleave(counts, dim=0)
 
     def step(self, tokens: Tensor) -> Tensor:
         """(B,) tokens just sampled -> logits (B, V) of the next one."""
-        net, position = self.net, self.length
-        end = position + 1
-        batch = tokens.shape[0]
-        heads, kv_heads, dim = net.num_heads, net.num_kv_heads, net.head_dim
-        rotary = self.rotary.at(position)  # (B, 1, D/2): broadcasts over heads
-        bias = self.bias[..., :end]  # (B*KV, 1, end)
-        x = net.embed_ids(tokens)  # (B, E)
-        for index, (layer, t) in enumerate(zip(net.layers, self.linears, strict=True)):
-            t.qkv(self._norm(x, layer.input_norm), out=self._qkv_out)
-            if t.qk_norm is not None:
-                self._qk.copy_(net.head_norm(self._qk, t.qk_norm))
-            if self._qk_complex is not None and rotary.cis is not None:
-                self._qk_complex.mul_(rotary.cis)
-            else:
-                rotary.apply_(self._qk)
-            self._caches[index].select(3, position).copy_(self._new_kv)
-            # Heads of one KV group are adjacent: (B*KV, groups, D) queries against (B*KV, end, D) keys.
-            q = self._q.reshape(batch * kv_heads, heads // kv_heads, dim)
-            # 1/sqrt(D) is folded into the q rows of the qkv matrix or of the q norm (RoPE is linear).
-            probs = torch.baddbmm(bias, q, self._keys_t[index][..., :end]).softmax(dim=-1)
-            attn = torch.bmm(probs, self._values[index][:, :end]).view(batch, heads * dim)
-            x = t.o(attn, residual=x)
-            t.gate_up(self._norm(x, layer.post_norm), out=self._gate_up_out)
-            x = t.down(net.act(self._gate).mul_(self._up), residual=x)
-        self.length = end
-        return self._logits(x)
-
-    def _logits(self, hidden: Tensor) -> Tensor:
-        """(B, E) last hidden states -> (B, V) logits."""
-        return self.head(self._norm(hidden, self.net.final_norm))
-
-    def _norm(self, x: Tensor, weight: Tensor) -> Tensor:
-        """RMSNorm; with folded weights only the row scale x * rsqrt(mean(x^2) + eps) (4 tiny ops)."""
-        if not self.fold:
-            return self.net.norm(x, weight)
-        sum_sq = (x * x).sum(dim=-1, keepdim=True)
-        return x * sum_sq.add_(self._norm_eps).rsqrt_()  # sqrt(E) is in the weights
+        logits = self._step(tokens, self.length, self.state)
+        self.length += 1
+        return logits
 
 
 @dataclass
@@ -176,10 +176,11 @@ _PASSIVE_PARALLEL_MIN_FLOP = 2**25
 
 
 # Two lanes (half the rows each, one thread each, on two cores) pay when each lane's largest decode
-# matmul is at least this: below it the GIL hand-offs between the lanes (a futex wake per op) cost
-# more than the second core saves. On the same CPU the small preset (8.4 MFLOP per lane of 16 rows)
-# decodes faster in two lanes than on one thread, tiny (2.1 MFLOP) slower.
-_LANE_MIN_FLOP = 2**22
+# matmul is at least this. The scripted decode step runs without the GIL, so the lanes hand it over
+# once per step, not per op: on a 2-vCPU VM a 32-row rollout of the tiny preset (2.1 MFLOP per lane
+# of 16 rows) took 42 ms in two lanes against 61 ms on one thread, small (8.4 MFLOP) 148 against
+# 215 ms on one lane of two threads. (With a GIL hand-off per op, tiny was slower in two lanes.)
+_LANE_MIN_FLOP = 2**20
 
 
 def _largest_matmul_flop(net: DecoderFunctional, rows: int) -> int:
@@ -285,10 +286,10 @@ def _passive() -> bool:
 
 
 class _DecodeLinear:
-    """x @ W^T (+ b) (+ residual) for the decode step's (B, in) rows.
+    """W^T (and b) of one of the decode step's matrices, for x @ W^T (+ b) (+ residual) on (B, in) rows.
 
-    Holds a contiguous transposed copy of W, made once per rollout, so each call is one GEMM with
-    the residual added by the GEMM itself (`addmm`). MKL's packed weights (`_mkl_linear`) are no
+    A contiguous transposed copy of W, made once per rollout, so each product is one GEMM with
+    the residual added by the GEMM itself (`addmm_`). MKL's packed weights (`_mkl_linear`) are no
     faster at these row counts, and packing costs ~0.5 ms per matrix per rollout.
 
     `in_scale` (in,) and `out_scale` (out,) scale W's columns and rows: the column scale is applied
@@ -314,11 +315,6 @@ class _DecodeLinear:
             self.weight_t.mul_(out_scale)
             bias = None if bias is None else bias * out_scale
         self.bias = bias
-
-    def __call__(self, x: Tensor, *, residual: Tensor | None = None, out: Tensor | None = None) -> Tensor:
-        """`out`: a buffer to write the product into (without `residual`)."""
-        y = torch.mm(x, self.weight_t, out=out) if residual is None else torch.addmm(residual, x, self.weight_t)
-        return y if self.bias is None else y.add_(self.bias)
 
 
 @dataclass
