@@ -6,8 +6,9 @@ Two lanes decoding the halves of a batch on two threads (`static_decoder.decode_
 the GIL back and forth on every op: on a 2-vCPU VM a small op took 12.6 us with two threads issuing
 them against 4.5 us with one. A scripted function runs its whole body in TorchScript's interpreter
 with the GIL released, so the lanes run side by side: on the small preset a lane's step took
-2.8 instead of 4.7 ms (bench/README.md). `torch.compile` would fuse more, but on a CPU it needs a
-C++ toolchain at run time and compiles per shape, and the cache length grows every step.
+2.8 instead of 4.7 ms (bench/README.md). `torch.compile` fuses more, but on a CPU it needs a C++
+toolchain at run time, and a decode layer compiled over a static horizon took ~30 s to compile and
+then ran slower than eager.
 
 TorchScript is deprecated in recent torch releases (scripting warns) but still ships; where
 scripting fails (no TorchScript, or no source to read) the same function runs as plain Python,
