@@ -234,6 +234,14 @@ def test_scripted_decode_step_equals_the_python_function(arch: str, lora: bool, 
             assert torch.equal(ours_cache[..., :filled, :], python_cache[..., :filled, :])
 
 
+def test_decode_step_runs_as_python_where_scripting_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_source(fn: Any) -> Any:
+        raise OSError("could not get source code")  # what TorchScript raises without .py files
+
+    monkeypatch.setattr(torch.jit, "script", no_source)
+    assert decode_step.scripted_decode_step.__wrapped__() is decode_step.decode_step
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 @pytest.mark.parametrize("arch", ARCHITECTURES)

@@ -12,7 +12,7 @@ then ran slower than eager.
 
 TorchScript is deprecated in recent torch releases (scripting warns) but still ships; where
 scripting fails (no TorchScript, or no source to read) the same function runs as plain Python,
-with identical results (tests/engine/test_decode_step.py holds the two to bit equality).
+with identical results (tests/engine/test_fast_decoder_family.py holds the two to bit equality).
 
 Everything the step reads is prepared once per rollout in a `DecodeState`: the decode weights
 (W^T, LoRA merged, RMSNorm weights and the attention scale folded in where `fold`), the KV cache
@@ -101,7 +101,8 @@ def _residual(residual: Tensor, x: Tensor, weight_t: Tensor, bias: Tensor | None
 
 
 def decode_step(tokens: Tensor, position: int, s: DecodeState) -> Tensor:
-    """(B,) tokens at `position` -> (B, V) logits of the next ones; writes their K/V into the cache."""
+    """(B,) tokens at `position` -> (B, V) logits of the next ones; writes their K/V into the cache.
+    The MLP's activation is SiLU, the only one `fast_decoder.supports` admits."""
     end = position + 1
     batch = tokens.shape[0]
     key_bias = s.key_bias[:, :, :end]

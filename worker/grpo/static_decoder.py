@@ -13,6 +13,7 @@ from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from worker.grpo.decode_step import DecodeState, logits_of, scripted_decode_step
@@ -41,6 +42,8 @@ class StaticDecoder:
     ) -> None:
         """Decoders of one rollout's lanes share `weights` (prepared here when not given). `threads`:
         intra-op threads to decode with (default: `decode_threads`' rule of thumb)."""
+        if net.act is not F.silu:  # the decode step's MLP is SiLU's
+            raise ValueError(f"the decode step implements SiLU, not {net.act}")
         weights = weights or DecodeWeights.of(net)
         self.net = net
         batch, prompt_length = prompt_mask.shape
