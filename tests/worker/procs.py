@@ -293,6 +293,14 @@ class ApiClient:
                 return events
             after = page["next_after"]
 
+    def resume_step(self, job_id: str, attempt: int) -> int:
+        """The step attempt `attempt` resumed from, off its claim's event: `status` (-> running) when the job
+        was queued (the reaper requeued it first), `lease_taken_over` when a redelivery found the previous
+        attempt's lease lapsed first."""
+        claims = [e for e in self.events(job_id) if "resume_step" in e["data"] and e["data"].get("attempt") == attempt]
+        assert len(claims) == 1, claims
+        return int(claims[0]["data"]["resume_step"])
+
     def checkpoints(self, job_id: str) -> list[dict[str, Any]]:
         response = self.http.get(f"/v1/jobs/{job_id}/checkpoints")
         assert response.status_code == 200, response.text

@@ -47,8 +47,7 @@ def joined(stack: Stack) -> int:
 
 
 def assert_resumed_from_a_checkpoint(api: ApiClient, job_id: str) -> None:
-    resumed = [e for e in api.events(job_id) if e["type"] == "status" and e["data"].get("to") == "running"]
-    assert int(resumed[-1]["data"]["resume_step"]) >= 2
+    assert api.resume_step(job_id, attempt=2) >= 2
 
 
 class TestTwoNodeJob:
