@@ -638,20 +638,9 @@ class Rotary:
         """Tables of `rows` for their first `length` positions: (n, length, D/2)."""
         return self._map(lambda t: t[rows, :length])
 
-    def at(self, position: int) -> Rotary:
-        """Tables of one position for every row, broadcasting over heads: (B, 1, D/2)."""
-        return self._map(lambda t: t[:, position : position + 1])
-
     def apply(self, x: Tensor) -> Tensor:
         """Rotated copy of x (..., D); differentiable."""
         pairs = x.unflatten(-1, (-1, 2))
         if self.cis is not None:
             return torch.view_as_real(torch.view_as_complex(pairs) * self.cis).flatten(-2)
         return rotate_pairs(x, self.cos, self.sin)
-
-    def apply_(self, x: Tensor) -> None:
-        """Rotate x (..., D) in place (inference)."""
-        if self.cis is not None:
-            torch.view_as_complex(x.unflatten(-1, (-1, 2))).mul_(self.cis)
-        else:
-            x.copy_(self.apply(x))
