@@ -242,6 +242,13 @@ def test_decode_step_runs_as_python_where_scripting_fails(monkeypatch: pytest.Mo
     assert decode_step.scripted_decode_step.__wrapped__() is decode_step.decode_step
 
 
+def test_the_decode_step_refuses_an_activation_it_does_not_implement() -> None:
+    net = fast_decoder.DecoderFunctional(build("llama"))
+    net.act = torch.nn.functional.gelu  # the compiled step's MLP is SiLU's: it would decode silently wrong
+    with pytest.raises(ValueError, match="SiLU"):
+        static_decoder.StaticDecoder(net, torch.ones(2, 3, dtype=torch.long), 4)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 @pytest.mark.parametrize("arch", ARCHITECTURES)
