@@ -9,8 +9,9 @@ Two layers, both needed:
   second lookup of the name (DNS rebinding), see `outbound.transport`.
 
 ``allow_private=True`` (the development default) permits loopback, private, link-local and CGNAT targets so
-a reward server on the laptop works; multicast, the unspecified address and cloud metadata addresses stay
-refused in every mode because no reward server lives there. In production (``allow_private=False``) only
+a reward server on the laptop works; multicast, the unspecified address and cloud metadata addresses (AWS,
+GCP, Azure IMDS and WireServer, Alibaba, AWS IPv6) stay refused in every mode because no reward server lives
+there. A refusal names the host as given and the class of address, never what a name resolved to. In production (``allow_private=False``) only
 the TLS schemes are accepted: ``https`` (webhooks) and ``grpcs`` (the gRPC reward protocol, ``grpo.v1.RewardService``);
 development also accepts ``http`` and ``grpc`` (plaintext). A gRPC URL names a server only
 (``grpcs://host[:port]``, default ports 443 for grpcs and 80 for grpc): the method is fixed by the protocol, so
@@ -38,6 +39,7 @@ _METADATA_ADDRESSES = frozenset(
         ipaddress.ip_address("169.254.170.2"),  # AWS ECS task metadata
         ipaddress.ip_address("100.100.100.200"),  # Alibaba Cloud
         ipaddress.ip_address("fd00:ec2::254"),  # AWS IPv6
+        ipaddress.ip_address("168.63.129.16"),  # Azure WireServer (a public address that only Azure VMs reach)
     }
 )
 _CGNAT = ipaddress.ip_network("100.64.0.0/10")
@@ -133,8 +135,9 @@ def parse_ip_literal(host: str) -> IPAddress | None:
     return None
 
 
-def forbidden_reason(ip: IPAddress, *, allow_private: bool) -> str | None:
-    """Why `ip` may not be called under this policy, or None when it may."""
+def forbidden_reason(ip: IPAddress, *, allow_private: bool, show_embedded: bool = True) -> str | None:
+    """Why `ip` may not be called under this policy, or None when it may. `show_embedded=False` leaves out the
+    IPv4 address an IPv6 one stands for (for an address the tenant did not write: a name's answer)."""
     if ip in _METADATA_ADDRESSES:
         return "a cloud metadata address"
     if ip.is_multicast:
@@ -145,7 +148,9 @@ def forbidden_reason(ip: IPAddress, *, allow_private: bool) -> str | None:
         embedded = _embedded_ipv4(ip)
         if embedded is not None:
             inner = forbidden_reason(embedded, allow_private=allow_private)
-            return f"an IPv6 form of {embedded} ({inner})" if inner else None
+            if inner is None:
+                return None
+            return f"an IPv6 form of {embedded} ({inner})" if show_embedded else f"an IPv6 form of {inner}"
         if ip in _NAT64_LOCAL and not allow_private:
             return "a local-use NAT64 address"
     if allow_private:
@@ -164,12 +169,17 @@ def forbidden_reason(ip: IPAddress, *, allow_private: bool) -> str | None:
     return None
 
 
-def check_ip(ip: IPAddress, *, allow_private: bool, host: str) -> None:
-    """Raise UrlRejected if `ip` (an address of `host`) may not be called."""
-    reason = forbidden_reason(ip, allow_private=allow_private)
+def check_ip(ip: IPAddress, *, allow_private: bool, host: str, resolved: bool = False) -> None:
+    """Raise UrlRejected if `ip` (`host` itself, or with `resolved` one of the addresses `host` resolved to)
+    may not be called.
+
+    The refusal names the host as the tenant gave it and the class of the address, never the address a name
+    resolved to: that would map the service's internal network for whoever registers names pointing into it.
+    """
+    reason = forbidden_reason(ip, allow_private=allow_private, show_embedded=not resolved)
     if reason is not None:
-        shown = str(ip) if host == str(ip) else f"{host} -> {ip}"
-        raise UrlRejected(f"url host {shown} is {reason}", details={"host": host, "address": str(ip)})
+        verb = "resolves to" if resolved else "is"
+        raise UrlRejected(f"url host {host} {verb} {reason}", details={"host": host})
 
 
 async def system_resolver(host: str, port: int) -> list[str]:
@@ -199,7 +209,7 @@ async def resolve_and_check(
     addresses: list[IPAddress] = []
     for answer in answers:
         ip = ipaddress.ip_address(answer.split("%", 1)[0])  # drop an IPv6 zone id ("fe80::1%eth0")
-        check_ip(ip, allow_private=allow_private, host=host)
+        check_ip(ip, allow_private=allow_private, host=host, resolved=True)
         addresses.append(ip)
     return addresses
 

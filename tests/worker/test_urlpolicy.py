@@ -148,6 +148,42 @@ class TestCheckUrlSyntaxDevelopment:
             check_url_syntax("http://127.0.0.1/", allow_private=True, require_https=True)
 
 
+# Link-local and cloud-internal addresses (issue 30): refused in production, as literals and as a name's answers,
+# without any connection being made (the scripted resolver answers; nothing is dialled).
+CLOUD_INTERNAL = [
+    ("169.254.0.1", "a link-local address"),
+    ("169.254.255.254", "a link-local address"),
+    ("169.254.169.254", "a cloud metadata address"),  # AWS, GCP, Azure IMDS
+    ("168.63.129.16", "a cloud metadata address"),  # Azure WireServer: a public address
+    ("100.100.100.200", "a cloud metadata address"),  # Alibaba
+    ("fd00:ec2::254", "a cloud metadata address"),  # AWS IMDS over IPv6
+    ("fe80::1", "a link-local address"),
+    ("febf:ffff::1", "a link-local address"),  # the top of fe80::/10
+]
+
+
+class TestCloudInternalAddresses:
+    @pytest.mark.parametrize(("address", "reason"), CLOUD_INTERNAL)
+    def test_literal_is_refused_in_production(self, address: str, reason: str) -> None:
+        host = f"[{address}]" if ":" in address else address
+        with pytest.raises(UrlRejected, match=f"is {reason}$"):
+            check_url_syntax(f"https://{host}/score", allow_private=False)
+
+    @pytest.mark.parametrize(("address", "reason"), CLOUD_INTERNAL)
+    async def test_answer_is_refused_in_production_without_naming_it(self, address: str, reason: str) -> None:
+        resolver = scripted_resolver([PUBLIC_V4, address])
+        with pytest.raises(UrlRejected) as refused:
+            await check_url("https://rewards.example.com/score", allow_private=False, resolver=resolver)
+        assert refused.value.message == f"url host rewards.example.com resolves to {reason}"
+        assert address not in str(refused.value.details)
+
+    @pytest.mark.parametrize("address", ["168.63.129.16", "100.100.100.200", "fd00:ec2::254", "169.254.169.254"])
+    def test_metadata_addresses_are_refused_in_development_too(self, address: str) -> None:
+        host = f"[{address}]" if ":" in address else address
+        with pytest.raises(UrlRejected, match="cloud metadata"):
+            check_url_syntax(f"http://{host}/score", allow_private=True)
+
+
 class TestParseIpLiteral:
     @pytest.mark.parametrize(
         "host", ["127.0.0.1", "127.1", "0x7f000001", "2130706433", "0177.0.0.1", "0x7f.0.0.1"]
@@ -190,17 +226,20 @@ def scripted_resolver(*answers: Sequence[str]):  # type: ignore[no-untyped-def]
 class TestResolveAndCheck:
     async def test_hostname_resolving_to_loopback_is_refused(self) -> None:
         resolver = scripted_resolver(["127.0.0.1"])
-        with pytest.raises(UrlRejected, match=r"rewards\.example\.com -> 127\.0\.0\.1 is a loopback"):
+        with pytest.raises(UrlRejected) as refused:
             await check_url("https://rewards.example.com/", allow_private=False, resolver=resolver)
+        # The host as given and the class of address; never the address it resolved to (issue 30).
+        assert refused.value.message == "url host rewards.example.com resolves to a loopback address"
+        assert refused.value.details == {"host": "rewards.example.com"}
 
     async def test_one_private_record_among_public_ones_is_refused(self) -> None:
         resolver = scripted_resolver([PUBLIC_V4, "10.0.0.7"])
-        with pytest.raises(UrlRejected, match="10.0.0.7"):
+        with pytest.raises(UrlRejected, match="^url host rewards.example.com resolves to a private address$"):
             await resolve_and_check("rewards.example.com", 443, allow_private=False, resolver=resolver)
 
     async def test_mapped_aaaa_record_is_refused(self) -> None:
         resolver = scripted_resolver([PUBLIC_V4, "::ffff:192.168.0.1"])
-        with pytest.raises(UrlRejected, match="IPv6 form of 192.168.0.1"):
+        with pytest.raises(UrlRejected, match="^url host rewards.example.com resolves to an IPv6 form of a private"):
             await resolve_and_check("rewards.example.com", 443, allow_private=False, resolver=resolver)
 
     async def test_public_then_private_answer_is_refused_at_call_time(self) -> None:
@@ -208,7 +247,7 @@ class TestResolveAndCheck:
         resolver = scripted_resolver([PUBLIC_V4], ["192.168.1.10"])
         url = await check_url("https://rewards.example.com/", allow_private=False, resolver=resolver)
         assert url == "https://rewards.example.com/"
-        with pytest.raises(UrlRejected, match="192.168.1.10"):
+        with pytest.raises(UrlRejected, match="rewards.example.com resolves to a private address$"):
             await resolve_and_check("rewards.example.com", 443, allow_private=False, resolver=resolver)
 
     async def test_public_answers_are_returned(self) -> None:
@@ -233,5 +272,5 @@ class TestResolveAndCheck:
 
     async def test_system_resolver_sees_loopback(self) -> None:
         # The real getaddrinfo path: "localhost" resolves to 127.0.0.1 / ::1, both refused.
-        with pytest.raises(UrlRejected, match="localhost -> .* is a loopback"):
+        with pytest.raises(UrlRejected, match="^url host localhost resolves to a loopback address$"):
             await resolve_and_check("localhost", 443, allow_private=False)
