@@ -6,7 +6,8 @@ from pathlib import Path
 
 import typer
 
-from cli.output import JsonOpt, api_client, emit
+from cli.output import JsonOpt, api_client, emit, err_console
+from client.sdk import UnsafeCheckpointPath
 
 app = typer.Typer(help="Checkpoints of jobs.", no_args_is_help=True)
 COLUMNS = ["id", "job_id", "step", "total_bytes", "metrics", "created_at"]
@@ -34,5 +35,9 @@ def download(
 ) -> None:
     """Download a checkpoint; the directory loads with from_pretrained."""
     with api_client() as client:
-        path = client.download_checkpoint_archive(checkpoint_id, out) if archive else client.download_checkpoint(checkpoint_id, out)
+        try:
+            path = client.download_checkpoint_archive(checkpoint_id, out) if archive else client.download_checkpoint(checkpoint_id, out)
+        except UnsafeCheckpointPath as exc:
+            err_console.print(f"[red]error[/red] {exc}")
+            raise typer.Exit(1) from None
     typer.echo(str(path))

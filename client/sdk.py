@@ -18,11 +18,11 @@ from __future__ import annotations
 import json
 import os
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from email.utils import parsedate_to_datetime
-from pathlib import Path
+from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any, Generic, TypeVar
 
 import httpx
@@ -64,6 +64,43 @@ class APIError(Exception):
         self.code = code
         self.message = message
         self.details = details
+
+
+class UnsafeCheckpointPath(ValueError):
+    """A checkpoint lists a file whose path would be written outside the download's destination directory."""
+
+    def __init__(self, path: str, reason: str) -> None:
+        super().__init__(f"checkpoint file path {path!r} refused: {reason}; nothing was downloaded")
+        self.path = path
+        self.reason = reason
+
+
+def checkpoint_file_targets(dest_dir: str | Path, paths: Iterable[str]) -> list[Path]:
+    """Where each listed checkpoint file goes under `dest_dir`, every path checked before anything is written.
+
+    A listed path must be relative, made of plain names (no `..`, no drive, no backslash, no NUL), and, once the
+    symbolic links already under `dest_dir` are followed, still land inside it. Raises UnsafeCheckpointPath
+    naming the first path that would not: the listing comes from the server, and a client must not let it
+    write anywhere else on the machine.
+    """
+    root = Path(dest_dir).resolve()
+    targets: list[Path] = []
+    for path in paths:
+        pure = PurePosixPath(path)
+        if not path or "\x00" in path or "\\" in path:
+            raise UnsafeCheckpointPath(path, "empty, or contains a NUL or a backslash")
+        if pure.is_absolute() or PureWindowsPath(path).anchor:
+            raise UnsafeCheckpointPath(path, "an absolute path")
+        if ".." in pure.parts:
+            raise UnsafeCheckpointPath(path, "it contains '..'")
+        if not pure.parts:
+            raise UnsafeCheckpointPath(path, "it names no file")
+        target = root.joinpath(*pure.parts)
+        resolved = target.resolve()
+        if resolved == root or not resolved.is_relative_to(root):
+            raise UnsafeCheckpointPath(path, "it leads outside the destination through a symbolic link")
+        targets.append(target)
+    return targets
 
 
 class _Retryable(Exception):
@@ -581,10 +618,13 @@ class GRPOClient:
         return dest
 
     def download_checkpoint(self, checkpoint_id: str, dest_dir: str | Path) -> Path:
-        """Download every manifest file of a checkpoint into dest_dir (ready for from_pretrained)."""
+        """Download every manifest file of a checkpoint into dest_dir (ready for from_pretrained). Raises
+        UnsafeCheckpointPath, before writing anything, if a listed path would land outside dest_dir."""
         dest_dir = Path(dest_dir)
-        for item in self.get_checkpoint(checkpoint_id).files:
-            self.download_checkpoint_file(checkpoint_id, item.path, dest_dir / item.path)
+        files = self.get_checkpoint(checkpoint_id).files
+        targets = checkpoint_file_targets(dest_dir, [item.path for item in files])
+        for item, target in zip(files, targets, strict=True):
+            self.download_checkpoint_file(checkpoint_id, item.path, target)
         return dest_dir
 
     def download_checkpoint_archive(self, checkpoint_id: str, dest: str | Path) -> Path:
@@ -829,9 +869,12 @@ class AsyncGRPOClient:
         return dest
 
     async def download_checkpoint(self, checkpoint_id: str, dest_dir: str | Path) -> Path:
+        """As GRPOClient.download_checkpoint (UnsafeCheckpointPath before anything is written)."""
         dest_dir = Path(dest_dir)
-        for item in (await self.get_checkpoint(checkpoint_id)).files:
-            await self.download_checkpoint_file(checkpoint_id, item.path, dest_dir / item.path)
+        files = (await self.get_checkpoint(checkpoint_id)).files
+        targets = checkpoint_file_targets(dest_dir, [item.path for item in files])
+        for item, target in zip(files, targets, strict=True):
+            await self.download_checkpoint_file(checkpoint_id, item.path, target)
         return dest_dir
 
     async def download_checkpoint_archive(self, checkpoint_id: str, dest: str | Path) -> Path:
