@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import ipaddress
 from functools import lru_cache
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -99,9 +100,24 @@ class Settings(BaseSettings):
     auth_lookups_per_minute: int = Field(
         60,
         ge=0,
-        description="Database lookups of unknown API keys each client address may fail per minute, per process "
-        "(as many at once); beyond it unknown keys from that address get 429 `too_many_auth_failures` until the "
-        "budget refills (60/N s per lookup). Keys already authenticated are not affected. 0 = no limit.",
+        description="Failed API-key lookups (keys the database refused) each client address may make per minute, "
+        "per process (as many at once); a lookup of a valid key costs nothing. Beyond it the address's lookups "
+        "run one at a time and an unknown key gets 429 `too_many_auth_failures` until the budget refills (60/N s "
+        "per failure); valid keys, cached or not, still authenticate. The address is the TCP peer's unless it is "
+        "one of GRPO_TRUSTED_PROXIES. 0 = no limit.",
+    )
+    trusted_proxies: list[str] = Field(
+        [],
+        description="Addresses or networks (JSON list of IPs/CIDRs, e.g. [\"10.0.0.5\", \"10.1.0.0/16\"]) of the "
+        "reverse proxies whose X-Forwarded-For / X-Forwarded-Proto REST trusts for the client's address (the "
+        "failed-login throttle's key, logs). Empty (default) = none: the TCP peer is the client, whatever "
+        "headers it sends.",
+    )
+    max_api_keys_per_tenant: int = Field(
+        100,
+        ge=1,
+        description="Active (not revoked, not expired) API keys a tenant may hold; creating one more over the API "
+        "answers 409 `too_many_api_keys` (each key has its own rate limit, so more keys would mean more requests).",
     )
     rate_limit_reads: int = Field(
         6000,
@@ -193,6 +209,16 @@ class Settings(BaseSettings):
     webhook_poll_interval_s: float = Field(
         1.0, gt=0, description="How often the API process looks for due webhook deliveries."
     )
+
+    @field_validator("trusted_proxies")
+    @classmethod
+    def _proxies_are_networks(cls, value: list[str]) -> list[str]:
+        for entry in value:
+            try:
+                ipaddress.ip_network(entry, strict=False)
+            except ValueError:
+                raise ValueError(f"trusted_proxies: {entry!r} is not an IP address or CIDR network") from None
+        return value
 
     @model_validator(mode="after")
     def _defaults_from_data_dir(self) -> Settings:
