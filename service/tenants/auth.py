@@ -79,7 +79,8 @@ def look_up_key(session: Session, bearer_token: str) -> TenantContext:
         raise Unauthenticated("invalid API key")
     ttl = get_settings().auth_cache_seconds
     if match.expires_at is not None:  # an expiring key leaves the cache when it expires, not up to ttl later
-        ttl = min(ttl, (match.expires_at - now).total_seconds())
+        # Measured now, not from `now`: the query may have taken a while (a loaded database, a slow thread).
+        ttl = min(ttl, (match.expires_at - utcnow()).total_seconds())
     KEY_CACHE.put(presented, match, ttl, generation)
     return match
 
@@ -112,54 +113,97 @@ async def authenticate_on_loop(bearer_token: str | None, address: str | None = N
     entry itself still expires on time, so a revocation made elsewhere is honoured within the setting.
 
     A key not in that cache is refused without a query when the database refused it within
-    GRPO_AUTH_NEGATIVE_CACHE_SECONDS, and `address` (the client's) may start at most
-    GRPO_AUTH_LOOKUPS_PER_MINUTE failing lookups (429 beyond): see `service.tenants.failures`.
+    GRPO_AUTH_NEGATIVE_CACHE_SECONDS, and `address` (the client's) may fail at most
+    GRPO_AUTH_LOOKUPS_PER_MINUTE lookups a minute (beyond, unknown keys get 429 while valid keys still
+    authenticate): see `_bounded_lookup` and `service.tenants.failures`.
     """
+    return await _authenticate(bearer_token, address or "")
+
+
+async def reauthenticate(bearer_token: str | None) -> TenantContext:
+    """For a response that outlives its request (an SSE stream, gRPC WatchJob): the key's tenant again, or
+    Unauthenticated once the key is revoked or has expired. Answers like any request, from the cache while the
+    key's entry lasts, so a key revoked by another process is refused within GRPO_AUTH_CACHE_SECONDS (at once
+    by the process that revoked it, or by one whose entry has expired); it spends no failed-lookup budget."""
+    return await _authenticate(bearer_token, None)
+
+
+async def _authenticate(bearer_token: str | None, address: str | None) -> TenantContext:
     if not bearer_token:
         raise Unauthenticated(_MISSING_KEY)
     ttl = get_settings().auth_cache_seconds
     key_hash = hash_key(bearer_token)
     if ttl <= 0:
-        tenant = await _bounded_lookup(bearer_token, key_hash, address or "")
+        tenant = await _bounded_lookup(bearer_token, key_hash, address)
     elif (cached := KEY_CACHE.lookup(key_hash)) is not None:
         tenant, seconds_left = cached
         if seconds_left < REFRESH_WHEN_LEFT * ttl:
             _shared_lookup(bearer_token, key_hash, None)  # in the background: this request is answered now
     else:
         # Shielded: a caller that goes away (client disconnect) must not cancel the others' lookup.
-        tenant = await asyncio.shield(_shared_lookup(bearer_token, key_hash, address or ""))
+        tenant = await asyncio.shield(_shared_lookup(bearer_token, key_hash, address))
     LAST_USED.touch(tenant.api_key_id)
     return tenant
 
 
 async def _bounded_lookup(bearer_token: str, key_hash: str, address: str | None) -> TenantContext:
     """The database lookup behind the failed-lookup bounds; `address` None (a background refresh of a key
-    that was valid moments ago) spends no budget."""
+    that was valid moments ago, a stream re-checking its key) spends no budget.
+
+    A lookup holds one of the address's tokens while it runs and gives it back unless the key is refused, so
+    only failures spend the budget. An address with no token left is not refused outright (a valid key from
+    behind the same NAT or proxy as an attacker must still work): its lookups take turns in one lane per
+    process (THROTTLED_LOOKUPS_AT_ONCE), and a key refused there answers 429 instead of 401."""
     settings = get_settings()
     if FAILED_LOOKUPS.refused(key_hash):
         raise Unauthenticated("invalid API key")
     if lookup_prefix(bearer_token) is None:
         address = None  # not shaped like a key: refused without a query, so it spends no budget
     per_minute = settings.auth_lookups_per_minute
-    if address is not None and not FAILED_LOOKUPS.acquire(address, per_minute):
-        wait = FAILED_LOOKUPS.seconds_until_token(address, per_minute)
-        raise TooManyAuthFailures(
-            f"too many failed API key lookups from this address (limit {per_minute} per minute); "
-            f"retry in {wait:.1f} s",
-            details={"limit_per_minute": per_minute, "retry_after_s": round(wait, 1)},
-        )
+    holds_token = address is not None and FAILED_LOOKUPS.acquire(address, per_minute)
+    throttled = address is not None and not holds_token
     try:
-        tenant = await asyncio.to_thread(_look_up_in_own_session, bearer_token)
+        if throttled:
+            async with _throttled_lane():
+                tenant = await asyncio.to_thread(_look_up_in_own_session, bearer_token)
+        else:
+            tenant = await asyncio.to_thread(_look_up_in_own_session, bearer_token)
     except Unauthenticated:
         FAILED_LOOKUPS.remember_refused(key_hash, settings.auth_negative_cache_seconds)
+        if throttled:
+            assert address is not None
+            wait = FAILED_LOOKUPS.seconds_until_token(address, per_minute)
+            raise TooManyAuthFailures(
+                f"too many failed API key lookups from this address (limit {per_minute} failures per minute); "
+                f"retry in {wait:.1f} s",
+                details={"limit_per_minute": per_minute, "retry_after_s": round(wait, 1)},
+            ) from None
         raise  # the token stays spent
     except BaseException:
-        if address is not None:
+        if holds_token:
+            assert address is not None
             FAILED_LOOKUPS.release(address, per_minute)
         raise
-    if address is not None:
+    if holds_token:
+        assert address is not None
         FAILED_LOOKUPS.release(address, per_minute)
     return tenant
+
+
+# Lookups from addresses over their failure budget, at once per event loop: an attacker's flood of unknown
+# keys then occupies one database query and one thread at a time, however many requests it sends.
+THROTTLED_LOOKUPS_AT_ONCE = 1
+_THROTTLED_LANES: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Semaphore] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _throttled_lane() -> asyncio.Semaphore:
+    loop = asyncio.get_running_loop()
+    lane = _THROTTLED_LANES.get(loop)
+    if lane is None:
+        lane = _THROTTLED_LANES[loop] = asyncio.Semaphore(THROTTLED_LOOKUPS_AT_ONCE)
+    return lane
 
 
 def _shared_lookup(bearer_token: str, key_hash: str, address: str | None) -> asyncio.Task[TenantContext]:
@@ -211,6 +255,15 @@ class _BearerTenant(HTTPBearer):
         if decision is not None:
             setattr(request.state, STATE_KEY, decision)  # for the RateLimit-* headers (RateLimitHeaders)
         return tenant
+
+
+def bearer_credentials(authorization: str | None) -> str | None:
+    """The key of an `Authorization: Bearer <key>` value (HTTP header or gRPC metadata); None when absent or not
+    a bearer credential."""
+    if authorization is None:
+        return None
+    scheme, _, token = authorization.partition(" ")
+    return token.strip() or None if scheme.lower() == "bearer" else None
 
 
 def scope_of_method(method: str) -> Scope:

@@ -5,10 +5,15 @@ client sending random keys costs one query per request. Two bounds, both in-proc
 
 - a key hash the database refused is refused from memory for `GRPO_AUTH_NEGATIVE_CACHE_SECONDS` (the same
   bad key sent again, e.g. a revoked key left in a client's config, costs no query);
-- each client address has a token bucket of `GRPO_AUTH_LOOKUPS_PER_MINUTE` lookups of unknown keys (that
-  many at once, refilled at that rate). A lookup takes a token and gives it back when the key turns out
-  valid, so only failures spend the budget; an address with none left gets 429 `too_many_auth_failures`
-  for unknown keys, while its already-authenticated keys keep answering from the positive cache.
+- each client address has a token bucket of `GRPO_AUTH_LOOKUPS_PER_MINUTE` failed lookups (that many at
+  once, refilled at that rate). A lookup takes a token and gives it back when the key turns out valid, so
+  only failures spend the budget. An address with none left is still looked up, but its lookups take turns
+  in one lane per process (service.tenants.auth): a valid key, cached or not, authenticates, and an unknown
+  key gets 429 `too_many_auth_failures` instead of 401. Whoever shares the address with an attacker (a NAT,
+  a proxy) keeps working, and the attacker's flood costs one query at a time.
+
+The address is the TCP peer's (gRPC: the peer address), or the one a proxy listed in GRPO_TRUSTED_PROXIES
+forwards (X-Forwarded-For); a client cannot choose it by sending that header itself.
 
 Keyed by the sha256 of the key, like the positive cache: the presented key is still compared with the
 stored hash in constant time on every database lookup.
