@@ -21,13 +21,17 @@ router = APIRouter(tags=["api keys"])
     status_code=201,
     response_model=ApiKeyWithSecret,
     summary="Create an API key",
-    responses=error_responses(401, 403, 422),
+    responses=error_responses(401, 403, 409, 422),
 )
 def create_api_key(body: ApiKeyCreate, session: SessionDep, tenant: AdminTenant) -> ApiKeyWithSecret:
     """A new key for your tenant with the scopes named (default `read`, `write`). The response carries `key`,
-    shown only here."""
+    shown only here.
+
+    A key never outgrows the key that creates it: scopes the creating key lacks are refused (403
+    `insufficient_scope`), and a creating key that expires must give the new key an `expires_at` no later than
+    its own (422). A tenant holds at most `GRPO_MAX_API_KEYS_PER_TENANT` active keys (409 `too_many_api_keys`)."""
     row, token = service.create_api_key_for(
-        session, tenant.tenant_id, name=body.name, scopes=body.scopes, expires_at=body.expires_at
+        session, tenant, name=body.name, scopes=body.scopes, expires_at=body.expires_at
     )
     return api_key_with_secret(row, token)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from datetime import datetime
 
-from sqlalchemy import or_, select, update
+from sqlalchemy import func, or_, select, update
 from sqlalchemy.orm import Session
 
 from service.tenants.models import ApiKey, Tenant
@@ -35,6 +35,19 @@ def active_keys_with_prefix(session: Session, prefix: str, now: datetime) -> Seq
         )
     ).all()
     return [(key, tenant) for key, tenant in rows]
+
+
+def count_active_keys(session: Session, tenant_id: str, now: datetime) -> int:
+    """The tenant's keys that are neither revoked nor expired at `now`."""
+    return session.scalar(
+        select(func.count())
+        .select_from(ApiKey)
+        .where(
+            ApiKey.tenant_id == tenant_id,
+            ApiKey.revoked_at.is_(None),
+            or_(ApiKey.expires_at.is_(None), ApiKey.expires_at > now),
+        )
+    ) or 0
 
 
 def list_api_keys(session: Session, tenant_id: str, *, limit: int, after: str | None) -> Sequence[ApiKey]:

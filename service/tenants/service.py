@@ -11,16 +11,20 @@ import re
 import secrets
 from collections.abc import Iterable, Sequence
 from datetime import datetime
+from typing import Protocol
 
+import grpc
 from sqlalchemy.orm import Session
 
+from service.kit.config import get_settings
 from service.kit.db import on_commit, utcnow
-from service.kit.errors import Conflict, NotFound, ValidationFailed
+from service.kit.errors import Conflict, DomainError, NotFound, ValidationFailed
 from service.kit.ids import new_id
 from service.kit.paging import page
+from service.quotas.repository import lock_tenant
 from service.tenants import repository
 from service.tenants.models import ApiKey, Tenant
-from service.tenants.scopes import ALL_SCOPES, normalize_scopes
+from service.tenants.scopes import ALL_SCOPES, InsufficientScope, normalize_scopes
 
 KEY_PREFIX = "grpo_sk_"
 PREFIX_LEN = 12
@@ -88,19 +92,62 @@ def create_api_key(
     return key, token
 
 
+class KeyHolder(Protocol):
+    """The key making a request (service.tenants.auth.TenantContext): what a key it creates is bounded by."""
+
+    @property
+    def tenant_id(self) -> str: ...
+    @property
+    def scopes(self) -> frozenset[str]: ...
+    @property
+    def expires_at(self) -> datetime | None: ...
+
+
+class TooManyApiKeys(DomainError):
+    code = "too_many_api_keys"
+    http_status = 409
+    grpc_status = grpc.StatusCode.FAILED_PRECONDITION
+
+
 def create_api_key_for(
-    session: Session, tenant_id: str, *, name: str, scopes: Iterable[str], expires_at: datetime | None
+    session: Session, parent: KeyHolder, *, name: str, scopes: Iterable[str], expires_at: datetime | None
 ) -> tuple[ApiKey, str]:
-    """A key made over the API (by an admin key of the same tenant). Raises ValidationFailed for an expiry that
-    is not in the future."""
-    if expires_at is not None and expires_at <= utcnow():
+    """A key made over the API by `parent`, an admin key, for its own tenant. A key never outgrows the key that
+    made it: it has no scope the parent lacks (InsufficientScope, 403) and expires no later than the parent
+    (ValidationFailed naming `expires_at`; an expiring parent must name an expiry). The tenant may hold at most
+    GRPO_MAX_API_KEYS_PER_TENANT active keys (TooManyApiKeys, 409)."""
+    wanted = normalize_scopes(scopes).split()
+    if not_held := [scope for scope in wanted if scope not in parent.scopes]:
+        raise InsufficientScope(
+            f"scopes: this API key cannot grant {', '.join(map(repr, not_held))}, which it lacks itself "
+            f"(it has: {', '.join(sorted(parent.scopes)) or 'none'})",
+            details={"field": "scopes", "not_held": not_held, "key_scopes": sorted(parent.scopes)},
+        )
+    now = utcnow()
+    if expires_at is not None and expires_at <= now:
         raise ValidationFailed(
             "expires_at: must be in the future", details=[{"field": "expires_at", "message": "in the past"}]
         )
-    tenant = repository.get_tenant(session, tenant_id)
+    if parent.expires_at is not None and (expires_at is None or expires_at > parent.expires_at):
+        limit = parent.expires_at.isoformat()
+        raise ValidationFailed(
+            f"expires_at: this API key expires at {limit}, so a key it creates must expire no later "
+            f"({'name an expires_at' if expires_at is None else 'asked for ' + expires_at.isoformat()})",
+            details=[{"field": "expires_at", "message": f"must be no later than {limit}"}],
+        )
+    if not lock_tenant(session, parent.tenant_id):  # concurrent creations cannot both take the last place
+        raise NotFound("tenant", parent.tenant_id)
+    tenant = repository.get_tenant(session, parent.tenant_id)
     if tenant is None:
-        raise NotFound("tenant", tenant_id)
-    return create_api_key(session, tenant, scopes=scopes, name=name, expires_at=expires_at)
+        raise NotFound("tenant", parent.tenant_id)
+    limit_keys = get_settings().max_api_keys_per_tenant
+    if (active := repository.count_active_keys(session, tenant.id, now)) >= limit_keys:
+        raise TooManyApiKeys(
+            f"this tenant has {active} active API keys, the most GRPO_MAX_API_KEYS_PER_TENANT allows "
+            f"({limit_keys}): revoke one first",
+            details={"limit": limit_keys, "current": active, "setting": "GRPO_MAX_API_KEYS_PER_TENANT"},
+        )
+    return create_api_key(session, tenant, scopes=wanted, name=name, expires_at=expires_at)
 
 
 def list_api_keys(session: Session, tenant_id: str, *, limit: int, after: str | None) -> tuple[Sequence[ApiKey], bool]:

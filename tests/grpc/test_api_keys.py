@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+from datetime import UTC, datetime, timedelta
+
 import grpc
 import pytest
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from contract.gen.grpo.v1 import api_keys_pb2 as pb
 from contract.gen.grpo.v1 import api_keys_pb2_grpc, jobs_pb2, jobs_pb2_grpc
+from service.kit.config import get_settings
+from service.kit.db import session_scope
 from tests.grpc.helpers import bearer, error_code, error_field
-from tests.service.factories import TenantHeaders
+from tests.service.factories import TenantHeaders, create_key
 
 
 async def test_create_list_revoke(channel: grpc.aio.Channel, tenant_a: TenantHeaders) -> None:
@@ -51,3 +55,32 @@ async def test_bad_requests_name_the_field(
         await api_keys_pb2_grpc.ApiKeyServiceStub(channel).CreateApiKey(request_, metadata=bearer(tenant_a.api_key))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert error_field(err.value) == field
+
+
+async def test_a_key_never_outgrows_the_key_that_makes_it(
+    channel: grpc.aio.Channel, tenant_a: TenantHeaders, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    keys = api_keys_pb2_grpc.ApiKeyServiceStub(channel)
+    with session_scope() as session:
+        admin_only = bearer(create_key(session, tenant_a.tenant_id, ["admin"]))
+        expiring = bearer(create_key(session, tenant_a.tenant_id, ["read", "admin"],
+                                     expires_at=datetime.now(UTC) + timedelta(minutes=5)))
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await keys.CreateApiKey(pb.CreateApiKeyRequest(name="wide", scopes=["read", "write", "admin"]),
+                                metadata=admin_only)
+    assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert error_code(err.value) == "insufficient_scope" and error_field(err.value) == "scopes"
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await keys.CreateApiKey(pb.CreateApiKeyRequest(name="forever", scopes=["read"]), metadata=expiring)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and error_field(err.value) == "expires_at"
+    soon = Timestamp()
+    soon.FromDatetime(datetime.now(UTC) + timedelta(minutes=1))
+    made = await keys.CreateApiKey(pb.CreateApiKeyRequest(name="ok", scopes=["read"], expires_at=soon),
+                                   metadata=expiring)
+    assert list(made.api_key.scopes) == ["read"]
+
+    monkeypatch.setenv("GRPO_MAX_API_KEYS_PER_TENANT", "4")  # the fixture's, the two above and `made`
+    get_settings.cache_clear()
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await keys.CreateApiKey(pb.CreateApiKeyRequest(name="one-too-many", scopes=["admin"]), metadata=admin_only)
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and error_code(err.value) == "too_many_api_keys"

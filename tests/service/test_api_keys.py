@@ -92,6 +92,79 @@ class TestCreate:
         assert response.json()["error"]["details"][0]["field"] == field
 
 
+class TestChildKeys:
+    """A key made by a key never outgrows it: no scope the parent lacks, no expiry later than the parent's."""
+
+    def test_an_admin_only_key_cannot_grant_scopes_it_lacks(
+        self, client: TestClient, key_of: Callable[..., dict[str, str]]
+    ) -> None:
+        admin_only = key_of("admin")
+        response = client.post(
+            "/v1/api-keys", json={"name": "wide", "scopes": ["read", "write", "admin"]}, headers=admin_only
+        )
+        assert response.status_code == 403, response.text
+        error = response.json()["error"]
+        assert error["code"] == "insufficient_scope" and error["message"].startswith("scopes: ")
+        assert error["details"] == {"field": "scopes", "not_held": ["read", "write"], "key_scopes": ["admin"]}
+        # The default scopes (read, write) are as much beyond it.
+        assert client.post("/v1/api-keys", json={"name": "d"}, headers=admin_only).status_code == 403
+        # What it has, it may grant.
+        assert _create(client, admin_only, scopes=["admin"])["scopes"] == ["admin"]
+
+    def test_a_key_grants_a_subset_of_its_scopes(
+        self, client: TestClient, key_of: Callable[..., dict[str, str]]
+    ) -> None:
+        parent = key_of("read", "admin")
+        assert _create(client, parent, scopes=["read"])["scopes"] == ["read"]
+        refused = client.post("/v1/api-keys", json={"name": "x", "scopes": ["read", "write"]}, headers=parent)
+        assert refused.status_code == 403 and refused.json()["error"]["details"]["not_held"] == ["write"]
+
+    def test_a_key_expiring_soon_cannot_make_a_key_that_outlives_it(
+        self, client: TestClient, tenant_a: TenantHeaders, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        monkeypatch.setenv("GRPO_AUTH_CACHE_SECONDS", "60")
+        get_settings.cache_clear()
+        parent_expiry = datetime.now(UTC) + timedelta(seconds=3)
+        with kit_db.session_scope() as session:
+            parent = auth_headers(create_key(session, tenant_a.tenant_id, ["read", "admin"], expires_at=parent_expiry))
+        for body in ({"name": "forever", "scopes": ["read"]},  # no expiry under an expiring parent
+                     {"name": "later", "scopes": ["read"],
+                      "expires_at": (parent_expiry + timedelta(seconds=1)).isoformat()}):
+            response = client.post("/v1/api-keys", json=body, headers=parent)
+            assert response.status_code == 422, response.text
+            error = response.json()["error"]
+            assert error["message"].startswith("expires_at: ") and error["details"][0]["field"] == "expires_at"
+        child_expiry = parent_expiry - timedelta(seconds=1)
+        child = _create(client, parent, scopes=["read"], expires_at=child_expiry.isoformat())
+        assert datetime.fromisoformat(str(child["expires_at"]).replace("Z", "+00:00")) <= parent_expiry
+        child_headers = auth_headers(str(child["key"]))
+        assert client.get("/v1/jobs", headers=child_headers).status_code == 200
+        # Once the parent has expired, so has every key it made.
+        time.sleep(max(0.0, (parent_expiry - datetime.now(UTC)).total_seconds()) + 0.1)
+        assert client.get("/v1/jobs", headers=parent).status_code == 401
+        assert client.get("/v1/jobs", headers=child_headers).status_code == 401
+
+
+class TestKeyCap:
+    def test_active_keys_per_tenant_are_capped(
+        self, client: TestClient, tenant_a: TenantHeaders, tenant_b: TenantHeaders, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        monkeypatch.setenv("GRPO_MAX_API_KEYS_PER_TENANT", "3")
+        get_settings.cache_clear()
+        with kit_db.session_scope() as session:  # an expired key does not count
+            create_key(session, tenant_a.tenant_id, ["read"], expires_at=datetime.now(UTC) - timedelta(hours=1))
+        made = [_create(client, tenant_a, name=f"k{n}") for n in range(2)]  # with the fixture's key: 3
+        refused = client.post("/v1/api-keys", json={"name": "one-too-many"}, headers=tenant_a)
+        assert refused.status_code == 409, refused.text
+        error = refused.json()["error"]
+        assert error["code"] == "too_many_api_keys" and "GRPO_MAX_API_KEYS_PER_TENANT" in error["message"]
+        assert error["details"] == {"limit": 3, "current": 3, "setting": "GRPO_MAX_API_KEYS_PER_TENANT"}
+        assert _create(client, tenant_b, name="other-tenant")  # per tenant
+        # A revoked key frees its place.
+        assert client.delete(f"/v1/api-keys/{made[0]['id']}", headers=tenant_a).status_code == 204
+        assert _create(client, tenant_a, name="again")
+
+
 class TestListAndRevoke:
     def test_list_shows_the_tenants_keys_only_revoked_ones_included(
         self, client: TestClient, tenant_a: TenantHeaders, tenant_b: TenantHeaders

@@ -47,7 +47,7 @@ class ApiKeyServicer(api_keys_pb2_grpc.ApiKeyServiceServicer):
 
         def work(s: Session) -> ApiKeyWithSecret:
             row, token = service.create_api_key_for(
-                s, tenant.tenant_id, name=body.name, scopes=body.scopes, expires_at=body.expires_at
+                s, tenant, name=body.name, scopes=body.scopes, expires_at=body.expires_at
             )
             return api_key_with_secret(row, token)
 
