@@ -378,18 +378,26 @@ def _settings(base_url: str | None, api_key: str | None) -> tuple[str, dict[str,
 
 
 class _SSEParser:
-    """Incremental Server-Sent Events parser: feed lines, get an event at each blank line."""
+    """Incremental Server-Sent Events parser: feed lines, get an event at each blank line. An `error` message
+    (the server ends the stream with one when the API key is revoked or expires) raises APIError."""
 
     def __init__(self) -> None:
         self._data: list[str] = []
+        self._type = ""
 
     def feed(self, line: str) -> EventOut | None:
         if line.startswith("data:"):
             self._data.append(line[5:].strip())
+        elif line.startswith("event:"):
+            self._type = line[6:].strip()
         elif line == "" and self._data:
-            event = EventOut.model_validate(json.loads("\n".join(self._data)))
-            self._data = []
-            return event
+            body, kind = json.loads("\n".join(self._data)), self._type
+            self._data, self._type = [], ""
+            if kind == "error":
+                error = body["error"]
+                raise APIError(401 if error["code"] == "unauthenticated" else 400, error["code"], error["message"],
+                               error.get("details"))
+            return EventOut.model_validate(body)
         return None
 
 

@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
 from contextvars import ContextVar
 
-from service.tenants.auth import TenantContext, authenticate_on_loop
+from service.tenants.auth import TenantContext, authenticate_on_loop, bearer_credentials
 from service.tenants.ratelimit import admit
 from service.tenants.scopes import InsufficientScope, Scope, require_scope
 
@@ -28,11 +28,7 @@ def metadata_value(metadata: Iterable[tuple[str, str | bytes]] | None, key: str)
 
 def bearer_token(metadata: Iterable[tuple[str, str | bytes]] | None) -> str | None:
     """The key of an `authorization: Bearer <key>` entry; None when absent or not a bearer credential."""
-    header = metadata_value(metadata, "authorization")
-    if header is None:
-        return None
-    scheme, _, token = header.partition(" ")
-    return token.strip() or None if scheme.lower() == "bearer" else None
+    return bearer_credentials(metadata_value(metadata, "authorization"))
 
 
 def peer_address(peer: str | None) -> str | None:

@@ -7,12 +7,16 @@ every metric when it reads them next; the stream then sends what is left and end
 Guarantees: metrics go out in increasing step order, each step once, starting at `from_step`; a client
 that reconnects with from_step = last step received + 1 continues without gaps or duplicates. (A step
 re-run by a retried attempt is not sent again; GetJobMetrics has the final values.)
+
+The call outlives the check its interceptor made, so before every poll it checks the key again
+(`still_authorized`, answered from the auth cache): once the key is revoked or expired the call ends with
+UNAUTHENTICATED, within GRPO_AUTH_CACHE_SECONDS of the revocation (plus one poll interval).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -63,14 +67,22 @@ def _progress(
 
 
 async def watch_job(
-    reads: Reads, tenant_id: str, job_id: str, from_step: int, *, poll_interval_s: float = POLL_INTERVAL_S
+    reads: Reads,
+    tenant_id: str,
+    job_id: str,
+    from_step: int,
+    still_authorized: Callable[[], Awaitable[object]],
+    *,
+    poll_interval_s: float = POLL_INTERVAL_S,
 ) -> AsyncIterator[jobs_pb2.WatchJobResponse]:
-    """The WatchJob stream for one job of `tenant_id` (NotFound before anything is sent otherwise)."""
+    """The WatchJob stream for one job of `tenant_id` (NotFound before anything is sent otherwise).
+    `still_authorized` raises Unauthenticated once the caller's key no longer authenticates."""
     next_step = from_step
     health_after: int | None = None  # id of the last health event read
     sent_checkpoints: set[str] = set()
     last_job: jobs_pb2.Job | None = None
     while True:
+        await still_authorized()
         poll = await _poll(reads, tenant_id, job_id, next_step, health_after)
         job = job_to_proto(poll.job)
         terminal = poll.job.status in TERMINAL

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Body, Depends, Header, Query, Request
@@ -23,7 +24,7 @@ from service.kit.paging import EVENTS, METRIC_POINTS, RESOURCES, EventLimit, Lim
 from service.kit.params import Cursor, PathId
 from service.kit.queue import JobQueue, get_job_queue
 from service.storage import get_storage
-from service.tenants.auth import CurrentTenant
+from service.tenants.auth import CurrentTenant, bearer_credentials, reauthenticate
 
 router = APIRouter(tags=["jobs"])
 
@@ -268,7 +269,9 @@ SSE_MESSAGE_SCHEMA: dict[str, Any] = {
     responses={
         200: {
             "description": "`text/event-stream`: one message per job event (`id:` = event id, `event:` = type "
-            "(status, metrics, checkpoint, ...), `data:` = the event as JSON). Ends after a terminal state. "
+            "(status, metrics, checkpoint, ...), `data:` = the event as JSON). Ends after a terminal state, or "
+            "with an `error` message (no `id:`; `data:` = the error body) once the API key is revoked or expires "
+            "(within `GRPO_AUTH_CACHE_SECONDS`). "
             "Reconnect with `Last-Event-ID` to continue where you left off.",
             "content": {"text/event-stream": {"schema": SSE_MESSAGE_SCHEMA}},
         },
@@ -291,8 +294,9 @@ async def stream_job(
 ) -> StreamingResponse:
     after = parse_last_event_id(last_event_id)
     await service.read_job(reads_of(request), tenant.tenant_id, job_id)  # 404 before the stream starts
+    token = bearer_credentials(request.headers.get("authorization"))
     return StreamingResponse(
-        job_event_stream(job_id, after, request.is_disconnected),
+        job_event_stream(job_id, after, request.is_disconnected, partial(reauthenticate, token)),
         media_type="text/event-stream",
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
     )

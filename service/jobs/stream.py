@@ -5,11 +5,17 @@ Every event row (state changes, per-step metrics, checkpoints, logs) becomes one
 last message it saw. The stream polls the database (POLL_INTERVAL_S) with a short session per
 poll, so an open stream holds no database connection while it waits, and it ends once the job is
 in a terminal state and every event has been sent.
+
+The stream outlives the request that authenticated it, so before every poll it checks the key again
+(`still_authorized`, answered from the auth cache): once the key is revoked or expired, the stream sends an
+`error` message (the error body, as REST renders it) and ends, within GRPO_AUTH_CACHE_SECONDS of the
+revocation (plus one poll interval).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
@@ -21,6 +27,7 @@ from service.jobs import repository
 from service.jobs.schemas import event_out
 from service.jobs.states import TERMINAL, JobStatus
 from service.kit.db import session_scope
+from service.kit.errors import DomainError, Unauthenticated
 
 POLL_INTERVAL_S = 0.5
 HEARTBEAT_S = 15.0
@@ -42,18 +49,29 @@ def _poll(job_id: str, after_id: int | None) -> tuple[str | None, list[EventOut]
         return status, [event_out(row) for row in rows]
 
 
+def format_error(error: DomainError) -> bytes:
+    return f"event: error\ndata: {json.dumps(error.to_body())}\n\n".encode()
+
+
 async def job_event_stream(
     job_id: str,
     last_event_id: int | None,
     is_disconnected: Callable[[], Awaitable[bool]],
+    still_authorized: Callable[[], Awaitable[object]],
     *,
     poll_interval_s: float = POLL_INTERVAL_S,
 ) -> AsyncIterator[bytes]:
-    """The SSE byte stream for `job_id` (whose ownership the caller has checked)."""
+    """The SSE byte stream for `job_id` (whose ownership the caller has checked). `still_authorized` raises
+    Unauthenticated once the caller's key no longer authenticates (service.tenants.auth.reauthenticate)."""
     yield f"retry: {RETRY_MS}\n\n".encode()
     last = last_event_id
     last_sent = time.monotonic()
     while True:
+        try:
+            await still_authorized()
+        except Unauthenticated as error:
+            yield format_error(error)
+            return
         status, events = await run_in_threadpool(_poll, job_id, last)
         for event in events:
             yield format_event(event)

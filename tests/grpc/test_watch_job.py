@@ -7,20 +7,26 @@ the same domain functions the worker's reporting uses, driven from a thread.)
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
 
 import grpc
 import pytest
+from sqlalchemy import update
 
 from contract.gen.grpo.v1 import job_spec_pb2, jobs_pb2, jobs_pb2_grpc
 from service.grpc import watch
 from service.jobs.progress import record_event, record_metrics, worker_transition
 from service.jobs.states import JobStatus
-from service.kit.db import session_scope
+from service.kit.config import get_settings
+from service.kit.db import session_scope, utcnow
 from service.kit.queue import set_job_queue
 from service.storage import get_storage
+from service.tenants.models import ApiKey
+from service.tenants.service import lookup_prefix
 from tests.grpc.helpers import bearer
-from tests.service.factories import TenantHeaders
+from tests.service.factories import TenantHeaders, create_key
 from tests.service.jobs_support import RecordingQueue, make_dataset, put_checkpoint, start_job
 
 STEPS = 6
@@ -127,3 +133,53 @@ class TestWatchJob:
         assert [m.checkpoint.step for m in tail if m.WhichOneof("event") == "checkpoint"] == []  # step 3 < 5
         assert [m for m in tail if m.WhichOneof("event") == "health"] == []  # step 4 < 5
         assert len([m for m in everything if m.WhichOneof("event") == "health"]) == 1
+
+
+class TestWatchOutlivingItsKey:
+    """WatchJob re-checks its key before every poll: revoked (in the database, as another process would) or
+    expired, the call ends UNAUTHENTICATED within GRPO_AUTH_CACHE_SECONDS (+ one poll)."""
+
+    @pytest.mark.parametrize("how", ["revoked", "expired"])
+    async def test_the_call_ends_within_the_auth_cache_time(
+        self, channel: grpc.aio.Channel, tenant_a: TenantHeaders, queue: RecordingQueue,
+        monkeypatch: pytest.MonkeyPatch, how: str,
+    ) -> None:
+        cache_s = 1.0
+        monkeypatch.setenv("GRPO_AUTH_CACHE_SECONDS", str(cache_s))
+        get_settings.cache_clear()
+        job_id = await _job(channel, tenant_a)
+        attempt = start_job(job_id)  # running: the call would go on until the job ends
+        expires_at = datetime.now(UTC) + timedelta(seconds=2) if how == "expired" else None
+        with session_scope() as session:
+            key = create_key(session, tenant_a.tenant_id, ["read"], expires_at=expires_at)
+        call = jobs_pb2_grpc.JobServiceStub(channel).WatchJob(
+            jobs_pb2.WatchJobRequest(job_id=job_id), metadata=bearer(key)
+        )
+        first = await asyncio.wait_for(call.read(), timeout=10)  # the call is open and authenticated
+        assert first.job.state == jobs_pb2.JOB_STATE_RUNNING
+        if how == "revoked":
+            with session_scope() as session:
+                session.execute(update(ApiKey).where(ApiKey.prefix == lookup_prefix(key)).values(revoked_at=utcnow()))
+            refused_at = time.monotonic()
+        else:
+            assert expires_at is not None
+            refused_at = time.monotonic() + (expires_at - datetime.now(UTC)).total_seconds()
+
+        async def drain() -> None:
+            while await call.read() is not grpc.aio.EOF:
+                pass
+
+        try:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await asyncio.wait_for(drain(), timeout=max(0.0, refused_at - time.monotonic()) + cache_s + 5)
+        finally:
+            call.cancel()
+            await asyncio.to_thread(_finish, job_id, attempt)
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED, err.value
+        ended_after = time.monotonic() - refused_at
+        assert ended_after < cache_s + watch.POLL_INTERVAL_S + 1.0, ended_after
+
+
+def _finish(job_id: str, attempt: int) -> None:
+    with session_scope() as session:
+        worker_transition(session, job_id, attempt, JobStatus.succeeded, reason="done")

@@ -1,21 +1,27 @@
-"""GET /v1/jobs/{id}/stream: Server-Sent Events with row ids, Last-Event-ID replay, live updates."""
+"""GET /v1/jobs/{id}/stream: Server-Sent Events with row ids, Last-Event-ID replay, live updates, and the end
+of a stream whose key is revoked or expires."""
 
 from __future__ import annotations
 
 import json
 import threading
 import time
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
+from sqlalchemy import update
 
-from service.jobs import progress
+from service.jobs import progress, stream
 from service.jobs.states import JobStatus
-from service.kit.db import session_scope
+from service.kit.config import get_settings
+from service.kit.db import session_scope, utcnow
 from service.storage import get_storage
-from tests.service.factories import TenantHeaders
-from tests.service.jobs_support import job_spec, make_dataset, put_checkpoint, start_job
+from service.tenants.models import ApiKey
+from service.tenants.service import lookup_prefix
+from tests.service.factories import TenantHeaders, auth_headers, create_key
+from tests.service.jobs_support import job_spec, load_job, make_dataset, put_checkpoint, start_job
 
 
 def parse_sse(text: str) -> list[dict[str, Any]]:
@@ -119,3 +125,55 @@ class TestStream:
     def test_the_largest_event_id_is_an_event_id(self, client: TestClient, tenant_a: TenantHeaders) -> None:
         job_id = finished_job(client, tenant_a)
         assert read_stream(client, job_id, {**tenant_a, "Last-Event-ID": str(2**63 - 1)}) == []
+
+
+class TestStreamOutlivingItsKey:
+    """The stream re-checks its key before every poll: revoked (by another process: only the database knows) or
+    expired, the key ends the stream with an `error` message within GRPO_AUTH_CACHE_SECONDS (+ one poll)."""
+
+    @pytest.mark.parametrize("how", ["revoked", "expired"])
+    def test_the_stream_ends_within_the_auth_cache_time(
+        self, client: TestClient, tenant_a: TenantHeaders, monkeypatch: pytest.MonkeyPatch, how: str
+    ) -> None:
+        cache_s = 1.0
+        monkeypatch.setenv("GRPO_AUTH_CACHE_SECONDS", str(cache_s))
+        get_settings.cache_clear()
+        job_id = client.post(
+            "/v1/jobs", json=job_spec(make_dataset(tenant_a.tenant_id)), headers=tenant_a
+        ).json()["id"]
+        attempt = start_job(job_id)  # running: the stream would go on until the job ends
+        expires_at = datetime.now(UTC) + timedelta(seconds=2) if how == "expired" else None
+        with session_scope() as session:
+            key = create_key(session, tenant_a.tenant_id, ["read"], expires_at=expires_at)
+        received: list[str] = []
+        opened = threading.Event()
+
+        def read() -> None:
+            with client.stream("GET", f"/v1/jobs/{job_id}/stream", headers=auth_headers(key)) as response:
+                assert response.status_code == 200
+                for chunk in response.iter_text():
+                    received.append(chunk)
+                    opened.set()
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        assert opened.wait(10), "the stream did not start"
+        if how == "revoked":  # as another process would: in the database only, this process's cache untouched
+            with session_scope() as session:
+                session.execute(update(ApiKey).where(ApiKey.prefix == lookup_prefix(key)).values(revoked_at=utcnow()))
+            refused_at = time.monotonic()
+        else:
+            assert expires_at is not None
+            refused_at = time.monotonic() + (expires_at - datetime.now(UTC)).total_seconds()
+        reader.join(timeout=cache_s + 5)
+        ended_after = time.monotonic() - refused_at
+        if reader.is_alive():  # the stream outlived its key: end the job so that the reader returns, then fail
+            with session_scope() as session:
+                progress.worker_transition(session, job_id, attempt, JobStatus.succeeded, reason="done")
+            reader.join(timeout=10)
+            pytest.fail(f"the stream kept sending {ended_after:.1f} s after its key was {how}")
+        assert ended_after < cache_s + stream.POLL_INTERVAL_S + 1.0, ended_after
+        last = "".join(received).strip().split("\n\n")[-1]
+        assert last.startswith("event: error\ndata: "), last
+        assert json.loads(last.partition("data: ")[2])["error"]["code"] == "unauthenticated"
+        assert load_job(job_id).status == JobStatus.running  # the job went on; only the stream ended

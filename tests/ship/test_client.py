@@ -26,10 +26,12 @@ from fastapi import FastAPI
 from fastapi.routing import APIRoute
 
 from cli.migrate import upgrade_head
-from client.sdk import APIError, AsyncGRPOClient, Call, GRPOClient, _calls
+from client.sdk import APIError, AsyncGRPOClient, Call, GRPOClient, _calls, _SSEParser
 from service.app import create_app
+from service.jobs.stream import format_error
 from service.kit import db as kit_db
 from service.kit.config import get_settings
+from service.kit.errors import Unauthenticated
 from tests.service.factories import create_tenant
 from tests.ship.conftest import free_port
 
@@ -280,3 +282,13 @@ async def test_async_client_over_asgi(configured: str, tmp_path: Path) -> None:
         with pytest.raises(APIError) as gone:
             await client.get_webhook(webhook.id)
         assert (gone.value.status, gone.value.code) == (404, "not_found")
+
+
+def test_the_stream_error_message_raises_api_error() -> None:
+    """The message the server ends a job stream with when its key is revoked (service.jobs.stream) becomes the
+    APIError a refused request would raise, not a parse failure."""
+    parser = _SSEParser()
+    with pytest.raises(APIError) as err:
+        for line in format_error(Unauthenticated("invalid API key")).decode().split("\n"):
+            parser.feed(line)
+    assert (err.value.status, err.value.code, err.value.message) == (401, "unauthenticated", "invalid API key")

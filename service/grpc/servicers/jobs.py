@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from functools import partial
 from typing import Any
 
 import grpc
@@ -11,7 +12,7 @@ from sqlalchemy.orm import Session
 from contract.api.jobs import EventOut, JobOut, SampleOut
 from contract.gen.grpo.v1 import jobs_pb2, jobs_pb2_grpc
 from contract.spec import JobSpec
-from service.grpc.auth import current_tenant, metadata_value
+from service.grpc.auth import bearer_token, current_tenant, metadata_value
 from service.grpc.calls import in_session
 from service.grpc.convert import (
     event_to_proto,
@@ -32,6 +33,7 @@ from service.kit.paging import EVENTS, METRIC_POINTS, RESOURCES, page_size
 from service.kit.queue import get_job_queue
 from service.kit.reads import THREADED_READS, Reads
 from service.storage import get_storage
+from service.tenants.auth import reauthenticate
 
 Context = grpc.aio.ServicerContext[Any, Any]
 IDEMPOTENCY_KEY = "idempotency-key"  # the REST Idempotency-Key header, as metadata
@@ -171,5 +173,6 @@ class JobServicer(jobs_pb2_grpc.JobServiceServicer):
     ) -> AsyncIterator[jobs_pb2.WatchJobResponse]:
         tenant = current_tenant()
         from_step = max(int32_field(request.from_step, "from_step"), 0)
-        async for message in watch_job(self._reads, tenant.tenant_id, request.job_id, from_step):
+        still_authorized = partial(reauthenticate, bearer_token(context.invocation_metadata()))
+        async for message in watch_job(self._reads, tenant.tenant_id, request.job_id, from_step, still_authorized):
             yield message
