@@ -1,7 +1,8 @@
 """`grpo serve`: the API process. REST (uvicorn) and gRPC on one event loop, the reaper, and by default an
 embedded worker.
 
-- REST on settings.api_host:api_port, gRPC on settings.grpc_port (0 disables it).
+- REST on settings.api_host:api_port, gRPC on settings.grpc_port (0 disables it). REST believes
+  X-Forwarded-For only from GRPO_TRUSTED_PROXIES (none by default).
 - The reaper (worker/reaper.py) runs as a thread here: it re-enqueues jobs whose worker lost its lease and
   re-sends jobs whose message was lost. Several API processes may each run one; they do not conflict.
 - `--worker` (default) starts `grpo worker` as a child process, so `grpo serve` alone is a complete
@@ -71,7 +72,9 @@ async def _serve_apis(settings: Settings, host: str, port: int, grpc_port: int) 
 
     from service.app import create_app
 
-    server = uvicorn.Server(uvicorn.Config(create_app(), host=host, port=port, log_level="info"))
+    proxy_headers, forwarded_allow_ips = forwarded_headers(settings)
+    server = uvicorn.Server(uvicorn.Config(create_app(), host=host, port=port, log_level="info",
+                                          proxy_headers=proxy_headers, forwarded_allow_ips=forwarded_allow_ips))
     grpc_task: asyncio.Task[None] | None = None
     if grpc_port:
         from service.grpc.server import serve_grpc
@@ -84,6 +87,16 @@ async def _serve_apis(settings: Settings, host: str, port: int, grpc_port: int) 
             grpc_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await grpc_task
+
+
+def forwarded_headers(settings: Settings) -> tuple[bool, list[str] | None]:
+    """uvicorn's `proxy_headers` and `forwarded_allow_ips` from GRPO_TRUSTED_PROXIES. uvicorn's own default
+    trusts X-Forwarded-For from 127.0.0.1 (or $FORWARDED_ALLOW_IPS), so a local client could pick the address
+    the failed-login throttle counts against; with no trusted proxy the headers are ignored and the TCP peer
+    is the client."""
+    if not settings.trusted_proxies:
+        return False, None
+    return True, list(settings.trusted_proxies)
 
 
 @contextlib.contextmanager
