@@ -3,7 +3,7 @@
     python bench/distributed.py [--model builtin:small] [--steps 6] [--rounds 3] [--json out.json]
 
 Each case is `grpo train` (worker.grpo.local) in a child process: one process with one intra-op thread,
-or two ranks launched by torch.distributed.run (one thread each). Cases alternate round by round so that
+or two ranks launched by worker.grpo.launch (one thread each). Cases alternate round by round so that
 a machine whose load changes affects them alike; a case's figure is the median over rounds of its
 median step time (time/step_s, the first step left out: it warms caches up). On two cores two ranks
 cannot be much faster than one process: the figures measure the overhead of the collectives, the

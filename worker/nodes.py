@@ -3,21 +3,22 @@
 One Celery message wakes one worker, which claims the job and renews its lease as for any job (worker.runner).
 That worker then:
 
-1. opens the attempt's rendezvous at `GRPO_WORKER_ADDRESS:<a free port>` (torch.distributed's c10d rendezvous:
-   its launcher serves the store there);
-2. sends M - 1 `grpo.join_job` messages (an `Invitation`: job, attempt, claim, endpoint) to the job's queue,
-   the queue of its devices per node, so each wakes another worker with that many devices;
-3. launches its node's ranks with `--nnodes M` at that endpoint and waits, as for one node.
+1. picks the attempt's store endpoint, `GRPO_WORKER_ADDRESS:<a free port>`, and a random run id;
+2. sends M - 1 `grpo.join_job` messages (an `Invitation`: job, attempt, claim, store endpoint, run id, and the
+   node number 1 .. M - 1) to the job's queue, the queue of its devices per node, so each wakes another worker
+   with that many devices. The run id travels only through the broker the workers trust;
+3. launches its node's ranks as node 0 (worker.grpo.launch: its launcher serves the store on that address
+   only) and waits, as for one node.
 
 A worker that receives an invitation checks that the attempt still owns the job (a late or redelivered
 invitation is dropped), then launches its node's ranks at the same endpoint and waits for them, stopping
 them if the job leaves the attempt's hands. It holds no lease: the claiming worker's lease covers the attempt.
 
-The rendezvous assigns the nodes their ranks; rank 0 runs the job's reporting (worker.rank_job) on whichever
-node it lands, with that worker's database and storage settings. Every node's launcher ends when a rank
+Rank 0 is on the claiming node and runs the job's reporting (worker.rank_job); each node's ranks bind their
+sockets to their own worker's address. Every node's launcher ends when a rank
 anywhere dies or hangs (the collectives fail after `GRPO_COLLECTIVE_TIMEOUT_SECONDS`), and the claiming
-worker then records `rank_failed`; a node that never arrives ends the rendezvous after
-`GRPO_NODE_JOIN_TIMEOUT_SECONDS`. Either way the lease lapses and the job resumes from its last checkpoint,
+worker then records `rank_failed`; a node that never arrives makes the ranks give up waiting for the world
+after `GRPO_NODE_JOIN_TIMEOUT_SECONDS`. Either way the lease lapses and the job resumes from its last checkpoint,
 on whichever workers take it next.
 """
 
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import json
 import logging
+import secrets
 import shutil
 import socket
 import subprocess
@@ -55,7 +57,9 @@ class Invitation(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
     claim: dict[str, Any]  # worker.lease.Claim, as JSON
     queue: str
-    endpoint: str  # host:port of the rendezvous
+    endpoint: str  # ip:port of the job's store, served by node 0's launcher
+    run_id: str = Field(min_length=32)  # the attempt's store keys live under it; random per attempt
+    node_rank: int = Field(ge=0)  # 0: the claiming worker's node
     nnodes: int = Field(ge=2)
     nproc_per_node: int = Field(ge=1)
 
@@ -68,39 +72,52 @@ class Invitation(BaseModel):
         return int(self.claim["attempt"])
 
 
-def rendezvous_endpoint(settings: Settings) -> str:
-    """`host:port` where the claiming worker's launcher serves the attempt's rendezvous: the worker's address
-    and a port free on it now."""
-    host = settings.worker_address or socket.getfqdn()
+def new_run_id() -> str:
+    """An attempt's run id: random, never derived from the job (its store keys live under it)."""
+    return secrets.token_hex(16)
+
+
+def node_address(settings: Settings) -> str:
+    """The IP address of this worker's machine for the other nodes: GRPO_WORKER_ADDRESS, resolved (default:
+    the machine's fully qualified host name). The job's sockets on this node bind there and nowhere else."""
+    return socket.gethostbyname(settings.worker_address or socket.getfqdn())
+
+
+def store_endpoint(settings: Settings) -> str:
+    """`ip:port` where the claiming worker's launcher serves the attempt's store: this worker's address and a
+    port free on it now."""
+    address = node_address(settings)
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind((socket.gethostbyname(host), 0))
+        probe.bind((address, 0))
         port = probe.getsockname()[1]
-    return f"{host}:{port}"
+    return f"{address}:{port}"
 
 
-def invite(claim: Claim, queue: str, endpoint: str, resources: Resources) -> Invitation:
-    """Send the invitations to the other `resources.nodes - 1` nodes; returns what was sent."""
+def invite(claim: Claim, queue: str, resources: Resources, settings: Settings) -> Invitation:
+    """Send the invitations to the other `resources.nodes - 1` nodes (node numbers 1 ..); returns node 0's."""
     from worker.celery_app import app
 
     invitation = Invitation(
-        claim=asdict(claim), queue=queue, endpoint=endpoint, nnodes=resources.nodes,
-        nproc_per_node=resources.devices_per_node,
+        claim=asdict(claim), queue=queue, endpoint=store_endpoint(settings), run_id=new_run_id(), node_rank=0,
+        nnodes=resources.nodes, nproc_per_node=resources.devices_per_node,
     )
-    for _ in range(resources.nodes - 1):
-        app.send_task(JOIN_JOB_TASK, args=[invitation.model_dump()], queue=queue)
+    for node in range(1, resources.nodes):
+        app.send_task(
+            JOIN_JOB_TASK, args=[invitation.model_copy(update={"node_rank": node}).model_dump()], queue=queue
+        )
     log.info("job %s: attempt %d invited %d more node(s) to %s on %s",
-             claim.job_id, claim.attempt, resources.nodes - 1, endpoint, queue)
+             claim.job_id, claim.attempt, resources.nodes - 1, invitation.endpoint, queue)
     return invitation
 
 
-def launch_node(invitation: Invitation, workdir: Path, *, host: bool, settings: Settings) -> subprocess.Popen[bytes]:
-    """This node's launcher (`torch.distributed.run --nnodes M`) for the invitation's attempt."""
-    from worker.grpo.distributed import launch_command
+def launch_node(invitation: Invitation, workdir: Path, *, settings: Settings) -> subprocess.Popen[bytes]:
+    """This node's launcher (worker.grpo.launch) for the invitation's attempt."""
+    from worker.grpo.launch import launch_command
 
     command = launch_command(
         "worker.rank_job", [json.dumps(invitation.claim), str(workdir), invitation.queue],
-        nproc_per_node=invitation.nproc_per_node, nnodes=invitation.nnodes, rdzv_endpoint=invitation.endpoint,
-        rdzv_id=f"{invitation.job_id}-{invitation.attempt}", rdzv_host=host,
+        nproc_per_node=invitation.nproc_per_node, run_id=invitation.run_id, nnodes=invitation.nnodes,
+        node_rank=invitation.node_rank, store=invitation.endpoint, address=node_address(settings),
         join_timeout_s=settings.node_join_timeout_seconds,
     )
     return subprocess.Popen(command)
@@ -124,7 +141,7 @@ def join(invitation: Invitation, settings: Settings | None = None) -> str:
         Path(settings.data_dir) / "work" / invitation.job_id / f"attempt-{invitation.attempt}-node-{uuid.uuid4().hex[:8]}"
     )
     log.info("job %s: joining attempt %d at %s", invitation.job_id, invitation.attempt, invitation.endpoint)
-    launcher = launch_node(invitation, workdir, host=False, settings=settings)
+    launcher = launch_node(invitation, workdir, settings=settings)
     try:
         checked = time.monotonic()
         while launcher.poll() is None:

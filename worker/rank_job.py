@@ -1,11 +1,13 @@
 """One rank of a multi-device job: `python -m worker.rank_job CLAIM_JSON WORKDIR QUEUE`, launched by JobRunner
-through torch.distributed.run (worker.runner; docs/distributed.md).
+through worker.grpo.launch (worker.runner; docs/distributed.md).
 
 Rank 0 is a JobRunner for the claimed attempt: it prepares the inputs, reports and finishes the job, and
-hands the other ranks their inputs (RankInputs). The others train their share without the database; on a
-node other than rank 0's, that node's first rank downloads its own copies of the checkpoints rank 0
-fetched (a resume point, a `checkpoint:` model) from storage. With several nodes (worker.nodes) rank 0 may
-be on any of them, as the rendezvous numbers the nodes; WORKDIR is always the local worker's.
+hands the other ranks their inputs (RankInputs), through a file of WORKDIR on its own node. The others train
+their share without reporting anything. On a node other than rank 0's (the claiming worker's node), that
+node's first rank rebuilds the inputs from the database and storage its worker trusts (spec, rows, reward
+endpoints and their secrets) and downloads its own copies of the checkpoints rank 0 fetched (a resume point,
+a `checkpoint:` model); only their locations come through the collectives. WORKDIR is always the local
+worker's.
 
 Exit codes: 0 when the job ended with every rank together; 3 when rank 0 ended the attempt alone (a
 failure it recorded, or the lease lost), so the launcher stops the others at once; a rank whose collective
@@ -44,7 +46,7 @@ def main(claim_json: str, workdir: Path, queue: str) -> int:
             outcome, together = JobRunner(claim.job_id, worker_id=claim.worker_id).run_rank0(claim, workdir, ranks)
             log.info("job %s: rank 0 -> %s", claim.job_id, outcome)
             return 0 if together else EXIT_ALONE
-        _follow(ranks, workdir)
+        _follow(ranks, claim, workdir)
         return 0
     except BaseException:
         for pid in peers:  # they wait in a collective that will not complete
@@ -54,27 +56,26 @@ def main(claim_json: str, workdir: Path, queue: str) -> int:
         shutdown()
 
 
-def _follow(ranks: object, workdir: Path) -> None:
-    """A rank other than 0: its share of the training, no hooks. On another node than rank 0's, the first
-    rank of the node downloads its own copies of the checkpoints rank 0 fetched, into `workdir`."""
+def _follow(ranks: object, claim: Claim, workdir: Path) -> None:
+    """A rank other than 0: its share of the training, no hooks."""
     from outbound.rewards import build_remote_source
-    from service.storage import get_storage
-    from worker.grpo.distributed import Ranks, broadcast_object, device_for, wait_for_nodes
+    from worker.grpo.distributed import Ranks, device_for, wait_for_nodes
     from worker.grpo.rewards import build_reward_sources
     from worker.grpo.trainer import GRPOTrainer
-    from worker.runner import RankInputs
+    from worker.grpo.wire import broadcast_value
+    from worker.runner import RANK_INPUTS_FILE, JobRunner, RankInputs
 
     assert isinstance(ranks, Ranks)
-    inputs = broadcast_object(None)
-    if not isinstance(inputs, RankInputs):
+    shared = broadcast_value(None)
+    if shared is None:
         return  # rank 0 ended the attempt before training (a failure it recorded, or nothing to do)
-    elsewhere = ranks.node != inputs.node
+    elsewhere = ranks.node != shared["node"]
     if elsewhere and ranks.local_rank == 0:
-        inputs.fetch_onto(workdir, get_storage())
-        log.info("node %d: downloaded its copies of %d checkpoint(s) rank 0 fetched", ranks.node, len(inputs.fetched))
+        inputs = JobRunner(claim.job_id, worker_id=claim.worker_id).inputs_for_node(claim, shared, workdir)
+        inputs.write(workdir / RANK_INPUTS_FILE)
+        log.info("node %d: built its inputs and downloaded %d checkpoint(s)", ranks.node, len(inputs.fetched))
     wait_for_nodes(ranks)
-    if elsewhere:
-        inputs = inputs.on_node(workdir)
+    inputs = RankInputs.read(workdir / RANK_INPUTS_FILE)
     spec = inputs.spec
     reward = build_reward_sources(
         spec.rewards,

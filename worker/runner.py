@@ -30,10 +30,11 @@ stops without writing anything more. How the outcome maps to states:
 Metrics, events and checkpoints already recorded always stay.
 
 A job with `resources.devices: N > 1` (worker.rank_job, docs/distributed.md): this process claims it and
-renews the lease, then launches N ranks (`python -m torch.distributed.run`, a process of its own: the
-launcher cannot run inside a daemonic Celery pool process). Rank 0 runs everything above, talking to the
-database and storage alone, and hands the other ranks their inputs (spec, rows, local model and resume
-paths, reward endpoint configurations). When the launcher exits with the job still running under this
+renews the lease, then launches N ranks (worker.grpo.launch, a process of its own that keeps the job's
+sockets on loopback). Rank 0 runs everything above, talking to the database and storage alone, and hands
+the other ranks their inputs (RankInputs: spec, rows, local model and resume paths, reward endpoint
+configurations) through a file of its working directory; through the collectives go only paths and storage
+locations, so that no secret and no training data leaves a node that way. When the launcher exits with the job still running under this
 attempt, a rank died or hung: event `rank_failed`, and the attempt ends without a final state, so that the
 lease lapses and the job resumes from its last checkpoint on the next attempt (any device count). With
 `resources.nodes: M > 1` this process also invites the workers of M - 1 other machines to the attempt
@@ -94,7 +95,7 @@ from worker.model_sources import ModelUnavailable, check_hub_size, check_source
 
 if TYPE_CHECKING:
     from contract.spec import Resources
-    from outbound.rewards import RetryEvent
+    from outbound.rewards import RemoteRewardConfig, RetryEvent
     from outbound.rewards.source import DegradedEvent
     from worker.grpo.data import PromptRow
     from worker.grpo.distributed import Ranks
@@ -126,11 +127,15 @@ class FetchedCheckpoint:
     manifest: list[dict[str, Any]]
 
 
+RANK_INPUTS_FILE = "rank-inputs.json"
+
+
 @dataclass(frozen=True)
 class RankInputs:
-    """What rank 0 hands the other ranks of a job: everything they need without the database. Ranks on
-    rank 0's node use its files; a rank on another node gets its own copies of `fetched` from storage
-    (`on_node`)."""
+    """What the other ranks of a job need to train without the database. Rank 0 writes them into its working
+    directory for the ranks of its node (`write`); a node other than rank 0's builds its own from the
+    database and storage it trusts, given only `shared()` through the collectives (JobRunner.inputs_for_node),
+    and downloads its own copies of `fetched` (`on_node`)."""
 
     spec: JobSpec
     queue: str
@@ -139,12 +144,72 @@ class RankInputs:
     retain_rows: list[PromptRow] | None
     base_model: str
     resume_from: Path | None
-    remote_configs: dict[str, Any]  # reward_function_id -> RemoteRewardConfig
+    remote_configs: dict[str, RemoteRewardConfig]  # reward_function_id -> its endpoint, secrets included
     model_paths: dict[str, str]
     output_dir: Path
     workdir: Path  # rank 0's working directory, under which every path above lies
     node: int  # rank 0's node
     fetched: tuple[FetchedCheckpoint, ...]
+
+    def shared(self) -> dict[str, Any]:
+        """What rank 0 sends every rank through the collectives: where things are, nothing secret, no rows."""
+        return {
+            "queue": self.queue, "base_model": self.base_model,
+            "resume_from": None if self.resume_from is None else str(self.resume_from),
+            "model_paths": dict(self.model_paths), "output_dir": str(self.output_dir), "workdir": str(self.workdir),
+            "node": self.node,
+            "fetched": [
+                {"directory": str(f.directory), "storage_path": f.storage_path, "manifest": list(f.manifest)}
+                for f in self.fetched
+            ],
+        }
+
+    @classmethod
+    def from_shared(
+        cls,
+        shared: Mapping[str, Any],
+        spec: JobSpec,
+        rows: tuple[list[PromptRow], list[PromptRow] | None, list[PromptRow] | None],
+        remote_configs: dict[str, RemoteRewardConfig],
+    ) -> RankInputs:
+        resume = shared["resume_from"]
+        return cls(
+            spec, str(shared["queue"]), *rows, str(shared["base_model"]), None if resume is None else Path(resume),
+            remote_configs, dict(shared["model_paths"]), Path(shared["output_dir"]), Path(shared["workdir"]),
+            int(shared["node"]),
+            tuple(FetchedCheckpoint(Path(f["directory"]), f["storage_path"], f["manifest"]) for f in shared["fetched"]),
+        )
+
+    def write(self, path: Path) -> None:
+        """Into this node's working directory, readable by the worker's user only (it holds secrets)."""
+
+        def plain(rows: list[PromptRow] | None) -> list[dict[str, Any]] | None:
+            return None if rows is None else [{"prompt": r.prompt, "extras": r.extras} for r in rows]
+
+        document = {
+            "shared": self.shared(), "spec": self.spec.model_dump(mode="json"),
+            "rows": [plain(self.train_rows), plain(self.eval_rows), plain(self.retain_rows)],
+            "remote_configs": {k: _with_secrets(c) for k, c in self.remote_configs.items()},
+        }
+        path.parent.mkdir(parents=True, exist_ok=True)
+        descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(descriptor, "w") as handle:
+            json.dump(document, handle)
+
+    @classmethod
+    def read(cls, path: Path) -> RankInputs:
+        from outbound.rewards import RemoteRewardConfig
+        from worker.grpo.data import PromptRow
+
+        def rows(plain: list[dict[str, Any]] | None) -> list[PromptRow] | None:
+            return None if plain is None else [PromptRow(prompt=r["prompt"], extras=r["extras"]) for r in plain]
+
+        document = json.loads(path.read_text())
+        train, eval_rows, retain = (rows(r) for r in document["rows"])
+        assert train is not None
+        configs = {k: RemoteRewardConfig.model_validate(c) for k, c in document["remote_configs"].items()}
+        return cls.from_shared(document["shared"], JobSpec.model_validate(document["spec"]),
+                               (train, eval_rows, retain), configs)
 
     def fetch_onto(self, workdir: Path, storage: Storage) -> None:
         """Download what rank 0 fetched into the same places under this node's `workdir`."""
@@ -167,6 +232,15 @@ class RankInputs:
             output_dir=Path(moved(str(self.output_dir))),
             workdir=workdir,
         )
+
+
+def _with_secrets(config: RemoteRewardConfig) -> dict[str, Any]:
+    """The config as JSON with its secrets in clear (model_dump masks them), for RankInputs' file."""
+    document = config.model_dump(mode="json")
+    document["secret"] = config.secret.get_secret_value()
+    if config.previous_secret is not None:
+        document["previous_secret"] = config.previous_secret.get_secret_value()
+    return document
 
 
 def download_checkpoint_files(storage: Storage, storage_path: str, manifest: list[dict[str, Any]], directory: Path) -> Path:
@@ -221,7 +295,7 @@ class JobRunner:
         self.ranks: Ranks | None = None  # set in rank 0 of a multi-device job (worker.rank_job)
         self._inputs_sent = False
         self._trained = False  # trainer.train() returned: every rank left the loop together
-        self._remote_configs: dict[str, Any] = {}
+        self._remote_configs: dict[str, RemoteRewardConfig] = {}
         self._model_paths: dict[str, str] = {}
         self._fetched: list[FetchedCheckpoint] = []  # for ranks on other nodes (RankInputs.fetch_onto)
         self._meter: UsageMeter | None = None
@@ -274,15 +348,15 @@ class JobRunner:
     def _run_on_ranks(self, claim: Claim, heartbeat: Heartbeat, workdir: Path, resources: Resources, queue: str) -> str:
         """Launch the ranks (this node's, after inviting the other nodes' workers: worker.nodes) and wait; see
         the module docstring for what their exit means."""
-        from worker.grpo.distributed import launch_command
+        from worker.grpo.launch import launch_command
 
         if resources.nodes > 1:
-            invitation = nodes.invite(claim, queue, nodes.rendezvous_endpoint(self.settings), resources)
-            launcher = nodes.launch_node(invitation, workdir, host=True, settings=self.settings)
+            invitation = nodes.invite(claim, queue, resources, self.settings)
+            launcher = nodes.launch_node(invitation, workdir, settings=self.settings)
         else:
             launcher = subprocess.Popen(launch_command(
                 "worker.rank_job", [json.dumps(asdict(claim)), str(workdir), queue],
-                nproc_per_node=resources.devices_per_node, rdzv_id=f"{claim.job_id}-{claim.attempt}",
+                nproc_per_node=resources.devices_per_node, run_id=nodes.new_run_id(),
             ))
         while launcher.poll() is None:
             # The job left this attempt's hands: rank 0 finished it (the ranks are exiting), or a newer
@@ -321,13 +395,34 @@ class JobRunner:
             if not self._inputs_sent:
                 self._send_inputs(None)  # the other ranks stop waiting: this attempt ends here
 
-    def _send_inputs(self, inputs: RankInputs | None) -> None:
-        from worker.grpo.distributed import broadcast_object, wait_for_nodes
+    def _send_inputs(self, inputs: RankInputs | None, workdir: Path | None = None) -> None:
+        """Hand the other ranks their inputs (None: this attempt ends before training): the ranks of this node
+        read them from `workdir`; the collectives carry only `RankInputs.shared()`."""
+        from worker.grpo.distributed import wait_for_nodes
+        from worker.grpo.wire import broadcast_value
 
         self._inputs_sent = True
-        broadcast_object(inputs)
+        if inputs is not None and workdir is not None:
+            inputs.write(workdir / RANK_INPUTS_FILE)
+        broadcast_value(None if inputs is None else inputs.shared())
         if inputs is not None and self.ranks is not None:
-            wait_for_nodes(self.ranks)  # the other nodes download their copies (worker.rank_job)
+            wait_for_nodes(self.ranks)  # the other nodes build their own (worker.rank_job)
+
+    def inputs_for_node(self, claim: Claim, shared: Mapping[str, Any], workdir: Path) -> RankInputs:
+        """A node other than rank 0's: the inputs rank 0 prepared, rebuilt from the database and storage (spec,
+        rows, reward endpoints with their secrets) and `shared` (paths, what to download), with this node's
+        own copies of the checkpoints rank 0 fetched, under `workdir`."""
+        context = with_db_retry(lambda: self._load_context(claim))
+        rows = (
+            self._load_rows(context.dataset_key, workdir / "train.jsonl"),
+            None if context.eval_dataset_key is None else self._load_rows(context.eval_dataset_key, workdir / "eval.jsonl"),
+            None if context.retain_dataset_key is None
+            else self._load_rows(context.retain_dataset_key, workdir / "retain.jsonl"),
+        )
+        configs = {rf_id: self._endpoint_config(context, rf_id, rf_id) for rf_id in context.reward_functions}
+        inputs = RankInputs.from_shared(shared, context.spec, rows, configs)
+        inputs.fetch_onto(workdir, self.storage)
+        return inputs.on_node(workdir)
 
     def _claim(self) -> Claim | None:
         limits = ClaimLimits(self.settings.quota_max_running_jobs, self.settings.quota_max_devices)
@@ -411,7 +506,7 @@ class JobRunner:
                 context.spec, context.queue, train_rows, eval_rows, retain_rows, base_model, resume_from,
                 self._remote_configs, self._model_paths, workdir / "checkpoints",
                 workdir, self.ranks.node, tuple(self._fetched),
-            ))
+            ), workdir)
         if self.settings.tensorboard:
             from worker.tensorboard import TensorBoardLog
 
@@ -641,13 +736,41 @@ class JobRunner:
 
     # --- rewards -------------------------------------------------------------------------------
 
+    def _endpoint_config(self, context: JobContext, source_name: str, rf_id: str) -> RemoteRewardConfig:
+        """The endpoint of a registered reward function, with its secrets, as this worker's policy allows it."""
+        from outbound.rewards import RemoteRewardConfig
+        from outbound.rewards.errors import RewardEndpointRefused
+
+        row = context.reward_functions[rf_id]
+        allow_private = bool(self.settings.allow_private_reward_urls)
+        try:
+            # E.g. registered in development, run by a worker in production mode.
+            check_url_syntax(row.url, allow_private=allow_private)
+        except UrlRejected as exc:
+            raise RewardEndpointRefused(
+                source_name, f"the registered url is refused by this worker's policy: {exc.message}"
+            ) from exc
+        return RemoteRewardConfig.model_validate({
+            "reward_function_id": row.id, "url": row.url, "secret": row.signing_secret,
+            # Signs with the replaced secret too while a rotation's overlap lasts (outbound.signing).
+            "previous_secret": previous_secret_in_overlap(
+                row.previous_signing_secret, row.previous_secret_expires_at, utcnow()
+            ),
+            "previous_secret_until": row.previous_secret_expires_at,
+            "job_id": context.job_id, "timeout_s": row.timeout_s, "max_batch_size": row.max_batch_size,
+            "max_concurrency": row.max_concurrency, "headers": {str(k): str(v) for k, v in row.headers.items()},
+            "allow_private": allow_private,
+            "max_attempts": row.max_attempts, "backoff_base_s": row.backoff_s,
+            "breaker_threshold": row.breaker_threshold, "step_deadline_s": row.step_deadline_s,
+            "max_abstain_fraction": row.max_abstain_fraction,
+        })
+
     def _build_rewards(self, claim: Claim, context: JobContext, models_dir: Path) -> CompositeReward:
         """The job's reward sources (and, for the other ranks of a multi-device job, what they need to build
         the same: endpoint configurations and local reward-model paths)."""
         from contract.graders import ScoreModelGrader
-        from outbound.rewards import RemoteRewardConfig, build_remote_source
+        from outbound.rewards import build_remote_source
         from outbound.rewards.chat import ChatScoreSource
-        from outbound.rewards.errors import RewardEndpointRefused
         from outbound.rewards.source import EndpointRewardSource
         from worker.grpo.rewards import build_reward_sources
 
@@ -676,29 +799,7 @@ class JobRunner:
                 log.info("job %s: degraded event refused (lease lost)", claim.job_id)
 
         def endpoint_config(source_name: str, rf_id: str) -> RemoteRewardConfig:
-            row = context.reward_functions[rf_id]
-            allow_private = bool(self.settings.allow_private_reward_urls)
-            try:
-                # E.g. registered in development, run by a worker in production mode.
-                check_url_syntax(row.url, allow_private=allow_private)
-            except UrlRejected as exc:
-                raise RewardEndpointRefused(
-                    source_name, f"the registered url is refused by this worker's policy: {exc.message}"
-                ) from exc
-            config = self._remote_configs[row.id] = RemoteRewardConfig.model_validate({
-                "reward_function_id": row.id, "url": row.url, "secret": row.signing_secret,
-                # Signs with the replaced secret too while a rotation's overlap lasts (outbound.signing).
-                "previous_secret": previous_secret_in_overlap(
-                    row.previous_signing_secret, row.previous_secret_expires_at, utcnow()
-                ),
-                "previous_secret_until": row.previous_secret_expires_at,
-                "job_id": context.job_id, "timeout_s": row.timeout_s, "max_batch_size": row.max_batch_size,
-                "max_concurrency": row.max_concurrency, "headers": {str(k): str(v) for k, v in row.headers.items()},
-                "allow_private": allow_private,
-                "max_attempts": row.max_attempts, "backoff_base_s": row.backoff_s,
-                "breaker_threshold": row.breaker_threshold, "step_deadline_s": row.step_deadline_s,
-                "max_abstain_fraction": row.max_abstain_fraction,
-            })
+            config = self._remote_configs[rf_id] = self._endpoint_config(context, source_name, rf_id)
             return config
 
         def remote(spec: RemoteRewardSpec) -> EndpointRewardSource[Any]:

@@ -169,10 +169,10 @@ class TestCheckpoints:
 
 
 def grpo_train_on_two_nodes(root: Path, name: str, spec: dict[str, Any], output: Path | None = None) -> Path:
-    """The ranks of `grpo train` as two "nodes" on loopback: two launchers of one rank each, meeting at a
-    c10d rendezvous (the first serves its store), as two workers' launchers do (worker.nodes)."""
+    """The ranks of `grpo train` as two "nodes" on loopback: two launchers of one rank each, meeting in the
+    store the first serves, as two workers' launchers do (worker.nodes)."""
     from tests.worker.procs import free_port
-    from worker.grpo.distributed import launch_command
+    from worker.grpo.launch import launch_command
 
     root.mkdir(parents=True, exist_ok=True)
     (root / "train.jsonl").write_text("".join(json.dumps({"prompt": f"{w}: "}) + "\n" for w in WORDS))
@@ -184,10 +184,10 @@ def grpo_train_on_two_nodes(root: Path, name: str, spec: dict[str, Any], output:
     launchers = [
         subprocess.Popen(
             launch_command("worker.grpo.local", [str(config), str(output)], nproc_per_node=1, nnodes=2,
-                           rdzv_endpoint=endpoint, rdzv_id=name, rdzv_host=host, join_timeout_s=120),
+                           node_rank=node, store=endpoint, run_id=f"{name:0>32}", join_timeout_s=120),
             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )
-        for host in (True, False)
+        for node in (0, 1)
     ]
     outputs = [launcher.communicate(timeout=300)[0] for launcher in launchers]
     assert all(launcher.returncode == 0 for launcher in launchers), "\n".join(o[-3000:] for o in outputs)
@@ -270,3 +270,14 @@ class TestMergeStats:
         parts = [({"kl": 1.0, "clip_ratio/low_min": 0.2, "loss": 1.0}, 30.0),
                  ({"kl": 3.0, "clip_ratio/low_min": 0.1, "loss": 3.0}, 10.0)]
         assert merge_rank_stats(parts) == {"kl": 1.5, "clip_ratio/low_min": 0.1, "loss": 2.0}
+
+
+def test_the_launcher_binds_collectives_to_the_interface_of_the_node_address() -> None:
+    from worker.grpo.launch import World, interface_of, rank_environment
+
+    assert interface_of("127.0.0.1") == "lo"
+    with pytest.raises(ValueError, match="no network interface"):
+        interface_of("192.0.2.1")  # TEST-NET-1: held by no interface here; nothing connects to it
+    env = rank_environment(World("127.0.0.1", "127.0.0.1", 40000, "r" * 32, 2, 2, 1), 1, 40000, {})
+    assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"], env["GROUP_RANK"]) == ("3", "4", "1", "1")
+    assert env["GLOO_SOCKET_IFNAME"] == env["NCCL_SOCKET_IFNAME"] == "lo"

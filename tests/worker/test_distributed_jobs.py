@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.worker.conftest import PROMPTS, tiny_spec
+from tests.worker.job_network import ListenerWatch, not_on, plant_rendezvous_pickles
 from tests.worker.procs import ApiClient, Stack, fresh_redis_database, private_tmp, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres, pytest.mark.redis]
@@ -95,6 +96,34 @@ class TestTwoDeviceJob:
         job = api.job(job_id)
         assert job["queue"] == "cpu-3" and job["status"] == "queued"
         api.post(f"/v1/jobs/{job_id}/cancel")
+
+
+class TestNetworkExposure:
+    """docs/security.md: a job on one node listens on loopback only, and nothing a stranger writes into its
+    store is unpickled."""
+
+    def test_listens_on_loopback_only_and_unpickles_nothing_from_its_store(self, stack: Stack) -> None:
+        api = stack.make_client()
+        dataset = api.upload_dataset(PROMPTS)
+        marker = stack.data_dir / "pwned"
+        planted: list[str] = []
+
+        def attack(address: str, port: int) -> None:
+            # What a stranger can guess: the job id (it is in the API's answers) and the attempt.
+            guesses = [f"torch.rendezvous.{job_id}-{a}" for a in (1, 2)] + ["torch.rendezvous.grpo"]
+            planted.extend(plant_rendezvous_pickles(address, port, marker, guesses))
+
+        job_id = ""
+        with ListenerWatch(stack, on_listener=attack) as watch:
+            job_id = api.submit(two_device_spec(dataset, max_steps=3))
+            job = api.wait_status(job_id, {"succeeded", "failed"}, timeout=600)
+        assert job["status"] == "succeeded", stack.logs()
+        print(f"listeners of the job: {sorted(watch.seen)}; keys planted: {planted}")
+        assert watch.seen, "the job's store and collectives were never seen listening"
+        assert not_on(watch.seen, "127.0.0.1") == []
+        assert planted, "no store accepted the planted keys"
+        time.sleep(1.5)  # past torchrun's monitor interval, had it been the launcher
+        assert not marker.exists()
 
 
 class TestRankFailure:

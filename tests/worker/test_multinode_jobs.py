@@ -1,6 +1,7 @@
 """A job on two nodes through the service: two real workers of one device each (`grpo worker --devices 1`)
 stand in for two machines, with a real API, Redis and PostgreSQL, the ranks on CPU with gloo. The worker
-that claims the job invites the other (worker.nodes); their launchers meet at a c10d rendezvous on loopback.
+that claims the job invites the other (worker.nodes); their ranks meet in the store the claiming worker's
+launcher serves on GRPO_WORKER_ADDRESS (loopback here).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.worker.conftest import PROMPTS, tiny_spec
+from tests.worker.job_network import ListenerWatch, not_on
 from tests.worker.procs import ApiClient, Stack, fresh_redis_database, private_tmp, wait_for
 from tests.worker.test_distributed_jobs import assert_each_step_once, rank_pid
 
@@ -66,6 +68,18 @@ class TestTwoNodeJob:
         model = AutoModelForCausalLM.from_pretrained(api.download_checkpoint(checkpoint, tmp_path / "ckpt"))
         assert sum(p.numel() for p in model.parameters()) > 0
 
+    def test_every_socket_of_the_job_is_on_the_worker_address(self, stack: Stack) -> None:
+        """GRPO_WORKER_ADDRESS is 127.0.0.1 here: the store and the collectives of both nodes bind there only."""
+        api = stack.make_client()
+        dataset = api.upload_dataset(PROMPTS)
+        with ListenerWatch(stack) as watch:
+            job_id = api.submit(two_node_spec(dataset, max_steps=2))
+            job = api.wait_status(job_id, {"succeeded", "failed"}, timeout=600)
+        assert job["status"] == "succeeded", stack.logs()
+        print(f"listeners of the job: {sorted(watch.seen)}")
+        assert len(watch.seen) >= 2, "the store and each node's collectives should have been seen"
+        assert not_on(watch.seen, "127.0.0.1") == []
+
     def test_a_killed_rank_ends_the_attempt_and_the_job_resumes_on_both_nodes(self, stack: Stack) -> None:
         api = stack.make_client()
         dataset = api.upload_dataset(PROMPTS)
@@ -86,4 +100,4 @@ class TestTwoNodeJob:
         assert_each_step_once(api, job_id, 6)
         assert_resumed_from_a_checkpoint(api, job_id)
         # The node without rank 0 resumed from its own copy of the checkpoint rank 0 downloaded.
-        assert any("downloaded its copies of 1 checkpoint(s)" in p.log() for p in stack.procs), stack.logs()
+        assert any("built its inputs and downloaded 1 checkpoint(s)" in p.log() for p in stack.procs), stack.logs()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -65,3 +66,48 @@ def test_a_copy_that_does_not_verify_is_refused(tmp_path: Path) -> None:
     sent = inputs(rank0, (FetchedCheckpoint(rank0 / "resume" / "checkpoint-4", "jobs/j/checkpoints/c4", manifest),))
     with pytest.raises(CheckpointCorrupt):
         sent.fetch_onto(tmp_path / "node1", storage)
+
+
+def test_what_goes_through_the_collectives_holds_no_secret_and_no_rows(tmp_path: Path) -> None:
+    import base64
+
+    from outbound.rewards import RemoteRewardConfig
+    from worker.grpo.data import PromptRow
+    from worker.grpo.wire import dumps, loads
+
+    secret = base64.b64encode(b"TOPSECRET-KEY-BYTES-0123456789ab").decode()
+    config = RemoteRewardConfig.model_validate({
+        "reward_function_id": "rf_1", "url": "http://127.0.0.1:9/score", "secret": f"whsec_{secret}",
+        "job_id": "job_1", "headers": {"Authorization": "Bearer HEADERSECRET"}, "allow_private": True,
+    })
+    sent = replace(
+        inputs(tmp_path / "node0", ()), train_rows=[PromptRow(prompt="ROWTEXT 1+1", extras={"answer": "2"})],
+        remote_configs={"rf_1": config},
+    )
+    wire = dumps(sent.shared())
+    for text in (secret.encode(), b"HEADERSECRET", b"ROWTEXT"):
+        assert text not in wire
+    assert loads(wire) == sent.shared()
+    # The same node reads the whole inputs, secrets included, from a file only the worker's user can read.
+    path = tmp_path / "node0" / "rank-inputs.json"
+    sent.write(path)
+    assert path.stat().st_mode & 0o077 == 0
+    assert RankInputs.read(path) == sent
+
+
+def test_values_from_peers_never_run_code(tmp_path: Path) -> None:
+    """worker.grpo.wire reads only tensors and plain containers: a pickle that calls a function is refused."""
+    import os
+    import pickle
+
+    from worker.grpo.wire import loads
+
+    marker = tmp_path / "ran"
+
+    class Payload:
+        def __reduce__(self) -> tuple[object, tuple[str]]:
+            return os.system, (f"touch {marker}",)
+
+    with pytest.raises(pickle.UnpicklingError):
+        loads(pickle.dumps(Payload(), protocol=2))
+    assert not marker.exists()

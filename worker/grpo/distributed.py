@@ -32,12 +32,10 @@ from __future__ import annotations
 
 import copy
 import os
-import pickle
-import socket
-import sys
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal, TypeVar
@@ -48,9 +46,12 @@ from torch import Tensor
 from torch.nn import functional as F
 
 from worker.grpo.batch import Scored, StepBatch
+from worker.grpo.data import PromptRow
 from worker.grpo.logprobs import completion_logprobs
 from worker.grpo.loss import STEP_TOKEN_LOSSES
 from worker.grpo.modeling import ModelBundle, merge_groups
+from worker.grpo.rollout import Rollout
+from worker.grpo.wire import all_gather_values, broadcast_value
 
 T = TypeVar("T")
 # Optimisation stats (worker.grpo.loss) that are means over the loss tokens: merged weighted by each
@@ -91,8 +92,10 @@ class Ranks:
 
 
 def init_from_env(timeout_s: float = DEFAULT_TIMEOUT_S, *, cpu: bool = False) -> Ranks:
-    """Join the process group the launcher (torch.distributed.run) describes in the environment: NCCL
-    with one GPU per rank (LOCAL_RANK), gloo on CPU (`cpu`, or no GPU). `timeout_s` bounds every
+    """Join the process group the launcher (worker.grpo.launch) describes in the environment: NCCL
+    with one GPU per rank (LOCAL_RANK), gloo on CPU (`cpu`, or no GPU). The group meets in node 0's
+    store, under the attempt's run id; every rank waits there for the whole world for at most
+    GRPO_JOIN_TIMEOUT_S (a node that never arrives ends the attempt). `timeout_s` bounds every
     collective: a rank that died or hangs makes the others raise after it. Without a launcher
     (WORLD_SIZE unset or 1): one process, no group."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -106,43 +109,29 @@ def init_from_env(timeout_s: float = DEFAULT_TIMEOUT_S, *, cpu: bool = False) ->
     else:
         backend, device = "gloo", "cpu"
     if not dist.is_initialized():
-        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+        store = _join_store(world_size, float(os.environ.get("GRPO_JOIN_TIMEOUT_S", timeout_s)), timeout_s)
+        dist.init_process_group(
+            backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s)
+        )
     return Ranks(rank, world_size, local_rank, device, node, local_world_size)
 
 
-def launch_command(
-    module: str,
-    args: list[str],
-    *,
-    nproc_per_node: int,
-    nnodes: int = 1,
-    rdzv_endpoint: str | None = None,
-    rdzv_id: str = "grpo",
-    rdzv_host: bool | None = None,
-    join_timeout_s: float | None = None,
-) -> list[str]:
-    """`python -m torch.distributed.run ... -m module args`: the elastic launcher as a process of its
-    own (it cannot run inside a daemonic Celery pool process). No restarts: a failed rank ends the
-    attempt and the job resumes from its checkpoint. torchrun gives each rank one intra-op thread.
-
-    Several nodes meet at `rdzv_endpoint` (c10d rendezvous): `rdzv_host` says whether this node serves
-    the rendezvous store there (the others connect to it), `join_timeout_s` how long a node waits for
-    all `nnodes` to arrive."""
-    command = [
-        sys.executable, "-m", "torch.distributed.run",
-        f"--nproc-per-node={nproc_per_node}", "--max-restarts=0", "--monitor-interval=0.5",
-    ]
-    if nnodes == 1 and rdzv_endpoint is None:
-        command.append("--standalone")  # a free local port for the rendezvous
-    else:
-        command += [f"--nnodes={nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}",
-                    f"--rdzv-id={rdzv_id}"]
-        conf = ([] if rdzv_host is None else [f"is_host={int(rdzv_host)}"]) + (
-            [] if join_timeout_s is None else [f"join_timeout={int(join_timeout_s)}"]
-        )
-        if conf:
-            command.append(f"--rdzv-conf={','.join(conf)}")
-    return [*command, "-m", module, *args]
+def _join_store(world_size: int, join_timeout_s: float, timeout_s: float) -> dist.Store:
+    """The job's store, as a client (node 0's launcher serves it), under the attempt's run id; returns
+    once every rank of the world has arrived."""
+    client = dist.TCPStore(
+        os.environ["GRPO_STORE_HOST"], int(os.environ["GRPO_STORE_PORT"]), None, False,
+        timedelta(seconds=join_timeout_s),
+    )
+    store = dist.PrefixStore(f"grpo/{os.environ['GRPO_RUN_ID']}/", client)
+    store.add("arrived", 1)
+    deadline = time.monotonic() + join_timeout_s
+    while store.add("arrived", 0) < world_size:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"not every rank of {world_size} joined within {join_timeout_s:.0f} s")
+        time.sleep(0.1)
+    store.set_timeout(timedelta(seconds=timeout_s))
+    return store
 
 
 def device_for(ranks: Ranks) -> str | None:
@@ -167,13 +156,6 @@ def wait_for_nodes(ranks: Ranks) -> None:
         dist.barrier()
 
 
-def broadcast_object(value: T | None) -> T | None:
-    """Rank 0's `value` on every rank (objects that pickle)."""
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
 def is_collective_failure(exc: BaseException) -> bool:
     """Whether `exc` comes from a collective whose peer died or did not answer in time (gloo raises plain
     RuntimeErrors naming its sources; NCCL and the c10d store raise torch.distributed.DistError)."""
@@ -185,10 +167,8 @@ def is_collective_failure(exc: BaseException) -> bool:
 
 def local_peer_pids(ranks: Ranks) -> list[int]:
     """The process ids of the other ranks of this node (a collective: call it on every rank)."""
-    parts: list[Any] = [None] * ranks.world_size
-    here = (socket.gethostname(), ranks.node)
-    dist.all_gather_object(parts, (here, os.getpid()))
-    return [pid for node, pid in parts if tuple(node) == here and pid != os.getpid()]
+    parts = all_gather_values([ranks.node, os.getpid()])
+    return [pid for node, pid in parts if node == ranks.node and pid != os.getpid()]
 
 
 def shutdown() -> None:
@@ -297,17 +277,14 @@ class Parallel:
         """The optimisation stats of the global batch from every rank's (`tokens`: its loss tokens)."""
         if not self.ranks.distributed:
             return stats
-        parts: list[Any] = [None] * self.ranks.world_size
-        dist.all_gather_object(parts, (stats, tokens))
-        return merge_rank_stats(parts)
+        parts = all_gather_values([stats, tokens])
+        return merge_rank_stats([(part_stats, part_tokens) for part_stats, part_tokens in parts])
 
     def from_main(self, value: T) -> T:
         """Rank 0's `value` on every rank (a decision, or metrics everyone must agree on)."""
         if not self.ranks.distributed:
             return value
-        box = [value]
-        dist.broadcast_object_list(box, src=0, device=self._object_device())
-        return box[0]
+        return broadcast_value(value)  # type: ignore[no-any-return]
 
     def on_main(self, compute: Callable[[], T]) -> T:
         """`compute()` on rank 0 only (it talks to the outside world), its result on every rank."""
@@ -319,10 +296,7 @@ class Parallel:
         futures or log-probs: only what the metrics read."""
         if not self.ranks.distributed:
             return batch
-        local = _portable(batch)
-        parts: list[Any] = [None] * self.ranks.world_size
-        dist.all_gather_object(parts, pickle.dumps(local), group=None)
-        return _concat([pickle.loads(p) for p in parts])
+        return _concat([_batch_from_plain(part) for part in all_gather_values(_plain_batch(batch))])
 
     # --- checkpoints ---------------------------------------------------------------------------
 
@@ -399,9 +373,6 @@ class Parallel:
 
     def _device(self) -> torch.device:
         return next(self.models.policy.parameters()).device
-
-    def _object_device(self) -> torch.device | None:
-        return self._device() if dist.get_backend() == "nccl" else None
 
 
 def merge_rank_stats(parts: list[tuple[dict[str, float], float]]) -> dict[str, float]:
@@ -521,23 +492,41 @@ def _average_gradients(params: list[torch.nn.Parameter], world_size: int) -> Non
 # --- the global batch, for metrics ---------------------------------------------------------------
 
 
-def _portable(batch: StepBatch) -> StepBatch:
-    """A CPU copy of what the metrics read, without futures (which do not pickle)."""
+def _plain_batch(batch: StepBatch) -> dict[str, Any]:
+    """What the metrics read of `batch`, as tensors and plain containers (worker.grpo.wire), on the CPU."""
+    return {
+        "scored": _plain_scored(batch.scored), "advantages": batch.advantages.cpu(),
+        "loss_mask": batch.loss_mask.cpu(), "generated": [_plain_scored(s) for s in batch.generated],
+    }
 
-    def cpu(scored: Scored) -> Scored:
-        rollout = scored.rollout
-        moved = replace(
-            rollout,
-            prompt_ids=rollout.prompt_ids.cpu(), prompt_mask=rollout.prompt_mask.cpu(),
-            completion_ids=rollout.completion_ids.cpu(), completion_mask=rollout.completion_mask.cpu(),
-            is_truncated=rollout.is_truncated.cpu(),
-        )
-        return replace(scored, rollout=moved, rewards=scored.rewards.cpu(), group_std=scored.group_std.cpu())
 
+def _plain_scored(scored: Scored) -> dict[str, Any]:
+    rollout = scored.rollout
+    return {
+        "prompt_ids": rollout.prompt_ids.cpu(), "prompt_mask": rollout.prompt_mask.cpu(),
+        "completion_ids": rollout.completion_ids.cpu(), "completion_mask": rollout.completion_mask.cpu(),
+        "is_truncated": rollout.is_truncated.cpu(), "completion_texts": list(rollout.completion_texts),
+        "group_size": rollout.group_size,
+        "rows": [{"prompt": row.prompt, "extras": row.extras} for row in scored.rows],
+        "prompts": list(scored.prompts), "rewards": scored.rewards.cpu(), "per_source": dict(scored.per_source),
+        "group_std": scored.group_std.cpu(),
+    }
+
+
+def _batch_from_plain(plain: dict[str, Any]) -> StepBatch:
     return StepBatch(
-        cpu(batch.scored), batch.advantages.cpu(), batch.loss_mask.cpu(), None, None,
-        [cpu(s) for s in batch.generated],
+        _scored_from_plain(plain["scored"]), plain["advantages"], plain["loss_mask"], None, None,
+        [_scored_from_plain(s) for s in plain["generated"]],
     )
+
+
+def _scored_from_plain(plain: dict[str, Any]) -> Scored:
+    rollout = Rollout(
+        plain["prompt_ids"], plain["prompt_mask"], plain["completion_ids"], plain["completion_mask"],
+        plain["is_truncated"], plain["completion_texts"], plain["group_size"],
+    )
+    rows = [PromptRow(prompt=row["prompt"], extras=row["extras"]) for row in plain["rows"]]
+    return Scored(rollout, rows, plain["prompts"], plain["rewards"], plain["per_source"], plain["group_std"])
 
 
 def _concat(parts: list[StepBatch]) -> StepBatch:

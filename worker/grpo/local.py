@@ -5,7 +5,7 @@ where `train_dataset` / `eval_dataset` are JSONL paths relative to the YAML file
 `output_dir` (relative to the YAML file too). Re-running with the same output directory resumes
 from its newest checkpoint. Ctrl-C stops after the current step and saves a checkpoint.
 
-With `resources.devices: N > 1` the command launches N ranks on this machine (torch.distributed.run,
+With `resources.devices: N > 1` the command launches N ranks on this machine (worker.grpo.launch,
 gloo on CPU, NCCL on GPUs) that each run this module; rank 0 shows the progress and writes the checkpoint.
 
 Exit codes: 0 done, 2 bad input (YAML, spec, dataset, checkpoint), 1 training failed, 130 interrupted.
@@ -183,10 +183,13 @@ def run_local(config_path: Path, output_dir: Path | None) -> int:
 
 def _launch_ranks(config_path: Path, output_dir: Path, devices: int) -> int:
     """Run this module as `devices` ranks; rank 0's exit code (the launcher's) is the command's."""
-    from worker.grpo.distributed import launch_command
+    import secrets
+
+    from worker.grpo.launch import launch_command
 
     command = launch_command(
-        "worker.grpo.local", [str(config_path), str(output_dir)], nproc_per_node=devices
+        "worker.grpo.local", [str(config_path), str(output_dir)], nproc_per_node=devices,
+        run_id=secrets.token_hex(16),
     )
     return subprocess.call(command)
 
