@@ -9,6 +9,8 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from contract.graders import MAX_FUZZY_MATCH_CHARS, MAX_RENDERED_CHARS, GraderLimits
+
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="GRPO_", env_file=".env", extra="ignore")
@@ -69,8 +71,9 @@ class Settings(BaseSettings):
     worker_address: str = Field(
         "", max_length=253,
         description="Jobs on several nodes: the host name or IP address at which this worker's machine is reached by "
-        "the other nodes' workers; the rendezvous of a job this worker claims listens there. Empty: the machine's "
-        "fully qualified host name.",
+        "the other nodes' workers; a job's store and collectives on this machine listen there and nowhere else (jobs "
+        "on one node: loopback only). Keep that network private to the workers. Empty: the machine's fully "
+        "qualified host name.",
     )
     node_join_timeout_seconds: float = Field(
         600.0, gt=0,
@@ -155,6 +158,37 @@ class Settings(BaseSettings):
         "reach (gc.freeze) while serving: its full collections then pause the event loop several times less "
         "(see service/kit/heap.py).",
     )
+    grader_max_rendered_chars: int = Field(
+        MAX_RENDERED_CHARS,
+        ge=1024,
+        le=16 * 1024 * 1024,
+        description="Longest text a grader template may render to (each of input, reference and a score_model "
+        "message), counted while rendering: graders/run refuses a longer one (400 naming the field and this "
+        "limit); in training such a completion scores the grader's lowest value.",
+    )
+    grader_max_fuzzy_match_chars: int = Field(
+        MAX_FUZZY_MATCH_CHARS,
+        ge=64,
+        le=1024 * 1024,
+        description="Longest text a fuzzy_match similarity compares (its partial matching grows faster than the "
+        "square of the length: about 1 s at the default); refused or scored as above.",
+    )
+    grader_processes: int = Field(
+        2, ge=1, le=64, description="graders/run: gradings run at once per API process, each in its own child "
+        "process (killed at its deadline)."
+    )
+    grader_queue: int = Field(
+        8, ge=0, le=1024, description="graders/run: requests that may wait for a grading process, per API process; "
+        "beyond it 503 `grader_busy` with Retry-After."
+    )
+    grader_timeout_seconds: float = Field(
+        60.0, gt=0, le=600, description="graders/run: deadline of one grading, waiting for a process included; the "
+        "process is killed when it passes."
+    )
+    grader_memory_bytes: int = Field(
+        1024**3, ge=64 * 1024**2, description="graders/run: address space a grading process may add to what it "
+        "starts with (RLIMIT_AS); past it the request is refused (422 `grading_failed`)."
+    )
     quota_max_running_jobs: int | None = Field(
         None,
         ge=0,
@@ -162,13 +196,28 @@ class Settings(BaseSettings):
         "overrides: `grpo admin quotas`, PUT /v1/admin/tenants/{id}/quotas.",
     )
     quota_max_queued_jobs: int | None = Field(
-        1000, ge=0, description="Jobs a tenant may have queued (None = no limit); beyond: 429 `quota_exceeded`."
+        1000, ge=0, description="Jobs a tenant may have waiting, queued or paused (None = no limit); "
+        "beyond: 429 `quota_exceeded` (resuming is refused once the queued jobs alone reach it)."
     )
     quota_max_devices: int | None = Field(
         None,
         ge=0,
         description="Devices a tenant's running jobs may occupy together (None = no limit); a job waits `queued` "
         "until its devices fit, and one that alone needs more is refused (409 `quota_exceeded`).",
+    )
+    max_job_nodes: int = Field(
+        16,
+        ge=1,
+        le=128,
+        description="Most machines one job may ask for (`resources.nodes`); beyond: 422 naming the field. Set it "
+        "to the number of worker nodes the deployment has.",
+    )
+    max_job_devices: int = Field(
+        128,
+        ge=1,
+        le=1024,
+        description="Most devices one job may ask for across its nodes (`resources.devices`); beyond: 422 naming "
+        "the field.",
     )
     quota_max_dataset_storage_bytes: int | None = Field(
         100 * 1024**3,
@@ -233,6 +282,12 @@ class Settings(BaseSettings):
         if self.hub_model_allowlist is None:
             self.hub_model_allowlist = ["*"] if self.env == "development" else []
         return self
+
+    def grader_limits(self) -> GraderLimits:
+        """The bounds of one grader evaluation (graders/run here, dataset rows in the worker)."""
+        return GraderLimits(
+            max_rendered_chars=self.grader_max_rendered_chars, max_fuzzy_match_chars=self.grader_max_fuzzy_match_chars
+        )
 
 
 @lru_cache
