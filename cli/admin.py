@@ -127,7 +127,7 @@ def _quota_value(option: str, value: str | None, current: int | None) -> int | N
 def quotas_command(
     tenant: str = typer.Argument(..., help="Tenant name or id."),
     max_running_jobs: str | None = typer.Option(None, help=f"Jobs running at once. {_QUOTA_HELP}"),
-    max_queued_jobs: str | None = typer.Option(None, help=f"Jobs waiting queued. {_QUOTA_HELP}"),
+    max_queued_jobs: str | None = typer.Option(None, help=f"Jobs waiting, queued or paused. {_QUOTA_HELP}"),
     max_devices: str | None = typer.Option(None, help=f"Devices of the running jobs together. {_QUOTA_HELP}"),
     max_dataset_storage_bytes: str | None = typer.Option(None, help=f"Total dataset bytes. {_QUOTA_HELP}"),
 ) -> None:

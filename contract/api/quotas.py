@@ -21,7 +21,8 @@ class QuotaLimits(BaseModel):
         None, ge=0, le=INT32_MAX, description="Jobs running at once; more wait `queued` (they are not refused)."
     )
     max_queued_jobs: int | None = Field(
-        None, ge=0, le=INT32_MAX, description="Jobs waiting `queued`; more are refused (429)."
+        None, ge=0, le=INT32_MAX, description="Jobs waiting, `queued` or `paused`: a new job past it is refused "
+        "(429), and so is resuming a job while the queued ones alone reach it."
     )
     max_devices: int | None = Field(
         None, ge=0, le=INT32_MAX, description="Devices the running jobs occupy together; a job waits until its "
@@ -34,7 +35,7 @@ class QuotaLimits(BaseModel):
 
 class QuotaUsage(BaseModel):
     running_jobs: int
-    queued_jobs: int
+    queued_jobs: int = Field(description="Jobs waiting, `queued` or `paused` (what `max_queued_jobs` counts).")
     devices: int
     dataset_storage_bytes: int
 

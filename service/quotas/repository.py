@@ -40,6 +40,7 @@ def lock_tenant(session: Session, tenant_id: str) -> bool:
 class Usage:
     running_jobs: int
     queued_jobs: int
+    paused_jobs: int
     devices: int
     dataset_storage_bytes: int
 
@@ -49,8 +50,9 @@ def usage(session: Session, tenant_id: str) -> Usage:
         select(
             func.count().filter(Job.status.in_(_OWNED)),
             func.count().filter(Job.status == JobStatus.queued.value),
+            func.count().filter(Job.status == JobStatus.paused.value),
             func.coalesce(func.sum(Job.devices).filter(Job.status.in_(_OWNED)), 0),
-        ).where(Job.tenant_id == tenant_id, Job.status.in_([*_OWNED, JobStatus.queued.value]))
+        ).where(Job.tenant_id == tenant_id, Job.status.in_([*_OWNED, JobStatus.queued.value, JobStatus.paused.value]))
     ).one()
     stored = session.scalar(
         select(func.coalesce(func.sum(Dataset.bytes), 0)).where(
@@ -58,5 +60,6 @@ def usage(session: Session, tenant_id: str) -> Usage:
         )
     )
     return Usage(
-        running_jobs=int(jobs[0]), queued_jobs=int(jobs[1]), devices=int(jobs[2]), dataset_storage_bytes=int(stored or 0)
+        running_jobs=int(jobs[0]), queued_jobs=int(jobs[1]), paused_jobs=int(jobs[2]), devices=int(jobs[3]),
+        dataset_storage_bytes=int(stored or 0),
     )

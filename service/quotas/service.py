@@ -2,8 +2,11 @@
 
 Four limits, each a service default (settings `quota_*`) that a tenant's override replaces:
 
-- `max_queued_jobs`: jobs waiting `queued`. A new or resumed job past it is refused: 429 / RESOURCE_EXHAUSTED
-  (it frees up by itself as jobs start).
+- `max_queued_jobs`: jobs waiting, `queued` or `paused`. A new job is refused once the tenant's queued and
+  paused jobs together reach it, and a resumed one once its queued jobs alone do (the paused job being resumed
+  is already counted): 429 / RESOURCE_EXHAUSTED (it frees up as jobs start, or when paused ones are cancelled).
+  So pausing jobs cannot park more than the limit: a tenant holds at most `max_queued_jobs` waiting jobs plus
+  those that paused while running (which the limit admitted before they started).
 - `max_running_jobs`: jobs running at once. Never an error: the fair claim (worker/lease.py) leaves the job
   `queued` until one of the tenant's jobs ends.
 - `max_devices`: devices the tenant's running jobs occupy together; checked by the claim like the running
@@ -76,9 +79,10 @@ def _pick(override: int | None, default: int | None) -> int | None:
 # --- checks ---------------------------------------------------------------------------------------
 
 
-def check_can_queue(session: Session, tenant_id: str, devices: int) -> None:
-    """Before a job of `devices` devices becomes queued (created or resumed): QuotaExceeded past
-    max_queued_jobs, or when the job alone needs more than max_devices."""
+def check_can_queue(session: Session, tenant_id: str, devices: int, *, resuming: bool = False) -> None:
+    """Before a job of `devices` devices becomes queued: QuotaExceeded past max_queued_jobs (a created job
+    counts the tenant's queued and paused jobs, a resumed one its queued jobs: see the module docstring), or
+    when the job alone needs more than max_devices."""
     repository.lock_tenant(session, tenant_id)
     limits = limits_for(session, tenant_id)
     use = repository.usage(session, tenant_id)
@@ -86,9 +90,10 @@ def check_can_queue(session: Session, tenant_id: str, devices: int) -> None:
         raise QuotaExceeded(
             "max_devices", limit=limits.max_devices, current=use.devices, requested=devices, waits=False
         )
-    if limits.max_queued_jobs is not None and use.queued_jobs + 1 > limits.max_queued_jobs:
+    waiting = use.queued_jobs if resuming else use.queued_jobs + use.paused_jobs
+    if limits.max_queued_jobs is not None and waiting + 1 > limits.max_queued_jobs:
         raise QuotaExceeded(
-            "max_queued_jobs", limit=limits.max_queued_jobs, current=use.queued_jobs, requested=1, waits=True
+            "max_queued_jobs", limit=limits.max_queued_jobs, current=waiting, requested=1, waits=True
         )
 
 
@@ -117,7 +122,7 @@ def get_quotas(session: Session, tenant_id: str) -> QuotasOut:
         overrides=_overrides(repository.get_override(session, tenant_id)),
         usage=QuotaUsage(
             running_jobs=use.running_jobs,
-            queued_jobs=use.queued_jobs,
+            queued_jobs=use.queued_jobs + use.paused_jobs,
             devices=use.devices,
             dataset_storage_bytes=use.dataset_storage_bytes,
         ),

@@ -15,13 +15,21 @@ import pytest
 from fastapi.testclient import TestClient
 
 from contract.api.quotas import QuotaLimits
+from service.jobs.states import JobStatus, transition
 from service.kit import db as kit_db
 from service.kit.config import Settings, get_settings
 from service.kit.db import session_scope
 from service.quotas import service as quotas
 from service.storage import get_storage
 from tests.service.factories import TenantHeaders, auth_headers, create_key
-from tests.service.jobs_support import RecordingQueue, job_spec, make_dataset, recording_queue, start_job
+from tests.service.jobs_support import (
+    RecordingQueue,
+    job_spec,
+    load_job,
+    make_dataset,
+    recording_queue,
+    start_job,
+)
 
 __all__ = ["recording_queue"]  # the fixture, re-exported for pytest
 
@@ -90,15 +98,46 @@ class TestQueuedJobsQuota:
     ) -> None:
         _override(tenant_a.tenant_id, max_queued_jobs=1)
         first = _submit(client, tenant_a).json()["id"]
-        start_job(first)  # running: no longer queued
+        start_job(first)  # running: no longer waiting
         second = _submit(client, tenant_a).json()["id"]
-        assert client.post(f"/v1/jobs/{second}/pause", headers=tenant_a).json()["status"] == "paused"
-        third = _submit(client, tenant_a).json()["id"]
-        assert client.get(f"/v1/jobs/{third}", headers=tenant_a).json()["status"] == "queued"
-        response = client.post(f"/v1/jobs/{second}/resume", headers=tenant_a)
+        assert client.get(f"/v1/jobs/{second}", headers=tenant_a).json()["status"] == "queued"
+        _pause_running(first)  # the worker paused it at a checkpoint: 1 queued, 1 paused
+        response = client.post(f"/v1/jobs/{first}/resume", headers=tenant_a)
         assert response.status_code == 429
         assert response.json() == _quota_error("max_queued_jobs", 1, 1, 1)
-        assert client.get(f"/v1/jobs/{second}", headers=tenant_a).json()["status"] == "paused"
+        assert client.get(f"/v1/jobs/{first}", headers=tenant_a).json()["status"] == "paused"
+        start_job(second)  # the queued job starts: resuming fits again
+        assert client.post(f"/v1/jobs/{first}/resume", headers=tenant_a).json()["status"] == "queued"
+
+    def test_paused_jobs_count_towards_the_limit(
+        self, client: TestClient, tenant_a: TenantHeaders, recording_queue: RecordingQueue
+    ) -> None:
+        """Issue 30: 9 paused and 3 queued jobs at a limit of 3 (pause, submit again, ...) are no longer possible."""
+        _override(tenant_a.tenant_id, max_queued_jobs=3)
+        waiting = [_submit(client, tenant_a).json()["id"] for _ in range(3)]
+        for job_id in waiting[:2]:
+            assert client.post(f"/v1/jobs/{job_id}/pause", headers=tenant_a).json()["status"] == "paused"
+        refused = _submit(client, tenant_a)  # 1 queued + 2 paused: the limit is reached
+        assert refused.status_code == 429
+        assert refused.json() == _quota_error("max_queued_jobs", 3, 3, 1)
+        assert client.post(f"/v1/jobs/{waiting[2]}/pause", headers=tenant_a).json()["status"] == "paused"
+        assert _submit(client, tenant_a).status_code == 429  # 3 paused: still full
+        body = client.get(f"/v1/admin/tenants/{tenant_a.tenant_id}/quotas", headers=tenant_a).json()
+        assert body["usage"]["queued_jobs"] == 3
+        # A paused job is already counted: resuming one moves it back to the queue and is not refused.
+        assert client.post(f"/v1/jobs/{waiting[0]}/resume", headers=tenant_a).json()["status"] == "queued"
+        # Cancelling a paused job frees its place.
+        assert client.post(f"/v1/jobs/{waiting[1]}/cancel", headers=tenant_a).json()["status"] == "cancelled"
+        assert _submit(client, tenant_a).status_code == 201
+        statuses = [job["status"] for job in client.get("/v1/jobs", headers=tenant_a).json()["data"]]
+        assert sorted(statuses) == ["cancelled", "paused", "queued", "queued"]
+
+
+def _pause_running(job_id: str) -> None:
+    """What the worker does at a checkpoint after a pause request: running -> paused."""
+    with session_scope() as session:
+        job = session.merge(load_job(job_id))
+        transition(session, job, JobStatus.paused, reason="paused by test worker")
 
 
 class TestRunningJobsQuota:

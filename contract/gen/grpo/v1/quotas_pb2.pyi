@@ -29,7 +29,9 @@ class QuotaLimits(_message.Message):
     max_running_jobs: _builtins.int
     """Jobs running at once; more wait queued (they are not refused)."""
     max_queued_jobs: _builtins.int
-    """Jobs waiting queued; more are refused (RESOURCE_EXHAUSTED, `quota_exceeded`)."""
+    """Jobs waiting, queued or paused: a new job past it is refused (RESOURCE_EXHAUSTED, `quota_exceeded`), and so
+    is resuming a job while the queued ones alone reach it.
+    """
     max_devices: _builtins.int
     """Devices the running jobs occupy together; a job waits until its devices fit."""
     max_dataset_storage_bytes: _builtins.int
@@ -78,7 +80,7 @@ class QuotaUsage(_message.Message):
     running_jobs: _builtins.int
     """Jobs running (or being cancelled)."""
     queued_jobs: _builtins.int
-    """Jobs queued."""
+    """Jobs waiting, queued or paused (what max_queued_jobs counts)."""
     devices: _builtins.int
     """Devices of the running jobs."""
     dataset_storage_bytes: _builtins.int
