@@ -42,6 +42,9 @@ worker frozen with SIGSTOP whose lease expired cannot write anything after it wa
 The heartbeat thread renews the lease every `lease_seconds / 3`; a frozen or dead worker stops renewing
 and the reaper (worker/reaper.py) re-enqueues the job once `lease_until` has passed.
 
+Before claiming, a job whose own budget or tenant's monthly cap is already reached is paused with
+`budget_exhausted` instead (`paused_for_budget`), so no step runs past a cap; the delivery then chooses again.
+
 Claiming also prepares the resume: metrics, samples and usage records of steps after the latest checkpoint (written by
 the dead attempt) are deleted in the claim transaction, so the new attempt, which restarts from that
 checkpoint, records every later step exactly once.
@@ -52,6 +55,9 @@ Database calls retry transient errors (a PostgreSQL restart, SQLite "database is
 from __future__ import annotations
 
 import logging
+import os
+import secrets
+import socket
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -75,6 +81,7 @@ from service.jobs.models import JobEvent
 from service.jobs.states import JobStatus, transition
 from service.kit.db import session_scope, utcnow
 from service.kit.queue import get_job_queue
+from service.usage import budget
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +89,21 @@ T = TypeVar("T")
 OWNED_STATES = (JobStatus.running.value, JobStatus.cancelling.value)
 # How long a worker keeps retrying one database write (e.g. through a PostgreSQL restart).
 DB_RETRY_SECONDS = 120.0
+
+
+_process_id: tuple[int, str] | None = None  # (pid, id) of this process; a forked child draws its own
+
+
+def process_worker_id() -> str:
+    """This worker process's opaque id (`wrk_` and 12 random hex digits), which the job row and the job events
+    tenants read name it by: never its host name or PID. Logged once per process with both, so an operator
+    can map an id in an event to a machine."""
+    global _process_id
+    pid = os.getpid()
+    if _process_id is None or _process_id[0] != pid:
+        _process_id = (pid, f"wrk_{secrets.token_hex(6)}")
+        log.info("worker id %s is host %s, pid %d", _process_id[1], socket.gethostname(), pid)
+    return _process_id[1]
 
 
 class LeaseLost(Exception):
@@ -154,6 +176,8 @@ def claim_next(
     status, queue, lease_until = target
     if status == JobStatus.running.value and lease_until is not None and lease_until < utcnow():
         # A redelivery of a job whose worker died: it already started, so it keeps its place.
+        if paused_for_budget(session, job_id):
+            return None
         return claim_job(session, job_id, worker_id, lease_seconds)
     repository.lock_claims(session, queue)
     for _ in range(_FAIR_CHOICES):
@@ -162,6 +186,8 @@ def claim_next(
         )
         if chosen is None:
             return None
+        if paused_for_budget(session, chosen):
+            continue  # paused: the delivery chooses again
         claim = claim_job(session, chosen, worker_id, lease_seconds)
         if claim is not None:
             if chosen != job_id:
@@ -169,6 +195,18 @@ def claim_next(
             return claim
     return None
 
+
+
+def paused_for_budget(session: Session, job_id: str) -> bool:
+    """Before claiming: a job whose budget or tenant's monthly cap is already reached is paused with
+    `budget_exhausted` (service.usage.budget.pause_if_exhausted) and not started, so no step runs past it."""
+    job = repository.get_job_any_tenant(session, job_id, for_update=True)
+    if job is None or job.status not in (JobStatus.queued.value, JobStatus.running.value):
+        return False  # the claim's conditional UPDATE settles it
+    reached = budget.pause_if_exhausted(session, job)
+    if reached is not None:
+        log.info("job %s: not started, %s", job_id, reached.message)
+    return reached is not None
 
 
 def claim_job(session: Session, job_id: str, worker_id: str, lease_seconds: int) -> Claim | None:

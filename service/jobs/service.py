@@ -43,10 +43,12 @@ log = logging.getLogger(__name__)
 
 
 def create_job(session: Session, tenant_id: str, spec: JobSpec, queue: JobQueue) -> Job:
-    """Check the tenant's quotas and what the spec refers to, insert the job `queued`, and enqueue it once
-    committed."""
+    """Check the job's size, the tenant's quotas and monthly caps and what the spec refers to, insert the job
+    `queued`, and enqueue it once committed."""
+    check_resources(spec)
     devices = job_devices(spec)
     quotas.check_can_queue(session, tenant_id, devices)
+    budget.refuse_if_tenant_exhausted(session, tenant_id)
     check_references(session, tenant_id, spec)
     now = utcnow()
     job = Job(
@@ -98,6 +100,23 @@ def queue_for(spec: JobSpec) -> str:
 def job_devices(spec: JobSpec) -> int:
     """Devices the job occupies while it runs: what the max_devices quota counts."""
     return spec.resources.devices
+
+
+def check_resources(spec: JobSpec) -> None:
+    """`resources.nodes` and `resources.devices` within the deployment's bounds (settings max_job_nodes and
+    max_job_devices): ValidationFailed (422) naming the field and the bound."""
+    settings = get_settings()
+    errors = [
+        {"field": f"resources.{name}", "message": f"must be at most {bound} (this service's limit), got {value}",
+         "type": "less_than_equal", "limit": bound}
+        for name, value, bound in (
+            ("nodes", spec.resources.nodes, settings.max_job_nodes),
+            ("devices", spec.resources.devices, settings.max_job_devices),
+        )
+        if value > bound
+    ]
+    if errors:
+        raise ValidationFailed(f"{errors[0]['field']}: {errors[0]['message']}", details=errors)
 
 
 def enqueue_after_commit(session: Session, job: Job, queue: JobQueue) -> None:
@@ -367,7 +386,7 @@ def resume_job(session: Session, tenant_id: str, job_id: str, queue: JobQueue) -
             f"job {job.id!r} is {job.status}: only a paused job can be resumed",
             details={"current_status": job.status, "requested_status": JobStatus.queued.value},
         )
-    quotas.check_can_queue(session, tenant_id, job.devices)
+    quotas.check_can_queue(session, tenant_id, job.devices, resuming=True)
     budget.refuse_if_exhausted(session, job)
     job.resume_checkpoint_id = repository.latest_checkpoint_id(session, job.id) or job.resume_checkpoint_id
     transition(

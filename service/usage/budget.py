@@ -1,8 +1,14 @@
 """Budgets: a job's own limits (spec.budget) and its tenant's monthly caps (settings default, per-tenant value).
 
-`exhausted` is evaluated by the worker in the transaction that records a step's usage, so the step that
-reaches a limit is the one that pauses the job; the API calls it before resuming a job, so a job paused with
-`budget_exhausted` only resumes once the limit was raised.
+Checked at three points, so that no step runs past a limit that is already reached:
+
+- submission (`refuse_if_tenant_exhausted`, from jobs.create_job: REST, gRPC and the OpenAI-compatible door):
+  a tenant at or over a monthly cap gets 409 `budget_exhausted` naming the cap, and no job is created;
+- claim (`pause_if_exhausted`, from the worker's claim): a job whose budget or tenant cap is reached is paused
+  with `budget_exhausted` instead of starting an attempt, as the step check below would have paused it;
+- every step (`exhausted`, evaluated by the worker in the transaction that records a step's usage), so the
+  step that reaches a limit is the one that pauses the job. The API calls it before resuming a job, so a job
+  paused with `budget_exhausted` only resumes once the limit was raised.
 """
 
 from __future__ import annotations
@@ -12,7 +18,8 @@ from datetime import UTC, datetime
 
 from sqlalchemy.orm import Session
 
-from service.jobs.models import Job
+from service.jobs.models import Job, JobEvent
+from service.jobs.states import JobStatus, transition
 from service.kit.config import get_settings
 from service.kit.db import utcnow
 from service.kit.errors import Conflict
@@ -77,10 +84,15 @@ def exhausted(session: Session, job: Job) -> Exhausted | None:
             return Exhausted("budget.max_tokens", budget["max_tokens"], sums.tokens)
         if budget.get("max_device_seconds") is not None and sums.device_seconds >= budget["max_device_seconds"]:
             return Exhausted("budget.max_device_seconds", budget["max_device_seconds"], sums.device_seconds)
-    caps = tenant_caps(session, job.tenant_id)
+    return tenant_exhausted(session, job.tenant_id)
+
+
+def tenant_exhausted(session: Session, tenant_id: str) -> Exhausted | None:
+    """The first monthly cap of the tenant that is reached this UTC month, else None."""
+    caps = tenant_caps(session, tenant_id)
     if caps.monthly_max_tokens is None and caps.monthly_max_device_seconds is None:
         return None
-    month = repository.tenant_sums(session, job.tenant_id, month_start(), datetime.max.replace(tzinfo=UTC))
+    month = repository.tenant_sums(session, tenant_id, month_start(), datetime.max.replace(tzinfo=UTC))
     if caps.monthly_max_tokens is not None and month.tokens >= caps.monthly_max_tokens:
         return Exhausted("tenant.monthly_max_tokens", caps.monthly_max_tokens, month.tokens)
     if caps.monthly_max_device_seconds is not None and month.device_seconds >= caps.monthly_max_device_seconds:
@@ -96,3 +108,32 @@ def refuse_if_exhausted(session: Session, job: Job) -> None:
             f"{reached.message}: raise it before resuming job {job.id!r}",
             details=reached.as_data(),
         )
+
+
+def refuse_if_tenant_exhausted(session: Session, tenant_id: str) -> None:
+    """Before a job is created: 409 `budget_exhausted` naming the monthly cap the tenant has reached."""
+    reached = tenant_exhausted(session, tenant_id)
+    if reached is not None:
+        raise BudgetExhausted(
+            f"{reached.message}: no job can start until the cap is raised or the month ends",
+            details=reached.as_data(),
+        )
+
+
+def pause_if_exhausted(session: Session, job: Job) -> Exhausted | None:
+    """At claim, before an attempt starts: a job (queued, or running with an expired lease) whose budget or
+    tenant cap is reached is paused with `budget_exhausted`, the event and error the step check writes, and no
+    step runs. Returns the limit, or None when the job may start. Never commits."""
+    reached = exhausted(session, job)
+    if reached is None:
+        return None
+    message = f"{BUDGET_EXHAUSTED} before attempt {job.attempt + 1} started: {reached.message}"
+    session.add(JobEvent(
+        job_id=job.id, type=BUDGET_EXHAUSTED, message=message, data={"step": job.current_step, **reached.as_data()},
+        attempt=job.attempt, step=job.current_step, created_at=utcnow(),
+    ))
+    transition(session, job, JobStatus.paused, reason=message)
+    job.error_code = BUDGET_EXHAUSTED
+    job.error_message = f"{reached.message}; raise it (PATCH /v1/jobs/{job.id}) and resume the job"
+    session.flush()
+    return reached

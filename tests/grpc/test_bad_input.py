@@ -128,3 +128,29 @@ class TestStepRanges:
         events = await stub.ListJobEvents(jobs_pb2.ListJobEventsRequest(job_id=job_id, after_event_id=2**63 - 1),
                                           metadata=auth)
         assert list(events.events) == []
+
+
+class TestJobSizeCaps:
+    """Issue 30: resources past the deployment's bounds (GRPO_MAX_JOB_NODES 16, GRPO_MAX_JOB_DEVICES 128 by
+    default) are INVALID_ARGUMENT naming the field, like REST's 422."""
+
+    @pytest.mark.parametrize(
+        ("devices", "nodes", "field", "bound"),
+        [(64, 64, "spec.resources.nodes", 16), (256, 16, "spec.resources.devices", 128)],
+    )
+    async def test_create_job_past_the_bounds(
+        self, channel: grpc.aio.Channel, tenant_a: TenantHeaders, queue: RecordingQueue,
+        devices: int, nodes: int, field: str, bound: int,
+    ) -> None:
+        from tests.grpc.helpers import error_details
+
+        spec = spec_message(make_dataset(tenant_a.tenant_id), prompts_per_step=devices)
+        spec.resources.devices, spec.resources.nodes = devices, nodes
+        stub = jobs_pb2_grpc.JobServiceStub(channel)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.CreateJob(jobs_pb2.CreateJobRequest(spec=spec), metadata=bearer(tenant_a.api_key))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
+        assert error_code(err.value) == "validation_error" and error_field(err.value) == field
+        assert error_details(err.value)[0]["limit"] == bound
+        assert f"must be at most {bound}" in (err.value.details() or "")
+        assert queue.sent == []

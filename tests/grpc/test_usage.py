@@ -16,7 +16,7 @@ from service.kit.db import session_scope
 from service.kit.queue import set_job_queue
 from service.usage import service as usage
 from service.usage.service import StepUsageIn
-from tests.grpc.helpers import bearer, error_code, error_field
+from tests.grpc.helpers import bearer, error_code, error_details, error_field
 from tests.grpc.test_jobs import spec_message
 from tests.service.factories import TenantHeaders
 from tests.service.jobs_support import RecordingQueue, load_job, make_dataset, start_job
@@ -169,3 +169,29 @@ class TestBadInput:
 
         estimate = await _fails(stub.EstimateJob, usage_pb2.EstimateJobRequest(spec=spec_message("ds_nope")), tenant_a)
         assert estimate.code() == grpc.StatusCode.INVALID_ARGUMENT and error_field(estimate) == "spec.train_dataset"
+
+
+class TestMonthlyCapAtSubmission:
+    async def test_create_job_over_the_cap_is_failed_precondition_naming_it(
+        self, channel: grpc.aio.Channel, tenant_a: TenantHeaders, queue: RecordingQueue
+    ) -> None:
+        from sqlalchemy import func, select
+
+        from service.jobs.models import Job
+        from service.usage import repository
+
+        jobs = jobs_pb2_grpc.JobServiceStub(channel)
+        spec = spec_message(make_dataset(tenant_a.tenant_id))
+        job = (await jobs.CreateJob(jobs_pb2.CreateJobRequest(spec=spec), metadata=bearer(tenant_a.api_key))).job
+        _record(job.id, 1, start_job(job.id), tokens=5)  # 20 tokens
+        with session_scope() as session:
+            repository.set_tenant_budget(
+                session, tenant_a.tenant_id, monthly_max_device_seconds=None, monthly_max_tokens=20
+            )
+        refused = await _fails(jobs.CreateJob, jobs_pb2.CreateJobRequest(spec=spec), tenant_a)
+        assert refused.code() == grpc.StatusCode.FAILED_PRECONDITION, refused.details()
+        assert error_code(refused) == "budget_exhausted"
+        assert error_details(refused) == {"field": "tenant.monthly_max_tokens", "limit": 20, "used": 20}
+        with session_scope() as session:
+            assert session.scalar(select(func.count()).where(Job.tenant_id == tenant_a.tenant_id)) == 1
+        assert [job_id for job_id, _ in queue.sent] == [job.id]

@@ -185,3 +185,58 @@ class TestDatasetColumnCaps:
         response = upload(client, tenant_a, json.dumps(row).encode() + b"\n")
         assert response.status_code == 201, response.text[:300]
         assert len(response.json()["columns"]) == MAX_COLUMNS
+
+
+class TestJobSizeCaps:
+    """Issue 30: `resources.nodes` and `resources.devices` are bounded by the deployment's settings
+    (GRPO_MAX_JOB_NODES, GRPO_MAX_JOB_DEVICES), checked at submission with a 422 naming the field and the bound."""
+
+    def test_settings_defaults(self, settings: Settings) -> None:
+        assert (settings.max_job_nodes, settings.max_job_devices) == (16, 128)
+
+    @pytest.mark.parametrize(
+        ("resources", "field", "bound"),
+        [
+            ({"devices": 64, "nodes": 64}, "resources.nodes", 16),
+            ({"devices": 34, "nodes": 17}, "resources.nodes", 16),
+            ({"devices": 256, "nodes": 16}, "resources.devices", 128),
+            ({"devices": 129}, "resources.devices", 128),
+        ],
+    )
+    def test_a_job_past_the_bounds_is_422_naming_the_field_and_the_bound(
+        self, client: TestClient, tenant_a: TenantHeaders, resources: dict[str, int], field: str, bound: int
+    ) -> None:
+        spec = job_spec(make_dataset(tenant_a.tenant_id), resources=resources)
+        spec["hyperparameters"]["prompts_per_step"] = resources["devices"]  # whole groups per device
+        response = client.post("/v1/jobs", json=spec, headers=tenant_a)
+        assert response.status_code == 422, response.text
+        error = response.json()["error"]
+        assert error["code"] == "validation_error"
+        assert error["details"][0]["field"] == field and error["details"][0]["limit"] == bound
+        assert error["message"] == f"{field}: must be at most {bound} (this service's limit), got {resources[field[10:]]}"
+        assert client.get("/v1/jobs", headers=tenant_a).json()["data"] == []
+
+    def test_the_review_s_1024_nodes_are_refused(self, client: TestClient, tenant_a: TenantHeaders) -> None:
+        spec = job_spec(make_dataset(tenant_a.tenant_id), resources={"devices": 1024, "nodes": 1024})
+        response = client.post("/v1/jobs", json=spec, headers=tenant_a)
+        assert response.status_code == 422, response.text
+        assert response.json()["error"]["details"][0]["field"].endswith("resources.nodes")
+
+    def test_the_bounds_follow_the_settings(
+        self, client: TestClient, tenant_a: TenantHeaders, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        from service.kit.config import get_settings
+
+        monkeypatch.setenv("GRPO_MAX_JOB_NODES", "2")
+        monkeypatch.setenv("GRPO_MAX_JOB_DEVICES", "4")
+        get_settings.cache_clear()
+        dataset = make_dataset(tenant_a.tenant_id)
+        too_wide = job_spec(dataset, resources={"devices": 4, "nodes": 4})
+        too_many = job_spec(dataset, resources={"devices": 8, "nodes": 2})
+        fits = job_spec(dataset, resources={"devices": 4, "nodes": 2})
+        for spec in (too_wide, too_many, fits):
+            spec["hyperparameters"]["prompts_per_step"] = spec["resources"]["devices"]
+        for spec, field in ((too_wide, "resources.nodes"), (too_many, "resources.devices")):
+            response = client.post("/v1/jobs", json=spec, headers=tenant_a)
+            assert response.status_code == 422 and response.json()["error"]["details"][0]["field"] == field
+        assert client.post("/v1/jobs", json=fits, headers=tenant_a).status_code == 201, "4 devices on 2 nodes fit"

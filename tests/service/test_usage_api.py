@@ -226,3 +226,90 @@ def test_allow_header_of_the_estimate_route_and_of_a_job(client: TestClient, ten
     assert estimate.status_code == 405 and estimate.headers["Allow"] == "POST"
     job = client.request("PUT", "/v1/jobs/job_123", headers=tenant_a)
     assert job.status_code == 405 and job.headers["Allow"] == "DELETE, GET, PATCH"
+
+
+def _cap(tenant_id: str, *, tokens: int | None = None, device_seconds: float | None = None) -> None:
+    from service.usage import repository
+
+    with session_scope() as session:
+        repository.set_tenant_budget(
+            session, tenant_id, monthly_max_device_seconds=device_seconds, monthly_max_tokens=tokens
+        )
+
+
+def _job_ids(tenant_id: str) -> list[str]:
+    from sqlalchemy import select
+
+    from service.jobs.models import Job
+
+    with session_scope() as session:
+        return list(session.scalars(select(Job.id).where(Job.tenant_id == tenant_id)))
+
+
+class TestMonthlyCapAtSubmission:
+    """Issue 30: a tenant at or over a monthly cap is refused at submission, before any job exists or any step
+    runs (it used to get 201 and a step before the worker paused the job with `budget_exhausted`)."""
+
+    def _use(self, client: TestClient, tenant: TenantHeaders, dataset: str, tokens: int) -> str:
+        job_id = _create(client, tenant, job_spec(dataset)).json()["id"]
+        _record(job_id, 1, start_job(job_id), tokens=tokens)  # tokens generated + 2x trained
+        return str(job_id)
+
+    def test_over_the_token_cap_post_is_409_naming_the_cap_and_creates_nothing(
+        self, client: TestClient, tenant_a: TenantHeaders, tenant_b: TenantHeaders, dataset: str,
+        recording_queue: RecordingQueue,
+    ) -> None:
+        used = self._use(client, tenant_a, dataset, tokens=20)  # 60 tokens this month
+        _cap(tenant_a.tenant_id, tokens=50)
+        sent = list(recording_queue.sent)
+        response = _create(client, tenant_a, job_spec(dataset))
+        assert response.status_code == 409, response.text
+        assert response.json()["error"] == {
+            "code": "budget_exhausted",
+            "message": "tenant.monthly_max_tokens 50 reached (used 60): no job can start until the cap is raised or "
+            "the month ends",
+            "details": {"field": "tenant.monthly_max_tokens", "limit": 50, "used": 60},
+        }
+        assert _job_ids(tenant_a.tenant_id) == [used] and recording_queue.sent == sent
+        # Another tenant is not affected; raising the cap lets the tenant submit again.
+        assert _create(client, tenant_b, job_spec(make_dataset(tenant_b.tenant_id))).status_code == 201
+        _cap(tenant_a.tenant_id, tokens=61)
+        assert _create(client, tenant_a, job_spec(dataset)).status_code == 201
+
+    def test_at_the_cap_exactly_is_refused_below_it_is_not(
+        self, client: TestClient, tenant_a: TenantHeaders, dataset: str, recording_queue: RecordingQueue
+    ) -> None:
+        self._use(client, tenant_a, dataset, tokens=20)  # 10 device-seconds
+        _cap(tenant_a.tenant_id, device_seconds=10.5)
+        assert _create(client, tenant_a, job_spec(dataset)).status_code == 201
+        _cap(tenant_a.tenant_id, device_seconds=10)
+        refused = _create(client, tenant_a, job_spec(dataset))
+        assert refused.status_code == 409
+        assert refused.json()["error"]["details"] == {
+            "field": "tenant.monthly_max_device_seconds", "limit": 10.0, "used": 10.0
+        }
+
+    def test_the_default_cap_from_settings_applies(
+        self, client: TestClient, tenant_a: TenantHeaders, dataset: str, recording_queue: RecordingQueue,
+        monkeypatch: pytest.MonkeyPatch,
+    ) -> None:
+        from service.kit.config import get_settings
+
+        self._use(client, tenant_a, dataset, tokens=20)
+        monkeypatch.setenv("GRPO_MONTHLY_MAX_TOKENS", "60")
+        get_settings.cache_clear()
+        refused = _create(client, tenant_a, job_spec(dataset))
+        assert refused.status_code == 409 and refused.json()["error"]["details"]["field"] == "tenant.monthly_max_tokens"
+
+    def test_the_openai_compatible_door_refuses_too(
+        self, client: TestClient, tenant_a: TenantHeaders, dataset: str, recording_queue: RecordingQueue
+    ) -> None:
+        from tests.service.test_openai_api import BASE, job_body, upload
+
+        file_id = upload(client, tenant_a)["id"]
+        used = self._use(client, tenant_a, dataset, tokens=20)
+        _cap(tenant_a.tenant_id, tokens=1)
+        response = client.post(f"{BASE}/fine_tuning/jobs", headers=tenant_a, json=job_body(file_id))
+        assert response.status_code == 409, response.text
+        assert "tenant.monthly_max_tokens 1 reached" in response.json()["error"]["message"]
+        assert _job_ids(tenant_a.tenant_id) == [used]

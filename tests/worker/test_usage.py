@@ -301,3 +301,41 @@ class TestBudget:
         job = _get(client, tenant_a, f"/v1/jobs/{job_id}")
         assert job["progress"]["step"] == 1
         assert "tenant.monthly_max_tokens" in job["error"]["message"]
+
+
+class TestCapAtClaim:
+    """Issue 30: a job whose tenant reached its monthly cap after the job was queued is paused at claim with
+    `budget_exhausted`, and no step of it runs (it used to run one step first)."""
+
+    def test_a_queued_job_over_the_tenant_cap_is_paused_at_claim_without_a_step(
+        self, settings: Settings, tenant_a: TenantHeaders, client: TestClient
+    ) -> None:
+        from service.usage import repository
+
+        with session_scope() as session:
+            repository.set_tenant_budget(
+                session, tenant_a.tenant_id, monthly_max_device_seconds=None, monthly_max_tokens=1
+            )
+            first = _job(session, tenant_a.tenant_id, max_steps=3, checkpoint_every=100)
+            second = _job(session, tenant_a.tenant_id, max_steps=3, checkpoint_every=100)  # queued under the cap
+        assert _run(first) == "paused"  # its step 1 reaches the cap
+        assert _run(second) == "duplicate"  # nothing this tenant may start: the claim paused it instead
+
+        job = _get(client, tenant_a, f"/v1/jobs/{second}")
+        assert (job["status"], job["attempt"], job["progress"]["step"]) == ("paused", 0, 0)
+        assert job["error"]["code"] == "budget_exhausted"
+        assert job["error"]["message"].startswith("tenant.monthly_max_tokens 1 reached")
+        assert [r.job_id for r in _records(tenant_a.tenant_id)] == [first]  # no step of `second` recorded
+        assert _get(client, tenant_a, f"/v1/jobs/{second}/metrics")["series"] == {}
+        events = _get(client, tenant_a, f"/v1/jobs/{second}/events")["data"]
+        assert [e["type"] for e in events] == ["status", "budget_exhausted", "status"]
+        assert events[1]["data"]["field"] == "tenant.monthly_max_tokens"
+        assert events[2]["data"]["to"] == "paused"
+
+        # Once the cap allows more, the job resumes and runs.
+        with session_scope() as session:
+            repository.set_tenant_budget(
+                session, tenant_a.tenant_id, monthly_max_device_seconds=None, monthly_max_tokens=None
+            )
+        assert client.post(f"/v1/jobs/{second}/resume", headers=tenant_a).status_code == 200
+        assert _run(second) == "succeeded"
