@@ -50,7 +50,6 @@ import json
 import logging
 import os
 import shutil
-import socket
 import subprocess
 import threading
 import time
@@ -87,6 +86,7 @@ from worker.lease import (
     LeaseLost,
     claim_next,
     latest_checkpoint,
+    process_worker_id,
     rewind_to,
     wake_waiting_jobs,
     with_db_retry,
@@ -279,7 +279,8 @@ class JobContext:
 
 
 def default_worker_id() -> str:
-    return f"{socket.gethostname()}:{os.getpid()}"
+    """An opaque id per worker process (job events show it to tenants): see worker.lease.process_worker_id."""
+    return process_worker_id()
 
 
 class JobRunner:
