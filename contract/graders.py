@@ -34,6 +34,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from contract.fields import Text
 
 MAX_TEMPLATE_CHARS = 20_000
+MAX_RENDERED_CHARS = 256 * 1024  # default of GRPO_GRADER_MAX_RENDERED_CHARS
+MAX_FUZZY_MATCH_CHARS = 4_096  # default of GRPO_GRADER_MAX_FUZZY_MATCH_CHARS
 MAX_FORMULA_CHARS = 1_000
 MAX_FORMULA_NODES = 200
 MAX_SUB_GRADERS = 16
@@ -126,9 +128,47 @@ class MissingField(LookupError):
         self.reference = reference
         self.at = at
 
+    def __reduce__(self) -> tuple[Any, ...]:  # crosses the grading process's boundary
+        return (MissingField, (self.reference, self.at))
+
 
 class SampleNotJson(ValueError):
     """``sample.output_json`` was referenced and the completion is not JSON."""
+
+
+@dataclass(frozen=True)
+class GraderLimits:
+    """What one evaluation may be given: the bounds that keep a grader's time and memory linear in its input.
+
+    `max_rendered_chars` bounds every rendered template (rendering stops as soon as it would pass it, so a
+    template that repeats a large field costs at most the limit); `max_fuzzy_match_chars` bounds each text a
+    ``fuzzy_match`` compares (its partial matching grows faster than the square of the length). The service
+    takes both from its settings (`GRPO_GRADER_MAX_RENDERED_CHARS`, `GRPO_GRADER_MAX_FUZZY_MATCH_CHARS`)."""
+
+    max_rendered_chars: int = MAX_RENDERED_CHARS
+    max_fuzzy_match_chars: int = MAX_FUZZY_MATCH_CHARS
+
+
+class GraderInputTooLarge(ValueError):
+    """A rendered template, or a text a metric compares, is longer than its limit.
+
+    `field` is the template's place in the grader (``input``, ``reference``, ``input.0.content``; the caller
+    prefixes the sub-grader), `setting` the environment variable that sets `limit`."""
+
+    def __init__(self, field: str, what: str, limit: int, setting: str) -> None:
+        self.reason = f"{what} is longer than {limit} characters (the limit, {setting})"
+        super().__init__(f"{field}: {self.reason}")
+        self.field = field
+        self.what = what
+        self.limit = limit
+        self.setting = setting
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (GraderInputTooLarge, (self.field, self.what, self.limit, self.setting))
+
+    def within(self, prefix: str) -> GraderInputTooLarge:
+        """The same refusal, its field named from `prefix` (``grader.graders.name``)."""
+        return GraderInputTooLarge(f"{prefix}.{self.field}", self.what, self.limit, self.setting)
 
 
 def lookup(value: Any, reference: Reference, path: tuple[str | int, ...]) -> Any:
@@ -149,10 +189,17 @@ class Sample:
     output_text: str
 
     def output_json(self) -> Any:
-        try:
-            return json.loads(self.output_text)
-        except ValueError as exc:
-            raise SampleNotJson("the sample is not valid JSON, so sample.output_json is not set") from exc
+        """The completion parsed as JSON, parsed once however many references read it."""
+        parsed: tuple[bool, Any] | None = self.__dict__.get("_json")
+        if parsed is None:
+            try:
+                parsed = (True, json.loads(self.output_text))
+            except ValueError:
+                parsed = (False, None)
+            object.__setattr__(self, "_json", parsed)
+        if not parsed[0]:
+            raise SampleNotJson("the sample is not valid JSON, so sample.output_json is not set")
+        return parsed[1]
 
 
 def _as_text(value: Any) -> str:
@@ -167,9 +214,30 @@ def resolve(reference: Reference, item: Mapping[str, Any], sample: Sample) -> An
     return lookup(sample.output_json(), reference, reference.path[1:])
 
 
-def render(template: str, item: Mapping[str, Any], sample: Sample) -> str:
-    """Substitute every reference. Raises MissingField or SampleNotJson."""
-    return TEMPLATE.sub(lambda m: _as_text(resolve(parse_reference(m.group(1)), item, sample)), template)
+def render(
+    template: str, item: Mapping[str, Any], sample: Sample, *, field: str = "template",
+    max_chars: int = MAX_RENDERED_CHARS,
+) -> str:
+    """Substitute every reference. Raises MissingField, SampleNotJson, or GraderInputTooLarge (naming `field`)
+    as soon as the text would pass `max_chars`: the parts are counted as they are produced, so a template that
+    repeats a large field never holds more than the limit."""
+    parts: list[str] = []
+    size = 0
+
+    def add(text: str) -> None:
+        nonlocal size
+        size += len(text)
+        if size > max_chars:
+            raise GraderInputTooLarge(field, "the rendered template", max_chars, "GRPO_GRADER_MAX_RENDERED_CHARS")
+        parts.append(text)
+
+    end = 0
+    for match in TEMPLATE.finditer(template):
+        add(template[end:match.start()])
+        add(_as_text(resolve(parse_reference(match.group(1)), item, sample)))
+        end = match.end()
+    add(template[end:])
+    return "".join(parts)
 
 
 # --- formulas -------------------------------------------------------------------------------------
@@ -366,7 +434,7 @@ def _parse_single(data: dict[str, Any], param: str) -> SubGrader:
         )
     grader = _validated(model, data, param)
     assert isinstance(grader, StringCheckGrader | TextSimilarityGrader | ScoreModelGrader)
-    for field, template in _templates(grader):
+    for field, template in templates(grader):
         try:
             references(template)
         except ValueError as exc:
@@ -415,7 +483,8 @@ def _validated(model: type[_Grader], data: dict[str, Any], param: str) -> _Grade
         raise GraderInvalid(f"{param}.{where}" if where else param, error["msg"]) from exc
 
 
-def _templates(grader: SubGrader) -> Iterator[tuple[str, str]]:
+def templates(grader: SubGrader) -> Iterator[tuple[str, str]]:
+    """(field, template) of each template the grader renders, the field as `GraderInvalid` names it."""
     if isinstance(grader, ScoreModelGrader):
         for i, message in enumerate(grader.input):
             yield f"input.{i}.content", message.content
@@ -433,7 +502,7 @@ def item_references(grader: Grader) -> list[Reference]:
     """Every ``{{item.*}}`` the grader reads, each once, in order of appearance."""
     seen: dict[str, Reference] = {}
     for sub in sub_graders(grader).values():
-        for _, template in _templates(sub):
+        for _, template in templates(sub):
             for ref in references(template):
                 if ref.namespace == "item":
                     seen.setdefault(ref.text, ref)
