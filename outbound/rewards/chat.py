@@ -19,7 +19,15 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from contract.graders import MissingField, Sample, SampleNotJson, ScoreModelGrader, render
+from contract.graders import (
+    MAX_RENDERED_CHARS,
+    GraderInputTooLarge,
+    MissingField,
+    Sample,
+    SampleNotJson,
+    ScoreModelGrader,
+    render,
+)
 from contract.reward_types import RewardInput
 from outbound.rewards.client import HttpEndpointSource
 from outbound.rewards.config import RemoteRewardConfig
@@ -76,6 +84,7 @@ class ChatScoreSource(HttpEndpointSource):
         on_retry: OnRetry | None = None,
         on_degraded: OnDegraded | None = None,
         resolver: Resolver | None = None,
+        max_rendered_chars: int = MAX_RENDERED_CHARS,
     ) -> None:
         config = config.model_copy(update={"max_batch_size": 1})  # one chat request scores one completion
         super().__init__(
@@ -84,9 +93,11 @@ class ChatScoreSource(HttpEndpointSource):
         )
         self.name = name
         self.grader = grader
+        self.max_rendered_chars = max_rendered_chars
 
     async def __call__(self, items: Sequence[RewardInput], *, step: int) -> list[float | None]:
-        # A sample the messages cannot be rendered for (output_json of a non-JSON completion) is not sent.
+        # A sample the messages cannot be rendered for (output_json of a non-JSON completion, a message over
+        # the rendered-size limit) is not sent.
         sendable = [i for i, item in enumerate(items) if self._messages(item) is not None]
         answers = await super().__call__([items[i] for i in sendable], step=step) if sendable else []
         results: list[float | None] = [None] * len(items)
@@ -97,10 +108,11 @@ class ChatScoreSource(HttpEndpointSource):
     def _messages(self, item: RewardInput) -> list[dict[str, str]] | None:
         try:
             return [
-                {"role": m.role, "content": render(m.content, item.extras, Sample(item.completion))}
+                {"role": m.role, "content": render(m.content, item.extras, Sample(item.completion),
+                                                   max_chars=self.max_rendered_chars)}
                 for m in self.grader.input
             ]
-        except (SampleNotJson, MissingField):
+        except (SampleNotJson, MissingField, GraderInputTooLarge):
             return None
 
     def _encode(self, batch: Sequence[Pending], step: int) -> bytes:
