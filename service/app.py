@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from http import HTTPMethod
@@ -26,6 +27,7 @@ from service.observability.endpoints import router as metrics_router
 from service.observability.middleware import PrometheusMiddleware
 from service.openai import errors as openai_errors
 from service.openai.endpoints import router as openai_router
+from service.openai.grading import open_grading_pool
 from service.ops.endpoints import router as ops_router
 from service.quotas.endpoints import router as quotas_router
 from service.rewards.endpoints import router as rewards_router
@@ -111,6 +113,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     settings = get_settings()
     # Opened on the serving event loop, which the asyncio database pool of the hot reads is bound to.
     app.state.reads = await open_reads(settings)
+    await asyncio.to_thread(open_grading_pool(app, settings).warm)  # the fork server imports the metric libraries
     try:
         with startup_objects_frozen(settings.gc_freeze):
             yield

@@ -32,6 +32,7 @@ from service.kit.params import Cursor, PathId
 from service.kit.queue import JobQueue, get_job_queue
 from service.openai import graders
 from service.openai.errors import OpenAIInvalid
+from service.openai.grading import grading_pool
 from service.openai.mapping import (
     JobCreate,
     checkpoint_object,
@@ -244,13 +245,13 @@ def validate_grader(body: GraderValidate, tenant: CurrentTenant, session: Sessio
 
 @router.post("/fine_tuning/alpha/graders/run", summary="Grade one sample, as training would")
 async def run_grader(
-    body: Annotated[GraderRun, Body()], tenant: CurrentTenant, session: SessionDep
+    request: Request, body: Annotated[GraderRun, Body()], tenant: CurrentTenant, session: SessionDep
 ) -> dict[str, Any]:
     grader = _parsed(body.grader)
     if body.item is not None and not isinstance(body.item, dict):
         raise OpenAIInvalid("item", "must be an object (the dataset row the templates read as item.*)")
     chats = await run_in_threadpool(graders.chat_configs, session, tenant.tenant_id, grader)
-    return await graders.run(grader, body.item or {}, body.model_sample, chats)
+    return await graders.run(grader, body.item or {}, body.model_sample, chats, grading_pool(request))
 
 
 

@@ -2,7 +2,11 @@
 
 score_model graders call the tenant's registered chat endpoint (`outbound.rewards.chat`) with the client
 configuration a job would use (`service.rewards.dry_run.endpoint_config`), one attempt, as the reward dry run
-does: the caller sees a failing endpoint at once.
+does: the caller sees a failing endpoint at once (by its error code; the endpoint's words stay in the log).
+
+The rule graders score in a child process of the API's grading pool (`service.openai.grading`), under the
+limits of `Settings.grader_limits`: a template that renders past them is refused (400 naming the field and the
+limit) before any endpoint is called.
 """
 
 from __future__ import annotations
@@ -12,13 +16,15 @@ from typing import Any
 
 from sqlalchemy.orm import Session
 
-from contract.graders import Grader, ScoreModelGrader, sub_graders
+from contract.graders import Grader, GraderInputTooLarge, ScoreModelGrader, sub_graders
 from contract.reward_types import RewardSource
 from outbound.graders import run_grader
 from outbound.rewards.chat import ChatScoreSource
 from outbound.rewards.config import RemoteRewardConfig
+from service.kit.config import get_settings
 from service.kit.errors import NotFound
 from service.openai.errors import OpenAIInvalid
+from service.openai.grading import GradingPool, local_runner
 from service.rewards.dry_run import endpoint_config
 
 
@@ -52,18 +58,27 @@ def check_endpoints(session: Session, tenant_id: str, grader: Grader) -> None:
     chat_configs(session, tenant_id, grader)
 
 
-async def run(grader: Grader, item: dict[str, Any], model_sample: str, chats: dict[str, RemoteRewardConfig]) -> dict[str, Any]:
+async def run(
+    grader: Grader, item: dict[str, Any], model_sample: str, chats: dict[str, RemoteRewardConfig], pool: GradingPool
+) -> dict[str, Any]:
     """OpenAI's GraderRunResponse for one sample."""
-
+    settings = get_settings()
+    limits = settings.grader_limits()
     sources: list[ChatScoreSource] = []
 
     def chat(sub: ScoreModelGrader) -> RewardSource:
-        sources.append(ChatScoreSource(f"score_model:{sub.name}", sub, chats[sub.reward_function_id]))
+        sources.append(ChatScoreSource(f"score_model:{sub.name}", sub, chats[sub.reward_function_id],
+                                       max_rendered_chars=limits.max_rendered_chars))
         return sources[-1]
 
     started = time.perf_counter()
     try:
-        outcome = await run_grader(grader, item, model_sample, chat=chat)
+        outcome = await run_grader(
+            grader, item, model_sample, chat=chat, limits=limits, local=local_runner(pool),
+            timeout_s=settings.grader_timeout_seconds,
+        )
+    except GraderInputTooLarge as exc:
+        raise OpenAIInvalid(f"grader.{exc.field}", exc.reason, code="grader_input_too_large") from exc
     finally:
         for source in sources:  # their HTTP clients hold connections open until closed
             await source.aclose()
