@@ -19,6 +19,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from contract.graders import GraderLimits
 from contract.reward_types import RewardError, RewardInput, RewardSource, RewardTimedOut
 from contract.spec import (
     BoxedAnswerParams,
@@ -317,13 +318,15 @@ def build_reward_sources(
     device: str = "cpu",
     model_paths: Mapping[str, str] | None = None,
     chat: ChatFactory | None = None,
+    grader_limits: GraderLimits = GraderLimits(),
 ) -> CompositeReward:
     """Build the composite for a job's `rewards` list.
 
     Built-ins and reward models are built here (models on `device`, loaded from `model_paths[spec.model]`
     when given: the service resolves checkpoint: and builtin: sources); remote specs are built by
     `remote`, the worker's client factory. A remote spec without one is a `RewardError`. Graders are built
-    here too; their score_model parts call a chat endpoint through `chat`, the worker's chat client factory.
+    here too; their score_model parts call a chat endpoint through `chat`, the worker's chat client factory,
+    and they render and compare within `grader_limits` (the service's `Settings.grader_limits()`).
     """
     sources: list[tuple[RewardSource, float]] = []
     for spec in specs:
@@ -341,7 +344,7 @@ def build_reward_sources(
                 raise RewardError(spec.source_name, "remote reward sources need a client, and none was given")
             source = remote(spec)
         elif isinstance(spec, GraderRewardSpec):
-            source = GraderSource(spec.source_name, spec.parsed, chat=chat)
+            source = GraderSource(spec.source_name, spec.parsed, chat=chat, limits=grader_limits)
         else:  # pragma: no cover - the discriminated union admits nothing else
             raise TypeError(f"unknown reward spec {spec!r}")
         sources.append((source, spec.weight))
