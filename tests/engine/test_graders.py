@@ -6,13 +6,30 @@ from __future__ import annotations
 
 import asyncio
 import math
+import pickle
+import random
+import time
+import tracemalloc
 from typing import Any
 
 import pytest
 
-from contract.graders import FormulaError, GraderInvalid, evaluate_formula, parse_formula, parse_grader
+from contract.graders import (
+    MAX_RENDERED_CHARS,
+    FormulaError,
+    GraderInputTooLarge,
+    GraderInvalid,
+    GraderLimits,
+    MissingField,
+    Sample,
+    evaluate_formula,
+    parse_formula,
+    parse_grader,
+    parse_reference,
+    render,
+)
 from contract.reward_types import RewardInput
-from outbound.graders import GraderSource, run_grader
+from outbound.graders import GraderSource, run_grader, similarity
 
 
 def score(grader: dict[str, Any], sample: str, item: dict[str, Any]) -> float:
@@ -132,3 +149,91 @@ class TestAsRewardSource:
         plain = GraderSource("grader:user", parse_grader(TestMulti.GRADER), chat=None)
         assert asyncio.run(plain(items, step=1)) == [1.0, 0.0]
         assert all(math.isfinite(v) for v in asyncio.run(plain(items, step=2)) if v is not None)
+
+
+# --- bounded work (issue 30): rendered size, linear metrics ------------------------------------------
+
+
+class TestRenderedSize:
+    AMPLIFIER = "{{item.a}}" * 2000  # 20,000 characters: the longest template a grader may have
+
+    def test_a_repeated_large_field_is_refused_naming_the_field_and_limit(self) -> None:
+        item = {"a": "x" * 100_000}
+        with pytest.raises(GraderInputTooLarge) as refused:
+            render(self.AMPLIFIER, item, Sample("s"), field="reference", max_chars=MAX_RENDERED_CHARS)
+        assert refused.value.field == "reference" and refused.value.limit == MAX_RENDERED_CHARS
+        assert "GRPO_GRADER_MAX_RENDERED_CHARS" in str(refused.value)
+
+    def test_rendering_stops_at_the_limit_instead_of_building_the_whole_text(self) -> None:
+        # 2,000 x 100 KB would be 200 MB of text; counted while rendering, at most the limit is ever held.
+        item = {"a": "x" * 100_000}
+        tracemalloc.start()
+        try:
+            with pytest.raises(GraderInputTooLarge):
+                render(self.AMPLIFIER, item, Sample("s"), max_chars=MAX_RENDERED_CHARS)
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        assert peak < 4 * MAX_RENDERED_CHARS, f"rendering held {peak} bytes"
+
+    def test_within_the_limit_renders_as_before(self) -> None:
+        assert render("{{item.a}}-{{ sample.output_text }}", {"a": [1, "é"]}, Sample("s"), max_chars=10) == '[1, "é"]-s'
+        with pytest.raises(GraderInputTooLarge):
+            render("{{item.a}}-{{ sample.output_text }}", {"a": [1, "é"]}, Sample("s!"), max_chars=10)
+
+    def test_graders_run_refuses_naming_the_sub_grader(self) -> None:
+        grader = parse_grader({**TestMulti.GRADER, "graders": {
+            **TestMulti.GRADER["graders"],
+            "name": {**TestMulti.GRADER["graders"]["name"], "reference": self.AMPLIFIER},
+        }})
+        with pytest.raises(GraderInputTooLarge) as refused:
+            asyncio.run(run_grader(grader, {"a": "x" * 100_000, **TestMulti.ITEM}, '{"name": "n", "email": "e"}', chat=None))
+        assert refused.value.field == "graders.name.reference"
+
+    def test_training_scores_an_oversized_completion_lowest_and_counts_it(self) -> None:
+        grader = parse_grader({"type": "string_check", "name": "check", "operation": "eq",
+                               "input": "{{sample.output_text}}", "reference": "{{item.ref}}"})
+        source = GraderSource("grader:check", grader, chat=None, limits=GraderLimits(max_rendered_chars=1024))
+        items = [RewardInput(prompt="p", completion=c, completion_ids=[], extras={"ref": c})
+                 for c in ("fine", "y" * 1025)]
+        assert asyncio.run(source(items, step=1)) == [1.0, 0.0]
+        assert source.input_too_large == 1
+
+    def test_refusals_cross_a_process_boundary_intact(self) -> None:
+        too_large = GraderInputTooLarge("input", "the rendered template", 10, "GRPO_GRADER_MAX_RENDERED_CHARS")
+        copy = pickle.loads(pickle.dumps(too_large))
+        assert (copy.field, copy.limit, str(copy)) == ("input", 10, str(too_large))
+        missing = MissingField(parse_reference("item.a"), "a")
+        assert str(pickle.loads(pickle.dumps(missing))) == str(missing)
+
+
+class TestLinearMetrics:
+    def test_rouge_l_matches_rouge_scores_table(self) -> None:
+        # The previous definition (rouge-score's n x m table) on small inputs: same tokens, same F-measure.
+        from rouge_score import rouge_scorer
+
+        reference_scorer = rouge_scorer.RougeScorer(["rougeL"])
+        rng = random.Random(30)
+        words = ["the", "cat", "Sat", "on", "mat", "a", "dog", "ran", "42", "é", "x-y", ","]
+        cases = [("", "a b"), ("a b", ""), ("!!", "a"), ("The cat", "the CAT"), ("a a a", "a")]
+        for _ in range(300):
+            cases.append((" ".join(rng.choices(words, k=rng.randint(0, 30))),
+                          " ".join(rng.choices(words, k=rng.randint(0, 30)))))
+        for reference, text in cases:
+            expected = reference_scorer.score(reference, text)["rougeL"].fmeasure
+            assert similarity("rouge_l", text, reference) == pytest.approx(expected, abs=1e-12), (reference, text)
+
+    def test_rouge_l_of_20k_token_texts_is_fast(self) -> None:
+        rng = random.Random(7)
+        words = [f"w{i}" for i in range(500)]
+        a, b = (" ".join(rng.choices(words, k=20_000)) for _ in range(2))
+        started = time.perf_counter()
+        value = similarity("rouge_l", a, b)
+        assert 0.0 < value < 1.0 and time.perf_counter() - started < 5
+
+    def test_fuzzy_match_refuses_a_text_over_its_limit(self) -> None:
+        limits = GraderLimits(max_fuzzy_match_chars=100)
+        assert similarity("fuzzy_match", "a" * 100, "a" * 100, limits=limits) == 1.0
+        with pytest.raises(GraderInputTooLarge) as refused:
+            similarity("fuzzy_match", "short", "b" * 101, limits=limits)
+        assert refused.value.field == "reference" and "GRPO_GRADER_MAX_FUZZY_MATCH_CHARS" in str(refused.value)

@@ -32,6 +32,7 @@ class Answer:
 
     status: int
     body: bytes = b""
+    headers: dict[str, str] | None = None
 
 
 Reply = Callable[[dict[str, Any]], "str | Answer"]
@@ -69,7 +70,8 @@ class ChatServer:
             number = len(self.seen)
         answer = self.reply(body)
         if isinstance(answer, Answer):
-            return Response(answer.body, status_code=answer.status, media_type="application/json")
+            return Response(answer.body, status_code=answer.status, media_type="application/json",
+                            headers=answer.headers)
         return JSONResponse({
             "id": f"chatcmpl-{number}",
             "object": "chat.completion",
