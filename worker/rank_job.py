@@ -82,6 +82,7 @@ def _follow(ranks: object, claim: Claim, workdir: Path) -> None:
         remote=lambda s: build_remote_source(inputs.remote_configs[s.reward_function_id]),
         device=device_for(ranks) or "cpu",
         model_paths=inputs.model_paths,
+        grader_limits=get_settings().grader_limits(),
     )
     trainer = GRPOTrainer(
         spec.hyperparameters,

@@ -825,7 +825,8 @@ class JobRunner:
         self._model_paths = model_paths
         device = "cpu" if context.queue.startswith("cpu") else _default_device()
         return build_reward_sources(
-            context.spec.rewards, remote=remote, device=device, model_paths=model_paths, chat=chat
+            context.spec.rewards, remote=remote, device=device, model_paths=model_paths, chat=chat,
+            grader_limits=self.settings.grader_limits(),
         )
 
 
