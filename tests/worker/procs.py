@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -417,3 +418,32 @@ def private_tmp(prefix: str) -> Path:
     path = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
     path.chmod(0o755)
     return path
+
+
+class PeakMemory:
+    """Samples `measure()` (bytes) every `interval_s` while in use; `.growth` is the peak over the starting value."""
+
+    def __init__(self, measure: Callable[[], int], interval_s: float = 0.01) -> None:
+        self.measure = measure
+        self.interval_s = interval_s
+        self.start = measure()
+        self.peak = self.start
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _sample(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.peak = max(self.peak, self.measure())
+
+    def __enter__(self) -> PeakMemory:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self.measure())
+
+    @property
+    def growth(self) -> int:
+        return self.peak - self.start

@@ -22,7 +22,7 @@ import pytest
 
 from contract.graders import MAX_RENDERED_CHARS
 from outbound.graders import similarity
-from tests.worker.procs import ApiClient, Proc, Stack, private_tmp
+from tests.worker.procs import ApiClient, PeakMemory, Proc, Stack, private_tmp
 
 pytestmark = [pytest.mark.slow]
 
@@ -57,33 +57,6 @@ def tree_memory(root: int) -> int:
     return total
 
 
-class PeakTreeMemory:
-    """Samples the tree's memory every 20 ms while in use; `.growth` is the peak over the starting value."""
-
-    def __init__(self, pid: int) -> None:
-        self.pid = pid
-        self.start = tree_memory(pid)
-        self.peak = self.start
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-
-    def _sample(self) -> None:
-        while not self._stop.wait(0.02):
-            self.peak = max(self.peak, tree_memory(self.pid))
-
-    def __enter__(self) -> PeakTreeMemory:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *_exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    @property
-    def growth(self) -> int:
-        return self.peak - self.start
-
-
 @pytest.fixture(scope="module")
 def stack() -> Iterator[Stack]:
     data_dir = private_tmp("grpo-grader-limits-")
@@ -116,7 +89,7 @@ def string_check(reference: str) -> dict[str, Any]:
 
 def test_template_amplification_is_refused_in_bounded_memory(server: Proc, api: ApiClient) -> None:
     body = {"grader": string_check("{{item.a}}" * 2000), "model_sample": "x", "item": {"a": "x" * 100_000}}
-    with PeakTreeMemory(server.popen.pid) as memory:
+    with PeakMemory(lambda: tree_memory(server.popen.pid), interval_s=0.02) as memory:
         responses = [api.http.post(RUN, json=body) for _ in range(3)]
     for response in responses:
         assert response.status_code == 400, response.text

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import socket
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,7 +20,7 @@ import pytest
 
 from contract.gen.grpo.v1 import job_spec_pb2, jobs_pb2, jobs_pb2_grpc
 from tests.worker.conftest import PROMPTS, tiny_spec
-from tests.worker.procs import ApiClient, Proc, Stack, free_port, private_tmp
+from tests.worker.procs import ApiClient, PeakMemory, Proc, Stack, free_port, private_tmp
 
 pytestmark = [pytest.mark.slow]
 
@@ -34,34 +33,6 @@ def rss(pid: int) -> int:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) * 1024
     raise AssertionError("no VmRSS")
-
-
-class PeakRss:
-    """Samples a process's RSS every 10 ms while in use; `.growth` is the peak over the starting value."""
-
-    def __init__(self, pid: int) -> None:
-        self.pid = pid
-        self.start = rss(pid)
-        self.peak = self.start
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-
-    def _sample(self) -> None:
-        while not self._stop.wait(0.01):
-            self.peak = max(self.peak, rss(self.pid))
-
-    def __enter__(self) -> PeakRss:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *_exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, rss(self.pid))
-
-    @property
-    def growth(self) -> int:
-        return self.peak - self.start
 
 
 @pytest.fixture(scope="module")
@@ -144,7 +115,7 @@ def test_rest_100_mb_metadata_is_413_in_bounded_memory(stack: Stack, server: Pro
         yield ('"' + after).encode()
 
     started = time.monotonic()
-    with PeakRss(server.popen.pid) as memory:
+    with PeakMemory(lambda: rss(server.popen.pid)) as memory:
         response = post_chunked(stack.api_port, "/v1/jobs", _token(api), "application/json", body())
     assert time.monotonic() - started < 10
     assert response.startswith(b"HTTP/1.1 413"), response[:300]
@@ -181,7 +152,7 @@ def test_rest_dataset_with_200k_columns_is_422_in_bounded_memory(stack: Stack, s
         yield f"\r\n--{boundary}--\r\n".encode()
 
     started = time.monotonic()
-    with PeakRss(server.popen.pid) as memory:
+    with PeakMemory(lambda: rss(server.popen.pid)) as memory:
         response = post_chunked(stack.api_port, "/v1/datasets", _token(api),
                                 f"multipart/form-data; boundary={boundary}", body())
     assert time.monotonic() - started < 10
@@ -203,7 +174,7 @@ async def test_grpc_100_mb_metadata_is_resource_exhausted_in_bounded_memory(
         metadata={"note": "x" * (100 * MIB)},
     )
     started = time.monotonic()
-    with PeakRss(server.popen.pid) as memory:
+    with PeakMemory(lambda: rss(server.popen.pid)) as memory:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{stack.grpc_port}") as channel:
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await jobs_pb2_grpc.JobServiceStub(channel).CreateJob(
