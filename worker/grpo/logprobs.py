@@ -106,18 +106,89 @@ def completion_logprobs(
         )
     if not adapters:
         raise ValueError("adapters=False needs the fast path; use the peft model's disable_adapter() instead")
-    logits = model(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids,
-        logits_to_keep=completion_length + 1,
-        use_cache=False,
-    ).logits[:, :-1, :]  # (N, C, V): predictions of the C completion tokens
+    return module_logprobs(
+        model, input_ids, attention_mask, position_ids, targets,
+        temperature=temperature, with_entropy=with_entropy, entropy_grad=entropy_grad,
+    )
+
+
+# Model types whose causal-LM forward applies nothing after the LM head but the slice to the kept positions
+# (no logit soft-capping, scaling or multiplier): their head's input is all `head_logprobs` needs. Others,
+# and any model with `final_logit_softcapping` set, take their logits from the model's own forward.
+HEAD_INPUT_MODEL_TYPES = frozenset({
+    "llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "phi3", "gemma", "gemma3_text",
+    "olmo2", "smollm3", "gpt2",
+})
+
+
+def module_logprobs(
+    model: PreTrainedModel,
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    position_ids: Tensor,
+    targets: Tensor,
+    *,
+    temperature: float,
+    with_entropy: bool = False,
+    entropy_grad: bool = False,
+) -> tuple[Tensor, Tensor | None]:
+    """`completion_logprobs` through the model's own module forward (any causal LM, plain or peft, with
+    whatever wrappers see the forward). Where the model's LM head is a plain linear layer at the end of its
+    forward (HEAD_INPUT_MODEL_TYPES), the forward stops at the head's input and `head_logprobs` computes the
+    log-probs chunk by chunk over the vocabulary: a (tokens x vocabulary) float32 tensor never exists. Else
+    the model's logits (N, C, V) are scored as they come."""
+    completion_length = targets.shape[1]
+    inputs = {
+        "input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids,
+        "logits_to_keep": completion_length + 1, "use_cache": False,
+    }
+    head = _plain_head(model)
+    if head is not None:
+        hidden = _head_input(model, head, inputs)[:, :-1, :]  # (N, C, E): predictions of the C tokens
+        return head_logprobs(
+            hidden, head.weight, head.bias, targets,
+            temperature=temperature, with_entropy=with_entropy, entropy_grad=entropy_grad,
+        )
+    logits = model(**inputs).logits[:, :-1, :]  # (N, C, V)
     if temperature != 1.0:
         logits = logits / temperature
     logps = selective_log_softmax(logits, targets)  # (N, C) float32
     entropy = entropy_from_logits(logits if entropy_grad else logits.detach()) if with_entropy else None
     return logps, entropy
+
+
+def _plain_head(model: PreTrainedModel) -> torch.nn.Linear | None:
+    """The model's LM head when the forward's logits are exactly head(final hidden states), else None."""
+    config = model.config
+    if config.model_type not in HEAD_INPUT_MODEL_TYPES or getattr(config, "final_logit_softcapping", None):
+        return None
+    head = model.get_output_embeddings()
+    return head if type(head) is torch.nn.Linear else None  # not a LoRA-wrapped or quantised head
+
+
+class _HeadReached(Exception):  # noqa: N818  # a signal, not an error
+    """Raised by the LM head's pre-hook to stop the forward there, carrying the head's input."""
+
+    def __init__(self, hidden: Tensor) -> None:
+        super().__init__("the forward reached the LM head")
+        self.hidden = hidden
+
+
+def _head_input(model: PreTrainedModel, head: torch.nn.Linear, inputs: dict[str, Any]) -> Tensor:
+    """The tensor the model's forward gives its LM head (with its graph), without running the head: a
+    pre-hook raises it out of the forward. Everything before the head ran as in a plain forward."""
+
+    def stop(_module: torch.nn.Module, args: tuple[Any, ...]) -> None:
+        raise _HeadReached(args[0])
+
+    handle = head.register_forward_pre_hook(stop)
+    try:
+        model(**inputs)
+    except _HeadReached as reached:
+        return reached.hidden
+    finally:
+        handle.remove()
+    raise RuntimeError(f"{type(model).__name__}'s forward did not call its LM head")
 
 
 # Logits per chunk of the LM head (elements): 256 MiB in float32. Up to that the logits are made at
