@@ -25,7 +25,8 @@ stops without writing anything more. How the outcome maps to states:
 - a dataset that no longer parses -> `failed` (`dataset_invalid`); a `checkpoint:<id>` model that is
   missing or corrupt -> `failed` (`base_checkpoint_invalid`); a model source the worker refuses
   (worker.model_sources) -> `model_source_refused` / `model_too_large`; a model that does not load ->
-  `model_load_failed` (generic message, the loader's error in the log); anything else -> `failed`
+  `model_load_failed` (the reason's class only: unknown architecture, corrupt safetensors file, GGUF without
+  the gguf package; the loader's error in the log); anything else -> `failed`
   (`training_error`, with the exception type and message; only the type for filesystem errors).
 Metrics, events and checkpoints already recorded always stay.
 
@@ -91,7 +92,7 @@ from worker.lease import (
     wake_waiting_jobs,
     with_db_retry,
 )
-from worker.model_sources import ModelUnavailable, check_hub_size, check_source
+from worker.model_sources import ModelUnavailable, check_hub_size, check_source, load_failure_reason
 
 if TYPE_CHECKING:
     from contract.spec import Resources
@@ -538,10 +539,11 @@ class JobRunner:
                 ranks=self.ranks,
             )
         except Exception as exc:
-            # from_pretrained's errors describe the worker's filesystem: the tenant gets a code, the log the rest.
+            # from_pretrained's errors describe the worker's filesystem: the tenant gets a code and the reason's
+            # class (unknown architecture, corrupt safetensors, GGUF without gguf), the log the rest.
             log.exception("job %s: loading base_model %r failed", self.job_id, context.spec.base_model)
             raise ModelUnavailable(
-                "model_load_failed", "base_model", context.spec.base_model, "could not be loaded"
+                "model_load_failed", "base_model", context.spec.base_model, load_failure_reason(exc, base_model)
             ) from exc
         reporting.set_total_steps(claim, trainer.total_steps)
         self._meter = UsageMeter(
