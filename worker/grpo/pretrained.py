@@ -22,7 +22,8 @@ import logging
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+import transformers
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
 from worker.grpo.tiny import PRETRAINED_PRESET, is_complete_model, save_model_atomically
 
@@ -80,14 +81,27 @@ def convert_gguf(gguf_path: Path, out_dir: Path, *, dtype: torch.dtype = torch.b
     tokenizer.model_max_length = gguf_model.config.max_position_embeddings  # GGUF leaves it unbounded
 
     # The same architecture and shapes, without the GGUF quantization_config that save_pretrained refuses.
-    config = copy.deepcopy(gguf_model.config)
-    del config.quantization_config
-    config.dtype = dtype
+    settings = gguf_model.config.to_dict()
+    settings.pop("quantization_config", None)  # transformers 5.19 keeps one there, 5.0 does not
+    config = type(gguf_model.config).from_dict({**settings, "dtype": dtype})
     model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.load_state_dict(gguf_model.state_dict())  # copies (and casts) every dequantized tensor
     model.generation_config = copy.deepcopy(gguf_model.generation_config)
     del gguf_model
+    check_tokenizer(tokenizer, config.eos_token_id)
     return save_model_atomically(model, tokenizer, out_dir)
+
+
+def check_tokenizer(tokenizer: PreTrainedTokenizerBase, eos_token_id: int | list[int] | None) -> None:
+    """Refuse a tokenizer the GGUF conversion got wrong (transformers 5.0 makes SmolLM2's a CodeLlama one with
+    `<|im_start|>` as EOS and a prefix space): its EOS must be the model's, and text must round-trip."""
+    eos_ids = eos_token_id if isinstance(eos_token_id, list) else [eos_token_id]
+    text = "Hello world, 2+3=5."
+    if tokenizer.eos_token_id not in eos_ids or tokenizer.decode(tokenizer.encode(text, add_special_tokens=False)) != text:
+        raise ValueError(
+            f"transformers {transformers.__version__} converts this GGUF file's tokenizer wrongly "
+            f"(EOS {tokenizer.eos_token!r}); convert it with a newer transformers"
+        )
 
 
 def smollm2_gguf() -> Path:
