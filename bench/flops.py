@@ -160,3 +160,25 @@ def matmul_peak_flops(*, threads: int, sizes: tuple[int, ...] = (512, 1024, 2048
             torch.matmul(a, b, out=out)
             best = max(best, 2.0 * size**3 / (time.perf_counter() - started))
     return best
+
+
+def cuda_matmul_peak_flops(*, size: int = 8192, warmup: int = 3, repeats: int = 10) -> float:
+    """Median FLOP/s of a square bfloat16 `torch.matmul` on the current CUDA device, timed with CUDA events
+    on random data (zeros run faster than real data on some cards)."""
+    import statistics
+
+    import torch
+
+    a, b = (torch.randn(size, size, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    out = torch.empty(size, size, device="cuda", dtype=torch.bfloat16)
+    for _ in range(warmup):
+        torch.matmul(a, b, out=out)
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.matmul(a, b, out=out)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1000)
+    return 2.0 * size**3 / statistics.median(times)

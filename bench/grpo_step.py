@@ -35,6 +35,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -71,6 +72,20 @@ TUNES = ("full", "lora")
 TARGET_RATIO = {"tiny": 0.5, "small": 0.5, "medium": 0.9}
 REALISTIC_TARGET = 0.7
 LORA_RANK, LORA_ALPHA = 16, 32
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """Where and in what precision a child trains, and how long its completions may be: the table's runs
+    are the CPU in float32 with the workload's 32 new tokens; `bench/gpu_check.py` runs a CUDA device in
+    bfloat16 (both frameworks load bfloat16 weights; TRL adds its bf16 autocast)."""
+
+    device: str = "cpu"
+    bf16: bool = False
+    max_completion_length: int = MAX_COMPLETION_LENGTH
+
+
+CPU = Runtime()
 
 
 # ==================================================================================================
@@ -133,7 +148,22 @@ def _limit_threads() -> None:
     torch.set_num_threads(TORCH_THREADS)
 
 
-def run_trl(case: Case, model_dir: Path, data: Path, steps: int, record: RunRecord, work: Path) -> None:
+def _synchronize(runtime: Runtime) -> None:
+    if runtime.device != "cpu":
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def run_trl(
+    case: Case,
+    model_dir: Path,
+    data: Path,
+    steps: int,
+    record: RunRecord,
+    work: Path,
+    runtime: Runtime = CPU,
+) -> None:
     """TRL's GRPOTrainer with every default that differs from our workload overridden."""
     from datasets import Dataset
     from transformers import AutoTokenizer, TrainerCallback
@@ -160,10 +190,12 @@ def run_trl(case: Case, model_dir: Path, data: Path, steps: int, record: RunReco
         """Times whole optimiser steps (generation + reference + loss + optimiser) and counts tokens."""
 
         def on_step_begin(self, args: object, state: object, control: object, **kwargs: object) -> None:
+            _synchronize(runtime)
             self.started, self.cpu_started = time.perf_counter(), time.process_time()
             generating[0] = 0.0
 
         def on_step_end(self, args: object, state: object, control: object, **kwargs: object) -> None:
+            _synchronize(runtime)  # on a GPU the optimiser's kernels may still be queued
             record.step_s.append(time.perf_counter() - self.started)
             record.cpu_s.append(time.process_time() - self.cpu_started)
             record.generate_s.append(generating[0])
@@ -196,7 +228,7 @@ def run_trl(case: Case, model_dir: Path, data: Path, steps: int, record: RunReco
         per_device_train_batch_size=COMPLETIONS_PER_STEP,  # counts completions: 4 prompts x 8
         gradient_accumulation_steps=1,
         num_generations=NUM_GENERATIONS,
-        max_completion_length=MAX_COMPLETION_LENGTH,
+        max_completion_length=runtime.max_completion_length,
         temperature=TEMPERATURE,
         learning_rate=LEARNING_RATE,
         lr_scheduler_type="constant",
@@ -205,9 +237,11 @@ def run_trl(case: Case, model_dir: Path, data: Path, steps: int, record: RunReco
         epsilon=EPSILON,
         loss_type=LOSS_TYPE,
         max_steps=steps,
-        bf16=False,  # TRL turns bf16 on by default, even on CPU
+        bf16=runtime.bf16,  # TRL turns bf16 on by default, even on CPU
+        # TRL loads float32 weights unless told otherwise (then autocasts to bf16): ours loads bf16 weights.
+        model_init_kwargs={"dtype": "bfloat16"} if runtime.bf16 else None,
         gradient_checkpointing=False,  # TRL's default is True
-        use_cpu=True,
+        use_cpu=runtime.device == "cpu",
         report_to="none",
         save_strategy="no",
         logging_steps=1,
@@ -228,7 +262,7 @@ def run_trl(case: Case, model_dir: Path, data: Path, steps: int, record: RunReco
     trainer.train()
 
 
-def ours_config(case: Case, steps: int) -> Any:
+def ours_config(case: Case, steps: int, runtime: Runtime = CPU) -> Any:
     """Our GRPOConfig for the bench's workload (the same knobs as TRL's child)."""
     from contract.config import GRPOConfig, LoraConfig
 
@@ -237,7 +271,7 @@ def ours_config(case: Case, steps: int) -> Any:
         num_generations=NUM_GENERATIONS,
         prompts_per_step=PROMPTS_PER_STEP,
         max_steps=steps,
-        max_completion_length=MAX_COMPLETION_LENGTH,
+        max_completion_length=runtime.max_completion_length,
         max_prompt_length=None,  # TRL no longer truncates prompts
         temperature=TEMPERATURE,
         learning_rate=LEARNING_RATE,
@@ -247,7 +281,7 @@ def ours_config(case: Case, steps: int) -> Any:
         epsilon=EPSILON,
         loss_type=LOSS_TYPE,
         advantage_std="unbiased",  # TRL's definition (no effect on speed, keeps the runs comparable)
-        dtype="float32",
+        dtype="bfloat16" if runtime.bf16 else "float32",
         gradient_checkpointing=False,
         lora=lora if case.lora else None,
         checkpoint_every=steps + 1,  # no periodic saving (train() still saves once after the last step)
@@ -267,7 +301,15 @@ def ours_reward() -> Any:
     return CompositeReward([(FunctionSource("reward_digit", score), 1.0)])
 
 
-def run_ours(case: Case, model_dir: Path, data: Path, steps: int, record: RunRecord, work: Path) -> None:
+def run_ours(
+    case: Case,
+    model_dir: Path,
+    data: Path,
+    steps: int,
+    record: RunRecord,
+    work: Path,
+    runtime: Runtime = CPU,
+) -> None:
     """Our GRPOTrainer with the same workload, timed from outside (between metric callbacks)."""
     from worker.grpo.data import load_jsonl
     from worker.grpo.trainer import GRPOTrainer
@@ -284,13 +326,13 @@ def run_ours(case: Case, model_dir: Path, data: Path, steps: int, record: RunRec
 
     started = time.perf_counter()
     trainer = GRPOTrainer(
-        ours_config(case, steps),
+        ours_config(case, steps, runtime),
         base_model=str(model_dir),
         train_rows=load_jsonl(data),
         reward=ours_reward(),
         output_dir=work / "ours-out",
         on_metrics=on_metrics,
-        device="cpu",
+        device=runtime.device,
     )
     record.setup_s = time.perf_counter() - started
     clock[:] = [time.perf_counter(), time.process_time()]
@@ -334,20 +376,35 @@ def _child_env(omp_wait_policy: str) -> dict[str, str]:
     return env | {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
 
 
-def _run_child(command: list[str], env: dict[str, str], what: str) -> float:
-    """Run one child to completion; returns its peak RSS in MiB (its own rusage, not the other children's)."""
+def _run_child(
+    command: list[str],
+    env: dict[str, str],
+    what: str,
+    script: str = __file__,
+    timeout_s: float | None = None,
+) -> float:
+    """Run one child (`script` with `command`) to completion; returns its peak RSS in MiB (its own rusage,
+    not the other children's). A child still running after `timeout_s` is killed and reported as failed."""
     child = subprocess.Popen(
-        [sys.executable, __file__, *command],
+        [sys.executable, script, *command],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
     )
-    output = child.stdout.read() if child.stdout else ""
-    _, status, usage = os.wait4(child.pid, 0)
+    timer = threading.Timer(timeout_s, child.kill) if timeout_s else None
+    if timer:
+        timer.start()
+    try:
+        output = child.stdout.read() if child.stdout else ""
+        _, status, usage = os.wait4(child.pid, 0)
+    finally:
+        if timer:
+            timer.cancel()
     child.returncode = os.waitstatus_to_exitcode(status)
     if child.returncode != 0:
-        raise RuntimeError(f"{what} failed (exit {child.returncode}):\n{output[-4000:]}")
+        limit = f", killed at its {timeout_s:.0f} s limit" if timer and timer.finished.is_set() else ""
+        raise RuntimeError(f"{what} failed (exit {child.returncode}{limit}):\n{output[-4000:]}")
     return usage.ru_maxrss / 1024  # Linux reports KiB
 
 

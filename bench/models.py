@@ -20,7 +20,7 @@ import json
 import os
 import random
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -241,20 +241,64 @@ def hf_tokenizer(vocab: Vocab, cache_dir: Path) -> Any:
     )
 
 
-def build_model(arch: Arch, vocab: Vocab, out_dir: Path, *, cache_dir: Path, seed: int = 0) -> Path:
-    """Save a randomly initialised `arch` model at the realistic shape with `vocab`'s tokenizer to `out_dir`."""
+def widen_vocabulary(tokenizer: Any, size: int) -> Any:
+    """`tokenizer` with ids up to `size` - 1: the new tokens are distinct letter strings that no text encodes
+    to, so that a model with a real model's vocabulary size (Qwen2.5's 151,936) samples only ids that decode
+    (a tokenizer drops ids it does not know from the text). Encoding is unchanged."""
+    from transformers import AutoTokenizer
+
+    with tempfile.TemporaryDirectory(prefix="widen-") as tmp:
+        tokenizer.save_pretrained(tmp)
+        path = Path(tmp) / "tokenizer.json"
+        spec = json.loads(path.read_text())
+        vocab: dict[str, int] = spec["model"]["vocab"]
+        taken = set(vocab) | {token["content"] for token in spec.get("added_tokens", [])}
+        next_id = 1 + max([*vocab.values(), *(t["id"] for t in spec.get("added_tokens", []))])
+        number = 0
+        while next_id < size:
+            number += 1
+            word, n = "", number
+            while n:  # bijective base 26: a, b, ..., z, aa, ab, ...
+                n, digit = divmod(n - 1, 26)
+                word = chr(ord("a") + digit) + word
+            if word not in taken:
+                vocab[word] = next_id
+                next_id += 1
+        path.write_text(json.dumps(spec))
+        return AutoTokenizer.from_pretrained(tmp)
+
+
+def build_model(
+    arch: Arch,
+    vocab: Vocab,
+    out_dir: Path,
+    *,
+    cache_dir: Path,
+    seed: int = 0,
+    shape: Shape = REALISTIC,
+    tokenizer: Any = None,
+    overrides: Mapping[str, Any] | None = None,
+    dtype: str | None = None,
+) -> Path:
+    """Save a randomly initialised `arch` model at the realistic shape with `vocab`'s tokenizer to `out_dir`.
+
+    `bench/gpu_check.py` builds its Qwen2.5-0.5B-shaped model with another `shape`, a widened `tokenizer`
+    (its length is the vocabulary size), config `overrides` (tied embeddings) and bfloat16 weights (`dtype`).
+    """
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     out_dir = Path(out_dir)
     if (out_dir / "config.json").is_file():
         return out_dir
-    tokenizer = hf_tokenizer(vocab, cache_dir)
+    tokenizer = tokenizer if tokenizer is not None else hf_tokenizer(vocab, cache_dir)
     special = {"pad": tokenizer.pad_token_id, "bos": tokenizer.bos_token_id, "eos": tokenizer.eos_token_id}
-    config = hf_config(arch, len(tokenizer), special)
+    config = hf_config(arch, len(tokenizer), special, shape)
+    for name, value in (overrides or {}).items():
+        setattr(config, name, value)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config)
+        model = AutoModelForCausalLM.from_config(config, **({"dtype": getattr(torch, dtype)} if dtype else {}))
     model.generation_config = GenerationConfig(
         bos_token_id=special["bos"], eos_token_id=special["eos"], pad_token_id=special["pad"]
     )
