@@ -12,7 +12,7 @@ LOWEST_PINS := transformers==5.0.0 huggingface_hub==1.33.0 tokenizers==0.22.2
 LOWEST_STAMP := $(LOWEST)/.installed
 export PYTHONUNBUFFERED := 1
 
-.PHONY: install test lint typecheck pytest test-lowest demo proto bench clean
+.PHONY: install test lint typecheck pytest test-lowest demo proto bench gpu-wheels clean
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -69,6 +69,20 @@ proto: install
 
 bench: $(BENCH_STAMP)
 	$(PY) bench/grpo_step.py
+
+# Wheels for bench/gpu_check.sh on the lent GPU machine (Python 3.12 with torch, transformers, peft, accelerate,
+# pytest; no network): what the engine, its CUDA tests and TRL import beyond what that machine has. The device
+# tool carries the folder (`carry: [".gpu-wheels"]`, 64 MiB in all with the tree). datasets 4.8: 5.x fails to
+# fingerprint a dataset here (dill cannot pickle pyarrow's MonthDayNano).
+GPU_WHEELS := .gpu-wheels
+GPU_WHEEL_PINS := pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 \
+	typing-extensions==4.16.0 google-re2==1.1.20251105 trl==1.16.0 datasets==4.8.5 dill==0.4.1 multiprocess==0.70.19
+gpu-wheels:
+	rm -rf $(GPU_WHEELS)
+	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
+		--platform manylinux2014_x86_64 -d $(GPU_WHEELS) $(GPU_WHEEL_PINS)
+	@du -sh $(GPU_WHEELS)
 
 clean:
 	rm -rf $(VENV) $(LOWEST) grpo-data demo-out .mypy_cache .ruff_cache .pytest_cache
