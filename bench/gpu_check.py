@@ -5,8 +5,8 @@
 
 Sized for a 15-minute device lease: it stops starting new runs after --budget-s (default 420 s) and prints:
 
-1. the CUDA tests' result: every test that skips without a CUDA device (a `skipif` whose reason names CUDA,
-   a `cuda` marker, or "cuda" in its name), from the test files that ask `torch.cuda.is_available()`;
+1. the CUDA tests' result: every test that skips without a CUDA device (a `skipif` whose reason names CUDA
+   or a `cuda` marker), from the test files that ask `torch.cuda.is_available()`;
    on a GPU all must pass, none may skip;
 2. per case (full fine-tune, LoRA r=16 on all linear layers): the step time ours/TRL (1.16), each
    framework in child processes alternating as in bench/grpo_step.py (whose child runners this reuses);
@@ -31,7 +31,6 @@ import math
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -44,6 +43,7 @@ ROOT = BENCH.parent
 sys.path.insert(0, str(BENCH))
 
 from common import COMPLETIONS_PER_STEP, NUM_GENERATIONS, PROMPTS_PER_STEP, RunRecord, summarise  # noqa: E402
+from cuda_tests import run_cuda_tests  # noqa: E402
 from flops import ModelDims  # noqa: E402
 from grpo_step import (  # noqa: E402
     BETA,
@@ -225,79 +225,6 @@ def child_run(args: argparse.Namespace) -> None:
         raise RuntimeError(f"{args.child}: recorded {len(record.step_s)} step times for {args.steps} steps")
     peak_gpu = torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else float("nan")
     Path(args.record).write_text(json.dumps(asdict(record) | {"peak_gpu_mib": peak_gpu}))
-
-
-# --- the CUDA tests: a pytest plugin (`-p gpu_check`) that keeps only them ----------------------------
-
-
-def is_cuda_test(item: Any) -> bool:
-    """A test that needs a CUDA device: a `cuda` marker, a skipif whose reason names CUDA, or its name."""
-    if item.get_closest_marker("cuda") is not None or "cuda" in item.name.lower():
-        return True
-    return any("cuda" in str(mark.kwargs.get("reason", "")).lower() for mark in item.iter_markers("skipif"))
-
-
-def pytest_collection_modifyitems(config: Any, items: list[Any]) -> None:
-    if not os.environ.get("GPU_CHECK_TESTS_JSON"):
-        return
-    kept = [item for item in items if is_cuda_test(item)]
-    dropped = [item for item in items if not is_cuda_test(item)]
-    if dropped:
-        config.hook.pytest_deselected(items=dropped)
-    items[:] = kept
-
-
-def pytest_terminal_summary(terminalreporter: Any) -> None:
-    path = os.environ.get("GPU_CHECK_TESTS_JSON")
-    if path:
-        stats = terminalreporter.stats
-        counts = {key: len(stats.get(key, [])) for key in ("passed", "failed", "skipped", "error")}
-        Path(path).write_text(json.dumps(counts))
-
-
-def cuda_test_files() -> list[str]:
-    """Test files that ask for a CUDA device (where the CUDA tests are, wherever the suite moves them)."""
-    return sorted(
-        str(path.relative_to(ROOT))
-        for path in (ROOT / "tests").rglob("test_*.py")
-        if "cuda.is_available(" in path.read_text(errors="replace")
-    )
-
-
-def run_cuda_tests(work: Path, timeout_s: float) -> tuple[str, bool]:
-    """One pytest child over the CUDA tests: (the result line, whether it counts as passed on this machine)."""
-    files = cuda_test_files()
-    if not files:
-        return "cuda tests: none found (no test file asks torch.cuda.is_available())", False
-    counts_path = work / "cuda-tests.json"
-    env = os.environ | {
-        "GPU_CHECK_TESTS_JSON": str(counts_path),
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(BENCH), str(ROOT), os.environ.get("PYTHONPATH")])),
-    }
-    started = time.perf_counter()
-    command = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-p", "gpu_check", *files]
-    try:
-        done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
-        output = done.stdout + done.stderr
-    except subprocess.TimeoutExpired as error:
-        output = f"{error.stdout or ''}{error.stderr or ''}\n(killed at its {timeout_s:.0f} s limit)"
-    took = time.perf_counter() - started
-    if not counts_path.is_file():
-        tail = "\n".join(output.strip().splitlines()[-25:])
-        return f"cuda tests: pytest did not finish ({', '.join(files)}) [FAIL]\n{tail}", False
-    counts = json.loads(counts_path.read_text())
-    selected = sum(counts.values())
-    line = (
-        f"cuda tests: {counts['passed']} passed, {counts['failed']} failed, {counts['skipped']} skipped, "
-        f"{counts['error']} errors of {selected} selected in {took:.0f} s ({', '.join(files)})"
-    )
-    ok = selected > 0 and counts["passed"] == selected
-    if ok:
-        return f"{line} [ok]", True
-    if selected and counts["skipped"] == selected:
-        return f"{line} [skipped: no CUDA device]", False
-    failures = [text for text in output.splitlines() if text.startswith(("FAILED", "ERROR"))]
-    return "\n".join([f"{line} [FAIL]", *failures[:20]]), False
 
 
 # ==================================================================================================

@@ -19,6 +19,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
 
+import cuda_tests  # noqa: E402
 import gpu_check  # noqa: E402
 
 
@@ -41,9 +42,47 @@ def test_an_unknown_card_has_no_datasheet_peak() -> None:
 
 
 def test_the_cuda_tests_are_found_where_the_suite_asks_for_a_device() -> None:
-    files = gpu_check.cuda_test_files()
+    files = cuda_tests.cuda_test_files()
     assert files and all(f.startswith("tests/") for f in files)
-    assert "tests/bench/test_gpu_check.py" not in files  # this file names it only in a string
+    assert "tests/bench/test_gpu_check.py" not in files  # its stand-in below never spells the call out
+
+
+CUDA_TESTS = """
+import pytest
+
+DEVICE = True  # stands in for {call} on a GPU machine
+
+
+@pytest.mark.skipif(not DEVICE, reason="needs a CUDA device")
+def test_on_the_device() -> None:
+    pass
+
+
+@pytest.mark.skipif(not DEVICE, reason="needs a CUDA device")
+def test_on_the_device_too() -> None:
+    assert OUTCOME == "pass", "the planted failure"
+
+
+def test_of_the_cpu() -> None:
+    raise AssertionError("not a CUDA test: deselected")
+"""
+
+
+@pytest.mark.parametrize("outcome", ["pass", "fail"])
+def test_the_cuda_tests_run_alone_and_fail_the_check_unless_all_pass(tmp_path: Path, outcome: str) -> None:
+    """What the check does on a GPU machine, where the CUDA tests' skip conditions are false."""
+    (tmp_path / "tests").mkdir()
+    code = CUDA_TESTS.replace("{call}", "torch.cuda" + ".is_available()")  # how the finder knows the file
+    (tmp_path / "tests" / "test_device.py").write_text(f"OUTCOME = {outcome!r}\n" + code)
+    (tmp_path / "tests" / "test_other.py").write_text("def test_elsewhere() -> None:\n    raise AssertionError\n")
+    line, ok = cuda_tests.run_cuda_tests(tmp_path, timeout_s=120, root=tmp_path)
+    assert cuda_tests.cuda_test_files(tmp_path) == ["tests/test_device.py"]
+    if outcome == "pass":
+        assert ok and line.startswith("cuda tests: 2 passed, 0 failed, 0 skipped, 0 errors of 2 selected")
+        assert line.endswith("[ok]")
+    else:
+        assert not ok and line.startswith("cuda tests: 1 passed, 1 failed, 0 skipped, 0 errors of 2 selected")
+        assert "[FAIL]" in line and "the planted failure" in line  # the traceback comes with it
 
 
 @pytest.mark.slow
