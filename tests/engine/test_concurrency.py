@@ -18,6 +18,7 @@ from contract.config import GRPOConfig
 from tests.engine.test_trainer import _capture_gradients
 from tests.engine.trainer_helpers import small_config, spread_reward, trainer_kwargs, word_rows
 from worker.grpo import concurrency, fast_decoder, rollout, static_decoder
+from worker.grpo.backends import FusedBackend
 from worker.grpo.concurrency import SideThread
 from worker.grpo.modeling import ModelBundle
 from worker.grpo.trainer import GRPOTrainer
@@ -261,7 +262,7 @@ def test_backward_in_halves_runs_beside_and_gives_the_whole_batch_gradient(
     runs = []
     for lane in ("halves", "whole"):
         if lane == "whole":
-            monkeypatch.setattr(GRPOTrainer, "_halves", lambda self, rollout: None)
+            monkeypatch.setattr(FusedBackend, "_halves", lambda self, rollout: None)
         run = GRPOTrainer(
             small_config(max_steps=1, beta=beta, prompts_per_step=4),
             train_rows=word_rows(),
@@ -312,9 +313,10 @@ def test_halves_only_for_one_pass_over_one_mini_batch_of_several_groups(
         reward=spread_reward(),
         **trainer_kwargs(tmp_path, models_dir),
     )
-    with trainer.lanes:
+    assert isinstance(trainer.backend, FusedBackend)
+    with trainer.backend:
         generated = trainer._generate(1, 0, trainer.config.prompts_per_step, {"time/generate_s": 0.0})
-        halves = trainer._halves(generated.rollout)
+        halves = trainer.backend._halves(generated.rollout)
     if overrides:
         assert halves is None
     else:

@@ -377,13 +377,13 @@ class TestForwardWhileScoring:
                 **trainer_kwargs(tmp_path / str(early), models_dir),
             )
             monkeypatch.setattr(type(trainer.parallel), "local_forward", early)  # a class attribute for the run
-            forward = trainer._policy_forward
+            forward = trainer.backend.policy_forward
 
             def spy(*args: Any, forward: Any = forward, **kwargs: Any) -> Any:
                 events.append("forward")
                 return forward(*args, **kwargs)
 
-            monkeypatch.setattr(trainer, "_policy_forward", spy)
+            monkeypatch.setattr(trainer.backend, "policy_forward", spy)
             grads.append(_capture_gradients(trainer))
             trainer.train()
             first = events.index("forward")

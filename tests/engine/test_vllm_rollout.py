@@ -116,11 +116,11 @@ def test_engine_follows_the_policy_after_an_optimizer_step(tmp_path: Path, tiny_
     assert len(ids) > 128
     completion = 5
     input_ids, mask = torch.tensor([ids]), torch.ones(1, len(ids), dtype=torch.long)
-    assert isinstance(trainer.rollouts, VLLMRollout)
-    llm = trainer.rollouts.llm
+    assert isinstance(trainer.backend.rollouts, VLLMRollout)
+    llm = trainer.backend.rollouts.llm
     engine_before = _engine_logps(llm, ids, completion)
     policy_before = _trainer_logps(trainer.models.policy, input_ids, mask, completion, 1.0)[0]
-    trainer.rollouts.generate([LONG_PROMPT], generator_seed=1)  # caches the long prompt's KV blocks
+    trainer.backend.rollouts.generate([LONG_PROMPT], generator_seed=1)  # caches the long prompt's KV blocks
     after: dict[str, Any] = {}
 
     def on_metrics(step: int, metrics: dict[str, float], samples: list[dict[str, Any]]) -> None:
@@ -128,7 +128,7 @@ def test_engine_follows_the_policy_after_an_optimizer_step(tmp_path: Path, tiny_
         # and fresh samples of the cached prompt, scored by the updated policy.
         after["engine"] = _engine_logps(llm, ids, completion)
         after["policy"] = _trainer_logps(trainer.models.policy, input_ids, mask, completion, 1.0)[0]
-        after["sampled"] = trainer.rollouts.generate([LONG_PROMPT], generator_seed=1)
+        after["sampled"] = trainer.backend.rollouts.generate([LONG_PROMPT], generator_seed=1)
 
     trainer.on_metrics = on_metrics
     result = trainer.train()

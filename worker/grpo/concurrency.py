@@ -40,14 +40,15 @@ class StepLanes:
     threads (`side_thread_helps`).
     """
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, *, side: bool = True) -> None:
         self._device = device
+        self._wants_side = side  # the fused backend's second CPU lane; the module backend has none
         self._loop: EventLoopThread | None = None
         self.side: SideThread | None = None
 
     def __enter__(self) -> StepLanes:
         self._loop = EventLoopThread()
-        self.side = SideThread() if side_thread_helps(self._device) else None
+        self.side = SideThread() if self._wants_side and side_thread_helps(self._device) else None
         return self
 
     def __exit__(

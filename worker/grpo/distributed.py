@@ -234,7 +234,9 @@ class Parallel:
         return self.mode != "fsdp"
 
     def completion_logprobs(self, *args: Any, **kwargs: Any) -> tuple[Tensor, Tensor | None]:
-        """worker.grpo.logprobs.completion_logprobs of the training module (with gradient)."""
+        """worker.grpo.logprobs.completion_logprobs of the training module (with gradient), on the fast path
+        only where the backend allows it (ModelBundle.fused)."""
+        kwargs.setdefault("fused", self.models.fused)
         if isinstance(self.train_model, ShardedPolicy):
             return self.train_model.completion_logprobs(*args, **kwargs)
         return completion_logprobs(self.train_model, *args, **kwargs)

@@ -66,8 +66,12 @@ def completion_logprobs(
     entropy_grad: bool = False,
     adapters: bool = True,
     net: fast_decoder.DecoderFunctional | None = None,
+    fused: bool = True,
 ) -> tuple[Tensor, Tensor | None]:
     """Log-probs (N, C) of the last C tokens of `input_ids` under `model`, from logits / temperature.
+
+    `fused`: whether the fast path may compute them where it `supports` the model (the fused backend,
+    worker.grpo.backends); else, and for every other model, the model's module forward (`module_logprobs`).
 
     `adapters=False` scores a peft model's base weights on the fast path, without toggling its
     adapters (see fast_decoder.DecoderFunctional); only for models `fast_decoder.supports`.
@@ -89,7 +93,7 @@ def completion_logprobs(
     # Positions count real tokens only, as in generate(), so left padding does not shift them.
     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # (N, P+C)
     targets = input_ids[:, -completion_length:]  # (N, C)
-    if fast_decoder.supports(model, input_ids.shape[1]):
+    if fused and fast_decoder.supports(model, input_ids.shape[1]):
         # Same values, far fewer ops (see fast_decoder); the LM head runs chunk by chunk.
         net = net if net is not None else fast_decoder.DecoderFunctional(model, adapters=adapters)
         hidden = net.completion_hidden(

@@ -52,6 +52,8 @@ class ModelBundle:
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LambdaLR
     is_lora: bool
+    # Whether the CPU fast path may compute for these models (worker.grpo.backends decides, once).
+    fused: bool = True
 
     @property
     def trainable_parameters(self) -> list[torch.nn.Parameter]:
@@ -68,14 +70,14 @@ class ModelBundle:
         """Whether reference log-probs over sequences of `max_length` may run while the policy runs
         a forward: a reference model of its own, or a LoRA policy whose base weights the fast path
         reads without switching the adapters off (peft's disable_adapter() would change the policy)."""
-        return not self.is_lora or fast_decoder.supports(self.policy, max_length)
+        return not self.is_lora or (self.fused and fast_decoder.supports(self.policy, max_length))
 
     @torch.no_grad()
     def reference_logps(
         self, input_ids: Tensor, attention_mask: Tensor, completion_length: int, *, temperature: float
     ) -> Tensor:
         """(N, C) log-probs of the completion tokens under the reference policy."""
-        if self.is_lora and fast_decoder.supports(self.policy, input_ids.shape[1]):
+        if self.is_lora and self.fused and fast_decoder.supports(self.policy, input_ids.shape[1]):
             logps, _ = completion_logprobs(
                 self.policy,
                 input_ids,
@@ -88,7 +90,7 @@ class ModelBundle:
         model, context = self._reference_model()
         with context:
             logps, _ = completion_logprobs(
-                model, input_ids, attention_mask, completion_length, temperature=temperature
+                model, input_ids, attention_mask, completion_length, temperature=temperature, fused=self.fused
             )
         return logps
 

@@ -170,9 +170,9 @@ class NativeRollout:
     `worker.grpo.vllm_rollout.VLLMRollout`, with the same three methods."""
 
     def __init__(
-        self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, config: GRPOConfig
+        self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, config: GRPOConfig, *, fused: bool = True
     ) -> None:
-        self.model, self.tokenizer, self.config = model, tokenizer, config
+        self.model, self.tokenizer, self.config, self.fused = model, tokenizer, config, fused
         self.layouts = static_decoder.LayoutChooser()  # this run's decode layouts, by measurement
 
     def generate(
@@ -187,6 +187,7 @@ class NativeRollout:
             generator_seed=generator_seed,
             side=side,
             layouts=self.layouts,
+            fused=self.fused,
         )
 
     def sync_weights(self) -> None:
@@ -206,6 +207,7 @@ def generate_rollout(
     generator_seed: int | list[int] | None = None,
     side: SideThread | None = None,
     layouts: static_decoder.LayoutChooser | None = None,
+    fused: bool = True,
 ) -> Rollout:
     """Generate G = config.num_generations completions for each already-rendered prompt.
 
@@ -214,7 +216,8 @@ def generate_rollout(
     `generator_seed` the sampling is reproducible and the global RNG state is left as it was; a list
     holds one seed per prompt, so that a group samples the same tokens whichever batch (or rank) it is in.
     `side`, a second CPU lane, lets small models decode half the rows beside the caller; `layouts`
-    chooses the decode layout by measurement (see sample_completions).
+    chooses the decode layout by measurement (see sample_completions); `fused`: whether models the fast path
+    supports decode through it (the fused backend), else through their own forward and a KV cache.
     The model is put in eval mode for generation (no dropout) and restored afterwards. All
     returned tensors live on the model's device.
     """
@@ -246,6 +249,7 @@ def generate_rollout(
                 generator,
                 side,
                 layouts,
+                fused=fused,
             )  # (N, C') with C' <= max_completion_length
         else:
             completion_ids = _beam_search(model, tokenizer, prompt_ids, prompt_mask, config, eos_ids)
@@ -359,10 +363,11 @@ def _lanes(
     *,
     parallel: bool,
     layouts: static_decoder.LayoutChooser | None,
+    fused: bool = True,
 ) -> _Lanes:
     """One decoder for all rows, or two for the halves of the batch decoded side by side (Llama
-    family only): as `layouts` chooses when given, else by the rule of thumb (static_decoder)."""
-    if not fast_decoder.supports(model, prompt_mask.shape[1] + max_new_tokens):
+    family only, `fused`): as `layouts` chooses when given, else by the rule of thumb (static_decoder)."""
+    if not (fused and fast_decoder.supports(model, prompt_mask.shape[1] + max_new_tokens)):
         return _Lanes([(slice(None), _CacheDecoder(model, prompt_mask, max_new_tokens))])
     net = fast_decoder.DecoderFunctional(model)
     rows = prompt_mask.shape[0]
@@ -439,6 +444,8 @@ def sample_completions(
     generator: torch.Generator | list[torch.Generator] | None,
     side: SideThread | None = None,
     layouts: static_decoder.LayoutChooser | None = None,
+    *,
+    fused: bool = True,
 ) -> Tensor:
     """Sample up to max_completion_length tokens per row; (B, P) left-padded prompts -> (B, C') ids.
 
@@ -459,7 +466,7 @@ def sample_completions(
         draws = torch.rand(max_new, batch, generator=generator, device=device)  # (C, B)
     started = time.perf_counter()
     with torch.inference_mode():
-        lanes = _lanes(model, prompt_mask, max_new, parallel=side is not None, layouts=layouts)
+        lanes = _lanes(model, prompt_mask, max_new, parallel=side is not None, layouts=layouts, fused=fused)
 
     def run(lane: tuple[slice, _Decoder]) -> Tensor:
         rows, decoder = lane

@@ -11,11 +11,11 @@ A "step" is one generation batch. With num_iterations = mu > 1 it makes mu optim
 (each pass over the batch is one update, as in PPO); with mu = 1 (the default) one update, the
 old log-probs are the detached current ones and no extra forward pass runs (as in TRL).
 
-Model plumbing (loading, LoRA, reference, optimiser, scheduler) lives in `worker.grpo.modeling`,
-the step's data containers and metric helpers in `worker.grpo.batch`, the work that runs beside
-the loop (reward scoring, the reference forward, half of decoding) in `worker.grpo.concurrency`,
-checkpoint files in `worker.grpo.checkpoint`, what changes on several devices (ranks) in
-`worker.grpo.distributed`.
+Model plumbing (loading, LoRA, reference, optimiser, scheduler) lives in `worker.grpo.modeling`;
+everything model-shaped the loop asks for (sampling, log-probs, backward) goes through a backend,
+chosen once (`worker.grpo.backends`: the module forward, or the CPU fast path); the step's data
+containers and metric helpers live in `worker.grpo.batch`, checkpoint files in
+`worker.grpo.checkpoint`, what changes on several devices (ranks) in `worker.grpo.distributed`.
 """
 
 from __future__ import annotations
@@ -24,9 +24,7 @@ import math
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from contextlib import closing
 from dataclasses import dataclass, field
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -34,12 +32,11 @@ import torch
 from torch import Tensor
 
 from contract.config import GRPOConfig
-from worker.grpo import fast_decoder
 from worker.grpo.advantages import decoupled_advantages, group_advantages
 from worker.grpo.allocator import keep_freed_memory
+from worker.grpo.backends import BackendName, choose_backend
 from worker.grpo.batch import (
     Generated,
-    HalfForward,
     MiniBatchResult,
     Scored,
     StepBatch,
@@ -50,24 +47,15 @@ from worker.grpo.batch import (
     select_groups,
 )
 from worker.grpo.checkpoint import capture_rng_state, load_checkpoint, restore_rng_state, save_checkpoint
-from worker.grpo.concurrency import StepLanes, completed
 from worker.grpo.data import PromptRow, PromptSampler
 from worker.grpo.distributed import SHARDED_DIR, Parallel, Ranks, group_seeds, main_first, share
 from worker.grpo.evaluation import greedy_metrics, pass_at_k
 from worker.grpo.health import Finding, HealthGuard, dominated_fraction
-from worker.grpo.logprobs import completion_logprobs
 from worker.grpo.loss import AdaptiveEntropy, LossSettings, grpo_loss
-from worker.grpo.modeling import (
-    ModelBundle,
-    build_model_bundle,
-    greedy_generate,
-    iter_chunks,
-    seed_everything,
-)
+from worker.grpo.modeling import ModelBundle, build_model_bundle, greedy_generate, seed_everything
 from worker.grpo.rewards import CompositeReward, RewardResult
-from worker.grpo.rollout import NativeRollout, Rollout, generate_rollout, render_prompt
+from worker.grpo.rollout import generate_rollout, render_prompt
 from worker.grpo.sampling_correction import SamplingCorrection
-from worker.grpo.vllm_rollout import VLLMRollout
 
 MetricsHook = Callable[[int, dict[str, float], list[dict[str, Any]]], None]
 CheckpointHook = Callable[[int, Path, dict[str, Any]], None]
@@ -110,6 +98,7 @@ class GRPOTrainer:
         device: str | None = None,
         checkpoint_metadata: dict[str, Any] | None = None,
         ranks: Ranks | None = None,
+        backend: BackendName = "auto",
     ) -> None:
         if not train_rows:
             raise ValueError("train_rows is empty")
@@ -148,7 +137,6 @@ class GRPOTrainer:
         self.correction = SamplingCorrection.from_config(config)  # None unless another engine samples
         self.entropy_control = AdaptiveEntropy.from_config(config)
         self.sampler = PromptSampler(len(train_rows), seed=config.seed)
-        self.lanes = StepLanes(self.models.policy.device)  # started by train()
         self.step = 0
         self.history: list[dict[str, float]] = []
         self.evaluations: dict[int, dict[str, float]] = {}  # eval/* metrics by step (0 = before training)
@@ -156,11 +144,9 @@ class GRPOTrainer:
         self._saved_step = 0  # step of the newest checkpoint written or resumed from
         if checkpoint is not None:
             self._restore(checkpoint.trainer_state, checkpoint.path)
-        # Built from the weights just loaded (a checkpoint's when resuming); closed when train() ends.
-        self.rollouts: NativeRollout | VLLMRollout = (
-            VLLMRollout(self.models, config, self.output_dir)
-            if config.use_vllm
-            else NativeRollout(self.models.policy, self.models.tokenizer, config)
+        # After the restore: its generation engine starts from the weights just loaded. Entered by train().
+        self.backend = choose_backend(
+            self.models, self.parallel, config, self.loss_settings, self.output_dir, backend
         )
 
     # --- the loop ----------------------------------------------------------------------------
@@ -168,7 +154,7 @@ class GRPOTrainer:
     def train(self) -> TrainResult:
         """Run until total_steps (or should_stop()); saves a checkpoint at the end either way."""
         stopped = False
-        with self.lanes, closing(self.rollouts):
+        with self.backend:
             if self.step == 0 and self._evaluates():
                 # The starting point, so every later eval has something to be compared with.
                 self._report_eval(0, self.parallel.on_main(lambda: self._evaluate(0)))
@@ -199,7 +185,7 @@ class GRPOTrainer:
         timings["time/train_s"] += time.perf_counter() - train_started  # after the early forward, if any
         if self.config.use_vllm:
             sync_started = time.perf_counter()
-            self.rollouts.sync_weights()  # the next rollout samples from the updated policy
+            self.backend.sync_weights()  # the next rollout samples from the updated policy
             timings["time/weight_sync_s"] = time.perf_counter() - sync_started
 
         # ===== 3. metrics, samples, eval, checkpoint
@@ -260,19 +246,12 @@ class GRPOTrainer:
                 self.config.num_generations,
                 self.models.tokenizer.pad_token_id,
             )
-            reference, old_logps, early, halves = self._start_forwards(final.rollout, timings)
+            forwards = self.backend.start_forwards(final.rollout, timings)
         else:
             # Rewards do not depend on the old/reference log-probs: compute them while scoring runs.
             pending = self._score(first, step, timings)
-            reference, old_logps, early, halves = self._start_forwards(first.rollout, timings)
-            if early is None and not pending.done() and self.parallel.local_forward:
-                # The policy's first forward needs no rewards: run it while scoring finishes (a remote
-                # reward's latency, or the hand-offs between threads for a local one). Not with fsdp,
-                # whose forward is collective: every rank must run it at the same point.
-                started = time.perf_counter()
-                rows = self._mini_batches(first.rollout.completion_ids.shape[0])[0]
-                early = (rows, self._policy_forward(first.rollout, rows, reference, iteration=0))
-                timings["time/train_s"] = time.perf_counter() - started
+            forwards = self.backend.start_forwards(first.rollout, timings)
+            self.backend.forward_while_scoring(forwards, first.rollout, pending, timings)
             final = pending.result()
             generated, in_loss = [final], torch.ones(len(final.rows), dtype=torch.bool)
         advantages = self._advantages(final, in_loss)  # (N,), 0 outside the loss
@@ -280,7 +259,10 @@ class GRPOTrainer:
             final.rollout, in_loss, mask_truncated=self.config.mask_truncated_completions
         )
         advantages = advantages.to(loss_mask.device)
-        return StepBatch(final, advantages, loss_mask, old_logps, reference, generated, early, halves)
+        return StepBatch(
+            final, advantages, loss_mask, forwards.old_logps, forwards.reference, generated, forwards.early,
+            forwards.halves,
+        )
 
     def _advantages(self, scored: Scored, in_loss: Tensor) -> Tensor:
         """(N,) group-relative advantages of the scored completions, one reward or several; groups
@@ -320,7 +302,7 @@ class GRPOTrainer:
         # A seed per (run, step, round, group position): sampling is reproducible across resumes whatever
         # ran before, and a group samples the same tokens on any number of ranks.
         seeds = [s % (2**63) for s in group_seeds(self.config.seed, step, round_index, mine)]
-        rollout = self.rollouts.generate(prompts, generator_seed=seeds, side=self.lanes.side)
+        rollout = self.backend.generate(prompts, seeds)
         timings["time/generate_s"] += time.perf_counter() - started
         return Generated(rollout, rows, prompts)
 
@@ -337,7 +319,7 @@ class GRPOTrainer:
             _, group_std = group_advantages(rewards, group_size, std=self.config.advantage_std)
             return Scored(rollout, rows, prompts, rewards, result.per_source, group_std)
 
-        return self.lanes.score(score())
+        return self.backend.score(score())
 
     def _refill(self, first: Scored, step: int, timings: dict[str, float]) -> list[Scored]:
         """DAPO dynamic sampling: generate more groups until prompts_per_step have reward spread (bounded)."""
@@ -351,114 +333,11 @@ class GRPOTrainer:
             generated.append(self._score(more, step, timings).result())
         return generated
 
-    def _start_forwards(
-        self, rollout: Rollout, timings: dict[str, float]
-    ) -> tuple[
-        Future[Tensor] | None,
-        Tensor | None,
-        tuple[slice, tuple[Tensor, Tensor | None]] | None,
-        list[HalfForward] | None,
-    ]:
-        """The reference log-probs (started, or done) and the old ones of `rollout`; where the
-        backward runs in halves (see `_halves`), the first pass's policy forward too, half by half
-        beside the reference. Returns (reference, old log-probs, early forward, its halves)."""
-        halves = self._halves(rollout)
-        # Both halves run on one gathering of the policy's weights (a copy of every layer's), made
-        # with every thread before the reference forward takes the side lane's core.
-        net = None if halves is None else fast_decoder.DecoderFunctional(self.parallel.train_model)
-        reference = self._start_reference(rollout)
-        if halves is None:
-            return reference, self._old_logps(rollout, reference), None, None
-        started = time.perf_counter()
-        parts = [HalfForward(rows, *self._policy_forward(rollout, rows, reference, 0, net)) for rows in halves]
-        logps = torch.cat([part.logps for part in parts])
-        entropies = [part.entropy for part in parts if part.entropy is not None]
-        entropy = torch.cat(entropies) if entropies else None
-        rows = self._mini_batches(rollout.completion_ids.shape[0])[0]
-        timings["time/train_s"] = time.perf_counter() - started
-        return reference, None, (rows, (logps, entropy)), parts
-
-    def _halves(self, rollout: Rollout) -> tuple[slice, slice] | None:
-        """The rows split in two at a group boundary, when the first pass's backward runs as two
-        halves side by side, each on one thread and core (`_backward_in_halves`): with a side lane
-        (a CPU with two or more threads), a local forward on the fast path (no dropout: a half draws
-        no random numbers), and one pass (mu = 1) over one mini-batch. Why: where a second thread
-        speeds a small model's matmuls ~1.6x (and its other ops less), two one-thread backwards finish
-        sooner than one over all rows on two threads (bench/README.md: ~10 % of the training phase on
-        an AMD EPYC VM; a variant of it was even on an Intel Xeon VM, where the second thread gave
-        almost 2x)."""
-        total, length = rollout.completion_ids.shape[0], rollout.input_ids.shape[1]
-        group = self.config.num_generations
-        if (
-            self.lanes.side is None
-            or not self.parallel.local_forward
-            or self.config.num_iterations != 1
-            or len(self._mini_batches(total)) != 1
-            or total // group < 2
-            or not fast_decoder.supports(self.parallel.train_model, length)
-        ):
-            return None
-        middle = total // group // 2 * group
-        return slice(0, middle), slice(middle, total)
-
-    def _start_reference(self, rollout: Rollout) -> Future[Tensor] | None:
-        """Reference log-probs (N, C) when beta > 0. They need only the rollout, so with a side lane
-        they run beside whatever comes next here (scoring, the old log-probs, the policy's forward).
-        Not with a LoRA policy outside the fast path: its reference is the policy itself with the
-        adapters switched off."""
-        if self.config.beta == 0:
-            return None
-        compute = partial(self._reference_logps, rollout)
-        if self.lanes.side is None or not self.models.reference_runs_beside_policy(rollout.input_ids.shape[1]):
-            return completed(compute())
-        return self.lanes.beside(compute)
-
-    @torch.no_grad()
-    def _reference_logps(self, rollout: Rollout) -> Tensor:
-        completion_length = rollout.completion_ids.shape[1]
-        return torch.cat(
-            [
-                self.models.reference_logps(
-                    rollout.input_ids[rows],
-                    rollout.attention_mask[rows],
-                    completion_length,
-                    temperature=self.config.temperature,
-                )
-                for rows in self._mini_batches(rollout.completion_ids.shape[0])
-            ]
-        )
-
-    @torch.no_grad()
-    def _old_logps(self, rollout: Rollout, reference: Future[Tensor] | None) -> Tensor | None:
-        """Log-probs (N, C) of the policy before this step's updates, needed when mu > 1."""
-        if self.config.num_iterations == 1:
-            return None
-        with self.lanes.own_core_while(reference):
-            return torch.cat(
-                [
-                    self._logps(
-                        self.models.policy, rollout.input_ids[rows], rollout.attention_mask[rows], rollout
-                    )
-                    for rows in self._mini_batches(rollout.completion_ids.shape[0])
-                ]
-            )
-
-    def _logps(self, model: Any, ids: Tensor, attention: Tensor, rollout: Rollout) -> Tensor:
-        logps, _ = completion_logprobs(
-            model, ids, attention, rollout.completion_ids.shape[1], temperature=self.config.temperature
-        )
-        return logps
-
-    def _mini_batches(self, total: int) -> list[slice]:
-        """This rank's share of each global mini-batch: every rank makes the same number of passes."""
-        size = (self.config.mini_batch_size or 0) // self.parallel.ranks.world_size
-        return list(iter_chunks(total, size or total))
-
     # --- 2. optimise ---------------------------------------------------------------------------
 
     def _optimise(self, batch: StepBatch) -> dict[str, float]:
         rollout = batch.scored.rollout
-        slices = self._mini_batches(rollout.completion_ids.shape[0])
+        slices = self.backend.mini_batches(rollout.completion_ids.shape[0])
         step_tokens = int(self.parallel.sum([float(batch.loss_mask.sum())])[0])  # over all ranks
         sums: dict[str, float] = {}
         losses: list[float] = []
@@ -516,7 +395,7 @@ class GRPOTrainer:
             logps, entropy = batch.early_forward[1]  # run while the rewards were being scored
             halves, batch.early_forward, batch.halves = batch.halves, None, None
         else:
-            logps, entropy = self._policy_forward(rollout, rows, batch.reference, iteration)
+            logps, entropy = self.backend.policy_forward(rollout, rows, batch.reference, iteration)
         is_weights, sampled_by = None, None
         if self.correction is not None:
             assert rollout.sampler_logps is not None
@@ -540,73 +419,12 @@ class GRPOTrainer:
             is_weights=is_weights,
         )  # already this mini-batch's share of the step's loss
         scaled = scaled * self.parallel.loss_scale  # over several ranks: this rank's share of the global loss
-        if halves is None:
-            scaled.backward()
-        else:
-            self._backward_in_halves(scaled, halves)
+        self.backend.backward(scaled, halves)
         entropy_sum = None
         if entropy is not None and iteration == 0:  # the entropy metric: the policy before this step's updates
             mask = rollout.completion_mask[rows]
             entropy_sum = float((entropy.detach() * mask).sum())
         return MiniBatchResult(float(scaled.detach()), stats, entropy_sum, sampled_by)
-
-    def _backward_in_halves(self, loss: Tensor, halves: list[HalfForward]) -> None:
-        """`loss.backward()` for a forward run in halves (`_start_forwards`): the loss's gradient
-        with respect to each half's outputs here, then each half's backward to the weights on a lane
-        of its own, the second on the side lane. Each half's gradients are its own tensors, added
-        here in a fixed order: two backwards accumulating into the same .grad would add in the order
-        they happen to finish, and the step would not be reproducible bit for bit."""
-        outputs = [part.outputs() for part in halves]
-        flat = torch.autograd.grad(loss, [t for ts in outputs for t in ts], allow_unused=True)
-        params = self.parallel.trainable_parameters()
-
-        def gradients(index: int) -> tuple[Tensor | None, ...]:
-            start = sum(len(ts) for ts in outputs[:index])
-            pairs = [
-                (t, g)
-                for t, g in zip(outputs[index], flat[start : start + len(outputs[index])], strict=True)
-                if g is not None
-            ]
-            if not pairs:
-                return (None,) * len(params)
-            return torch.autograd.grad(
-                [t for t, _ in pairs], params, [g for _, g in pairs], allow_unused=True
-            )
-
-        beside = self.lanes.beside(partial(gradients, 1))
-        with self.lanes.own_core_while(beside):
-            first = gradients(0)
-        second = beside.result()
-        with torch.no_grad():
-            for param, a, b in zip(params, first, second, strict=True):
-                grad = b if a is None else a if b is None else a.add_(b)
-                if grad is None:
-                    continue
-                if param.grad is None:
-                    param.grad = grad
-                else:
-                    param.grad.add_(grad)
-
-    def _policy_forward(
-        self,
-        rollout: Rollout,
-        rows: slice,
-        reference: Future[Tensor] | None,
-        iteration: int,
-        net: fast_decoder.DecoderFunctional | None = None,
-    ) -> tuple[Tensor, Tensor | None]:
-        """Log-probs (B, C) of mini-batch `rows` under the policy, with gradient, and their entropy
-        (on `net`, the policy's weights gathered for the fast path, when given)."""
-        with self.lanes.own_core_while(reference):
-            return self.parallel.completion_logprobs(
-                rollout.input_ids[rows],
-                rollout.attention_mask[rows],
-                rollout.completion_ids.shape[1],
-                temperature=self.config.temperature,
-                with_entropy=iteration == 0 or self.loss_settings.needs_entropy,
-                entropy_grad=self.config.entropy_bonus,
-                net=net,
-            )  # (B, C)
 
     def _optimizer_update(self) -> float:
         """Clip, step the optimiser and the scheduler; returns the pre-clip gradient norm."""
@@ -653,15 +471,16 @@ class GRPOTrainer:
         prompts = [render_prompt(self.models.tokenizer, row.prompt) for row in rows]
         rollout = greedy_generate(self.models.policy, self.models.tokenizer, prompts, self.config)
         items = reward_inputs(rollout, rows, prompts)
-        result = self.lanes.score(self.reward.score(items, step=step)).result()
+        result = self.backend.score(self.reward.score(items, step=step)).result()
         metrics = greedy_metrics(result.total, prefix)
         metrics.update({f"{prefix}{name}": value for name, value in result.metrics.items()})
         if f"{prefix}accuracy" in metrics:  # binary reward: how often can the model answer at all?
             seed = (self.config.seed * 1_000_003 + step * 101 + 97) % (2**63)
             sampled = generate_rollout(
-                self.models.policy, self.models.tokenizer, prompts, self.config, generator_seed=seed
+                self.models.policy, self.models.tokenizer, prompts, self.config, generator_seed=seed,
+                fused=self.models.fused,
             )
-            scored = self.lanes.score(self.reward.score(reward_inputs(sampled, rows, prompts), step=step)).result()
+            scored = self.backend.score(self.reward.score(reward_inputs(sampled, rows, prompts), step=step)).result()
             metrics.update(pass_at_k(scored.total, sampled.group_size, prefix))
         return metrics
 

@@ -1,0 +1,52 @@
+"""The engine's model backends, and the one place that picks one (`choose_backend`).
+
+A backend is what the trainer asks of the model for a step: sampling a group's completions, the reference and
+old log-probs, the policy's log-probs with gradient, the backward, weight sync to a separate generation engine.
+The trainer never names a backend's machinery (lanes, halves, fused kernels).
+
+- `hf` (`ModuleBackend`): the transformers module forward; any causal LM, any device.
+- `fused` (`FusedBackend`): the CPU fast path; the Llama family (Llama, Qwen2, Qwen3, Mistral) where
+  `worker.grpo.fast_decoder.supports` it, on a CPU.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from contract.config import GRPOConfig
+from worker.grpo import fast_decoder
+from worker.grpo.backends.fused import FusedBackend
+from worker.grpo.backends.module import Forwards, ModuleBackend
+from worker.grpo.distributed import Parallel
+from worker.grpo.loss import LossSettings
+from worker.grpo.modeling import ModelBundle
+
+BackendName = Literal["auto", "hf", "fused"]
+
+__all__ = ["BackendName", "Forwards", "FusedBackend", "ModuleBackend", "choose_backend", "fused_applies"]
+
+
+def fused_applies(models: ModelBundle, config: GRPOConfig) -> bool:
+    """Whether the CPU fast path covers this run: a CPU device and an architecture it reproduces on the
+    run's sequences. On a GPU the module forward is what the libraries (DDP, FSDP2, compile) see."""
+    # The longest sequence known up front; a longer one (no prompt limit) is checked again where it is computed,
+    # and takes the module forward there if the fast path does not reproduce it.
+    longest = (config.max_prompt_length or 0) + config.max_completion_length
+    return models.policy.device.type == "cpu" and fast_decoder.supports(models.policy, longest)
+
+
+def choose_backend(
+    models: ModelBundle,
+    parallel: Parallel,
+    config: GRPOConfig,
+    loss_settings: LossSettings,
+    output_dir: Path,
+    name: BackendName = "auto",
+) -> ModuleBackend:
+    """The backend for this run; `auto`: fused where it applies, else hf. Sets `models.fused`, which the
+    module-level functions (log-probs, sampling, reference) read, so every path follows the same choice."""
+    fused = fused_applies(models, config) if name == "auto" else name == "fused"
+    models.fused = fused
+    kind = FusedBackend if fused else ModuleBackend
+    return kind(models, parallel, config, loss_settings, output_dir)
