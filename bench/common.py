@@ -10,6 +10,7 @@ import random
 import statistics
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 # --- the workload ---------------------------------------------------------------------------------
 PROMPTS_PER_STEP = 4
@@ -26,17 +27,21 @@ TORCH_THREADS = 2
 SEED = 42
 
 
-def write_prompts(path: Path, num_prompts: int, *, seed: int = 0) -> Path:
-    """A JSONL of short plain-text prompts ("Repeat the digit 7: ") with the digit as `answer`."""
+def write_prompts(path: Path, num_prompts: int, *, seed: int = 0, chat: bool = False) -> Path:
+    """A JSONL of short plain-text prompts ("Repeat the digit 7: ") with the digit as `answer`; with `chat`, the
+    same request as one user message (rendered by the model's chat template, as users prompt instruct models)."""
     rng = random.Random(seed)
     with path.open("w") as handle:
         for _ in range(num_prompts):
             digit = str(rng.randrange(10))
-            handle.write(json.dumps({"prompt": f"Repeat the digit {digit}: ", "answer": digit}) + "\n")
+            prompt: str | list[dict[str, str]] = f"Repeat the digit {digit}: "
+            if chat:
+                prompt = [{"role": "user", "content": f"Repeat the digit {digit} as many times as you can."}]
+            handle.write(json.dumps({"prompt": prompt, "answer": digit}) + "\n")
     return path
 
 
-def read_prompts(path: Path) -> list[dict[str, str]]:
+def read_prompts(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
@@ -62,6 +67,7 @@ class RunRecord:
     generate_s: list[float] = field(default_factory=list)  # wall time of each step's generation (sampling)
     setup_s: float = 0.0  # model loading and trainer construction
     peak_rss_mib: float = 0.0  # filled in by the parent from the child's rusage
+    backend: str = ""  # what ran the model: ours "fused" or "hf" (trainer.backend.name), or "trl"
 
     def save(self, path: Path) -> None:
         path.write_text(json.dumps(asdict(self)))

@@ -3,12 +3,19 @@
     .venv/bin/python bench/grpo_step.py                      # the whole table (long: see bench/README.md)
     .venv/bin/python bench/grpo_step.py --quick              # smoke run: llama, small vocabulary, full, 3 steps
     .venv/bin/python bench/grpo_step.py --arch qwen2 --lora --vocab 32k --steps 6 --reps 2
+    .venv/bin/python bench/grpo_step.py --presets none --arch smollm2,gemma3 --steps 6 --reps 1
 
 Needs the `bench` extra (trl). Cases: the tiny/small/medium Llama presets (character vocabulary, full
 fine-tune) and, for each architecture x vocabulary x {full, LoRA}, a randomly initialised model of the
 realistic proportions in `bench/models.py` (hidden 256, 6 layers, 8 query / 2 KV heads, MLP 688,
 untied embeddings). LoRA is r=16, alpha 32, all linear layers: peft's `LoraConfig` passed to TRL, our
 `GRPOConfig.lora` on ours.
+
+Two models of real size keep their own vocabulary (`--vocab` does not multiply them), full and LoRA:
+`smollm2`, SmolLM2-135M-Instruct with its real weights (`builtin:smollm2-135m-instruct`) prompted through its
+chat template (the same task as a user message); `gemma3`, gemma-3-270m's shape with random weights and a
+262,144-token vocabulary, an architecture only our `hf` backend serves (the fused CPU path covers the Llama
+family), held to never being slower than TRL (ratio <= 1.0). Each case prints the backend ours ran on.
 
 Each (framework, case, repetition) runs in its own child process so peak RSS is that framework's alone
 (read from the child's rusage by `os.wait4`); the two frameworks alternate (A B B A ...) because these
@@ -63,14 +70,27 @@ from common import (
     write_prompts,
 )
 from flops import ModelDims, StepTokens, matmul_peak_flops, training_phase_flops
-from models import ARCHS, VOCABS, build_model, default_cache_dir, hf_tokenizer
+from models import (
+    ARCHS,
+    REAL_VOCABS,
+    VOCABS,
+    BPERecipe,
+    build_model,
+    build_real_model,
+    default_cache_dir,
+    hf_tokenizer,
+)
 
 FRAMEWORKS = ("trl", "ours")
 PRESETS = ("tiny", "small", "medium")
 TUNES = ("full", "lora")
 # Step-time ratio ours/TRL we aim for: per preset, and on every realistic architecture case.
-TARGET_RATIO = {"tiny": 0.5, "small": 0.5, "medium": 0.9}
+TARGET_RATIO = {"tiny": 0.5, "small": 0.5, "medium": 0.9, "gemma3": 1.0}
 REALISTIC_TARGET = 0.7
+# --arch: the realistic random architectures, then the models of real size with their own vocabulary.
+ARCH_CHOICES = (*ARCHS, *REAL_VOCABS)
+# Prompted as chat messages through the model's chat template, as users prompt an instruct model.
+CHAT_MODELS = ("smollm2",)
 LORA_RANK, LORA_ALPHA = 16, 32
 
 
@@ -95,10 +115,11 @@ CPU = Runtime()
 
 @dataclass(frozen=True)
 class Case:
-    """One row of the table: a tiny preset (character vocabulary, full fine-tune), or an architecture at
-    the realistic proportions with a vocabulary, fine-tuned fully or with LoRA."""
+    """One row of the table: a tiny preset (character vocabulary, full fine-tune), an architecture at
+    the realistic proportions with a vocabulary, or a model of real size with its own vocabulary
+    (REAL_VOCABS), fine-tuned fully or with LoRA."""
 
-    model: str  # a preset of PRESETS or an architecture of ARCHS
+    model: str  # a preset of PRESETS, an architecture of ARCHS or a model of REAL_VOCABS
     vocab: str = "small"
     lora: bool = False
 
@@ -116,6 +137,10 @@ class Case:
     def target(self) -> float:
         return TARGET_RATIO.get(self.model, REALISTIC_TARGET)
 
+    @property
+    def chat(self) -> bool:
+        return self.model in CHAT_MODELS
+
     @classmethod
     def parse(cls, name: str) -> Case:
         """The inverse of `name` (children get their case by name)."""
@@ -124,14 +149,20 @@ class Case:
             return cls(parts[0])
         if len(parts) == 3 and parts[0] in ARCHS and parts[1] in VOCABS and parts[2] in TUNES:
             return cls(parts[0], parts[1], parts[2] == "lora")
+        if len(parts) == 3 and REAL_VOCABS.get(parts[0]) == parts[1] and parts[2] in TUNES:  # type: ignore[call-overload]
+            return cls(parts[0], parts[1], parts[2] == "lora")
         raise ValueError(f"not a benchmark case: {name!r}")
 
 
 def cases_for(args: argparse.Namespace) -> list[Case]:
     """Presets first (full fine-tunes: only when full is among the tunes), then architecture x vocabulary
-    x tune, in that nesting order."""
+    x tune, in that nesting order; a model with its own vocabulary gives one case per tune."""
     cases = [Case(preset) for preset in args.preset_list] if "full" in args.tune_list else []
     for arch in args.arch_list:
+        own = REAL_VOCABS.get(arch)
+        if own is not None:
+            cases += [Case(arch, own, tune == "lora") for tune in args.tune_list]
+            continue
         for vocab in args.vocab_list:
             cases += [Case(arch, vocab, tune == "lora") for tune in args.tune_list]
     return cases
@@ -172,8 +203,10 @@ def run_trl(
     rows = read_prompts(data)
     generating = [0.0]  # generation seconds of the current step
 
-    def reward_digit(completions: list[str], answer: list[str], **_: object) -> list[float | None]:
-        return [digit_reward(c, a) for c, a in zip(completions, answer, strict=True)]
+    def reward_digit(completions: list[Any], answer: list[str], **_: object) -> list[float | None]:
+        # Chat prompts get completions as message lists: [{"role": "assistant", "content": ...}].
+        texts = [c if isinstance(c, str) else c[-1]["content"] for c in completions]
+        return [digit_reward(text, a) for text, a in zip(texts, answer, strict=True)]
 
     class TimedGRPOTrainer(GRPOTrainer):  # type: ignore[misc]
         """Times TRL's sampling (`_generate`: prompts in, completion ids out; rewards and the
@@ -259,6 +292,7 @@ def run_trl(
         peft_config=peft_config,
     )
     record.setup_s = time.perf_counter() - started
+    record.backend = "trl"
     trainer.train()
 
 
@@ -335,6 +369,7 @@ def run_ours(
         device=runtime.device,
     )
     record.setup_s = time.perf_counter() - started
+    record.backend = trainer.backend.name  # "fused" (the CPU fast path) or "hf" (the module forward)
     clock[:] = [time.perf_counter(), time.process_time()]
     trainer.train()
 
@@ -434,6 +469,7 @@ class CaseResult:
     ours: Summary
     dims: ModelDims
     prompt_tokens: float  # mean prompt length in tokens, BOS included
+    backend: str = ""  # the backend ours ran on ("fused" or "hf"; "fused/hf" if the runs differed)
 
     def train_flops(self, summary: Summary) -> float:
         """Training-phase FLOPs of that framework's typical step (its own completion lengths)."""
@@ -469,6 +505,10 @@ def model_for(case: Case, work: Path, cache_dir: Path) -> Path:
 
     if case.model in PRESETS:
         return build_tiny_model(case.model, work / "models" / case.model)  # type: ignore[arg-type]
+    if case.model in REAL_VOCABS:
+        # In the cache: deterministic, and large (SmolLM2 ~270 MB, the Gemma 3 model ~520 MB).
+        out_dir = cache_dir / "models" / f"{case.model}-{case.vocab}-{BPERecipe().key}"
+        return build_real_model(case.model, out_dir, cache_dir=cache_dir)  # type: ignore[arg-type]
     return build_model(
         case.model,  # type: ignore[arg-type]
         case.vocab,  # type: ignore[arg-type]
@@ -482,8 +522,14 @@ def bench_case(
 ) -> CaseResult:
     from transformers import AutoConfig, AutoTokenizer
 
+    from worker.grpo.rollout import render_prompt
+
     model_dir = model_for(case, work, cache_dir)
-    data = write_prompts(work / "prompts.jsonl", max(64, PROMPTS_PER_STEP * args.steps))
+    data = write_prompts(
+        work / f"prompts-{'chat' if case.chat else 'plain'}.jsonl",
+        max(64, PROMPTS_PER_STEP * args.steps),
+        chat=case.chat,
+    )
     records: dict[str, list[RunRecord]] = {fw: [] for fw in FRAMEWORKS}
     for rep in range(args.reps):
         order = FRAMEWORKS if rep % 2 == 0 else FRAMEWORKS[::-1]  # A B, B A, ...: drift hits both alike
@@ -492,12 +538,12 @@ def bench_case(
             records[framework].append(record)
             median = statistics.median(record.step_s[1:]) if len(record.step_s) > 1 else float("nan")
             log.append(
-                f"{case.name} rep {rep + 1} {framework:4s}: median step {median:.3f} s, "
+                f"{case.name} rep {rep + 1} {framework:4s} [{record.backend}]: median step {median:.3f} s, "
                 f"rss {record.peak_rss_mib:.0f} MiB, setup {record.setup_s:.1f} s"
             )
             print(log[-1], flush=True)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    prompts = [row["prompt"] for row in read_prompts(data)]
+    prompts = [render_prompt(tokenizer, row["prompt"]) for row in read_prompts(data)]
     prompt_tokens = statistics.fmean(len(ids) for ids in tokenizer(prompts)["input_ids"])
     return CaseResult(
         case,
@@ -505,6 +551,7 @@ def bench_case(
         ours=summarise(records["ours"]),
         dims=ModelDims.of(AutoConfig.from_pretrained(model_dir)),
         prompt_tokens=prompt_tokens,
+        backend="/".join(dict.fromkeys(record.backend for record in records["ours"])),
     )
 
 
@@ -567,6 +614,7 @@ def bench_reward_phase(repeats: int = 5) -> tuple[float, int]:
 
 COLUMNS = (
     "case",
+    "ours on",
     "TRL step s",
     "ours step s",
     "ours/TRL / target",
@@ -590,6 +638,7 @@ def table_rows(results: Sequence[CaseResult], peak_flops: float) -> list[tuple[s
         rows.append(
             (
                 result.case.name,
+                result.backend,
                 f"{trl.median_step_s:.3f}",
                 f"{ours.median_step_s:.3f}",
                 f"{result.ratio:.2f} / {result.case.target}",
@@ -649,6 +698,7 @@ def write_json(
         "cases": [
             {
                 "case": r.case.name,
+                "backend": r.backend,
                 "target": r.case.target,
                 "ratio": r.ratio,
                 "rss_ratio": r.rss_ratio,
@@ -672,7 +722,7 @@ DEFAULTS = {
     "steps": 8,
     "reps": 2,
     "presets": "tiny,small",
-    "arch": ",".join(ARCHS),
+    "arch": ",".join(ARCH_CHOICES),
     "vocab": ",".join(VOCABS),
 }
 DEFAULTS["tune"] = ",".join(TUNES)
@@ -698,8 +748,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--presets", help=f"comma-separated: {', '.join(PRESETS)}, or none (default tiny,small)"
     )
-    parser.add_argument("--arch", help=f"comma-separated: {', '.join(ARCHS)}, or none (default: all)")
-    parser.add_argument("--vocab", help=f"comma-separated: {', '.join(VOCABS)} (default: both)")
+    parser.add_argument(
+        "--arch",
+        help=f"comma-separated: {', '.join(ARCH_CHOICES)}, or none (default: all); "
+        "smollm2 (real weights, chat prompts) and gemma3 (262k vocabulary, hf backend only) keep their own vocabulary",
+    )
+    parser.add_argument(
+        "--vocab", help=f"comma-separated: {', '.join(VOCABS)} (default: both; for the random architectures)"
+    )
     parser.add_argument("--tune", help="comma-separated: full, lora (default: both)")
     parser.add_argument("--lora", action="store_true", help="LoRA cases only (= --tune lora)")
     parser.add_argument("--steps", type=int, help="optimiser steps per run, step 1 excluded (default 8)")
@@ -716,7 +772,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--cache-dir",
         type=Path,
         default=None,
-        help="where the trained 32k tokenizer is kept (default $XDG_CACHE_HOME/grpo-service/bench)",
+        help="where the trained 32k tokenizer and the smollm2/gemma3 models are kept "
+        "(default $XDG_CACHE_HOME/grpo-service/bench)",
     )
     parser.add_argument("--json", type=Path, default=None, help="also write every figure to this JSON file")
     parser.add_argument(
@@ -743,7 +800,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if args.reps < 1:
         parser.error("--reps must be at least 1")
     args.preset_list = _choices(parser, "--presets", args.presets, PRESETS)
-    args.arch_list = _choices(parser, "--arch", args.arch, ARCHS)
+    args.arch_list = _choices(parser, "--arch", args.arch, ARCH_CHOICES)
     args.vocab_list = _choices(parser, "--vocab", args.vocab, VOCABS)
     args.tune_list = _choices(parser, "--tune", args.tune, TUNES)
     if not args.child and not cases_for(args):
@@ -760,7 +817,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="grpo-bench-") as tmp:
         work = args.workdir or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
-        if "32k" in args.vocab_list and args.arch_list:
+        if ("32k" in args.vocab_list and set(args.arch_list) & set(ARCHS)) or "gemma3" in args.arch_list:
             hf_tokenizer(
                 "32k", cache_dir
             )  # trains and caches it now (~10-20 s once), not inside a timed child

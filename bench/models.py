@@ -10,6 +10,11 @@ frameworks load it through `from_pretrained(path)` like a downloaded checkpoint.
   with the `tokenizers` library on text generated from a fixed recipe (a seeded pseudo-language with a
   Zipf word distribution plus common English words), never downloaded. Training is deterministic: the
   same recipe gives the same vocabulary (`vocab_hash`), and the result is cached on disk by that recipe.
+
+Two models of real size keep their own vocabulary (`build_real_model`): SmolLM2-135M-Instruct with its real
+weights (`builtin:smollm2-135m-instruct`, 49,152 tokens, chat template), and a Gemma 3 model at gemma-3-270m's
+shape (random weights, 262,144 tokens: the 32k tokenizer widened), an architecture only the engine's `hf`
+backend serves.
 """
 
 from __future__ import annotations
@@ -268,6 +273,66 @@ def widen_vocabulary(tokenizer: Any, size: int) -> Any:
         return AutoTokenizer.from_pretrained(tmp)
 
 
+# ==================================================================================================
+# Models of real size with their own vocabulary
+# ==================================================================================================
+
+RealModel = Literal["smollm2", "gemma3"]
+# Each keeps its own vocabulary: the name is the case's vocabulary column.
+REAL_VOCABS: dict[RealModel, str] = {"smollm2": "49k", "gemma3": "262k"}
+GEMMA3_VOCAB = 262_144
+
+
+def gemma3_270m_config(vocab_size: int, special_ids: dict[str, int]) -> Any:
+    """google/gemma-3-270m's text config (config.json): 18 layers, hidden 640, MLP 2048, 4 query heads and 1
+    KV head of 256, GELU-tanh, query scale 256, sliding window 512 on five layers in six (local rope theta
+    10k, global 1M), tied embeddings, no logit soft-capping. The special ids are the bench tokenizer's."""
+    from transformers import Gemma3TextConfig
+
+    return Gemma3TextConfig(
+        vocab_size=vocab_size,
+        hidden_size=640,
+        intermediate_size=2048,
+        num_hidden_layers=18,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=256,
+        hidden_activation="gelu_pytorch_tanh",
+        query_pre_attn_scalar=256,
+        sliding_window=512,
+        max_position_embeddings=32_768,
+        rms_norm_eps=1e-6,
+        rope_parameters={
+            "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+        },
+        tie_word_embeddings=True,
+        final_logit_softcapping=None,
+        attn_logit_softcapping=None,
+        pad_token_id=special_ids["pad"],
+        bos_token_id=special_ids["bos"],
+        eos_token_id=special_ids["eos"],
+    )
+
+
+def build_real_model(model: RealModel, out_dir: Path, *, cache_dir: Path, seed: int = 0) -> Path:
+    """`smollm2`: SmolLM2-135M-Instruct's folder (real weights, converted once under `cache_dir/models` by the
+    engine's `builtin:` source; `out_dir` unused). `gemma3`: the gemma-3-270m-shaped model with the 32k
+    tokenizer widened to 262,144 tokens, random weights saved in bfloat16 (as the real checkpoint) to `out_dir`."""
+    if model == "smollm2":
+        from worker.grpo.pretrained import build_smollm2
+
+        return build_smollm2(Path(cache_dir) / "models")
+    if model != "gemma3":
+        raise ValueError(f"unknown model {model!r}; expected one of {', '.join(REAL_VOCABS)}")
+    out_dir = Path(out_dir)
+    if (out_dir / "config.json").is_file():
+        return out_dir
+    tokenizer = widen_vocabulary(hf_tokenizer("32k", cache_dir), GEMMA3_VOCAB)
+    special = {"pad": tokenizer.pad_token_id, "bos": tokenizer.bos_token_id, "eos": tokenizer.eos_token_id}
+    return save_random_model(gemma3_270m_config(len(tokenizer), special), tokenizer, out_dir, seed, "bfloat16")
+
+
 def build_model(
     arch: Arch,
     vocab: Vocab,
@@ -285,9 +350,6 @@ def build_model(
     `bench/gpu_check.py` builds its Qwen2.5-0.5B-shaped model with another `shape`, a widened `tokenizer`
     (its length is the vocabulary size), config `overrides` (tied embeddings) and bfloat16 weights (`dtype`).
     """
-    import torch
-    from transformers import AutoModelForCausalLM, GenerationConfig
-
     out_dir = Path(out_dir)
     if (out_dir / "config.json").is_file():
         return out_dir
@@ -296,6 +358,15 @@ def build_model(
     config = hf_config(arch, len(tokenizer), special, shape)
     for name, value in (overrides or {}).items():
         setattr(config, name, value)
+    return save_random_model(config, tokenizer, out_dir, seed, dtype)
+
+
+def save_random_model(config: Any, tokenizer: Any, out_dir: Path, seed: int, dtype: str | None) -> Path:
+    """A model of `config` with random weights (`seed`; the global RNG untouched) saved with `tokenizer`."""
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    special = {"pad": tokenizer.pad_token_id, "bos": tokenizer.bos_token_id, "eos": tokenizer.eos_token_id}
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, **({"dtype": getattr(torch, dtype)} if dtype else {}))

@@ -30,10 +30,30 @@ def test_default_run_is_presets_then_every_architecture_vocabulary_and_tune() ->
     args = grpo_step.parse_args([])
     names = [case.name for case in grpo_step.cases_for(args)]
     assert names[:2] == ["tiny", "small"]
-    assert len(names) == 2 + 4 * 2 * 2
+    assert len(names) == 2 + 4 * 2 * 2 + 2 * 2
     assert names[2:6] == ["llama small full", "llama small lora", "llama 32k full", "llama 32k lora"]
-    assert {name.split()[0] for name in names[2:]} == {"llama", "qwen2", "qwen3", "mistral"}
+    assert {name.split()[0] for name in names[2:-4]} == {"llama", "qwen2", "qwen3", "mistral"}
+    # The models of real size keep their own vocabulary: one case per tune, last.
+    assert names[-4:] == ["smollm2 49k full", "smollm2 49k lora", "gemma3 262k full", "gemma3 262k lora"]
     assert (args.steps, args.reps) == (8, 2)
+
+
+def test_real_size_models_ignore_the_vocabulary_option_and_have_their_targets() -> None:
+    args = grpo_step.parse_args(["--presets", "none", "--arch", "gemma3,smollm2,qwen2", "--vocab", "small"])
+    cases = grpo_step.cases_for(args)
+    assert [c.name for c in cases] == [
+        "gemma3 262k full",
+        "gemma3 262k lora",
+        "smollm2 49k full",
+        "smollm2 49k lora",
+        "qwen2 small full",
+        "qwen2 small lora",
+    ]
+    assert [(c.target, c.chat) for c in cases[:4]] == [(1.0, False)] * 2 + [(0.7, True)] * 2
+    for case in cases:
+        assert grpo_step.Case.parse(case.name) == case
+    with pytest.raises(ValueError, match="not a benchmark case"):
+        grpo_step.Case.parse("gemma3 32k lora")  # gemma3 has only its own vocabulary
 
 
 def test_quick_is_one_short_case_and_explicit_options_win() -> None:
@@ -54,6 +74,8 @@ def test_lora_flag_selects_lora_cases_only() -> None:
         "qwen2 small lora",
         "qwen3 small lora",
         "mistral small lora",
+        "smollm2 49k lora",
+        "gemma3 262k lora",
     ]
 
 
@@ -108,11 +130,13 @@ def test_table_row_figures_come_from_both_summaries() -> None:
         ours=_summary(step_s=1.2, train_s=0.6, rss=900),
         dims=dims,
         prompt_tokens=7,
+        backend="fused",
     )
     peak = 1e11
     (row,) = grpo_step.table_rows([result], peak)
     assert dict(zip(grpo_step.COLUMNS, row, strict=True)) | {"": row[-1]} == {
         "case": "qwen2 32k lora",
+        "ours on": "fused",
         "TRL step s": "2.000",
         "ours step s": "1.200",
         "ours/TRL / target": "0.60 / 0.7",
@@ -203,6 +227,22 @@ def test_linear_flop_count_matches_what_torch_runs(arch: models.Arch, lora: bool
     )
     eager_attention = 3 * 2 * 4 * 4 * 8 * (prompt + completion) ** 2  # (fwd + bwd) x layers x 4 H D S^2
     assert _counted_matmul_flops(model, prompt, completion) == linear + eager_attention
+
+
+def test_gemma3_case_has_gemma_3_270m_shape_and_parameter_count() -> None:
+    """The hf-only case is gemma-3-270m's architecture: its 268,098,176 parameters (built on the meta device),
+    all but the norms matmul weights of the FLOP count; none of the fused path's Llama family."""
+    from transformers import AutoModelForCausalLM, Gemma3ForCausalLM
+
+    config = models.gemma3_270m_config(models.GEMMA3_VOCAB, {"pad": 0, "bos": 1, "eos": 2})
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    assert type(model) is Gemma3ForCausalLM
+    assert sum(p.numel() for p in model.parameters()) == 268_098_176
+    dims = flops.ModelDims.of(config)
+    norms = sum(p.numel() for name, p in model.named_parameters() if "norm" in name)
+    assert dims.body_weights + dims.vocab * dims.hidden + norms == 268_098_176  # tied: one embedding
+    assert config.layer_types.count("full_attention") == 3 and config.final_logit_softcapping is None
 
 
 # --- the offline 32k tokenizer --------------------------------------------------------------------
