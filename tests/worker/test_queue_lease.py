@@ -178,7 +178,10 @@ class TestNodeInvitation:
 
     @staticmethod
     def _invitation(claim: Claim) -> Invitation:
-        return Invitation(claim=asdict(claim), queue="cpu", endpoint="127.0.0.1:1", nnodes=2, nproc_per_node=1)
+        return Invitation(
+            claim=asdict(claim), queue="cpu", endpoint="127.0.0.1:1", run_id="0" * 32, node_rank=1, nnodes=2,
+            nproc_per_node=1,
+        )
 
     def test_an_invitation_of_an_attempt_that_was_taken_over_is_dropped(self, job_id: str) -> None:
         first = _claim(job_id)
