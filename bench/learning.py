@@ -37,28 +37,32 @@ WARMUP_STEPS = 10
 TORCH_THREADS = 1
 
 
-def held_out_accuracy(model: Any, tokenizer: Any, task: str) -> float:
-    """Greedy exact-match accuracy on the task's held-out questions (one evaluator for both frameworks)."""
+def exact_match_accuracy(
+    model: Any, tokenizer: Any, conversations: list[list[dict[str, str]]], answers: list[str], max_new_tokens: int
+) -> float:
+    """Share of chat prompts whose greedy completion, stripped, is exactly the answer (the evaluator of both
+    frameworks here, and of bench/learning_smollm2.py)."""
     import torch
 
-    from worker.grpo.synthetic import held_out_items
-
-    items = held_out_items(task)  # type: ignore[arg-type]
-    prompts = [
-        tokenizer.apply_chat_template([{"role": "user", "content": i.question}], tokenize=False, add_generation_prompt=True)
-        for i in items
-    ]
+    prompts = [tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in conversations]
     tokenizer.padding_side = "left"
     batch = tokenizer(prompts, return_tensors="pt", padding=True).to(model.device)
     was_training = model.training
     model.eval()
     with torch.no_grad():
-        out = model.generate(
-            **batch, max_new_tokens=MAX_COMPLETION_LENGTH, do_sample=False, pad_token_id=tokenizer.pad_token_id
-        )
+        out = model.generate(**batch, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
     model.train(was_training)
     texts = tokenizer.batch_decode(out[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
-    return sum(t.strip() == i.answer for t, i in zip(texts, items, strict=True)) / len(items)
+    return sum(t.strip() == a for t, a in zip(texts, answers, strict=True)) / len(answers)
+
+
+def held_out_accuracy(model: Any, tokenizer: Any, task: str) -> float:
+    """Greedy exact-match accuracy on the task's held-out questions (one evaluator for both frameworks)."""
+    from worker.grpo.synthetic import held_out_items
+
+    items = held_out_items(task)  # type: ignore[arg-type]
+    conversations = [[{"role": "user", "content": i.question}] for i in items]
+    return exact_match_accuracy(model, tokenizer, conversations, [i.answer for i in items], MAX_COMPLETION_LENGTH)
 
 
 def _train_rows(task: str) -> list[dict[str, Any]]:
