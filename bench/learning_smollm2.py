@@ -67,6 +67,7 @@ def held_out(model_dir: Path, data: Path) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--max-steps", type=int, help="override the example's max_steps (and eval_every)")
+    parser.add_argument("--seed", type=int, help="override the example's seed (sampling, data order, LoRA init)")
     parser.add_argument("--workdir", type=Path, help="keep the data, checkpoints and log here (default: a temp dir)")
     parser.add_argument("--model-cache", type=Path, default=Path.home() / ".cache" / "grpo" / "models")
     args = parser.parse_args()
@@ -81,7 +82,9 @@ def main() -> None:
     if work.exists():
         shutil.rmtree(work)
     work.mkdir(parents=True)
-    overrides = {} if args.max_steps is None else {"max_steps": args.max_steps, "eval_every": args.max_steps}
+    overrides: dict[str, Any] = {} if args.seed is None else {"seed": args.seed}
+    if args.max_steps is not None:
+        overrides |= {"max_steps": args.max_steps, "eval_every": args.max_steps}
     config = prepare_job(work, overrides)
     output = work / "out"
     started = time.perf_counter()
