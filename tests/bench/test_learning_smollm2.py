@@ -1,6 +1,6 @@
 """examples/smollm2_sums and bench/learning_smollm2.py: the data and a short run of the example.
 
-The full run (40 steps, held-out exact match ~12 % -> ~80 %) is bench/learning_smollm2.py's, with its figure in
+The full run (40 steps, held-out exact match 12.5 % -> ~90 %) is bench/learning_smollm2.py's, with its figure in
 bench/README.md; here a few steps check that the pipeline runs on the real model: the data is reproducible and
 held out, `grpo train` trains SmolLM2-135M-Instruct with LoRA, logs its metrics and computes the held-out
 eval/accuracy before and after. No learning gain is asserted: two steps cannot deliver one reliably.
