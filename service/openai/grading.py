@@ -150,8 +150,8 @@ def _main_script_imports() -> list[str]:
     """The modules the main script (the `grpo` console script, pytest's) imports at its top level.
 
     Each child runs the main script again before it unpickles its target (multiprocessing's spawn preparation;
-    Python 3.11's fork server cannot import it once for all), and the `grpo` script imports the whole CLI:
-    0.4 s a child. With those modules imported by the fork server, running the script again costs nothing."""
+    Python 3.11's fork server cannot import it once for all), and the `grpo` script imports the whole CLI, a
+    noticeable start-up cost per child. With those modules imported by the fork server, running the script again costs nothing."""
     path = getattr(sys.modules.get("__main__"), "__file__", None)
     if not path:
         return []
