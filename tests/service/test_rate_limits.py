@@ -52,9 +52,15 @@ def limits(settings: Settings, monkeypatch: pytest.MonkeyPatch, request: pytest.
 
 @pytest.fixture
 def live(settings: Settings) -> Iterator[str]:
-    """The real app under uvicorn on a free loopback port (a thread of this process)."""
+    """The real app under uvicorn on a free loopback port (a thread of this process).
+
+    Keep-alive outlasts every test: a pooled connection left idle past uvicorn's default 5 s can be closed by the
+    server just as the client sends on it (httpx then raises ReadError; clients retry such errors, as
+    client/sdk.py does). On a loaded 2-core machine the 64-connection test leaves connections idle that long,
+    and what it measures is admission, not keep-alive expiry."""
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(), host="127.0.0.1", port=port, log_level="warning"))
+    config = uvicorn.Config(create_app(), host="127.0.0.1", port=port, log_level="warning", timeout_keep_alive=300)
+    server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
