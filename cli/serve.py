@@ -3,8 +3,9 @@ embedded worker.
 
 - REST on settings.api_host:api_port, gRPC on settings.grpc_port (0 disables it). REST believes
   X-Forwarded-For only from GRPO_TRUSTED_PROXIES (none by default).
-- The reaper (worker/reaper.py) runs as a thread here: it re-enqueues jobs whose worker lost its lease and
-  re-sends jobs whose message was lost. Several API processes may each run one; they do not conflict.
+- The reaper (worker/reaper.py) runs as a thread here: it re-enqueues jobs whose worker lost its lease,
+  re-sends jobs whose message was lost and deletes expired Idempotency-Key records. Several API processes
+  may each run one; they do not conflict.
 - `--worker` (default) starts `grpo worker` as a child process, so `grpo serve` alone is a complete
   single-machine install (embedded SQLite database and broker, local storage). Production runs
   `grpo serve --no-worker` and GPU workers elsewhere. The worker is a separate process (never a fork of
@@ -44,7 +45,9 @@ def serve(
     grpc_port: int | None = typer.Option(None, "--grpc-port", help="gRPC port, 0 = off (default GRPO_GRPC_PORT)."),
     migrate: bool | None = typer.Option(None, "--migrate/--no-migrate",
                                         help="Migrate the schema first (default: only for SQLite)."),
-    reaper: bool = typer.Option(True, "--reaper/--no-reaper", help="Run the lease/lost-message reaper."),
+    reaper: bool = typer.Option(
+        True, "--reaper/--no-reaper", help="Run the reaper (expired leases, lost messages, expired idempotency keys)."
+    ),
 ) -> None:
     """Serve the REST and gRPC APIs (and, by default, run a worker next to them)."""
     from cli.worker import parse_queues

@@ -18,6 +18,10 @@ It runs as a loop in the API process (`grpo serve`, `run_reaper_loop`); several 
    embedded broker can lose a message on SIGKILL; a Redis without persistence loses its queue on a
    restart). Re-sending is always safe: the claim turns surplus copies into no-ops. Its `updated_at`
    is bumped so it is re-sent at most once per period.
+3. Expired idempotency keys: records older than `idempotency_ttl_hours` are deleted
+   (service/jobs/idempotency.py). A claim also expires lazily when its key is reused, but keys that are
+   never reused would otherwise stay forever. The delete is a range on an indexed column, so a pass
+   that finds nothing to delete costs one index probe.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from functools import partial
 
 from sqlalchemy.orm import Session
 
-from service.jobs import repository
+from service.jobs import idempotency, repository
 from service.jobs.models import JobEvent
 from service.jobs.states import JobStatus, transition
 from service.kit.config import Settings
@@ -50,13 +54,16 @@ class ReapReport:
     cancelled: list[str] = field(default_factory=list)
     paused: list[str] = field(default_factory=list)
     resent: list[str] = field(default_factory=list)
+    idempotency_keys_purged: int = 0
 
     def __bool__(self) -> bool:
-        return any((self.requeued, self.failed, self.cancelled, self.paused, self.resent))
+        return any((self.requeued, self.failed, self.cancelled, self.paused, self.resent,
+                    self.idempotency_keys_purged))
 
 
 def reap_once(queue: JobQueue, settings: Settings, *, now: datetime | None = None) -> ReapReport:
-    """One pass over expired leases and stale queued jobs. Each job is handled in its own transaction."""
+    """One pass over expired leases, stale queued jobs and expired idempotency keys. Each job is handled in its
+    own transaction."""
     now = now or utcnow()
     report = ReapReport()
     with session_scope() as session:
@@ -70,6 +77,8 @@ def reap_once(queue: JobQueue, settings: Settings, *, now: datetime | None = Non
     for job_id in stale:
         with session_scope() as session:
             _resend(session, queue, job_id, cutoff, now, report)
+    with session_scope() as session:
+        report.idempotency_keys_purged = idempotency.purge_expired(session, now)
     if report:
         log.info("reaper: %s", report)
     return report

@@ -9,7 +9,7 @@ import pytest
 from sqlalchemy import select, update
 
 from service.checkpoints.models import Checkpoint
-from service.jobs.models import Job, JobEvent, JobMetric
+from service.jobs.models import IdempotencyKey, Job, JobEvent, JobMetric
 from service.jobs.states import JobStatus
 from service.kit.config import Settings
 from service.kit.db import session_scope, utcnow
@@ -171,6 +171,36 @@ class TestReaper:
         assert reap_once(queue, settings, now=later).resent == [job_id]
         assert not reap_once(queue, settings, now=later).resent
         assert queue.sent == [(job_id, _job(job_id).queue)]
+
+    def test_idempotency_keys_older_than_the_ttl_are_deleted(
+        self, settings: Settings, tenant_a: TenantHeaders, tenant_b: TenantHeaders
+    ) -> None:
+        now = utcnow()
+        cutoff = now - timedelta(hours=settings.idempotency_ttl_hours)
+        ages = {  # key -> created_at; a key created exactly at the cutoff is not yet expired (as claims see it)
+            "old": cutoff - timedelta(seconds=1),
+            "old-in-flight": cutoff - timedelta(days=30),
+            "at-cutoff": cutoff,
+            "fresh": cutoff + timedelta(seconds=1),
+            "new": now,
+        }
+        with session_scope() as session:
+            for tenant in (tenant_a, tenant_b):
+                for key, created_at in ages.items():
+                    in_flight = key.endswith("in-flight")
+                    session.add(IdempotencyKey(
+                        tenant_id=tenant.tenant_id, key=key, request_hash="0" * 64,
+                        state="in_flight" if in_flight else "completed", created_at=created_at,
+                        status_code=None if in_flight else 201, response=None if in_flight else {"id": key},
+                    ))
+        report = reap_once(RecordingQueue(), settings, now=now)
+        assert report.idempotency_keys_purged == 4 and report
+        with session_scope() as session:
+            left = session.execute(select(IdempotencyKey.tenant_id, IdempotencyKey.key)).all()
+        assert sorted(left) == sorted(
+            (tenant.tenant_id, key) for tenant in (tenant_a, tenant_b) for key in ("at-cutoff", "fresh", "new")
+        )
+        assert not reap_once(RecordingQueue(), settings, now=now).idempotency_keys_purged
 
 
 class TestNodeInvitation:
