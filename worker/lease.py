@@ -82,6 +82,7 @@ from service.jobs.states import JobStatus, transition
 from service.kit.db import session_scope, utcnow
 from service.kit.queue import get_job_queue
 from service.usage import budget
+from service.usage import repository as usage_repository
 
 log = logging.getLogger(__name__)
 
@@ -219,7 +220,7 @@ def claim_job(session: Session, job_id: str, worker_id: str, lease_seconds: int)
         raise RuntimeError(f"job {job_id!r} vanished under its claim")
     checkpoint = latest_checkpoint(session, job_id)
     resume_step = checkpoint.step if checkpoint is not None else 0
-    repository.discard_steps_after(session, job_id, resume_step, attempt=job.attempt)
+    _discard_steps_after(session, job_id, resume_step, attempt=job.attempt)
     job.current_step = resume_step
     job.resume_checkpoint_id = checkpoint.id if checkpoint is not None else None
     job.error_code = None
@@ -240,14 +241,20 @@ def latest_checkpoint(session: Session, job_id: str, *, before_step: int | None 
     return repository.latest_checkpoint(session, job_id, before_step=before_step)
 
 
+def _discard_steps_after(session: Session, job_id: str, step: int, *, attempt: int) -> None:
+    """Forget what attempts before `attempt` recorded after `step`; each domain deletes its own rows."""
+    repository.discard_steps_after(session, job_id, step, attempt=attempt)
+    usage_repository.delete_steps_after(session, job_id, step)
+
+
 def rewind_to(session: Session, claim: Claim, checkpoint: Checkpoint | None) -> None:
     """Resume from an older checkpoint than the claim chose (the newer one failed verification). Fenced.
 
-    What the dead attempts recorded after that step is forgotten (repository.discard_steps_after).
+    What the dead attempts recorded after that step is forgotten (_discard_steps_after).
     """
     fence(session, claim)
     step = checkpoint.step if checkpoint is not None else 0
-    repository.discard_steps_after(session, claim.job_id, step, attempt=claim.attempt)
+    _discard_steps_after(session, claim.job_id, step, attempt=claim.attempt)
     repository.set_resume_point(session, claim.job_id, step, checkpoint.id if checkpoint is not None else None)
 
 

@@ -18,7 +18,6 @@ from service.jobs.states import UNFINISHED, WORKER_OWNED, JobStatus
 from service.kit.reads import Reads, one_or_none
 from service.quotas.models import TenantQuota
 from service.rewards.models import RewardFunction
-from service.usage.models import JobUsage
 
 
 def get_job(session: Session, tenant_id: str, job_id: str, *, for_update: bool = False) -> Job | None:
@@ -359,8 +358,9 @@ def renew_lease(session: Session, job_id: str, attempt: int, lease_until: dateti
 
 
 def discard_steps_after(session: Session, job_id: str, step: int, *, attempt: int) -> None:
-    """Forget what earlier attempts recorded after `step`: metrics, samples, usage records and checkpoints are
-    deleted, their events kept in the log but marked superseded."""
+    """Forget what earlier attempts recorded after `step`: metrics, samples and checkpoints are deleted, their
+    events kept in the log but marked superseded. Usage records are the usage domain's
+    (usage.repository.delete_steps_after; worker/lease.py calls both)."""
     session.execute(
         update(JobEvent)
         .where(JobEvent.job_id == job_id, JobEvent.step > step, JobEvent.attempt < attempt)
@@ -369,7 +369,6 @@ def discard_steps_after(session: Session, job_id: str, step: int, *, attempt: in
     )
     session.execute(delete(JobMetric).where(JobMetric.job_id == job_id, JobMetric.step > step))
     session.execute(delete(JobSample).where(JobSample.job_id == job_id, JobSample.step > step))
-    session.execute(delete(JobUsage).where(JobUsage.job_id == job_id, JobUsage.step > step))
     session.execute(delete(Checkpoint).where(Checkpoint.job_id == job_id, Checkpoint.step > step))
 
 

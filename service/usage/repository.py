@@ -64,6 +64,7 @@ def replace_step(
 
 
 def delete_steps_after(session: Session, job_id: str, step: int) -> None:
+    """Forget the records of steps after `step` (a resumed job re-runs them)."""
     session.execute(delete(JobUsage).where(JobUsage.job_id == job_id, JobUsage.step > step))
 
 
