@@ -61,11 +61,6 @@ class LastUsed:
             with self._lock:
                 self._written.pop(api_key_id, None)
 
-    async def drain(self) -> None:
-        """Wait for the writes under way (tests, shutdown)."""
-        while self._writes:
-            await asyncio.gather(*list(self._writes), return_exceptions=True)
-
     def clear(self) -> None:
         with self._lock:
             self._written.clear()

@@ -73,10 +73,6 @@ class StepBatch:
     halves: list[HalfForward] | None = None
 
     @property
-    def reference_pending(self) -> bool:
-        return self.reference is not None and not self.reference.done()
-
-    @property
     def ref_logps(self) -> Tensor | None:
         """The reference log-probs, waiting for them if the side thread is still computing them."""
         return None if self.reference is None else self.reference.result()

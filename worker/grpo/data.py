@@ -94,11 +94,6 @@ class PromptSampler:
             self.position += take
         return indices
 
-    @property
-    def epochs_completed(self) -> float:
-        """Fractional passes over the data so far."""
-        return self.epoch + self.position / self.num_rows
-
     def state_dict(self) -> dict[str, int]:
         return {"num_rows": self.num_rows, "seed": self.seed, "epoch": self.epoch, "position": self.position}
 
