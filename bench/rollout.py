@@ -39,6 +39,7 @@ def child_main(args: argparse.Namespace) -> None:
     torch.set_num_threads(TORCH_THREADS)
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from contract.config import GRPOConfig
+    from worker.grpo.backends import fast_path_for
     from worker.grpo.concurrency import SideThread, side_thread_helps
     from worker.grpo.modeling import build_model_bundle
     from worker.grpo.rollout import NativeRollout, render_prompt
@@ -63,7 +64,7 @@ def child_main(args: argparse.Namespace) -> None:
     engine: Any = (
         VLLMRollout(models, config, work / f"engine-{os.getpid()}")
         if args.child == "vllm"
-        else NativeRollout(models.policy, models.tokenizer, config)
+        else NativeRollout(models.policy, models.tokenizer, config, fast=fast_path_for(models, config))
     )
     record["build_s"] = time.perf_counter() - started
     for index in range(args.rollouts + 1):  # the first is a warm-up

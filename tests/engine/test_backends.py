@@ -12,7 +12,7 @@ import torch
 from tests.engine.test_trainer import _capture_gradients
 from tests.engine.trainer_helpers import small_config, spread_reward, trainer_kwargs, word_rows
 from worker.grpo import fast_decoder, static_decoder
-from worker.grpo.backends import FusedBackend, ModuleBackend
+from worker.grpo.backends import FusedBackend, FusedPath, ModuleBackend
 from worker.grpo.trainer import GRPOTrainer
 
 
@@ -33,7 +33,7 @@ def trainer(tmp_path: Path, models_dir: Path, backend: Any, **overrides: Any) ->
 
 def test_auto_picks_the_fast_path_for_the_llama_family_on_a_cpu(tmp_path: Path, models_dir: Path) -> None:
     chosen = trainer(tmp_path, models_dir, "auto")
-    assert type(chosen.backend) is FusedBackend and chosen.models.fused
+    assert type(chosen.backend) is FusedBackend and isinstance(chosen.models.fast, FusedPath)
 
 
 def test_the_module_backend_never_takes_the_fast_path(
@@ -41,7 +41,7 @@ def test_the_module_backend_never_takes_the_fast_path(
 ) -> None:
     """With `hf`, a model the fast path supports still samples and scores through its module forward."""
     run = trainer(tmp_path, models_dir, "hf")
-    assert type(run.backend) is ModuleBackend and not run.models.fused
+    assert type(run.backend) is ModuleBackend and run.models.fast is None
 
     def refuse(*_args: Any, **_kwargs: Any) -> Any:
         raise AssertionError("the fast path ran under the hf backend")
@@ -50,6 +50,26 @@ def test_the_module_backend_never_takes_the_fast_path(
     monkeypatch.setattr(static_decoder.StaticDecoder, "__init__", refuse)
     result = run.train()
     assert result.step == 1 and result.history[0]["loss"] == result.history[0]["loss"]  # finite, not NaN
+
+
+def test_the_fused_backend_samples_and_scores_through_its_fast_path(
+    tmp_path: Path, models_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With `fused`, sampling, the reference and the policy's log-probs all take the fast path that the generic
+    paths were handed (a LoRA policy: its reference is the base weights read without switching adapters off)."""
+    run = trainer(tmp_path, models_dir, "fused", lora={"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]})
+    calls: list[str] = []
+    for name in ("completion_logprobs", "decoders"):
+        original = getattr(FusedPath, name)
+
+        def spy(self: FusedPath, *args: Any, _name: str = name, _original: Any = original, **kwargs: Any) -> Any:
+            calls.append(_name if kwargs.get("adapters", True) else "reference")
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(FusedPath, name, spy)
+    result = run.train()
+    assert result.step == 1
+    assert {"decoders", "reference", "completion_logprobs"} <= set(calls), calls
 
 
 def test_both_backends_compute_the_same_step(tmp_path: Path, models_dir: Path) -> None:

@@ -18,7 +18,7 @@ from contract.config import GRPOConfig
 from tests.engine.test_trainer import _capture_gradients
 from tests.engine.trainer_helpers import small_config, spread_reward, trainer_kwargs, word_rows
 from worker.grpo import concurrency, fast_decoder, rollout, static_decoder
-from worker.grpo.backends import FusedBackend
+from worker.grpo.backends import FusedBackend, FusedPath
 from worker.grpo.concurrency import SideThread
 from worker.grpo.modeling import ModelBundle
 from worker.grpo.trainer import GRPOTrainer
@@ -149,7 +149,7 @@ def test_measured_decode_layouts_sample_the_same_tokens_and_follow_the_timings(
     def sample() -> torch.Tensor:
         used.clear()
         generator = torch.Generator().manual_seed(5)
-        return rollout.sample_completions(model, ids, mask, config, eos, 0, generator, side, chooser)
+        return rollout.sample_completions(model, ids, mask, config, eos, 0, generator, side, fast=FusedPath(chooser))
 
     tokens = [sample() for _ in range(4)]  # warm-up, then each of the three layouts once
     assert all(torch.equal(tokens[0], other) for other in tokens[1:])
@@ -182,7 +182,7 @@ def test_two_decode_lanes_sample_the_tokens_one_lane_samples(
 
     def sample(lane: SideThread | None) -> torch.Tensor:
         generator = torch.Generator().manual_seed(11)
-        return rollout.sample_completions(model, ids, mask, config, eos, 0, generator, lane)
+        return rollout.sample_completions(model, ids, mask, config, eos, 0, generator, lane, fast=FusedPath())
 
     one = sample(None)
     assert lanes == ["MainThread"]

@@ -13,6 +13,7 @@ from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsW
 
 from contract.config import GRPOConfig
 from worker.grpo import fast_decoder, rollout, static_decoder
+from worker.grpo.backends.fused import FusedPath
 from worker.grpo.concurrency import intra_op_threads
 from worker.grpo.logprobs import completion_logprobs
 
@@ -117,13 +118,8 @@ def test_no_shared_prompt_path_matches_too(model: PreTrainedModel) -> None:
     ids, mask = grouped_batch()
     ids, mask = ids[::2], mask[::2]  # one row per prompt: nothing to share
     with torch.no_grad():
-        logps, _ = completion_logprobs(model, ids, mask, C, temperature=0.7)
-        fast = fast_decoder.supports
-        try:
-            fast_decoder.supports = lambda _model, _length: False  # type: ignore[assignment]
-            expected, _ = completion_logprobs(model, ids, mask, C, temperature=0.7)
-        finally:
-            fast_decoder.supports = fast  # type: ignore[assignment]
+        logps, _ = completion_logprobs(model, ids, mask, C, temperature=0.7, fast=FusedPath())
+        expected, _ = completion_logprobs(model, ids, mask, C, temperature=0.7)
     real = mask[:, P:].bool()
     assert torch.allclose(logps[real], expected[real], atol=1e-5)
 
@@ -151,17 +147,11 @@ def test_fast_and_generic_decoders_sample_the_same_tokens(model: PreTrainedModel
         {"max_steps": 1, "num_generations": 2, "max_completion_length": 12, "top_k": 20, "top_p": 0.9}
     )
 
-    def sample() -> torch.Tensor:
+    def sample(fast: FusedPath | None) -> torch.Tensor:
         generator = torch.Generator().manual_seed(7)
-        return rollout.sample_completions(model, ids[:, :P], mask[:, :P], config, [2], 0, generator)
+        return rollout.sample_completions(model, ids[:, :P], mask[:, :P], config, [2], 0, generator, fast=fast)
 
-    fast = sample()
-    original = fast_decoder.supports
-    try:
-        fast_decoder.supports = lambda _model, _length: False  # type: ignore[assignment]
-        generic = sample()
-    finally:
-        fast_decoder.supports = original  # type: ignore[assignment]
+    fast, generic = sample(FusedPath()), sample(None)
     assert torch.equal(fast, generic)
     assert not fast.is_inference()  # usable as input of a forward that saves it for backward
 

@@ -29,6 +29,7 @@ from transformers import (
 
 from contract.config import GRPOConfig
 from worker.grpo import decode_step, fast_decoder, logprobs, rollout, static_decoder
+from worker.grpo.backends.fused import FusedPath
 from worker.grpo.logprobs import completion_logprobs
 
 P, C = 9, 11  # prompt and completion lengths of the hand-made batch
@@ -275,17 +276,16 @@ def test_log_probs_with_a_chunked_head_and_tied_embeddings_match_the_generic_pat
     real = mask[:, P:].bool()
     assert fast_decoder.supports(model, ids.shape[1])
 
-    def run() -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def run(fast: FusedPath | None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         model.zero_grad()
-        logps, _ = completion_logprobs(model, ids, mask, C, temperature=0.7)
+        logps, _ = completion_logprobs(model, ids, mask, C, temperature=0.7, fast=fast)
         (logps * real).sum().backward()
         return logps.detach(), {
             name: p.grad.clone() for name, p in trainable(model).items() if p.grad is not None
         }
 
-    ours, ours_grads = run()
-    monkeypatch.setattr(fast_decoder, "supports", lambda model, max_length: False)
-    theirs, theirs_grads = run()
+    ours, ours_grads = run(FusedPath())
+    theirs, theirs_grads = run(None)
     assert relative_error(ours[real], theirs[real]) <= 1e-5
     assert ours_grads.keys() == theirs_grads.keys() == trainable(model).keys()
     for name, grad in theirs_grads.items():
@@ -307,7 +307,9 @@ def test_halves_on_one_net_backpropagate_side_by_side(arch: str, lora: bool) -> 
     halves = [slice(0, 2), slice(2, 6)]  # at a group boundary; the second has a row ended early
 
     def half_logps(rows: slice, net: fast_decoder.DecoderFunctional | None) -> torch.Tensor:
-        logps, _ = completion_logprobs(model, ids[rows], mask[rows], C, temperature=1.0, net=net)
+        logps, _ = completion_logprobs(
+            model, ids[rows], mask[rows], C, temperature=1.0, fast=FusedPath(), prepared=net
+        )
         return (logps * mask[rows, P:]).sum()
 
     expected = [torch.autograd.grad(half_logps(rows, None), params) for rows in halves]
@@ -384,7 +386,7 @@ def test_sliding_window_shorter_than_the_sequence_takes_the_generic_path() -> No
     ids, mask = grouped_batch()
     assert not fast_decoder.supports(model, ids.shape[1])
     with torch.no_grad():
-        logps, _ = completion_logprobs(model, ids, mask, C, temperature=1.0)
+        logps, _ = completion_logprobs(model, ids, mask, C, temperature=1.0, fast=FusedPath())
         expected = torch.log_softmax(reference_logits(model, ids, mask).float(), -1)
     expected = expected.gather(-1, ids[:, P:, None]).squeeze(-1)
     real = mask[:, P:].bool()
@@ -430,7 +432,7 @@ def test_an_uncovered_model_gives_the_module_forward_through_the_generic_path() 
     model = gpt2()
     ids, mask = grouped_batch()
     assert not fast_decoder.supports(model, ids.shape[1])
-    logps, _ = completion_logprobs(model, ids, mask, C, temperature=0.7)
+    logps, _ = completion_logprobs(model, ids, mask, C, temperature=0.7, fast=FusedPath())
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     logits = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits[:, P - 1 : -1]
     expected = torch.log_softmax(logits / 0.7, -1).gather(-1, ids[:, P:, None]).squeeze(-1)
@@ -450,7 +452,7 @@ def test_an_uncovered_model_decodes_like_generate() -> None:
         {"max_steps": 1, "num_generations": 2, "max_completion_length": 8, "top_k": 1}
     )
     ours = rollout.sample_completions(
-        model, prompt, prompt_mask, config, [2], 0, torch.Generator().manual_seed(1)
+        model, prompt, prompt_mask, config, [2], 0, torch.Generator().manual_seed(1), fast=FusedPath()
     )
     with torch.no_grad():
         theirs = model.generate(

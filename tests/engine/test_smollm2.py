@@ -24,6 +24,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
 from contract.reward_types import RewardInput
 from worker.grpo import fast_decoder
+from worker.grpo.backends import FusedPath
 from worker.grpo.data import PromptRow
 from worker.grpo.logprobs import completion_logprobs
 from worker.grpo.pretrained import SMOLLM2_PRESET, build_smollm2
@@ -149,7 +150,7 @@ def test_engine_logprobs_match_transformers(
         if fused:
             assert fast_decoder.supports(model, ids.shape[1])  # this test must exercise the fast path
         with torch.no_grad():
-            ours, _ = completion_logprobs(model, ids, mask, C, temperature=1.0, fused=fused)
+            ours, _ = completion_logprobs(model, ids, mask, C, temperature=1.0, fast=FusedPath() if fused else None)
             theirs = _transformers_logprobs(model, ids, mask)
             exact = _transformers_logprobs(models[torch.float32], ids, mask)
             if lora:

@@ -234,9 +234,9 @@ class Parallel:
         return self.mode != "fsdp"
 
     def completion_logprobs(self, *args: Any, **kwargs: Any) -> tuple[Tensor, Tensor | None]:
-        """worker.grpo.logprobs.completion_logprobs of the training module (with gradient), on the fast path
-        only where the backend allows it (ModelBundle.fused)."""
-        kwargs.setdefault("fused", self.models.fused)
+        """worker.grpo.logprobs.completion_logprobs of the training module (with gradient), on the backend's
+        fast path where it has one (ModelBundle.fast)."""
+        kwargs.setdefault("fast", self.models.fast)
         if isinstance(self.train_model, ShardedPolicy):
             return self.train_model.completion_logprobs(*args, **kwargs)
         return completion_logprobs(self.train_model, *args, **kwargs)

@@ -15,7 +15,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 from transformers import PreTrainedModel
 
-from worker.grpo import fast_decoder
+from worker.grpo.fastpath import FastPath
 
 # Rows (positions) per chunk: bounds the float32 temporaries to about CHUNK_ROWS * V floats
 # when logits are in a lower precision.
@@ -65,18 +65,15 @@ def completion_logprobs(
     with_entropy: bool = False,
     entropy_grad: bool = False,
     adapters: bool = True,
-    net: fast_decoder.DecoderFunctional | None = None,
-    fused: bool = True,
+    fast: FastPath | None = None,
+    prepared: Any = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Log-probs (N, C) of the last C tokens of `input_ids` under `model`, from logits / temperature.
 
-    `fused`: whether the fast path may compute them where it `supports` the model (the fused backend,
-    worker.grpo.backends); else, and for every other model, the model's module forward (`module_logprobs`).
-
-    `adapters=False` scores a peft model's base weights on the fast path, without toggling its
-    adapters (see fast_decoder.DecoderFunctional); only for models `fast_decoder.supports`.
-    `net`: the model's weights already gathered for the fast path (forwards of the same weights
-    may share one; gathering copies every layer's weights), else gathered here.
+    Through the model's module forward (`module_logprobs`), or the backend's `fast` path where it covers
+    the model (worker.grpo.fastpath). `adapters=False` scores a peft model's base weights without switching
+    its adapters off, on a fast path only; `prepared`: the fast path's own gathering of the model's weights,
+    shared by forwards of the same weights.
 
     input_ids, attention_mask: (N, P + C), prompt left-padded, completion last. Only the C + 1
     last positions get logits (`logits_to_keep`): position t predicts token t + 1, so the logits
@@ -93,20 +90,10 @@ def completion_logprobs(
     # Positions count real tokens only, as in generate(), so left padding does not shift them.
     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # (N, P+C)
     targets = input_ids[:, -completion_length:]  # (N, C)
-    if fused and fast_decoder.supports(model, input_ids.shape[1]):
-        # Same values, far fewer ops (see fast_decoder); the LM head runs chunk by chunk.
-        net = net if net is not None else fast_decoder.DecoderFunctional(model, adapters=adapters)
-        hidden = net.completion_hidden(
-            input_ids, attention_mask, position_ids, completion_length
-        )  # (N, C, E)
-        return head_logprobs(
-            hidden,
-            net.lm_head,
-            net.lm_head_bias,
-            targets,
-            temperature=temperature,
-            with_entropy=with_entropy,
-            entropy_grad=entropy_grad,
+    if fast is not None and fast.covers(model, input_ids.shape[1]):
+        return fast.completion_logprobs(
+            model, input_ids, attention_mask, position_ids, targets, temperature=temperature,
+            with_entropy=with_entropy, entropy_grad=entropy_grad, adapters=adapters, prepared=prepared,
         )
     if not adapters:
         raise ValueError("adapters=False needs the fast path; use the peft model's disable_adapter() instead")

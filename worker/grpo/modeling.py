@@ -22,7 +22,7 @@ from torch import Tensor
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from contract.config import GRPOConfig
-from worker.grpo import fast_decoder
+from worker.grpo.fastpath import FastPath
 from worker.grpo.logprobs import completion_logprobs
 from worker.grpo.rollout import Rollout, completion_mask_after_eos, tokenize_prompts
 from worker.grpo.tiny import resolve_model_path
@@ -52,8 +52,12 @@ class ModelBundle:
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LambdaLR
     is_lora: bool
-    # Whether the CPU fast path may compute for these models (worker.grpo.backends decides, once).
-    fused: bool = True
+    # The backend's fast path for these models, if it has one (worker.grpo.backends decides, once).
+    fast: FastPath | None = None
+
+    def fast_covers(self, length: int) -> bool:
+        """Whether the fast path computes the policy's forward over sequences of `length` tokens."""
+        return self.fast is not None and self.fast.covers(self.policy, length)
 
     @property
     def trainable_parameters(self) -> list[torch.nn.Parameter]:
@@ -70,27 +74,23 @@ class ModelBundle:
         """Whether reference log-probs over sequences of `max_length` may run while the policy runs
         a forward: a reference model of its own, or a LoRA policy whose base weights the fast path
         reads without switching the adapters off (peft's disable_adapter() would change the policy)."""
-        return not self.is_lora or (self.fused and fast_decoder.supports(self.policy, max_length))
+        return not self.is_lora or self.fast_covers(max_length)
 
     @torch.no_grad()
     def reference_logps(
         self, input_ids: Tensor, attention_mask: Tensor, completion_length: int, *, temperature: float
     ) -> Tensor:
         """(N, C) log-probs of the completion tokens under the reference policy."""
-        if self.is_lora and self.fused and fast_decoder.supports(self.policy, input_ids.shape[1]):
+        if self.is_lora and self.fast_covers(input_ids.shape[1]):
             logps, _ = completion_logprobs(
-                self.policy,
-                input_ids,
-                attention_mask,
-                completion_length,
-                temperature=temperature,
-                adapters=False,
+                self.policy, input_ids, attention_mask, completion_length,
+                temperature=temperature, adapters=False, fast=self.fast,
             )
             return logps
         model, context = self._reference_model()
         with context:
             logps, _ = completion_logprobs(
-                model, input_ids, attention_mask, completion_length, temperature=temperature, fused=self.fused
+                model, input_ids, attention_mask, completion_length, temperature=temperature, fast=self.fast
             )
         return logps
 

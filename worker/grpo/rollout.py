@@ -3,9 +3,8 @@
 Sampling runs our own loop (prefill once, then one token per forward with a KV cache,
 temperature / top-k / top-p with a seeded torch.Generator, stop once every row has emitted EOS):
 `generate()` spends most of a small model's generation time in per-token Python machinery.
-Llama-family models (plain or LoRA, see `fast_decoder.supports`) decode through
-`worker.grpo.static_decoder` (preallocated cache, fused projections, adapters merged once per
-rollout); any other model through its own forward with a `DynamicCache`. Beam search stays on `generate()`.
+Every model decodes through its own forward with a `DynamicCache`, or through the decoders of the backend's
+fast path where one `covers` it (`worker.grpo.fastpath`). Beam search stays on `generate()`.
 
 The loss trains on the sampled ids exactly; the decoded texts go to reward sources only and are
 never tokenised again (a decode/encode round trip is not the identity for most tokenizers).
@@ -17,7 +16,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -27,8 +26,8 @@ from torch import Tensor
 from transformers import DynamicCache, GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from contract.config import GRPOConfig
-from worker.grpo import fast_decoder, static_decoder
 from worker.grpo.concurrency import SideThread, intra_op_threads
+from worker.grpo.fastpath import DecodeLanes, Decoder, FastPath
 
 
 def render_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str | list[dict[str, str]]) -> str:
@@ -170,10 +169,14 @@ class NativeRollout:
     `worker.grpo.vllm_rollout.VLLMRollout`, with the same three methods."""
 
     def __init__(
-        self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, config: GRPOConfig, *, fused: bool = True
+        self,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        config: GRPOConfig,
+        *,
+        fast: FastPath | None = None,
     ) -> None:
-        self.model, self.tokenizer, self.config, self.fused = model, tokenizer, config, fused
-        self.layouts = static_decoder.LayoutChooser()  # this run's decode layouts, by measurement
+        self.model, self.tokenizer, self.config, self.fast = model, tokenizer, config, fast
 
     def generate(
         self, prompts: list[str], *, generator_seed: int | list[int], side: SideThread | None = None
@@ -186,8 +189,7 @@ class NativeRollout:
             self.config,
             generator_seed=generator_seed,
             side=side,
-            layouts=self.layouts,
-            fused=self.fused,
+            fast=self.fast,
         )
 
     def sync_weights(self) -> None:
@@ -206,8 +208,7 @@ def generate_rollout(
     *,
     generator_seed: int | list[int] | None = None,
     side: SideThread | None = None,
-    layouts: static_decoder.LayoutChooser | None = None,
-    fused: bool = True,
+    fast: FastPath | None = None,
 ) -> Rollout:
     """Generate G = config.num_generations completions for each already-rendered prompt.
 
@@ -215,9 +216,8 @@ def generate_rollout(
     top_p and top_k; beam mode runs beam search with G beams and returns all G. With
     `generator_seed` the sampling is reproducible and the global RNG state is left as it was; a list
     holds one seed per prompt, so that a group samples the same tokens whichever batch (or rank) it is in.
-    `side`, a second CPU lane, lets small models decode half the rows beside the caller; `layouts`
-    chooses the decode layout by measurement (see sample_completions); `fused`: whether models the fast path
-    supports decode through it (the fused backend), else through their own forward and a KV cache.
+    `side`, a second CPU lane, lets the fast path decode half the rows beside the caller; `fast`: the
+    backend's fast path, which decodes the models it covers (else their own forward and a KV cache).
     The model is put in eval mode for generation (no dropout) and restored afterwards. All
     returned tensors live on the model's device.
     """
@@ -248,8 +248,7 @@ def generate_rollout(
                 _pad_token_id(tokenizer),
                 generator,
                 side,
-                layouts,
-                fused=fused,
+                fast=fast,
             )  # (N, C') with C' <= max_completion_length
         else:
             completion_ids = _beam_search(model, tokenizer, prompt_ids, prompt_mask, config, eos_ids)
@@ -296,21 +295,13 @@ def _beam_search(
 # --- the sampling loop ---------------------------------------------------------------------------
 
 
-class _Decoder(Protocol):
-    threads: int  # torch intra-op threads to decode with
-
-    def prefill(self, prompt_ids: Tensor) -> Tensor: ...  # (B, P) -> next-token logits (B, V)
-
-    def step(self, tokens: Tensor) -> Tensor: ...  # (B,) -> next-token logits (B, V)
-
-
 # transformers 5.24 renamed the forwards' `past_key_values` to `cache` (the old name goes in 5.40). Earlier
 # releases do not know `cache`: their forwards would swallow it in **kwargs and decode without a cache.
 _CACHE_ARGUMENT = "cache" if Version(transformers.__version__).release >= (5, 24) else "past_key_values"
 
 
 class _CacheDecoder:
-    """Any causal LM through its own forward and a DynamicCache (models fast_decoder does not cover)."""
+    """Any causal LM through its own forward and a DynamicCache."""
 
     def __init__(self, model: Any, prompt_mask: Tensor, max_new_tokens: int) -> None:
         self.model = model
@@ -346,44 +337,12 @@ class _CacheDecoder:
         return out.logits[:, -1]
 
 
-@dataclass
-class _Lanes:
-    """A rollout's decoders, each with the rows it decodes, and (Llama family on a CPU with a
-    choice, see static_decoder.layout_candidates) the measured layout they follow."""
-
-    decoders: list[tuple[slice, _Decoder]]
-    layout: static_decoder.DecodeLayout | None = None
-    key: Any = None
-
-
-def _lanes(
-    model: Any,
-    prompt_mask: Tensor,
-    max_new_tokens: int,
-    *,
-    parallel: bool,
-    layouts: static_decoder.LayoutChooser | None,
-    fused: bool = True,
-) -> _Lanes:
-    """One decoder for all rows, or two for the halves of the batch decoded side by side (Llama
-    family only, `fused`): as `layouts` chooses when given, else by the rule of thumb (static_decoder)."""
-    if not (fused and fast_decoder.supports(model, prompt_mask.shape[1] + max_new_tokens)):
-        return _Lanes([(slice(None), _CacheDecoder(model, prompt_mask, max_new_tokens))])
-    net = fast_decoder.DecoderFunctional(model)
-    rows = prompt_mask.shape[0]
-    candidates = static_decoder.layout_candidates(net, rows, two_lanes=parallel)
-    key = static_decoder.layout_key(net, rows)
-    layout = candidates[0] if layouts is None else layouts.choose(key, candidates)
-    if layout.lanes == 1:
-        decoder = static_decoder.StaticDecoder(net, prompt_mask, max_new_tokens, threads=layout.threads)
-        return _Lanes([(slice(None), decoder)], layout, key)
-    weights = static_decoder.DecodeWeights.of(net)
-    halves = [slice(0, rows // 2), slice(rows // 2, rows)]
-    decoders: list[tuple[slice, _Decoder]] = [
-        (half, static_decoder.StaticDecoder(net, prompt_mask[half], max_new_tokens, weights, layout.threads))
-        for half in halves
-    ]
-    return _Lanes(decoders, layout, key)
+def _lanes(model: Any, prompt_mask: Tensor, max_new_tokens: int, *, parallel: bool, fast: FastPath | None) -> DecodeLanes:
+    """The fast path's decoders where it covers the model (`parallel`: a side lane may run a second one), else
+    one decoder through the model's own forward for all rows."""
+    if fast is not None and fast.covers(model, prompt_mask.shape[1] + max_new_tokens):
+        return fast.decoders(model, prompt_mask, max_new_tokens, two_lanes=parallel)
+    return DecodeLanes([(slice(None), _CacheDecoder(model, prompt_mask, max_new_tokens))])
 
 
 def filter_logits(logits: Tensor, *, temperature: float, top_k: int, top_p: float) -> Tensor:
@@ -443,17 +402,15 @@ def sample_completions(
     pad_id: int,
     generator: torch.Generator | list[torch.Generator] | None,
     side: SideThread | None = None,
-    layouts: static_decoder.LayoutChooser | None = None,
     *,
-    fused: bool = True,
+    fast: FastPath | None = None,
 ) -> Tensor:
     """Sample up to max_completion_length tokens per row; (B, P) left-padded prompts -> (B, C') ids.
 
     Rows that have emitted an EOS get `pad_id` from then on; decoding ends once every row has
-    (so C' may be shorter than max_completion_length), as generate() does. With `side`, small
-    Llama-family models decode the two halves of the batch side by side (see static_decoder.decode_lanes).
-    With `layouts`, Llama-family rows decode in the layout it chooses, and the seconds per decoding
-    step are recorded there (static_decoder.LayoutChooser).
+    (so C' may be shorter than max_completion_length), as generate() does. Models the `fast` path covers
+    decode through its decoders (with `side`, maybe two lanes side by side), which are told the seconds per
+    decoding step afterwards.
     """
     max_new = config.max_completion_length
     batch, device = prompt_ids.shape[0], prompt_ids.device
@@ -466,9 +423,9 @@ def sample_completions(
         draws = torch.rand(max_new, batch, generator=generator, device=device)  # (C, B)
     started = time.perf_counter()
     with torch.inference_mode():
-        lanes = _lanes(model, prompt_mask, max_new, parallel=side is not None, layouts=layouts, fused=fused)
+        lanes = _lanes(model, prompt_mask, max_new, parallel=side is not None, fast=fast)
 
-    def run(lane: tuple[slice, _Decoder]) -> Tensor:
+    def run(lane: tuple[slice, Decoder]) -> Tensor:
         rows, decoder = lane
         return _sample_lane(decoder, prompt_ids[rows], draws[:, rows], config, eos_ids, pad_id)
 
@@ -476,14 +433,14 @@ def sample_completions(
     beside = [side.submit(partial(run, lane)) for lane in others] if side is not None else []
     outputs = [run(first), *(future.result() for future in beside)]
     produced = max(out.shape[1] for out in outputs)
-    if layouts is not None and lanes.layout is not None:
-        layouts.record(lanes.key, lanes.layout, (time.perf_counter() - started) / produced)
+    if lanes.record is not None:
+        lanes.record((time.perf_counter() - started) / produced)
     # A normal tensor again: inference tensors cannot be saved for backward (the embedding would).
     return torch.cat([F.pad(out, (0, produced - out.shape[1]), value=pad_id) for out in outputs])
 
 
 def _sample_lane(
-    decoder: _Decoder,
+    decoder: Decoder,
     prompt_ids: Tensor,
     draws: Tensor,
     config: GRPOConfig,

@@ -478,7 +478,7 @@ class GRPOTrainer:
             seed = (self.config.seed * 1_000_003 + step * 101 + 97) % (2**63)
             sampled = generate_rollout(
                 self.models.policy, self.models.tokenizer, prompts, self.config, generator_seed=seed,
-                fused=self.models.fused,
+                fast=self.models.fast,
             )
             scored = self.backend.score(self.reward.score(reward_inputs(sampled, rows, prompts), step=step)).result()
             metrics.update(pass_at_k(scored.total, sampled.group_size, prefix))

@@ -16,15 +16,19 @@ from typing import Literal
 
 from contract.config import GRPOConfig
 from worker.grpo import fast_decoder
-from worker.grpo.backends.fused import FusedBackend
+from worker.grpo.backends.fused import FusedBackend, FusedPath
 from worker.grpo.backends.module import Forwards, ModuleBackend
 from worker.grpo.distributed import Parallel
+from worker.grpo.fastpath import FastPath
 from worker.grpo.loss import LossSettings
 from worker.grpo.modeling import ModelBundle
 
 BackendName = Literal["auto", "hf", "fused"]
 
-__all__ = ["BackendName", "Forwards", "FusedBackend", "ModuleBackend", "choose_backend", "fused_applies"]
+__all__ = [
+    "BackendName", "Forwards", "FusedBackend", "FusedPath", "ModuleBackend", "choose_backend", "fast_path_for",
+    "fused_applies",
+]
 
 
 def fused_applies(models: ModelBundle, config: GRPOConfig) -> bool:
@@ -44,9 +48,14 @@ def choose_backend(
     output_dir: Path,
     name: BackendName = "auto",
 ) -> ModuleBackend:
-    """The backend for this run; `auto`: fused where it applies, else hf. Sets `models.fused`, which the
-    module-level functions (log-probs, sampling, reference) read, so every path follows the same choice."""
-    fused = fused_applies(models, config) if name == "auto" else name == "fused"
-    models.fused = fused
-    kind = FusedBackend if fused else ModuleBackend
+    """The backend for this run; `auto`: fused where it applies, else hf. Sets `models.fast`, the fast path
+    the module-level functions (log-probs, sampling, reference) take, so every path follows the same choice."""
+    models.fast = fast_path_for(models, config, name)
+    kind = ModuleBackend if models.fast is None else FusedBackend
     return kind(models, parallel, config, loss_settings, output_dir)
+
+
+def fast_path_for(models: ModelBundle, config: GRPOConfig, name: BackendName = "auto") -> FastPath | None:
+    """The fast path the backend `name` gives these models (`auto`: fused where it applies), or None."""
+    fused = fused_applies(models, config) if name == "auto" else name == "fused"
+    return FusedPath() if fused else None

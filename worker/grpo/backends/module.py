@@ -64,7 +64,7 @@ class ModuleBackend:
         self.rollouts: NativeRollout | VLLMRollout = (
             VLLMRollout(models, config, output_dir)
             if config.use_vllm
-            else NativeRollout(models.policy, models.tokenizer, config, fused=models.fused)
+            else NativeRollout(models.policy, models.tokenizer, config, fast=models.fast)
         )
 
     uses_side_lane = False
