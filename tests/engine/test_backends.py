@@ -11,8 +11,8 @@ import torch
 
 from tests.engine.test_trainer import _capture_gradients
 from tests.engine.trainer_helpers import small_config, spread_reward, trainer_kwargs, word_rows
-from worker.grpo import fast_decoder, static_decoder
 from worker.grpo.backends import FusedBackend, FusedPath, ModuleBackend
+from worker.grpo.backends.fused import fast_decoder, static_decoder
 from worker.grpo.trainer import GRPOTrainer
 
 

@@ -17,8 +17,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from contract.config import GRPOConfig
 from tests.engine.test_trainer import _capture_gradients
 from tests.engine.trainer_helpers import small_config, spread_reward, trainer_kwargs, word_rows
-from worker.grpo import concurrency, fast_decoder, rollout, static_decoder
+from worker.grpo import concurrency, rollout
 from worker.grpo.backends import FusedBackend, FusedPath
+from worker.grpo.backends.fused import fast_decoder, static_decoder
 from worker.grpo.concurrency import SideThread
 from worker.grpo.modeling import ModelBundle
 from worker.grpo.trainer import GRPOTrainer

@@ -12,8 +12,8 @@ from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
 from contract.config import GRPOConfig
-from worker.grpo import fast_decoder, rollout, static_decoder
-from worker.grpo.backends.fused import FusedPath
+from worker.grpo import rollout
+from worker.grpo.backends.fused import FusedPath, fast_decoder, static_decoder
 from worker.grpo.concurrency import intra_op_threads
 from worker.grpo.logprobs import completion_logprobs
 

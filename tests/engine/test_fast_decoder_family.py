@@ -28,8 +28,8 @@ from transformers import (
 )
 
 from contract.config import GRPOConfig
-from worker.grpo import decode_step, fast_decoder, logprobs, rollout, static_decoder
-from worker.grpo.backends.fused import FusedPath
+from worker.grpo import logprobs, rollout
+from worker.grpo.backends.fused import FusedPath, decode_step, fast_decoder, static_decoder
 from worker.grpo.logprobs import completion_logprobs
 
 P, C = 9, 11  # prompt and completion lengths of the hand-made batch

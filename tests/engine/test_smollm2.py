@@ -23,8 +23,8 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
 from contract.reward_types import RewardInput
-from worker.grpo import fast_decoder
 from worker.grpo.backends import FusedPath
+from worker.grpo.backends.fused import fast_decoder
 from worker.grpo.data import PromptRow
 from worker.grpo.logprobs import completion_logprobs
 from worker.grpo.pretrained import SMOLLM2_PRESET, build_smollm2

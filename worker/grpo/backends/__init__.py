@@ -6,7 +6,7 @@ The trainer never names a backend's machinery (lanes, halves, fused kernels).
 
 - `hf` (`ModuleBackend`): the transformers module forward; any causal LM, any device.
 - `fused` (`FusedBackend`): the CPU fast path; the Llama family (Llama, Qwen2, Qwen3, Mistral) where
-  `worker.grpo.fast_decoder.supports` it, on a CPU.
+  `fused.fast_decoder.supports` it, on a CPU.
 """
 
 from __future__ import annotations
@@ -15,9 +15,8 @@ from pathlib import Path
 from typing import Literal
 
 from contract.config import GRPOConfig
-from worker.grpo import fast_decoder
-from worker.grpo.backends.fused import FusedBackend, FusedPath
-from worker.grpo.backends.module import Forwards, ModuleBackend
+from worker.grpo.backends.fused import FusedBackend, FusedPath, fast_decoder
+from worker.grpo.backends.hf import Forwards, ModuleBackend
 from worker.grpo.distributed import Parallel
 from worker.grpo.fastpath import FastPath
 from worker.grpo.loss import LossSettings

@@ -1,6 +1,6 @@
 """A lean functional forward of Llama-family decoders for the hot paths of a GRPO step: the weights
 gathered once (`DecoderFunctional`) and the full-sequence forward the log-probs and the training
-step run. Incremental decoding for the sampling loop builds on it in `worker.grpo.static_decoder`.
+step run. Incremental decoding for the sampling loop builds on it in `worker.grpo.backends.fused.static_decoder`.
 
 Why: on small models `transformers`' module-per-op forward (and `generate()`'s per-token
 machinery: DynamicCache concatenation, logits processors, stopping criteria) costs far more than
@@ -483,7 +483,7 @@ def _kept_completion_positions(completion_mask: Tensor) -> Tensor | None:
 
 
 # The three functions below are shared with the decode step, which TorchScript compiles
-# (`worker.grpo.decode_step`): plain tensor code with annotations it can read.
+# (`worker.grpo.backends.fused.decode_step`): plain tensor code with annotations it can read.
 
 
 def llama_rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:

@@ -1,5 +1,5 @@
 """Incremental decoding for the sampling loop on the functional Llama-family forward
-(`worker.grpo.fast_decoder`): a preallocated KV cache written in place, decode weights prepared
+(`worker.grpo.backends.fused.fast_decoder`): a preallocated KV cache written in place, decode weights prepared
 once per rollout (LoRA adapters merged, RMSNorm weights and the attention scale folded in), and
 how many threads or lanes a CPU decodes with (a rule of thumb, then what the machine measures).
 """
@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from worker.grpo.decode_step import DecodeState, logits_of, scripted_decode_step
-from worker.grpo.fast_decoder import DecoderFunctional, FusedLayer, causal_padding_mask
+from worker.grpo.backends.fused.decode_step import DecodeState, logits_of, scripted_decode_step
+from worker.grpo.backends.fused.fast_decoder import DecoderFunctional, FusedLayer, causal_padding_mask
 
 
 class StaticDecoder:
@@ -25,7 +25,7 @@ class StaticDecoder:
 
     Positions follow `generate()`: prompt positions count real tokens (left padding does not
     shift them) and each new token takes the next position. Call under torch.inference_mode(),
-    with `threads` intra-op threads (see `decode_threads`). A decode step (`worker.grpo.decode_step`,
+    with `threads` intra-op threads (see `decode_threads`). A decode step (`worker.grpo.backends.fused.decode_step`,
     compiled by TorchScript) works on (B, E) matrices with weights prepared once per rollout
     (`_DecodeLinear`), RoPE applied in place, the residual adds fused into the matmuls after
     attention and MLP, and attention as two batched matmuls over the cache (cheaper than SDPA's

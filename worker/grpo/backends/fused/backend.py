@@ -1,90 +1,19 @@
-"""The `fused` backend: the CPU fast path, for the Llama family on a small CPU.
-
-Why it exists: on a CPU with few cores a small model's GEMMs scale poorly and every op pays a thread wake-up,
-so the engine computes the same values with far fewer ops and keeps both cores busy (bench/README.md has the
-figures against TRL):
-
-- log-probs through `worker.grpo.fast_decoder` (one fused full-sequence forward, the LM head chunked) and
-  sampling through `worker.grpo.static_decoder` (a preallocated cache, a compiled decode step, two decode lanes
-  measured against one): `FusedPath`, the `ModelBundle.fast` the module functions take;
-- a second CPU lane (`worker.grpo.concurrency`): the reference forward runs beside the policy's, and the first
-  pass's forward and backward run as two halves side by side, each on one core (`_halves`).
-
-Everything it computes equals the module path's up to float rounding; the parity tests hold it to transformers
-and peft (tests/engine/test_fast_decoder*.py). Where the fast path does not cover a sequence (a sliding window
-shorter than it, dropout in training), the same calls fall back to the module forward.
-"""
+"""The fused backend's schedule: ModuleBackend's phases over two CPU lanes (package docstring: why)."""
 
 from __future__ import annotations
 
 import time
 from concurrent.futures import Future
 from functools import partial
-from typing import Any
 
 import torch
 from torch import Tensor
 
-from worker.grpo import fast_decoder, static_decoder
-from worker.grpo.backends.module import Forwards, ModuleBackend
+from worker.grpo.backends.fused import fast_decoder
+from worker.grpo.backends.hf import Forwards, ModuleBackend
 from worker.grpo.batch import HalfForward
 from worker.grpo.concurrency import completed
-from worker.grpo.fastpath import DecodeLanes, Decoder
-from worker.grpo.logprobs import head_logprobs
 from worker.grpo.rollout import Rollout
-
-
-class FusedPath:
-    """The fast path as the generic paths take it (`worker.grpo.fastpath.FastPath`): log-probs through one
-    fused full-sequence forward and the LM head in chunks, sampling through static decoders in the layout
-    `layouts` measures fastest for each shape (one chooser per run)."""
-
-    def __init__(self, layouts: static_decoder.LayoutChooser | None = None) -> None:
-        self.layouts = layouts or static_decoder.LayoutChooser()
-
-    def covers(self, model: Any, length: int) -> bool:
-        return fast_decoder.supports(model, length)
-
-    def completion_logprobs(
-        self,
-        model: Any,
-        input_ids: Tensor,
-        attention_mask: Tensor,
-        position_ids: Tensor,
-        targets: Tensor,
-        *,
-        temperature: float,
-        with_entropy: bool,
-        entropy_grad: bool,
-        adapters: bool,
-        prepared: Any,
-    ) -> tuple[Tensor, Tensor | None]:
-        # Forwards of the same weights may share one gathering of them (a copy of every layer's).
-        net = prepared if prepared is not None else fast_decoder.DecoderFunctional(model, adapters=adapters)
-        hidden = net.completion_hidden(input_ids, attention_mask, position_ids, targets.shape[1])  # (N, C, E)
-        return head_logprobs(
-            hidden, net.lm_head, net.lm_head_bias, targets,
-            temperature=temperature, with_entropy=with_entropy, entropy_grad=entropy_grad,
-        )
-
-    def decoders(self, model: Any, prompt_mask: Tensor, max_new_tokens: int, *, two_lanes: bool) -> DecodeLanes:
-        """One static decoder for all rows, or two for the halves of the batch decoded side by side, in the
-        layout `layouts` chooses for this shape (static_decoder.LayoutChooser)."""
-        net = fast_decoder.DecoderFunctional(model)
-        rows = prompt_mask.shape[0]
-        key = static_decoder.layout_key(net, rows)
-        layout = self.layouts.choose(key, static_decoder.layout_candidates(net, rows, two_lanes=two_lanes))
-        record = partial(self.layouts.record, key, layout)
-        if layout.lanes == 1:
-            decoder = static_decoder.StaticDecoder(net, prompt_mask, max_new_tokens, threads=layout.threads)
-            return DecodeLanes([(slice(None), decoder)], record)
-        weights = static_decoder.DecodeWeights.of(net)
-        halves = [slice(0, rows // 2), slice(rows // 2, rows)]
-        decoders: list[tuple[slice, Decoder]] = [
-            (half, static_decoder.StaticDecoder(net, prompt_mask[half], max_new_tokens, weights, layout.threads))
-            for half in halves
-        ]
-        return DecodeLanes(decoders, record)
 
 
 class FusedBackend(ModuleBackend):

@@ -1,4 +1,4 @@
-"""One token of incremental decoding for `worker.grpo.static_decoder`, as a function TorchScript compiles.
+"""One token of incremental decoding for `worker.grpo.backends.fused.static_decoder`, as a function TorchScript compiles.
 
 Why TorchScript: a decode step of a small model is ~40 small ops per layer besides its four
 matmuls, and from Python every op takes the GIL to parse its arguments and hands it back to run.
@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from worker.grpo.fast_decoder import head_rms_norm, llama_rms_norm, rotate_pairs
+from worker.grpo.backends.fused.fast_decoder import head_rms_norm, llama_rms_norm, rotate_pairs
 
 
 class DecodeState(NamedTuple):
