@@ -3,8 +3,7 @@
 Why: CPU tensors come from `malloc`. glibc serves large blocks with fresh `mmap`s and trims the
 heap top as soon as a few MB are free, so every GRPO step asks the kernel again for the same
 tens of MB of activations and gradients, and each of their 4 KiB pages is zero-filled on first
-touch. On the small preset that was ~12,000 page faults per step (~18 ms at ~1.5 us each; phase minima
-on a noisy VM: policy forward+backward 316 -> 285 ms, reference forward 107 -> 97 ms).
+touch: thousands of page faults per step on a small model (bench/README.md, "Measured reasons").
 
 `keep_freed_memory()` raises glibc's mmap and trim thresholds (the same knobs as the
 MALLOC_MMAP_THRESHOLD_ / MALLOC_TRIM_THRESHOLD_ environment variables), so a step reuses the

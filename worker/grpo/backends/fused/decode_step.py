@@ -3,12 +3,11 @@
 Why TorchScript: a decode step of a small model is ~40 small ops per layer besides its four
 matmuls, and from Python every op takes the GIL to parse its arguments and hands it back to run.
 Two lanes decoding the halves of a batch on two threads (`static_decoder.decode_lanes`) then pass
-the GIL back and forth on every op: on a 2-vCPU VM a small op took 12.6 us with two threads issuing
-them against 4.5 us with one. A scripted function runs its whole body in TorchScript's interpreter
-with the GIL released, so the lanes run side by side: on the small preset a lane's step took
-2.8 instead of 4.7 ms (bench/README.md). `torch.compile` fuses more, but on a CPU it needs a C++
-toolchain at run time, and a decode layer compiled over a static horizon took ~30 s to compile and
-then ran slower than eager.
+the GIL back and forth on every op, and a small op costs several times more with two threads issuing
+them than with one. A scripted function runs its whole body in TorchScript's interpreter with the GIL
+released, so the lanes run side by side. `torch.compile` fuses more, but on a CPU it needs a C++
+toolchain at run time, and a decode layer compiled over a static horizon took long to compile and then
+ran slower than eager (bench/README.md, "Measured reasons", has the figures).
 
 TorchScript is deprecated in recent torch releases (scripting warns) but still ships; where
 scripting fails (no TorchScript, or no source to read) the same function runs as plain Python,

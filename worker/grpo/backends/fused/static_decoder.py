@@ -66,7 +66,7 @@ class StaticDecoder:
         self.prompt_mask = prompt_mask
         self.threads = threads or decode_threads(net, batch)
         self.length = 0  # filled cache positions
-        # Besides its matmuls, a decode step is ~40 small ops per layer (~30 % of its time), so every view
+        # Besides its matmuls, a decode step is dozens of small ops per layer (a large share of its time), so every view
         # it needs is made here, once: the caches as (B*KV, S, D) batches (keys transposed), and the qkv and
         # gate/up products written into buffers (`out=`) that every layer and step reuse, with their
         # parts (q, k, v, the complex view RoPE rotates, gate, up) viewed once.
@@ -171,18 +171,16 @@ class DecodeWeights:
 # The rule of thumb below is the first guess; a trainer measures the alternatives (LayoutChooser).
 # With OpenMP's passive waiting (what `grpo` processes run with, see cli/), every parallel
 # region wakes the sleeping pool threads, which can cost more than a second core saves on a decode
-# step's small matmuls. The threshold sits between the presets on one 2-core CPU (32 rows): one
-# thread decoded tiny and small (largest decode matmul 3 and 17 MFLOP) faster than two, two won on
-# medium (90 MFLOP); on another, two threads already won on small. Spinning (the default policy)
-# keeps the pool awake, and every thread helps.
+# step's small matmuls. The threshold sits between the presets where one thread decoded faster than two
+# and where two won, on the 2-core CPUs measured (bench/README.md, "Measured reasons"); machines differ,
+# hence the measurement. Spinning (the default policy) keeps the pool awake, and every thread helps.
 _PASSIVE_PARALLEL_MIN_FLOP = 2**25
 
 
 # Two lanes (half the rows each, one thread each, on two cores) pay when each lane's largest decode
 # matmul is at least this. The scripted decode step runs without the GIL, so the lanes hand it over
-# once per step, not per op: on a 2-vCPU VM a 32-row rollout of the tiny preset (2.1 MFLOP per lane
-# of 16 rows) took 42 ms in two lanes against 61 ms on one thread, small (8.4 MFLOP) 148 against
-# 215 ms on one lane of two threads. (With a GIL hand-off per op, tiny was slower in two lanes.)
+# once per step, not per op, and even the tiny preset's lanes beat one thread (bench/README.md,
+# "Measured reasons"); with a GIL hand-off per op they would not.
 _LANE_MIN_FLOP = 2**20
 
 
@@ -258,12 +256,11 @@ class LayoutChooser:
 
     Why: whether a second thread or a second lane pays off on a decode step's small matmuls depends
     on the machine (what waking a sleeping OpenMP thread costs, GIL hand-offs between lanes, cache
-    sizes), and a fixed threshold is right on one machine only: on one 2-vCPU VM the small preset
-    decoded fastest in two lanes, on another on one lane of two threads, by 10 %. Rows are
-    independent, so every layout samples the same tokens.
+    sizes), and a fixed threshold is right on one machine only: two 2-vCPU machines chose different
+    layouts for the same model. Rows are independent, so every layout samples the same tokens.
     """
 
-    trials: int = 1  # a 10 % difference shows in one rollout; each trial of a slower layout costs a step
+    trials: int = 1  # the differences worth having show in one rollout; each trial of a slower layout costs a step
     _seconds: dict[Hashable, dict[DecodeLayout, list[float]]] = field(default_factory=dict)
     _warm: set[Hashable] = field(default_factory=set)
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -293,7 +290,7 @@ class _DecodeLinear:
 
     A contiguous transposed copy of W, made once per rollout, so each product is one GEMM with
     the residual added by the GEMM itself (`addmm_`). MKL's packed weights (`_mkl_linear`) are no
-    faster at these row counts, and packing costs ~0.5 ms per matrix per rollout.
+    faster at these row counts, and packing costs time per matrix per rollout.
 
     `in_scale` (in,) and `out_scale` (out,) scale W's columns and rows: the column scale is applied
     by the transposing copy itself (a multiply reading W^T, writing the contiguous copy), which costs
