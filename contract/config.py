@@ -262,6 +262,16 @@ class GRPOConfig(BaseModel):
     lora: LoraConfig | None = Field(None, description="LoRA adapters; None = full fine-tuning.")
     gradient_checkpointing: bool = Field(False, description="Trade compute for activation memory.")
     dtype: DType = Field("float32", description="Weights dtype. Log-probs are always computed in float32.")
+    bf16: bool = Field(
+        False,
+        description="bf16 mixed precision (TRL's bf16): weights and optimiser state stay in dtype, every forward "
+        "of the policy and reference runs under torch.autocast(bfloat16). Log-probs stay float32.",
+    )
+    torch_compile: bool = Field(
+        False,
+        description="Compile each decoder layer with torch.compile: the first steps pay for the compilation, the "
+        "rest run faster (mostly on a GPU).",
+    )
     seed: Int64 = Field(42, description="Seeds data order, sampling and initialisation.")
     parallelism: Parallelism = Field(
         "auto",

@@ -299,6 +299,90 @@ class TestModelOptions:
         assert math.isfinite(metrics["loss"]) and math.isfinite(metrics["kl"])
 
 
+    @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+    def test_bf16_autocast_runs_every_forward_in_bf16_over_float32_weights(
+        self, tmp_path: Path, models_dir: Path, lora: bool
+    ) -> None:
+        """bf16: the weights stay float32 and change; sampling, the reference and the policy's forwards all run
+        their matmuls in bf16 (seen inside the model); the log-probs the loss gets are float32; the run takes
+        the hf backend (the fast path does not go through the module forward)."""
+        extra: dict[str, Any] = {"lora": {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}} if lora else {}
+        trainer = GRPOTrainer(
+            small_config(max_steps=1, bf16=True, beta=0.04, **extra),
+            train_rows=word_rows(),
+            reward=spread_reward(),
+            **trainer_kwargs(tmp_path, models_dir),
+        )
+        assert trainer.backend.name == "hf"
+        policy = trainer.models.policy
+        projections = [m for n, m in policy.named_modules() if n.endswith("mlp.down_proj")]
+        seen: list[tuple[bool, torch.dtype]] = []
+        hooks = [
+            module.register_forward_hook(
+                lambda _m, _args, out: seen.append((torch.is_autocast_enabled("cpu"), out.dtype))
+            )
+            for module in projections
+        ]
+        logps_dtypes: list[torch.dtype] = []
+        original = trainer.backend.policy_forward
+
+        def policy_forward(*args: Any, **kwargs: Any) -> Any:
+            logps, entropy = original(*args, **kwargs)
+            logps_dtypes.append(logps.dtype)
+            return logps, entropy
+
+        trainer.backend.policy_forward = policy_forward  # type: ignore[method-assign]
+        before = _snapshot(policy)
+        metrics = trainer.train().history[0]
+        for hook in hooks:
+            hook.remove()
+        assert seen and set(seen) == {(True, torch.bfloat16)}
+        assert logps_dtypes and set(logps_dtypes) == {torch.float32}
+        assert math.isfinite(metrics["loss"]) and math.isfinite(metrics["kl"])
+        trainable = {n for n, p in policy.named_parameters() if p.requires_grad}
+        assert {p.dtype for p in policy.parameters()} == {torch.float32}
+        changed = {n for n, p in policy.named_parameters() if not torch.equal(p, before[n])}
+        # lora_B starts at 0, so lora_A only gets a gradient from the second step
+        assert changed == ({n for n in trainable if "lora_B" in n} if lora else trainable)
+
+    def test_torch_compile_compiles_each_decoder_layer_and_trains_the_same_step(
+        self, tmp_path: Path, models_dir: Path
+    ) -> None:
+        """torch_compile: every decoder layer is compiled, the run takes the hf backend, and the step's samples,
+        loss and gradients are those of the same run uncompiled."""
+        runs = {}
+        for compiled in (False, True):
+            trainer = GRPOTrainer(
+                small_config(max_steps=1, beta=0.04, torch_compile=compiled),
+                train_rows=word_rows(),
+                reward=spread_reward(),
+                backend="hf",
+                **trainer_kwargs(tmp_path / str(compiled), models_dir),
+            )
+            layers = trainer.models.policy.get_decoder().layers
+            assert all((layer._compiled_call_impl is not None) == compiled for layer in layers)
+            grads = _capture_gradients(trainer)
+            runs[compiled] = (trainer.train().history[0], grads)
+        (plain, plain_grads), (compiled_metrics, compiled_grads) = runs[False], runs[True]
+        assert compiled_metrics["completion_length/mean"] == plain["completion_length/mean"]
+        assert compiled_metrics["reward/mean"] == plain["reward/mean"]
+        assert compiled_metrics["loss"] == pytest.approx(plain["loss"], rel=1e-4, abs=1e-6)
+        for index, grad in plain_grads.items():
+            torch.testing.assert_close(compiled_grads[index], grad, atol=1e-5, rtol=1e-3, msg=str(index))
+
+    def test_an_automatic_backend_never_takes_the_fast_path_with_compile_or_bf16(
+        self, tmp_path: Path, models_dir: Path
+    ) -> None:
+        for index, option in enumerate(({"bf16": True}, {"torch_compile": True}, {})):
+            trainer = GRPOTrainer(
+                small_config(max_steps=1, **option),
+                train_rows=word_rows(),
+                reward=spread_reward(),
+                **trainer_kwargs(tmp_path / str(index), models_dir),
+            )
+            assert trainer.backend.name == ("hf" if option else "fused"), option
+
+
 def test_loss_mask_drops_truncated_completions_and_excluded_groups() -> None:
     rollout = Rollout(
         prompt_ids=torch.zeros((4, 1), dtype=torch.long),

@@ -24,6 +24,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 from contract.config import GRPOConfig
 from worker.grpo.fastpath import FastPath
 from worker.grpo.logprobs import completion_logprobs
+from worker.grpo.module_options import apply_module_options
 from worker.grpo.rollout import Rollout, completion_mask_after_eos, tokenize_prompts
 from worker.grpo.tiny import resolve_model_path
 
@@ -112,9 +113,11 @@ def build_model_bundle(
         tokenizer.pad_token = tokenizer.eos_token  # generation and batching need a pad id
     policy = _load_policy(base_path, config, resume_dir).to(target)
     policy.train()
+    apply_module_options(policy, bf16=config.bf16, compile_layers=config.torch_compile)
     reference = None
     if config.beta > 0 and config.lora is None:
         reference = _load_causal_lm(base_path, config).to(target).eval().requires_grad_(False)
+        apply_module_options(reference, bf16=config.bf16, compile_layers=config.torch_compile)
     trainable = [p for p in policy.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(
         trainable,

@@ -31,8 +31,11 @@ __all__ = [
 
 
 def fused_applies(models: ModelBundle, config: GRPOConfig) -> bool:
-    """Whether the CPU fast path covers this run: a CPU device and an architecture it reproduces on the
-    run's sequences. On a GPU the module forward is what the libraries (DDP, FSDP2, compile) see."""
+    """Whether the CPU fast path covers this run: a CPU device, an architecture it reproduces on the run's
+    sequences, and neither bf16 autocast nor torch.compile, which act on the module forward (module_options).
+    On a GPU the module forward is what the libraries (DDP, FSDP2, compile) see."""
+    if config.bf16 or config.torch_compile:
+        return False
     # The longest sequence known up front; a longer one (no prompt limit) is checked again where it is computed,
     # and takes the module forward there if the fast path does not reproduce it.
     longest = (config.max_prompt_length or 0) + config.max_completion_length
