@@ -17,6 +17,7 @@ from starlette.routing import Match
 from service.checkpoints.endpoints import router as checkpoints_router
 from service.datasets.endpoints import router as datasets_router
 from service.jobs.endpoints import router as jobs_router
+from service.jobs.service import dataset_in_use
 from service.kit.bodylimit import BodyLimitMiddleware, BodyTooLarge, payload_too_large
 from service.kit.config import get_settings
 from service.kit.errors import DomainError
@@ -132,6 +133,9 @@ def create_app() -> FastAPI:
         "download checkpoints. Every error has the shape `{\"error\": {\"code\", \"message\", \"details\"}}`.",
         responses={"default": {"description": "Error", "content": {"application/json": {"schema": ERROR_SCHEMA}}}},
     )
+    # Rules one domain enforces with another's data, wired here so neither imports the other (see
+    # service.datasets.endpoints.dataset_in_use).
+    app.state.dataset_in_use = dataset_in_use
     app.add_exception_handler(DomainError, _domain_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)

@@ -94,7 +94,17 @@ def get_dataset(dataset_id: PathId, session: SessionDep, tenant: CurrentTenant) 
     response_class=Response,
     responses={409: {"description": "Used by an unfinished job (`dataset_in_use`)."}},
 )
-def delete_dataset(dataset_id: PathId, session: SessionDep, tenant: CurrentTenant) -> Response:
+def delete_dataset(
+    dataset_id: PathId, request: Request, session: SessionDep, tenant: CurrentTenant
+) -> Response:
     """Delete a dataset (refused while an unfinished job uses it)."""
-    service.delete_dataset(session, tenant.tenant_id, dataset_id)
+    service.delete_dataset(session, tenant.tenant_id, dataset_id, in_use=dataset_in_use(request))
     return Response(status_code=204)
+
+
+def dataset_in_use(request: Request) -> service.InUse:
+    """The jobs' "is this dataset in use" check, which the app hands in at start (service.app.create_app sets
+    `app.state.dataset_in_use`): datasets import nothing of the jobs that reference them. An app that did not
+    set it fails the delete (AttributeError, a 500) rather than deleting a dataset a job may still need."""
+    check: service.InUse = request.app.state.dataset_in_use
+    return check

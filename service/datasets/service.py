@@ -7,7 +7,7 @@ Deletion is soft (the row stays for jobs that referenced it); the blob is remove
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from sqlalchemy.orm import Session
 
@@ -17,7 +17,6 @@ from service.datasets import repository
 from service.datasets.errors import DatasetInUse
 from service.datasets.ingest import DatasetIngest
 from service.datasets.models import Dataset
-from service.jobs.service import dataset_in_use
 from service.kit.config import get_settings
 from service.kit.db import on_commit, utcnow
 from service.kit.errors import NotFound, ValidationFailed
@@ -27,6 +26,11 @@ from service.quotas import service as quotas
 from service.storage import get_storage
 
 MAX_NAME_LEN = 256
+
+# "Does an unfinished job train or evaluate on this dataset?" (session, tenant id, dataset id). The jobs
+# domain answers it (service.jobs.service.dataset_in_use); callers hand it in, so datasets never import the
+# jobs that reference them (jobs import datasets: the first-row check, the rows' sizes).
+InUse = Callable[[Session, str, str], bool]
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
@@ -104,12 +108,13 @@ def list_datasets(
     return page(rows, limit)
 
 
-def delete_dataset(session: Session, tenant_id: str, dataset_id: str) -> None:
-    """Soft-delete; 409 while an unfinished job uses it. The blob goes once the transaction commits."""
+def delete_dataset(session: Session, tenant_id: str, dataset_id: str, *, in_use: InUse) -> None:
+    """Soft-delete; 409 while an unfinished job uses it (`in_use`). The blob goes once the transaction
+    commits."""
     row = repository.get(session, tenant_id, dataset_id, for_update=True)
     if row is None:
         raise NotFound("dataset", dataset_id)
-    if dataset_in_use(session, tenant_id, dataset_id):
+    if in_use(session, tenant_id, dataset_id):
         raise DatasetInUse(
             f"dataset {dataset_id!r} is used by an unfinished job; cancel it or wait for it to finish",
             details={"dataset_id": dataset_id},

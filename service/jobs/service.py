@@ -20,6 +20,7 @@ from contract.spec import BUILTIN_PREFIX, GraderRewardSpec, JobSpec, ModelReward
 from service.checkpoints import retention
 from service.checkpoints.models import Checkpoint
 from service.datasets.models import Dataset
+from service.datasets.service import first_row_missing
 from service.jobs import model_sources, repository
 from service.jobs.model_sources import ModelSourceKind, ModelSourcePolicy, ModelSourceRefused
 from service.jobs.models import Job, JobEvent
@@ -195,9 +196,6 @@ def _grader_fields(
     session: Session, tenant_id: str, spec: JobSpec, index: int, reward: GraderRewardSpec, found: Collection[str]
 ) -> list[dict[str, Any]]:
     """A grader's ``{{item.*}}`` references must be in every row of the datasets it grades."""
-    # Imported here: the datasets service imports this module (dataset_in_use).
-    from service.datasets.service import first_row_missing
-
     errors: list[dict[str, Any]] = []
     graded = {"train_dataset": spec.train_dataset, "eval_dataset": spec.eval_dataset}
     for field, dataset_id in graded.items():

@@ -105,7 +105,7 @@ def get_file(file_id: PathId, session: SessionDep, tenant: CurrentTenant) -> dic
 
 @router.delete("/files/{file_id}", summary="Delete a file (refused while an unfinished job uses it)")
 def delete_file(file_id: PathId, session: SessionDep, tenant: CurrentTenant) -> dict[str, Any]:
-    datasets.delete_dataset(session, tenant.tenant_id, file_id)
+    datasets.delete_dataset(session, tenant.tenant_id, file_id, in_use=jobs.dataset_in_use)
     return {"object": "file", "id": file_id, "deleted": True}
 
 

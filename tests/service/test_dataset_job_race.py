@@ -32,7 +32,7 @@ def test_delete_waits_for_a_job_being_created_and_then_refuses(tenant_a: TenantH
     def delete() -> None:
         session = session_factory()()
         try:
-            datasets.delete_dataset(session, tenant_a.tenant_id, dataset_id)
+            datasets.delete_dataset(session, tenant_a.tenant_id, dataset_id, in_use=jobs.dataset_in_use)
             session.commit()
             outcome.append(None)
         except BaseException as exc:  # recorded for the assertion below
@@ -55,7 +55,7 @@ def test_delete_waits_for_a_job_being_created_and_then_refuses(tenant_a: TenantH
 def test_job_creation_after_a_committed_delete_names_the_field(tenant_a: TenantHeaders) -> None:
     dataset_id = make_dataset(tenant_a.tenant_id)
     with session_factory()() as session:
-        datasets.delete_dataset(session, tenant_a.tenant_id, dataset_id)
+        datasets.delete_dataset(session, tenant_a.tenant_id, dataset_id, in_use=jobs.dataset_in_use)
         session.commit()
     with session_factory()() as session, pytest.raises(ValidationFailed) as raised:
         jobs.create_job(session, tenant_a.tenant_id, JobSpec.model_validate(job_spec(dataset_id)), RecordingQueue())

@@ -16,6 +16,7 @@ from service.datasets.schemas import dataset_out
 from service.grpc.auth import current_tenant
 from service.grpc.calls import in_session
 from service.grpc.convert import dataset_to_proto
+from service.jobs.service import dataset_in_use
 from service.kit.errors import ValidationFailed
 from service.kit.paging import RESOURCES, page_size
 
@@ -78,7 +79,9 @@ class DatasetServicer(datasets_pb2_grpc.DatasetServiceServicer):
         self, request: datasets_pb2.DeleteDatasetRequest, context: Context
     ) -> datasets_pb2.DeleteDatasetResponse:
         tenant = current_tenant()
-        await in_session(lambda s: service.delete_dataset(s, tenant.tenant_id, request.dataset_id))
+        await in_session(
+            lambda s: service.delete_dataset(s, tenant.tenant_id, request.dataset_id, in_use=dataset_in_use)
+        )
         return datasets_pb2.DeleteDatasetResponse()
 
 
