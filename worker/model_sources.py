@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -83,49 +82,6 @@ def check_adapter_base(field: str, value: str, directory: Path, policy: ModelSou
         raise ModelUnavailable(
             "model_source_refused", field, value, "is an adapter whose base model is not accepted here"
         ) from exc
-
-
-_IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]{0,63}$")
-
-
-def load_failure_reason(exc: BaseException, path: str) -> str:
-    """Why `path` (what the engine was given to load) did not load, in words the tenant may see: a reason
-    class, never the loader's text (it names the worker's files). Called in the job's process after the
-    failure, so the imports below cost nothing more."""
-    from safetensors import SafetensorError
-
-    from worker.grpo.pretrained import GGUFUnavailable
-
-    seen: BaseException | None = exc
-    while seen is not None:
-        if isinstance(seen, GGUFUnavailable):
-            return f"could not be loaded: {seen}"
-        if isinstance(seen, SafetensorError):
-            return "could not be loaded: corrupt safetensors file"
-        seen = seen.__cause__ or seen.__context__
-    architecture = unknown_architecture(Path(path))
-    if architecture is not None:
-        return f"could not be loaded: unknown architecture {architecture!r}" if architecture else (
-            "could not be loaded: unknown architecture"
-        )
-    return "could not be loaded"
-
-
-def unknown_architecture(directory: Path) -> str | None:
-    """The architecture a local model's config.json names when transformers has no such model type (the
-    empty string when its name is not a plain identifier); None when the type is known or there is no config."""
-    from transformers import CONFIG_MAPPING
-
-    try:
-        config = json.loads((directory / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    model_type = config.get("model_type") if isinstance(config, dict) else None
-    if isinstance(model_type, str) and model_type in CONFIG_MAPPING:
-        return None
-    architectures = config.get("architectures") if isinstance(config, dict) else None
-    name = architectures[0] if isinstance(architectures, list) and architectures else model_type
-    return name if isinstance(name, str) and _IDENTIFIER.match(name) else ""
 
 
 def check_hub_size(field: str, repo_id: str, max_bytes: int, hub_files: HubFiles | None = None) -> None:

@@ -92,7 +92,7 @@ from worker.lease import (
     wake_waiting_jobs,
     with_db_retry,
 )
-from worker.model_sources import ModelUnavailable, check_hub_size, check_source, load_failure_reason
+from worker.model_sources import ModelUnavailable, check_hub_size, check_source
 
 if TYPE_CHECKING:
     from contract.spec import Resources
@@ -497,7 +497,9 @@ class JobRunner:
         self._delete_unrecorded_checkpoints(claim)
         reward = self._build_rewards(claim, context, workdir / "reward-models")
 
-        from worker.grpo.trainer import GRPOTrainer  # torch is imported here, in the job's process
+        # torch is imported here, in the job's process
+        from worker.grpo.load_errors import load_failure_reason
+        from worker.grpo.trainer import GRPOTrainer
 
         device = "cpu" if context.queue.startswith("cpu") else None
         if self.ranks is not None:

@@ -322,6 +322,34 @@ class TestRewardModel:
         assert len(set(result.total)) == len(completions)  # really distinct texts, distinct scores
         assert result.per_source[f"model:{model_dir}"] == result.total
 
+    @pytest.mark.parametrize(
+        ("damage", "reason"),
+        [
+            ("architecture", "unknown architecture 'FooForSequenceClassification'"),
+            ("weights", "corrupt safetensors file"),
+        ],
+    )
+    def test_a_model_that_does_not_load_names_the_reason(
+        self, model_dir: Path, tmp_path: Path, damage: str, reason: str
+    ) -> None:
+        """A reward model from_pretrained cannot load fails as model_load_failed with the reason's class (as a
+        base model does), and still nothing of the loader's text (paths)."""
+        import json
+        import shutil
+
+        broken = Path(shutil.copytree(model_dir, tmp_path / "broken"))
+        if damage == "architecture":
+            config = json.loads((broken / "config.json").read_text())
+            config.update(model_type="foo", architectures=["FooForSequenceClassification"])
+            (broken / "config.json").write_text(json.dumps(config))
+        else:
+            weights = (broken / "model.safetensors").read_bytes()
+            (broken / "model.safetensors").write_bytes(weights[: len(weights) // 2])  # a download cut short
+        with pytest.raises(RewardError) as info:
+            build_reward_sources([ModelRewardSpec(model="rm", weight=1.0)], model_paths={"rm": str(broken)})
+        assert info.value.code == "model_load_failed"
+        assert str(info.value) == f"reward source 'model:rm': the reward model could not be loaded: {reason}"
+
     async def test_runs_off_the_event_loop(self, model_dir: Path) -> None:
         import threading
 

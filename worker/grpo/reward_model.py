@@ -16,6 +16,7 @@ import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, PreTrainedModel
 
 from contract.reward_types import RewardError, RewardInput, RewardModelLoadFailed
+from worker.grpo.load_errors import load_failure_reason
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +39,7 @@ class RewardModelSource:
         except Exception as exc:
             # The exception text describes the worker's filesystem or the hub: logged, not returned.
             log.warning("reward model %r could not be loaded", model, exc_info=True)
-            raise RewardModelLoadFailed(self.name, "the reward model could not be loaded") from exc
+            raise RewardModelLoadFailed(self.name, f"the reward model {load_failure_reason(exc, model)}") from exc
         self.model.to(self.device).eval()
         self._configure_padding()
         self._max_length = self._model_max_length()
