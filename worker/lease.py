@@ -74,6 +74,7 @@ from tenacity import (
     wait_random_exponential,
 )
 
+from service.checkpoints import repository as checkpoints_repository
 from service.checkpoints.models import Checkpoint
 from service.jobs import repository
 from service.jobs import service as jobs_service
@@ -238,12 +239,14 @@ def claim_job(session: Session, job_id: str, worker_id: str, lease_seconds: int)
 
 
 def latest_checkpoint(session: Session, job_id: str, *, before_step: int | None = None) -> Checkpoint | None:
-    return repository.latest_checkpoint(session, job_id, before_step=before_step)
+    return checkpoints_repository.latest_checkpoint(session, job_id, before_step=before_step)
 
 
 def _discard_steps_after(session: Session, job_id: str, step: int, *, attempt: int) -> None:
-    """Forget what attempts before `attempt` recorded after `step`; each domain deletes its own rows."""
+    """Forget what attempts before `attempt` recorded after `step`, in the caller's transaction; each domain
+    deletes its own rows (jobs: metrics, samples, superseded events; then checkpoints; then usage records)."""
     repository.discard_steps_after(session, job_id, step, attempt=attempt)
+    checkpoints_repository.delete_steps_after(session, job_id, step)
     usage_repository.delete_steps_after(session, job_id, step)
 
 

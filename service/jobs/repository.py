@@ -11,7 +11,6 @@ from sqlalchemy import Integer, Select, bindparam, delete, exists, func, literal
 from sqlalchemy.orm import Session
 
 from contract.spec import CHECKPOINT_PREFIX
-from service.checkpoints.models import Checkpoint
 from service.datasets.models import Dataset
 from service.jobs.models import IdempotencyKey, Job, JobEvent, JobMetric, JobSample
 from service.jobs.states import UNFINISHED, WORKER_OWNED, JobStatus
@@ -126,11 +125,6 @@ def live_reward_function_ids(session: Session, tenant_id: str, ids: Sequence[str
     return set(live_reward_functions(session, tenant_id, ids))
 
 
-def tenant_has_checkpoint(session: Session, tenant_id: str, checkpoint_id: str) -> bool:
-    stmt = select(exists().where(Checkpoint.id == checkpoint_id, Checkpoint.tenant_id == tenant_id))
-    return bool(session.scalar(stmt))
-
-
 def base_model_uses(session: Session, checkpoint_ids: Sequence[str]) -> set[str]:
     """Those of `checkpoint_ids` that an unfinished job (queued, running, paused...) uses as its base model."""
     if not checkpoint_ids:
@@ -140,18 +134,6 @@ def base_model_uses(session: Session, checkpoint_ids: Sequence[str]) -> set[str]
         select(Job.base_model).where(Job.base_model.in_(names), Job.status.in_([s.value for s in UNFINISHED]))
     )
     return {name.removeprefix(CHECKPOINT_PREFIX) for name in used}
-
-
-def latest_checkpoint_id(session: Session, job_id: str) -> str | None:
-    stmt = select(Checkpoint.id).where(Checkpoint.job_id == job_id).order_by(Checkpoint.step.desc()).limit(1)
-    return session.scalar(stmt)
-
-
-def latest_checkpoint(session: Session, job_id: str, *, before_step: int | None = None) -> Checkpoint | None:
-    query = select(Checkpoint).where(Checkpoint.job_id == job_id)
-    if before_step is not None:
-        query = query.where(Checkpoint.step < before_step)
-    return session.execute(query.order_by(Checkpoint.step.desc()).limit(1)).scalar_one_or_none()
 
 
 # --- events, metrics, samples ---------------------------------------------------------------------
@@ -358,9 +340,10 @@ def renew_lease(session: Session, job_id: str, attempt: int, lease_until: dateti
 
 
 def discard_steps_after(session: Session, job_id: str, step: int, *, attempt: int) -> None:
-    """Forget what earlier attempts recorded after `step`: metrics, samples and checkpoints are deleted, their
-    events kept in the log but marked superseded. Usage records are the usage domain's
-    (usage.repository.delete_steps_after; worker/lease.py calls both)."""
+    """Forget what earlier attempts recorded after `step`: metrics and samples are deleted, their events kept in
+    the log but marked superseded. Each domain deletes its own rows: checkpoints and usage records are
+    checkpoints.repository's and usage.repository's `delete_steps_after`; worker/lease.py calls all three in
+    one transaction."""
     session.execute(
         update(JobEvent)
         .where(JobEvent.job_id == job_id, JobEvent.step > step, JobEvent.attempt < attempt)
@@ -369,7 +352,6 @@ def discard_steps_after(session: Session, job_id: str, step: int, *, attempt: in
     )
     session.execute(delete(JobMetric).where(JobMetric.job_id == job_id, JobMetric.step > step))
     session.execute(delete(JobSample).where(JobSample.job_id == job_id, JobSample.step > step))
-    session.execute(delete(Checkpoint).where(Checkpoint.job_id == job_id, Checkpoint.step > step))
 
 
 def set_resume_point(session: Session, job_id: str, step: int, checkpoint_id: str | None) -> None:

@@ -17,6 +17,7 @@ from sqlalchemy.orm import Session
 from contract.api.jobs import JobOut, MetricSeries, MetricsOut
 from contract.fields import INT32_MAX
 from contract.spec import BUILTIN_PREFIX, GraderRewardSpec, JobSpec, ModelRewardSpec, reward_function_refs
+from service.checkpoints import repository as checkpoints_repository
 from service.checkpoints import retention
 from service.checkpoints.models import Checkpoint
 from service.datasets.models import Dataset
@@ -183,7 +184,7 @@ def check_references(session: Session, tenant_id: str, spec: JobSpec) -> None:
             errors.append({"field": field, "message": str(exc), "type": "model_source_refused"})
             continue
         # Another tenant's checkpoint reads exactly like an unknown id: no existence oracle.
-        if source.kind is ModelSourceKind.checkpoint and not repository.tenant_has_checkpoint(
+        if source.kind is ModelSourceKind.checkpoint and not checkpoints_repository.tenant_has_checkpoint(
             session, tenant_id, source.value
         ):
             errors.append(_missing(field, f"checkpoint {source.value!r} not found"))
@@ -386,7 +387,9 @@ def resume_job(session: Session, tenant_id: str, job_id: str, queue: JobQueue) -
         )
     quotas.check_can_queue(session, tenant_id, job.devices, resuming=True)
     budget.refuse_if_exhausted(session, job)
-    job.resume_checkpoint_id = repository.latest_checkpoint_id(session, job.id) or job.resume_checkpoint_id
+    job.resume_checkpoint_id = (
+        checkpoints_repository.latest_checkpoint_id(session, job.id) or job.resume_checkpoint_id
+    )
     transition(
         session, job, JobStatus.queued, reason="resumed", data={"checkpoint_id": job.resume_checkpoint_id}
     )

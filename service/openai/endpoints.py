@@ -19,10 +19,10 @@ from starlette.concurrency import run_in_threadpool
 from contract.api.jobs import JobOut
 from contract.fields import INT64_MAX
 from contract.graders import GraderInvalid, grader_dump, parse_grader
+from service.checkpoints import repository as checkpoint_rows
 from service.checkpoints import service as checkpoints
 from service.datasets import service as datasets
 from service.datasets.multipart import check_content_length, multipart_boundary, read_upload
-from service.jobs import repository as job_rows
 from service.jobs import service as jobs
 from service.jobs.idempotency import request_hash, run_idempotent
 from service.jobs.schemas import event_out, job_out
@@ -58,7 +58,7 @@ def _fine_tuned_model(session: Session, job: JobOut) -> str | None:
     """A succeeded job's model: its last checkpoint, usable as `model` (or base_model) of another job."""
     if job.status.value != "succeeded":
         return None
-    checkpoint_id = job_rows.latest_checkpoint_id(session, job.id)
+    checkpoint_id = checkpoint_rows.latest_checkpoint_id(session, job.id)
     return f"checkpoint:{checkpoint_id}" if checkpoint_id else None
 
 
