@@ -35,6 +35,7 @@ from service.rewards.endpoints import router as rewards_router
 from service.tenants.endpoints import router as api_keys_router
 from service.tenants.ratelimit import RateLimitHeaders, close_buckets
 from service.usage.endpoints import router as usage_router
+from service.webhooks import outbox
 from service.webhooks.endpoints import router as webhooks_router
 
 ERROR_SCHEMA: dict[str, Any] = {
@@ -136,6 +137,7 @@ def create_app() -> FastAPI:
     # Rules one domain enforces with another's data, wired here so neither imports the other (see
     # service.datasets.endpoints.dataset_in_use).
     app.state.dataset_in_use = dataset_in_use
+    outbox.register()  # job events written by this process are announced (service.webhooks.outbox)
     app.add_exception_handler(DomainError, _domain_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)

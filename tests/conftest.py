@@ -36,3 +36,13 @@ def redis_base_url() -> Iterator[str]:
     if not _reachable("127.0.0.1", 6379):
         pytest.fail("Redis is required at 127.0.0.1:6379 (see .ci/run for how to start it)")
     yield REDIS_URL
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _webhook_outbox() -> None:
+    """The test process writes job events like the service's processes do, so it announces them too (each
+    entry point calls service.webhooks.outbox.register; tests often write events without one). Imported here,
+    not at the top: suites that never touch the service (tests/engine) do not import its models."""
+    from service.webhooks import outbox
+
+    outbox.register()

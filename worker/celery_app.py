@@ -34,6 +34,7 @@ from kombu import Queue
 
 from service.kit.config import Settings, get_settings
 from service.kit.queue import queues_for_devices
+from service.webhooks import outbox
 from worker.embedded_broker import TRANSPORT_PATH, split_sqla_url
 
 RUN_JOB_TASK = "grpo.run_job"
@@ -77,6 +78,8 @@ def celery_config(settings: Settings) -> dict[str, Any]:
 
 
 def create_celery_app(settings: Settings | None = None) -> Celery:
+    # Job events the worker writes are announced (service.webhooks.outbox); its forked children inherit it.
+    outbox.register()
     app = Celery("grpo-worker", include=["worker.tasks"])
     app.conf.update(celery_config(settings or get_settings()))
     return app

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import service.models  # noqa: F401  # every table, so the ORM mappers configure (as in worker.tasks)
 from service.kit.config import get_settings
+from service.webhooks import outbox
 from worker.lease import Claim
 
 log = logging.getLogger(__name__)
@@ -35,6 +36,7 @@ EXIT_ALONE = 3
 def main(claim_json: str, workdir: Path, queue: str) -> int:
     from worker.grpo.distributed import init_from_env, local_peer_pids, shutdown
 
+    outbox.register()  # rank 0 reports the job's events from this process (service.webhooks.outbox)
     settings = get_settings()
     claim = Claim(**json.loads(claim_json))
     ranks = init_from_env(settings.collective_timeout_seconds, cpu=queue.startswith("cpu"))

@@ -40,6 +40,7 @@ from service.jobs.states import JobStatus, transition
 from service.kit.config import Settings
 from service.kit.db import on_commit, session_scope, utcnow
 from service.kit.queue import JobQueue, send_job_logged
+from service.webhooks import outbox
 
 log = logging.getLogger(__name__)
 
@@ -141,6 +142,7 @@ def reaper_interval(settings: Settings) -> float:
 
 
 def start_reaper_thread(queue: JobQueue, settings: Settings) -> tuple[threading.Thread, threading.Event]:
+    outbox.register()  # the reaper's transitions are announced (service.webhooks.outbox)
     stop = threading.Event()
     thread = threading.Thread(target=run_reaper_loop, args=(queue, settings, stop), name="reaper", daemon=True)
     thread.start()

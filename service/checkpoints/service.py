@@ -16,7 +16,8 @@ from sqlalchemy.orm import Session
 from service.checkpoints import repository, retention
 from service.checkpoints.models import Checkpoint
 from service.jobs import service as jobs_service
-from service.jobs.progress import CHECKPOINT_EVENT, append_locked_event, load_owned_job
+from service.jobs.events import CHECKPOINT_EVENT
+from service.jobs.progress import append_locked_event, load_owned_job
 from service.kit.db import utcnow
 from service.kit.errors import Conflict, NotFound, ValidationFailed
 from service.kit.ids import new_id

@@ -23,6 +23,7 @@ from service.kit.config import get_settings
 from service.kit.heap import startup_objects_frozen
 from service.kit.reads import THREADED_READS, Reads, open_reads
 from service.tenants.ratelimit import close_buckets
+from service.webhooks import outbox
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +47,7 @@ async def create_grpc_server(
     Async because grpc.aio binds the server to the running event loop. `reads` runs the polled job reads;
     `running_grpc` opens the configured one (the asyncpg pool on PostgreSQL) and closes it with the server.
     """
+    outbox.register()  # job events written by this process are announced (service.webhooks.outbox)
     server = grpc.aio.server(
         # Outermost first: errors wraps auth so an invalid key is rendered as UNAUTHENTICATED; requests are
         # checked once authenticated.

@@ -28,12 +28,12 @@ from service.checkpoints import service as checkpoints_service
 from service.grpc.calls import in_session
 from service.grpc.convert import event_to_proto, job_to_proto, metrics_by_step
 from service.jobs import service as jobs_service
+from service.jobs.events import HEALTH_EVENT
 from service.jobs.schemas import event_out
 from service.jobs.states import TERMINAL
 from service.kit.reads import Reads
 
 POLL_INTERVAL_S = 0.5
-HEALTH_EVENT = "health"  # written by the worker (worker.grpo.health findings)
 METRICS_PAGE = 10_000  # (step, name) points per read; a page never ends mid-step
 
 

@@ -19,15 +19,12 @@ from sqlalchemy.orm import Session
 
 from contract.fields import storable_json, storable_text
 from service.jobs import repository
+from service.jobs.events import EVAL_PREFIX, METRICS_EVENT, STATUS_EVENT
 from service.jobs.models import Job, JobEvent, JobSample
 from service.jobs.schemas import SampleIn
-from service.jobs.states import STATUS_EVENT, WORKER_OWNED, JobStatus, flush_job, transition
+from service.jobs.states import WORKER_OWNED, JobStatus, flush_job, transition
 from service.kit.db import utcnow
 from service.kit.errors import Conflict, NotFound, ValidationFailed
-
-METRICS_EVENT = "metrics"
-CHECKPOINT_EVENT = "checkpoint"
-EVAL_PREFIX = "eval/"
 
 
 class StaleAttempt(Conflict):

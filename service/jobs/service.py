@@ -23,10 +23,11 @@ from service.checkpoints.models import Checkpoint
 from service.datasets.models import Dataset
 from service.datasets.service import first_row_missing
 from service.jobs import model_sources, repository
+from service.jobs.events import STATUS_EVENT
 from service.jobs.model_sources import ModelSourceKind, ModelSourcePolicy, ModelSourceRefused
 from service.jobs.models import Job, JobEvent
 from service.jobs.schemas import job_out
-from service.jobs.states import STATUS_EVENT, TERMINAL, UNFINISHED, JobStatus, transition
+from service.jobs.states import TERMINAL, UNFINISHED, JobStatus, transition
 from service.kit.config import get_settings
 from service.kit.db import on_commit, utcnow
 from service.kit.errors import Conflict, IllegalTransition, NotFound, ValidationFailed

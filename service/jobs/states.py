@@ -33,13 +33,10 @@ from sqlalchemy.orm import Session
 from sqlalchemy.orm.exc import StaleDataError
 
 from contract.api.jobs import JobStatus
+from service.jobs.events import STATUS_EVENT
 from service.jobs.models import Job, JobEvent
 from service.kit.db import utcnow
 from service.kit.errors import IllegalTransition
-
-# Imported for its side effect: it registers the webhook outbox listener on JobEvent inserts, and every
-# process that writes job events imports this module.
-from service.webhooks import outbox as _webhook_outbox  # noqa: F401
 
 S = JobStatus
 
@@ -58,8 +55,6 @@ TERMINAL: frozenset[JobStatus] = frozenset(state for state, targets in TRANSITIO
 UNFINISHED: frozenset[JobStatus] = frozenset(JobStatus) - TERMINAL
 # States in which a worker owns the job and may report progress.
 WORKER_OWNED: frozenset[JobStatus] = frozenset({S.running, S.cancelling})
-
-STATUS_EVENT = "status"
 
 
 def can_transition(current: str, to: JobStatus) -> bool:

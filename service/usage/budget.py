@@ -18,6 +18,7 @@ from datetime import UTC, datetime
 
 from sqlalchemy.orm import Session
 
+from service.jobs.events import BUDGET_EXHAUSTED_EVENT
 from service.jobs.models import Job, JobEvent
 from service.jobs.states import JobStatus, transition
 from service.kit.config import get_settings
@@ -25,7 +26,7 @@ from service.kit.db import utcnow
 from service.kit.errors import Conflict
 from service.usage import repository
 
-BUDGET_EXHAUSTED = "budget_exhausted"
+BUDGET_EXHAUSTED = BUDGET_EXHAUSTED_EVENT  # the event type is also the error code
 
 
 class BudgetExhausted(Conflict):

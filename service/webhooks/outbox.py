@@ -17,8 +17,10 @@ Which job events are lifecycle events (`webhook_event_type`):
 
 `cancelling` (an intermediate state) is not announced: `job.cancelled` follows when the worker stops.
 
-The listener is registered when this module is imported; service/jobs/states.py imports it, and every
-process that writes job events imports that module.
+The listener is registered by `register()`, called explicitly at the start of every process that writes
+job events: the API (service.app.create_app), the gRPC server (service.grpc.server.create_grpc_server), the
+worker (worker.celery_app.create_celery_app, worker.rank_job) and the reaper (worker.reaper.start_reaper_thread);
+`grpo serve` runs those. A process that writes job events without it announces nothing.
 """
 
 from __future__ import annotations
@@ -29,18 +31,17 @@ from sqlalchemy import event, insert, select
 from sqlalchemy.engine import Connection
 from sqlalchemy.orm import Mapper
 
+from service.jobs.events import (
+    BUDGET_EXHAUSTED_EVENT,
+    CHECKPOINT_EVENT,
+    EVAL_PREFIX,
+    HEALTH_EVENT,
+    METRICS_EVENT,
+    STATUS_EVENT,
+)
 from service.jobs.models import Job, JobEvent
 from service.kit.db import utcnow
 from service.webhooks.models import DeliveryStatus, WebhookDelivery, WebhookEndpoint
-
-# Event types written by service.jobs (states.STATUS_EVENT, progress.CHECKPOINT_EVENT/METRICS_EVENT);
-# spelled out here because this module is imported by service.jobs.states itself.
-STATUS_EVENT = "status"
-CHECKPOINT_EVENT = "checkpoint"
-METRICS_EVENT = "metrics"
-HEALTH_EVENT = "health"
-BUDGET_EVENT = "budget_exhausted"
-EVAL_PREFIX = "eval/"
 
 ANNOUNCED_STATES = ("queued", "running", "paused", "succeeded", "failed", "cancelled")
 
@@ -54,7 +55,7 @@ def webhook_event_type(type_: str, data: dict[str, Any]) -> str | None:
         return "job.checkpoint_saved"
     if type_ == HEALTH_EVENT:
         return "job.health"
-    if type_ == BUDGET_EVENT:
+    if type_ == BUDGET_EXHAUSTED_EVENT:
         return "job.budget_exhausted"
     if type_ == METRICS_EVENT:
         metrics = data.get("metrics") or {}
@@ -125,4 +126,8 @@ def _enqueue_deliveries(_mapper: Mapper[Any], connection: Connection, target: Jo
     )
 
 
-event.listen(JobEvent, "after_insert", _enqueue_deliveries)
+def register() -> None:
+    """Turn the outbox on in this process: every JobEvent inserted from now on that is a lifecycle event gets
+    its delivery rows in the same transaction. Idempotent (each entry point calls it; tests call it again)."""
+    if not event.contains(JobEvent, "after_insert", _enqueue_deliveries):
+        event.listen(JobEvent, "after_insert", _enqueue_deliveries)

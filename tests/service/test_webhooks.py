@@ -17,19 +17,24 @@ from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
-from sqlalchemy import select
+from sqlalchemy import event, select
 from standardwebhooks import Webhook
 
+from service.app import create_app
+from service.grpc.server import create_grpc_server
+from service.jobs.models import JobEvent
 from service.jobs.schemas import SampleIn
 from service.jobs.states import JobStatus, transition
 from service.kit.config import Settings, get_settings
 from service.kit.db import session_scope, utcnow
 from service.storage import get_storage
+from service.webhooks import outbox
 from service.webhooks.delivery import DeliveryConfig, Dispatcher, start_dispatcher_thread
 from service.webhooks.models import WebhookDelivery
 from tests.service.factories import TenantHeaders
 from tests.service.jobs_support import job_spec, make_dataset, put_checkpoint
 from worker import reporting
+from worker.celery_app import create_celery_app
 from worker.lease import Claim, claim_job
 
 
@@ -136,6 +141,44 @@ def one_pass(config: DeliveryConfig, *, ahead_s: float = 0.0) -> Any:
             await dispatcher.aclose()
 
     return asyncio.run(run())
+
+
+class TestListenerRegistration:
+    """The outbox listener is turned on explicitly by each entry point, not by importing a module."""
+
+    @pytest.fixture
+    def unregistered(self) -> Iterator[None]:
+        listener = outbox._enqueue_deliveries
+        event.remove(JobEvent, "after_insert", listener)
+        try:
+            yield
+        finally:
+            outbox.register()
+
+    def _registered(self) -> bool:
+        return event.contains(JobEvent, "after_insert", outbox._enqueue_deliveries)
+
+    def test_register_is_idempotent(self, unregistered: None) -> None:
+        outbox.register()
+        outbox.register()
+        assert self._registered()
+        event.remove(JobEvent, "after_insert", outbox._enqueue_deliveries)
+        assert not self._registered()  # registered once: one removal leaves none
+
+    def test_the_app_the_grpc_server_and_the_worker_register_it(self, unregistered: None) -> None:
+        create_app()
+        assert self._registered()
+        event.remove(JobEvent, "after_insert", outbox._enqueue_deliveries)
+
+        async def build_grpc() -> None:
+            server, _ = await create_grpc_server(0)
+            await server.stop(None)
+
+        asyncio.run(build_grpc())
+        assert self._registered()
+        event.remove(JobEvent, "after_insert", outbox._enqueue_deliveries)
+        create_celery_app()
+        assert self._registered()
 
 
 class TestRegistry:

@@ -1,0 +1,15 @@
+"""The types of job events (the `job_events.type` column) that more than one module names.
+
+The one place they are spelled: the jobs domain writes them (states, progress), the worker writes health and
+budget events through it, and readers match on them (the webhook outbox, gRPC WatchJob). Other types (logs,
+`pause_requested`, reward warnings...) are named only where they are written.
+"""
+
+from __future__ import annotations
+
+STATUS_EVENT = "status"  # every transition (service.jobs.states.transition)
+METRICS_EVENT = "metrics"  # a step's metrics (service.jobs.progress.record_metrics)
+CHECKPOINT_EVENT = "checkpoint"  # a registered checkpoint (service.checkpoints.service)
+HEALTH_EVENT = "health"  # a training-health finding (worker.grpo.health, written by the worker)
+BUDGET_EXHAUSTED_EVENT = "budget_exhausted"  # a budget paused the job (service.usage.budget, worker.reporting)
+EVAL_PREFIX = "eval/"  # metric names of evaluations: a metrics event carrying one is an evaluation
