@@ -22,10 +22,10 @@ from service.kit.reads import unavailable_database_is_503
 from service.tenants import repository
 from service.tenants.failures import FailedLookups, TooManyAuthFailures
 from service.tenants.keycache import KeyCache
+from service.tenants.keys import hash_key, lookup_prefix
 from service.tenants.lastused import LastUsed
 from service.tenants.ratelimit import STATE_KEY, admit
 from service.tenants.scopes import Scope, parse_scopes, require_scope
-from service.tenants.service import hash_key, lookup_prefix
 
 # Compared against when no row matches, so a miss costs about what a hit costs.
 _DUMMY_HASH = "0" * 64

@@ -6,7 +6,6 @@ and the first PREFIX_LEN characters of the random part as a lookup index.
 
 from __future__ import annotations
 
-import hashlib
 import re
 import secrets
 from collections.abc import Iterable, Sequence
@@ -23,23 +22,12 @@ from service.kit.ids import new_id
 from service.kit.paging import page
 from service.quotas.repository import lock_tenant
 from service.tenants import repository
+from service.tenants.auth import KEY_CACHE
+from service.tenants.keys import KEY_PREFIX, hash_key, lookup_prefix
 from service.tenants.models import ApiKey, Tenant
 from service.tenants.scopes import ALL_SCOPES, InsufficientScope, normalize_scopes
 
-KEY_PREFIX = "grpo_sk_"
-PREFIX_LEN = 12
 _TENANT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$")
-
-
-def hash_key(token: str) -> str:
-    return hashlib.sha256(token.encode()).hexdigest()
-
-
-def lookup_prefix(token: str) -> str | None:
-    """The stored lookup prefix of a presented token, or None if it is not shaped like one of our keys."""
-    if not token.startswith(KEY_PREFIX) or len(token) < len(KEY_PREFIX) + PREFIX_LEN:
-        return None
-    return token[len(KEY_PREFIX) : len(KEY_PREFIX) + PREFIX_LEN]
 
 
 def create_tenant(session: Session, name: str) -> Tenant:
@@ -167,8 +155,5 @@ def revoke_api_key(session: Session, tenant_id: str, key_id: str) -> ApiKey:
     if key.revoked_at is None:
         key.revoked_at = utcnow()
         session.flush()
-    # Imported here: auth imports this module for hash_key/lookup_prefix.
-    from service.tenants.auth import KEY_CACHE
-
     on_commit(session, lambda: KEY_CACHE.forget_key_id(key_id))
     return key

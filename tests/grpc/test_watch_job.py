@@ -23,8 +23,8 @@ from service.kit.config import get_settings
 from service.kit.db import session_scope, utcnow
 from service.kit.queue import set_job_queue
 from service.storage import get_storage
+from service.tenants.keys import lookup_prefix
 from service.tenants.models import ApiKey
-from service.tenants.service import lookup_prefix
 from tests.grpc.helpers import bearer
 from tests.service.factories import TenantHeaders, create_key
 from tests.service.jobs_support import RecordingQueue, make_dataset, put_checkpoint, start_job

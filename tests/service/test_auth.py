@@ -10,8 +10,8 @@ from fastapi.testclient import TestClient
 from service.kit.db import session_scope
 from service.kit.errors import Unauthenticated
 from service.tenants.auth import TenantContext, authenticate_on_loop
+from service.tenants.keys import hash_key
 from service.tenants.models import ApiKey
-from service.tenants.service import hash_key
 from tests.service.factories import TenantHeaders, auth_headers
 
 

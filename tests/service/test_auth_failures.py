@@ -25,8 +25,8 @@ from service.kit.db import session_scope
 from service.kit.errors import Unauthenticated
 from service.tenants.auth import KEY_CACHE, authenticate_on_loop
 from service.tenants.failures import TooManyAuthFailures
+from service.tenants.keys import KEY_PREFIX, hash_key, lookup_prefix
 from service.tenants.models import ApiKey
-from service.tenants.service import KEY_PREFIX, hash_key, lookup_prefix
 from tests.service.factories import TenantHeaders, auth_headers, create_key
 
 

@@ -18,8 +18,8 @@ from service.jobs.states import JobStatus
 from service.kit.config import get_settings
 from service.kit.db import session_scope, utcnow
 from service.storage import get_storage
+from service.tenants.keys import lookup_prefix
 from service.tenants.models import ApiKey
-from service.tenants.service import lookup_prefix
 from tests.service.factories import TenantHeaders, auth_headers, create_key
 from tests.service.jobs_support import job_spec, load_job, make_dataset, put_checkpoint, start_job
 
