@@ -63,6 +63,7 @@ def grpo_train(root: Path, name: str, spec: dict[str, Any], output: Path | None 
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    (output / "grpo-train.log").write_text(result.stdout)
     return output
 
 
@@ -166,6 +167,78 @@ class TestCheckpoints:
         print(f"{written_by} checkpoint-2 resumed on {resumed_on} rank(s) ({parallelism}): max abs difference {diff:.3g}")
         assert diff <= 1e-4
         assert_same_metrics(history(runs["single-full"] / "checkpoint-3"), history(output / "checkpoint-3"))
+
+
+def build_phi3(out_dir: Path) -> Path:
+    """A tiny Phi-3 with random weights: the fused backend does not cover it, so its jobs train through the
+    module forward (the hf backend) and the library wrappers, DistributedDataParallel and per-layer FSDP2."""
+    from transformers import GenerationConfig, Phi3Config, Phi3ForCausalLM
+
+    from worker.grpo.tiny import build_tokenizer, save_model_atomically
+
+    tokenizer = build_tokenizer()
+    config = Phi3Config(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=False,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = Phi3ForCausalLM(config)
+    model.generation_config = GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
+    )
+    return save_model_atomically(model, tokenizer, out_dir)
+
+
+class ModuleForwardRuns(Runs):
+    """Runs of the Phi-3 model (hf backend): "single-full", "ddp-lora", ..."""
+
+    def __init__(self, root: Path, model: Path) -> None:
+        super().__init__(root)
+        self.model = model
+
+    def __missing__(self, name: str) -> Path:
+        scheme, kind = name.split("-")
+        devices, parallelism = (1, "auto") if scheme == "single" else (2, scheme)
+        spec = _spec(devices, parallelism, kind == "lora")
+        spec["base_model"] = str(self.model)
+        self[name] = grpo_train(self.root, name, spec)
+        return self[name]
+
+
+@pytest.fixture(scope="module")
+def module_runs(tmp_path_factory: pytest.TempPathFactory) -> ModuleForwardRuns:
+    root = tmp_path_factory.mktemp("dist-hf")
+    return ModuleForwardRuns(root, build_phi3(root / "phi3"))
+
+
+@pytest.mark.parametrize(
+    ("parallelism", "kind"), [("ddp", "full"), ("ddp", "lora"), ("fsdp", "full"), ("fsdp", "lora")]
+)
+def test_the_library_wrappers_over_the_module_forward_give_the_same_weights_and_metrics(
+    module_runs: ModuleForwardRuns, parallelism: str, kind: str
+) -> None:
+    """A model only the hf backend serves, on 2 ranks through DistributedDataParallel or FSDP2 with a unit per
+    decoder layer: after one step and after three, the weights and metrics of one process."""
+    lora = kind == "lora"
+    for step, tolerance in ((1, 1e-5), (3, 1e-4)):
+        one = module_runs[f"single-{kind}"] / f"checkpoint-{step}"
+        two = module_runs[f"{parallelism}-{kind}"] / f"checkpoint-{step}"
+        diff = max_abs_diff(weights(one, lora), weights(two, lora))
+        print(f"phi3 {parallelism} {kind}, step {step}: max abs difference {diff:.3g}")
+        assert diff <= tolerance, step
+        assert_same_metrics(history(one), history(two))
+    assert history(module_runs[f"single-{kind}"] / "checkpoint-1")[0]["grad_norm"] > 0.1  # a step with a gradient
+    # The wrappers that ran (as built): DDP's own, or a unit per decoder layer (4) and the root.
+    expected = "DistributedDataParallel over the module forward" if parallelism == "ddp" else "5 FSDP units"
+    assert expected in (module_runs[f"{parallelism}-{kind}"] / "grpo-train.log").read_text()
+
+
+def test_the_fused_backend_shards_one_unit_and_averages_by_hand(runs: Runs) -> None:
+    """The Llama-family tiny model takes the fused backend, which reads every layer's weights at once."""
+    assert "1 FSDP unit" in (runs["fsdp-full"] / "grpo-train.log").read_text()
+    assert "averaged after each update" in (runs["ddp-full"] / "grpo-train.log").read_text()
 
 
 def grpo_train_on_two_nodes(root: Path, name: str, spec: dict[str, Any], output: Path | None = None) -> Path:

@@ -8,18 +8,21 @@ Every rank runs the same GRPOTrainer loop in lockstep. What differs from one pro
 - gradients: the loss is normalised by global counts (token-level losses divide by the step's tokens
   over all ranks, times the world size because gradients are averaged), so the averaged gradient is
   the one a single process computes for the whole batch;
-- `ddp`: every rank holds the whole model and optimiser; after the backward passes of an update one
-  all-reduce per bucket of gradients averages them (what DistributedDataParallel does, applied after
-  gradient accumulation: the engine's fast path computes through the weights directly, not through
-  a module forward that DDP's hooks could see);
+- `ddp`: every rank holds the whole model and optimiser. Through the module forward (the `hf` backend),
+  `DistributedDataParallel` wraps the log-prob forward (`LogprobModule`) and averages the gradients in
+  its backward hooks, bucket by bucket while the backward runs, on the last mini-batch of each update
+  (`no_sync` before). The `fused` backend computes through the weights directly, where no module forward
+  exists for DDP's hooks to see: after the backward passes of an update one all-reduce per bucket of
+  gradients averages them (`_average_gradients`);
 - `fsdp`: a copy of the policy is sharded with FSDP2 (`fully_shard`) and trains, with gradients and
   AdamW state sharded; the unsharded policy stays on every rank for generation, log-probs without
   gradient, evaluation and the consolidated checkpoint, and receives the new weights after every
-  update (as a separate inference engine would). The copy is one FSDP unit whose weights are
-  gathered for each mini-batch's forward and backward (`register_fsdp_forward_method`): the engine's
-  fused decoder path reads every layer's weights in one function, and the same path on every rank
-  count is what makes 1 and N ranks agree (Adam's first steps turn float noise in near-zero
-  gradients into whole learning-rate steps, so the paths must match, not just nearly);
+  update (as a separate inference engine would). Through the module forward every decoder layer is a
+  unit of its own (gathered for its forward and backward, freed after), then the root; on the `fused`
+  backend the copy is one unit whose weights are gathered for each mini-batch's forward and backward
+  (`register_fsdp_forward_method`): its decoder path reads every layer's weights in one function, and
+  the same path on every rank count is what makes 1 and N ranks agree (Adam's first steps turn float
+  noise in near-zero gradients into whole learning-rate steps, so the paths must match, not just nearly);
 - metrics: the step's batch is gathered so that the reported metrics are those of the global batch;
   rank 0's metrics dict is broadcast so every rank takes the same health decisions;
 - control: only rank 0 talks to the outside world (hooks, evaluation); its stop decision is broadcast.
@@ -34,7 +37,7 @@ import copy
 import os
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -50,6 +53,7 @@ from worker.grpo.data import PromptRow
 from worker.grpo.logprobs import completion_logprobs
 from worker.grpo.loss import STEP_TOKEN_LOSSES
 from worker.grpo.modeling import ModelBundle, merge_groups
+from worker.grpo.module_options import decoder_layers
 from worker.grpo.rollout import Rollout
 from worker.grpo.wire import all_gather_values, broadcast_value
 
@@ -201,23 +205,36 @@ class Parallel:
         models: ModelBundle,
         train_model: Any,
         loss_type: str,
+        ddp: torch.nn.parallel.DistributedDataParallel | None = None,
     ) -> None:
         self.ranks = ranks
         self.mode = mode
         self.models = models
         self.train_model = train_model  # the module whose parameters the optimiser updates
+        self.ddp = ddp  # DistributedDataParallel over the log-prob forward (ddp through the module forward)
         # Token-level losses divide by the global token count; averaging over ranks divides again.
         self.loss_scale = float(ranks.world_size) if loss_type in STEP_TOKEN_LOSSES else 1.0
 
     @classmethod
     def wrap(cls, models: ModelBundle, ranks: Ranks, parallelism: Literal["ddp", "fsdp"], loss_type: str) -> Parallel:
-        """Prepare `models` for this rank (rebuilding the optimiser and scheduler over the shards with fsdp)."""
+        """Prepare `models` for this rank (rebuilding the optimiser and scheduler over the shards with fsdp).
+        The library wrappers go over the module forward unless the backend's fast path computes instead
+        (`models.fast`, set by the backend choice before)."""
         if not ranks.distributed:
             return cls(ranks, "single", models, models.policy, loss_type)
         _broadcast_from_main(models.policy)  # identical starting weights, whatever each rank loaded
+        module_forward = models.fast is None
         if parallelism == "ddp":
-            return cls(ranks, "ddp", models, models.policy, loss_type)
-        sharded = ShardedPolicy(copy.deepcopy(models.policy))
+            ddp = None
+            if module_forward:
+                device_ids = None if ranks.device in (None, "cpu") else [torch.device(ranks.device)]
+                # No buffers to keep in step (a causal LM's are derived, e.g. RoPE's frequencies); broadcasting
+                # them would make every forward a collective.
+                ddp = torch.nn.parallel.DistributedDataParallel(
+                    LogprobModule(models.policy), device_ids=device_ids, broadcast_buffers=False
+                )
+            return cls(ranks, "ddp", models, models.policy, loss_type, ddp)
+        sharded = ShardedPolicy(copy.deepcopy(models.policy), per_layer=module_forward)
         old = models.optimizer
         # One AdamW over the shards with the same settings; the per-tensor kernel (fused is not for DTensors).
         settings = {k: old.defaults[k] for k in ("lr", "betas", "eps", "weight_decay")}
@@ -225,20 +242,43 @@ class Parallel:
         models.scheduler = torch.optim.lr_scheduler.LambdaLR(models.optimizer, models.scheduler.lr_lambdas[0])
         return cls(ranks, "fsdp", models, sharded, loss_type)
 
+    def describe(self) -> str:
+        """How this job's ranks share the work, as built (not as configured)."""
+        world = f"{self.ranks.world_size} ranks"
+        if self.mode == "ddp":
+            how = "DistributedDataParallel over the module forward" if self.ddp is not None else (
+                "gradients averaged after each update's backward passes (fused backend)"
+            )
+            return f"ddp over {world}: {how}"
+        if self.mode == "fsdp":
+            from torch.distributed.fsdp import FSDPModule  # only where fsdp runs, as in ShardedPolicy
+
+            units = sum(isinstance(module, FSDPModule) for module in self.train_model.modules())
+            return f"fsdp over {world}: {units} FSDP unit{'s' if units != 1 else ''}"
+        return "one process"
+
     # --- gradients and updates -----------------------------------------------------------------
 
     @property
     def local_forward(self) -> bool:
-        """The training forward talks to no other rank (fsdp's all-gathers weights), so this rank may
-        run it at a moment of its own choosing."""
-        return self.mode != "fsdp"
+        """The training forward talks to no other rank, so this rank may run it at a moment of its own
+        choosing. Not with fsdp (it all-gathers weights), nor through DistributedDataParallel, whose forward
+        may sync bucket layouts with the other ranks."""
+        return self.mode != "fsdp" and self.ddp is None
 
-    def completion_logprobs(self, *args: Any, **kwargs: Any) -> tuple[Tensor, Tensor | None]:
+    def completion_logprobs(
+        self, *args: Any, sync: bool = True, **kwargs: Any
+    ) -> tuple[Tensor, Tensor | None]:
         """worker.grpo.logprobs.completion_logprobs of the training module (with gradient), on the backend's
-        fast path where it has one (ModelBundle.fast)."""
+        fast path where it has one (ModelBundle.fast). `sync`: this forward's backward ends an update, so
+        DistributedDataParallel averages the gradients accumulated so far in it (else it defers)."""
         kwargs.setdefault("fast", self.models.fast)
         if isinstance(self.train_model, ShardedPolicy):
             return self.train_model.completion_logprobs(*args, **kwargs)
+        if self.ddp is not None and torch.is_grad_enabled():
+            with nullcontext() if sync else self.ddp.no_sync():
+                logps, entropy = self.ddp(*args, **kwargs)
+            return logps, entropy
         return completion_logprobs(self.train_model, *args, **kwargs)
 
     def trainable_parameters(self) -> list[torch.nn.Parameter]:
@@ -248,7 +288,7 @@ class Parallel:
         """Average gradients over ranks (ddp; fsdp has reduce-scattered them), clip to the global
         norm; returns the pre-clip norm, the same on every rank."""
         params = self.trainable_parameters()
-        if self.mode == "ddp":
+        if self.mode == "ddp" and self.ddp is None:  # DistributedDataParallel averaged them in the backward
             _average_gradients(params, self.ranks.world_size)
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
         if self.mode == "fsdp":
@@ -398,18 +438,24 @@ def merge_rank_stats(parts: list[tuple[dict[str, float], float]]) -> dict[str, f
 
 
 class ShardedPolicy(torch.nn.Module):
-    """The training copy of the policy as one FSDP2 unit. The policy sits inside unchanged (its class
-    is what selects the engine's fast path); `completion_logprobs` runs with its weights gathered and
-    reduce-scatters their gradients in the backward pass, like a forward of the unit."""
+    """The training copy of the policy sharded with FSDP2. The policy sits inside unchanged (its class
+    is what selects the engine's fast path); `completion_logprobs` runs like a forward of the root unit
+    and reduce-scatters the gradients in the backward pass. `per_layer` (the module forward): every
+    decoder layer is a unit of its own, gathered only while it runs; else (the fused path, which reads
+    every layer's weights in one function) the whole policy is one unit."""
 
-    def __init__(self, policy: Any) -> None:
+    def __init__(self, policy: Any, *, per_layer: bool) -> None:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
 
         super().__init__()
         self.policy = policy
         device = next(policy.parameters()).device
-        fully_shard(self, mesh=init_device_mesh(device.type, (dist.get_world_size(),)))
+        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+        if per_layer:
+            for layer in decoder_layers(policy):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(self, mesh=mesh)
         register_fsdp_forward_method(self, "completion_logprobs")
 
     def completion_logprobs(self, *args: Any, **kwargs: Any) -> tuple[Tensor, Tensor | None]:
@@ -460,6 +506,18 @@ def _keyed_by_position(state: dict[str, Any], model: Any) -> dict[str, Any]:
 
 
 # --- DDP ---------------------------------------------------------------------------------------
+
+
+class LogprobModule(torch.nn.Module):
+    """The policy with `completion_logprobs` as its forward, for DistributedDataParallel: its hooks then see
+    the forward whose outputs the loss is made of, the LM head included."""
+
+    def __init__(self, policy: Any) -> None:
+        super().__init__()
+        self.policy = policy
+
+    def forward(self, *args: Any, **kwargs: Any) -> tuple[Tensor, Tensor | None]:
+        return completion_logprobs(self.policy, *args, **kwargs)
 
 
 @torch.no_grad()

@@ -251,6 +251,8 @@ def _train(job: LocalJob, console: Console, ranks: Ranks) -> int:
                 device=device_for(ranks),
             )
             progress.update(task, completed=trainer.step)
+            if ranks.distributed:
+                progress.console.print(f"[dim]{trainer.parallel.describe()}[/dim]", highlight=False)
             result = trainer.train()
     finally:
         signal.signal(signal.SIGINT, previous_handler)

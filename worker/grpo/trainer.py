@@ -34,7 +34,7 @@ from torch import Tensor
 from contract.config import GRPOConfig
 from worker.grpo.advantages import decoupled_advantages, group_advantages
 from worker.grpo.allocator import keep_freed_memory
-from worker.grpo.backends import BackendName, choose_backend
+from worker.grpo.backends import BackendName, backend_for, choose_backend
 from worker.grpo.batch import (
     Generated,
     MiniBatchResult,
@@ -131,6 +131,7 @@ class GRPOTrainer:
                 device=device,
                 resume_dir=None if checkpoint is None else checkpoint.path,
             )
+        choose_backend(self.models, config, backend)
         # One process, or this rank's part of a job on several devices (hooks: rank 0 only).
         self.parallel = Parallel.wrap(self.models, ranks, config.resolved_parallelism(), config.loss_type)
         self.loss_settings = LossSettings.from_config(config)
@@ -145,9 +146,7 @@ class GRPOTrainer:
         if checkpoint is not None:
             self._restore(checkpoint.trainer_state, checkpoint.path)
         # After the restore: its generation engine starts from the weights just loaded. Entered by train().
-        self.backend = choose_backend(
-            self.models, self.parallel, config, self.loss_settings, self.output_dir, backend
-        )
+        self.backend = backend_for(self.models, self.parallel, config, self.loss_settings, self.output_dir)
 
     # --- the loop ----------------------------------------------------------------------------
 

@@ -25,8 +25,8 @@ from worker.grpo.modeling import ModelBundle
 BackendName = Literal["auto", "hf", "fused"]
 
 __all__ = [
-    "BackendName", "Forwards", "FusedBackend", "FusedPath", "ModuleBackend", "choose_backend", "fast_path_for",
-    "fused_applies",
+    "BackendName", "Forwards", "FusedBackend", "FusedPath", "ModuleBackend", "backend_for", "choose_backend",
+    "fast_path_for", "fused_applies",
 ]
 
 
@@ -42,17 +42,17 @@ def fused_applies(models: ModelBundle, config: GRPOConfig) -> bool:
     return models.policy.device.type == "cpu" and fast_decoder.supports(models.policy, longest)
 
 
-def choose_backend(
-    models: ModelBundle,
-    parallel: Parallel,
-    config: GRPOConfig,
-    loss_settings: LossSettings,
-    output_dir: Path,
-    name: BackendName = "auto",
-) -> ModuleBackend:
-    """The backend for this run; `auto`: fused where it applies, else hf. Sets `models.fast`, the fast path
-    the module-level functions (log-probs, sampling, reference) take, so every path follows the same choice."""
+def choose_backend(models: ModelBundle, config: GRPOConfig, name: BackendName = "auto") -> None:
+    """Choose this run's backend, once, before anything wraps the model (`auto`: fused where it applies, else
+    hf): sets `models.fast`, the fast path the module-level functions (log-probs, sampling, reference) and
+    the distributed wrappers follow, so every path makes the same choice."""
     models.fast = fast_path_for(models, config, name)
+
+
+def backend_for(
+    models: ModelBundle, parallel: Parallel, config: GRPOConfig, loss_settings: LossSettings, output_dir: Path
+) -> ModuleBackend:
+    """The chosen backend (`choose_backend`) for this run."""
     kind = ModuleBackend if models.fast is None else FusedBackend
     return kind(models, parallel, config, loss_settings, output_dir)
 

@@ -153,6 +153,8 @@ class ModuleBackend:
     def _policy_forward(
         self, rollout: Rollout, rows: slice, reference: Future[Tensor] | None, iteration: int, **extra: Any
     ) -> tuple[Tensor, Tensor | None]:
+        # The last mini-batch's backward ends the update: with DDP, gradients are averaged in it.
+        last = rows == self.mini_batches(rollout.completion_ids.shape[0])[-1]
         with self.lanes.own_core_while(reference):
             return self.parallel.completion_logprobs(
                 rollout.input_ids[rows],
@@ -161,6 +163,7 @@ class ModuleBackend:
                 temperature=self.config.temperature,
                 with_entropy=iteration == 0 or self.loss_settings.needs_entropy,
                 entropy_grad=self.config.entropy_bonus,
+                sync=last,
                 **extra,
             )  # (B, C)
 
