@@ -198,3 +198,35 @@ def test_one_grpo_step_trains_it(tmp_path: Path, model_cache: Path, smollm2_dir:
     assert before and unchanged == []
     if lora:
         assert all("lora_" in n for n in before)
+
+
+def test_both_backends_train_the_same_step(tmp_path: Path, model_cache: Path) -> None:
+    """The real model through the fused fast path and through the transformers module forward: the same
+    samples, rewards and loss, and the same gradients up to float rounding (LoRA, as users run it here)."""
+    from tests.engine.test_trainer import _capture_gradients
+
+    rows = [PromptRow([{"role": "user", "content": q}], {}) for q in QUESTIONS[:2]]
+    runs = {}
+    for backend in ("fused", "hf"):
+        trainer = GRPOTrainer(
+            small_config(max_steps=1, num_generations=2, max_completion_length=8, beta=0.04,
+                         lora={"r": 4, "alpha": 8}),
+            base_model=f"builtin:{SMOLLM2_PRESET}",
+            train_rows=rows,
+            reward=CompositeReward([(FunctionSource("spread", _spread), 1.0)]),
+            output_dir=tmp_path / backend,
+            model_cache_dir=model_cache,
+            device="cpu",
+            backend=backend,  # type: ignore[arg-type]
+        )
+        assert trainer.backend.name == backend
+        grads = _capture_gradients(trainer)
+        runs[backend] = (trainer.train().history[0], grads)
+    (fused, fused_grads), (module, module_grads) = runs["fused"], runs["hf"]
+    assert fused["completion_length/mean"] == module["completion_length/mean"]  # the same tokens were sampled
+    assert fused["reward/mean"] == module["reward/mean"]
+    for key in ("loss", "kl"):
+        assert fused[key] == pytest.approx(module[key], rel=1e-3, abs=1e-5), key
+    assert fused_grads.keys() == module_grads.keys() and fused_grads
+    for index, grad in fused_grads.items():
+        torch.testing.assert_close(grad, module_grads[index], atol=1e-5, rtol=1e-3, msg=str(index))
