@@ -90,8 +90,6 @@ def main() -> None:
     started = time.perf_counter()
     base = build_smollm2(args.model_cache)
     build_s = time.perf_counter() - started
-    (output / "base-models").mkdir(parents=True)
-    (output / "base-models" / base.name).symlink_to(base)  # where `grpo train` looks for the builtin model
     before = held_out(base, work / "data" / "eval.jsonl")
     print(f"model ready in {build_s:.0f} s; held-out exact match before: {before:.1%}", flush=True)
 
@@ -99,7 +97,8 @@ def main() -> None:
     with open(work / "train.log", "w", encoding="utf-8") as log:
         subprocess.run(
             [str(GRPO), "train", "--config", str(config), "--output-dir", str(output)],
-            stdout=log, stderr=subprocess.STDOUT, check=True, env={**os.environ, "COLUMNS": "120"},
+            stdout=log, stderr=subprocess.STDOUT, check=True,
+            env={**os.environ, "COLUMNS": "120", "GRPO_MODEL_CACHE_DIR": str(base.parent)},  # the folder built above
         )
     train_s = time.perf_counter() - started
     checkpoint = latest_checkpoint(output)

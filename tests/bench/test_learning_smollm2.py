@@ -70,11 +70,10 @@ def test_the_data_is_reproducible_and_held_out(tmp_path: Path) -> None:
 def test_a_short_run_of_the_example_trains_and_reports_held_out_accuracy(tmp_path: Path, smollm2_dir: Path) -> None:
     config = learning_smollm2.prepare_job(tmp_path / "job", SHORT_RUN)
     output = tmp_path / "out"
-    (output / "base-models").mkdir(parents=True)
-    (output / "base-models" / smollm2_dir.name).symlink_to(smollm2_dir)  # built once per machine
+    env = {**os.environ, "COLUMNS": "200", "GRPO_MODEL_CACHE_DIR": str(smollm2_dir.parent)}  # built once per machine
     completed = subprocess.run(
         [str(GRPO), "train", "--config", str(config), "--output-dir", str(output)],
-        capture_output=True, text=True, timeout=300, check=False, env={**os.environ, "COLUMNS": "200"},
+        capture_output=True, text=True, timeout=300, check=False, env=env,
     )
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
     printed = {int(step): float(value) for step, value in re.findall(r"step (\d+) eval accuracy ([\d.]+)", completed.stdout)}

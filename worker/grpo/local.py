@@ -8,6 +8,9 @@ from its newest checkpoint. Ctrl-C stops after the current step and saves a chec
 With `resources.devices: N > 1` the command launches N ranks on this machine (worker.grpo.launch,
 gloo on CPU, NCCL on GPUs) that each run this module; rank 0 shows the progress and writes the checkpoint.
 
+Models the engine builds (`builtin:` presets, SmolLM2 converted from its GGUF file, local GGUF files) are kept
+in one cache for every run of the user (`model_cache_dir`), so a new output directory does not build them again.
+
 Exit codes: 0 done, 2 bad input (YAML, spec, dataset, checkpoint), 1 training failed, 130 interrupted.
 """
 
@@ -194,6 +197,17 @@ def _launch_ranks(config_path: Path, output_dir: Path, devices: int) -> int:
     return subprocess.call(command)
 
 
+def model_cache_dir() -> Path:
+    """Where `grpo train` keeps the models it builds: $GRPO_MODEL_CACHE_DIR, else the user's cache directory
+    ($XDG_CACHE_HOME or ~/.cache, then grpo/models). Builds are deterministic and written atomically,
+    so runs in parallel share it safely."""
+    configured = os.environ.get("GRPO_MODEL_CACHE_DIR")
+    if configured:
+        return Path(configured)
+    cache_home = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(cache_home) / "grpo" / "models"
+
+
 def _train(job: LocalJob, console: Console, ranks: Ranks) -> int:
     # Imported here: torch and transformers take seconds to import; bad input should fail fast.
     import transformers
@@ -241,7 +255,7 @@ def _train(job: LocalJob, console: Console, ranks: Ranks) -> int:
                 retain_rows=job.retain_rows,
                 reward=reward,
                 output_dir=job.output_dir,
-                model_cache_dir=job.output_dir / "base-models",
+                model_cache_dir=model_cache_dir(),
                 resume_from=resume,
                 on_metrics=display.on_metrics if main else None,
                 should_stop=stop.should_stop,
