@@ -367,11 +367,16 @@ def run_ours(
         output_dir=work / "ours-out",
         on_metrics=on_metrics,
         device=runtime.device,
+        backend=os.environ.get(OURS_BACKEND_ENV, "auto"),  # type: ignore[arg-type]  # checked by argparse
     )
     record.setup_s = time.perf_counter() - started
     record.backend = trainer.backend.name  # "fused" (the CPU fast path) or "hf" (the module forward)
     clock[:] = [time.perf_counter(), time.process_time()]
     trainer.train()
+
+
+# The backend ours runs on, from `--ours-backend` to the children.
+OURS_BACKEND_ENV = "GRPO_BENCH_OURS_BACKEND"
 
 
 def child_main(args: argparse.Namespace) -> None:
@@ -777,6 +782,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--json", type=Path, default=None, help="also write every figure to this JSON file")
     parser.add_argument(
+        "--ours-backend", choices=("auto", "hf", "fused"), default="auto",
+        help="the backend ours runs on (auto: the engine's own choice); hf on a Llama shows what the fused path buys",
+    )
+    parser.add_argument(
         "--omp-wait-policy",
         choices=("passive", "active", "inherit"),
         default="passive",
@@ -813,6 +822,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.child:
         child_main(args)
         return
+    os.environ[OURS_BACKEND_ENV] = args.ours_backend  # the children inherit it (_child_env)
     cache_dir = args.cache_dir or default_cache_dir()
     with tempfile.TemporaryDirectory(prefix="grpo-bench-") as tmp:
         work = args.workdir or Path(tmp)
