@@ -21,6 +21,7 @@ import yaml
 from safetensors.torch import load_file
 
 from contract.spec import JobSpec
+from tests.engine.test_hf_architectures import build
 from worker.grpo.checkpoint import verify_manifest
 from worker.grpo.distributed import SHARDED_DIR, merge_rank_stats
 
@@ -169,28 +170,6 @@ class TestCheckpoints:
         assert_same_metrics(history(runs["single-full"] / "checkpoint-3"), history(output / "checkpoint-3"))
 
 
-def build_phi3(out_dir: Path) -> Path:
-    """A tiny Phi-3 with random weights: the fused backend does not cover it, so its jobs train through the
-    module forward (the hf backend) and the library wrappers, DistributedDataParallel and per-layer FSDP2."""
-    from transformers import GenerationConfig, Phi3Config, Phi3ForCausalLM
-
-    from worker.grpo.tiny import build_tokenizer, save_model_atomically
-
-    tokenizer = build_tokenizer()
-    config = Phi3Config(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=128, pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=False,
-    )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model = Phi3ForCausalLM(config)
-    model.generation_config = GenerationConfig(
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
-    )
-    return save_model_atomically(model, tokenizer, out_dir)
-
-
 class ModuleForwardRuns(Runs):
     """Runs of the Phi-3 model (hf backend): "single-full", "ddp-lora", ..."""
 
@@ -210,7 +189,9 @@ class ModuleForwardRuns(Runs):
 @pytest.fixture(scope="module")
 def module_runs(tmp_path_factory: pytest.TempPathFactory) -> ModuleForwardRuns:
     root = tmp_path_factory.mktemp("dist-hf")
-    return ModuleForwardRuns(root, build_phi3(root / "phi3"))
+    # A tiny Phi-3: the fused backend does not cover it, so its jobs train through the module forward (the hf
+    # backend) and the library wrappers, DistributedDataParallel and per-layer FSDP2.
+    return ModuleForwardRuns(root, build("phi3", root / "phi3", layers=4))
 
 
 @pytest.mark.parametrize(

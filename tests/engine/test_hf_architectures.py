@@ -21,21 +21,24 @@ SHAPE = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "n
 LORA_TARGETS = {"gemma3": ["q_proj", "v_proj"], "phi3": ["qkv_proj", "o_proj"], "qwen2": ["q_proj", "v_proj"]}
 
 
-def build(arch: str, out_dir: Path) -> Path:
+def build(arch: str, out_dir: Path, *, layers: int = 2) -> Path:
+    """A random model of `arch` with the character tokenizer, saved to `out_dir`."""
     import transformers as tf
 
     tokenizer = build_tokenizer()
     ids = {"vocab_size": len(tokenizer), "pad_token_id": tokenizer.pad_token_id,
            "bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id}
-    torch.manual_seed(0)
-    if arch == "gemma3":
-        model: Any = tf.Gemma3ForCausalLM(
-            tf.Gemma3TextConfig(**SHAPE, **ids, head_dim=16, sliding_window=64, query_pre_attn_scalar=16)
-        )
-    elif arch == "phi3":
-        model = tf.Phi3ForCausalLM(tf.Phi3Config(**SHAPE, **ids))
-    else:  # Qwen2.5: the Qwen2 architecture with tied embeddings and q/k/v biases
-        model = tf.Qwen2ForCausalLM(tf.Qwen2Config(**SHAPE, **ids, tie_word_embeddings=True))
+    shape = SHAPE | ids | {"num_hidden_layers": layers}
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        if arch == "gemma3":
+            model: Any = tf.Gemma3ForCausalLM(
+                tf.Gemma3TextConfig(**shape, head_dim=16, sliding_window=64, query_pre_attn_scalar=16)
+            )
+        elif arch == "phi3":
+            model = tf.Phi3ForCausalLM(tf.Phi3Config(**shape))
+        else:  # Qwen2.5: the Qwen2 architecture with tied embeddings and q/k/v biases
+            model = tf.Qwen2ForCausalLM(tf.Qwen2Config(**shape, tie_word_embeddings=True))
     model.generation_config = GenerationConfig(
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
     )
