@@ -3,7 +3,7 @@ embedded worker.
 
 - REST on settings.api_host:api_port, gRPC on settings.grpc_port (0 disables it). REST believes
   X-Forwarded-For only from GRPO_TRUSTED_PROXIES (none by default).
-- The reaper (worker/reaper.py) runs as a thread here: it re-enqueues jobs whose worker lost its lease,
+- The reaper (service/execution/reaper.py) runs as a thread here: it re-enqueues jobs whose worker lost its lease,
   re-sends jobs whose message was lost and deletes expired Idempotency-Key records. Several API processes
   may each run one; they do not conflict.
 - `--worker` (default) starts `grpo worker` as a child process, so `grpo serve` alone is a complete
@@ -107,8 +107,8 @@ def _reaper(settings: Settings, *, enabled: bool) -> Iterator[None]:
     if not enabled:
         yield
         return
+    from service.execution.reaper import start_reaper_thread
     from service.kit.queue import get_job_queue
-    from worker.reaper import start_reaper_thread
 
     thread, stop = start_reaper_thread(get_job_queue(), settings)
     try:

@@ -1,6 +1,6 @@
 """The worker's Celery application, configured for long GPU jobs whose state lives in the database.
 
-The message only wakes a worker; the job row is the truth (worker/lease.py). That decides the settings:
+The message only wakes a worker; the job row is the truth (service/execution/lease.py). That decides the settings:
 
 - `task_acks_late` + `task_reject_on_worker_lost`: a message is acknowledged when the task returns, so a
   worker that dies mid-job leaves its message to be redelivered rather than dropped. Redelivery (and

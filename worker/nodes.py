@@ -39,9 +39,9 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from contract.spec import Resources
+from service.execution import reporting
+from service.execution.lease import OWNED_STATES, Claim
 from service.kit.config import Settings, get_settings
-from worker import reporting
-from worker.lease import OWNED_STATES, Claim
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ class Invitation(BaseModel):
     launchers need."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
-    claim: dict[str, Any]  # worker.lease.Claim, as JSON
+    claim: dict[str, Any]  # service.execution.lease.Claim, as JSON
     queue: str
     endpoint: str  # ip:port of the job's store, served by node 0's launcher
     run_id: str = Field(min_length=32)  # the attempt's store keys live under it; random per attempt
@@ -130,7 +130,7 @@ def attempt_owns_job(job_id: str, attempt: int) -> bool:
 
 def join(invitation: Invitation, settings: Settings | None = None) -> str:
     """Run this node's ranks of the invited attempt; returns what happened (for the worker log)."""
-    from worker.lease import with_db_retry
+    from service.execution.lease import with_db_retry
     from worker.runner import stop_process
 
     settings = settings or get_settings()

@@ -25,9 +25,9 @@ import sys
 from pathlib import Path
 
 import service.models  # noqa: F401  # every table, so the ORM mappers configure (as in worker.tasks)
+from service.execution.lease import Claim
 from service.kit.config import get_settings
 from service.webhooks import outbox
-from worker.lease import Claim
 
 log = logging.getLogger(__name__)
 EXIT_ALONE = 3

@@ -9,7 +9,7 @@
          should_stop polled between steps (cancel, pause, lost lease)
       -> final state: succeeded | paused | cancelled | failed (with a code)
 
-Every report is fenced by the attempt (worker.reporting); when a newer attempt owns the job the runner
+Every report is fenced by the attempt (service.execution.reporting); when a newer attempt owns the job the runner
 stops without writing anything more. How the outcome maps to states:
 
 - trained to the end -> `succeeded` (or `cancelled` if a cancel arrived meanwhile);
@@ -65,6 +65,20 @@ from outbound.urlpolicy import UrlRejected, check_url_syntax
 from service.checkpoints import repository as checkpoints_repository
 from service.checkpoints.models import Checkpoint
 from service.checkpoints.service import new_checkpoint_id
+from service.execution import reporting
+from service.execution.lease import (
+    OWNED_STATES,
+    Claim,
+    ClaimLimits,
+    Heartbeat,
+    LeaseLost,
+    claim_next,
+    latest_checkpoint,
+    process_worker_id,
+    rewind_to,
+    wake_waiting_jobs,
+    with_db_retry,
+)
 from service.jobs import repository
 from service.jobs.model_sources import ModelSourceKind, ModelSourcePolicy
 from service.jobs.schemas import SampleIn
@@ -78,20 +92,7 @@ from service.storage import Storage, checkpoint_key, checkpoint_prefix, get_stor
 from service.usage.budget import Exhausted
 from service.usage.service import StepUsageIn
 from worker import metrics as worker_metrics
-from worker import nodes, reporting
-from worker.lease import (
-    OWNED_STATES,
-    Claim,
-    ClaimLimits,
-    Heartbeat,
-    LeaseLost,
-    claim_next,
-    latest_checkpoint,
-    process_worker_id,
-    rewind_to,
-    wake_waiting_jobs,
-    with_db_retry,
-)
+from worker import nodes
 from worker.model_sources import ModelUnavailable, check_hub_size, check_source
 
 if TYPE_CHECKING:
@@ -280,7 +281,7 @@ class JobContext:
 
 
 def default_worker_id() -> str:
-    """An opaque id per worker process (job events show it to tenants): see worker.lease.process_worker_id."""
+    """An opaque id per worker process (job events show it to tenants): see service.execution.lease.process_worker_id."""
     return process_worker_id()
 
 
@@ -309,7 +310,7 @@ class JobRunner:
         """"duplicate" when the claim was refused, "lease_lost" when a newer attempt took over,
         else the job's final state for this attempt.
 
-        The job run is the fair choice of this job's queue (worker.lease.claim_next): `job_id` afterwards."""
+        The job run is the fair choice of this job's queue (service.execution.lease.claim_next): `job_id` afterwards."""
         claim = with_db_retry(self._claim)
         if claim is None:
             log.info("job %s: not claimable, nor any other job of its queue (duplicate delivery, finished, paused, "

@@ -50,5 +50,5 @@ def latest_checkpoint(session: Session, job_id: str, *, before_step: int | None 
 
 
 def delete_steps_after(session: Session, job_id: str, step: int) -> None:
-    """Forget the checkpoints of steps after `step` (a resumed job re-runs them; worker/lease.py)."""
+    """Forget the checkpoints of steps after `step` (a resumed job re-runs them; service/execution/lease.py)."""
     session.execute(delete(Checkpoint).where(Checkpoint.job_id == job_id, Checkpoint.step > step))

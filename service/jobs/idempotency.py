@@ -151,7 +151,7 @@ def _release(session: Session, tenant_id: str, key: str, req_hash: str) -> None:
 
 
 def purge_expired(session: Session, now: datetime) -> int:
-    """Delete keys created more than the TTL before `now`; returns how many. Run by the reaper (worker/reaper.py);
+    """Delete keys created more than the TTL before `now`; returns how many. Run by the reaper (service/execution/reaper.py);
     claims also expire lazily. Does not commit."""
     cutoff = now - timedelta(hours=get_settings().idempotency_ttl_hours)
     return repository.delete_idempotency_keys_before(session, cutoff)

@@ -1,7 +1,7 @@
 """Jobs and what they produce while running: events, per-step metrics, logged samples; idempotency keys.
 
 The job row is the source of truth for a job's state (see service/jobs/states.py for the machine).
-The worker columns (attempt, lease_until, worker_id, ...) are written by the worker (worker/lease.py):
+The worker columns (attempt, lease_until, worker_id, ...) are written by the worker (service/execution/lease.py):
 `attempt` is the fencing token: a worker may only report for the attempt it claimed.
 """
 
@@ -36,7 +36,7 @@ class Job(Base):
     __table_args__ = (
         Index("ix_jobs_tenant_id_id", "tenant_id", "id"),
         Index("ix_jobs_tenant_id_status_id", "tenant_id", "status", "id"),
-        # The fair claim's scan: queued jobs of one queue (worker/lease.py).
+        # The fair claim's scan: queued jobs of one queue (service/execution/lease.py).
         Index("ix_jobs_status_queue", "status", "queue"),
         # ... and its "served least recently" per tenant.
         Index("ix_jobs_tenant_id_started_at", "tenant_id", "started_at"),
@@ -67,7 +67,7 @@ class Job(Base):
     error_code: Mapped[str | None] = mapped_column(String(64), nullable=True)
     error_message: Mapped[str | None] = mapped_column(Text, nullable=True)
 
-    # --- worker ownership (worker/lease.py) -------------------------------------------------------
+    # --- worker ownership (service/execution/lease.py) -------------------------------------------------------
     attempt: Mapped[int] = mapped_column(Integer, default=0)
     max_attempts: Mapped[int] = mapped_column(Integer)
     lease_until: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)

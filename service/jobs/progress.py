@@ -1,6 +1,6 @@
 """What the worker reports while it runs a job: events, metrics, samples, state changes.
 
-Transport-free domain functions (the worker calls them through worker/reporting.py). Every call carries the
+Transport-free domain functions (the worker calls them through service/execution/reporting.py). Every call carries the
 `attempt` the worker claimed: it is a fencing token. A worker whose lease was lost (the job was
 re-queued and maybe claimed again with attempt + 1) gets StaleAttempt and must stop, so a zombie
 can never overwrite the progress of the attempt that replaced it.

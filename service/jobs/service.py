@@ -131,7 +131,7 @@ def enqueue_waiting(session: Session, tenant_id: str, queue: JobQueue) -> None:
 
     For when the tenant's running jobs or devices go down, or its quota goes up: a job held back by that quota
     had its own message consumed by a claim that could not start it. A delivery that finds nothing it may
-    start returns at once (worker/lease.py)."""
+    start returns at once (service/execution/lease.py)."""
     for name, job_id in repository.oldest_queued_per_queue(session, tenant_id).items():
         on_commit(session, partial(send_job_logged, queue, job_id, name))
 

@@ -13,7 +13,7 @@ States and who moves a job between them::
     cancelled (API cancel of a job that is not running: nothing to stop)
 
     running ─▶ queued: the worker's lease ran out (the worker died); the job is re-sent with attempt + 1
-                       (worker/reaper.py). No separate "retrying" state: `attempt` says it is a retry.
+                       (service/execution/reaper.py). No separate "retrying" state: `attempt` says it is a retry.
     queued  ─▶ failed: a job that cannot even start (attempts exhausted, invalid at claim time).
 
 Pausing a running job is a two-phase request, like cancelling, but without an extra state

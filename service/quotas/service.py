@@ -7,7 +7,7 @@ Four limits, each a service default (settings `quota_*`) that a tenant's overrid
   is already counted): 429 / RESOURCE_EXHAUSTED (it frees up as jobs start, or when paused ones are cancelled).
   So pausing jobs cannot park more than the limit: a tenant holds at most `max_queued_jobs` waiting jobs plus
   those that paused while running (which the limit admitted before they started).
-- `max_running_jobs`: jobs running at once. Never an error: the fair claim (worker/lease.py) leaves the job
+- `max_running_jobs`: jobs running at once. Never an error: the fair claim (service/execution/lease.py) leaves the job
   `queued` until one of the tenant's jobs ends.
 - `max_devices`: devices the tenant's running jobs occupy together; checked by the claim like the running
   quota. A job that alone needs more than the limit could never start and is refused at submission:

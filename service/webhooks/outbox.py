@@ -19,7 +19,7 @@ Which job events are lifecycle events (`webhook_event_type`):
 
 The listener is registered by `register()`, called explicitly at the start of every process that writes
 job events: the API (service.app.create_app), the gRPC server (service.grpc.server.create_grpc_server), the
-worker (worker.celery_app.create_celery_app, worker.rank_job) and the reaper (worker.reaper.start_reaper_thread);
+worker (worker.celery_app.create_celery_app, worker.rank_job) and the reaper (service.execution.reaper.start_reaper_thread);
 `grpo serve` runs those. A process that writes job events without it announces nothing.
 """
 

@@ -91,13 +91,13 @@ def serve(url: str) -> tuple[str, Any, threading.Thread]:
 def seed(base_url: str, reward_server: RewardServer) -> tuple[str, dict[str, str]]:
     """One tenant and one resource of each kind; returns the tenant's API key and the ids. The reward function
     is `reward_server`, which is given its signing secret."""
+    from service.execution import reporting
+    from service.execution.lease import claim_job
     from service.jobs import progress
     from service.jobs.schemas import SampleIn
     from service.kit.db import session_scope
     from service.storage import checkpoint_key, get_storage
     from tests.service.factories import create_tenant
-    from worker import reporting
-    from worker.lease import claim_job
 
     with session_scope() as session:
         _tenant, key = create_tenant(session, "fuzz")

@@ -1,6 +1,6 @@
 """`GET /metrics` on the API: request latency by route template, jobs by state, queue depth.
 
-Jobs progress through the same functions the worker uses (worker.lease.claim_job, worker.reporting).
+Jobs progress through the same functions the worker uses (service.execution.lease.claim_job, service.execution.reporting).
 """
 
 from __future__ import annotations
@@ -11,14 +11,14 @@ import logging
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
+from service.execution import reporting
+from service.execution.lease import Claim, claim_job
 from service.jobs.schemas import SampleIn
 from service.jobs.states import JobStatus
 from service.kit.db import session_scope
 from service.observability.logs import JobContextFilter, JsonFormatter, job_context
 from tests.service.factories import TenantHeaders
 from tests.service.jobs_support import job_spec, make_dataset
-from worker import reporting
-from worker.lease import Claim, claim_job
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 

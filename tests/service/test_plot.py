@@ -6,12 +6,12 @@ import io
 
 from fastapi.testclient import TestClient
 
+from service.execution import reporting
+from service.execution.lease import claim_job
 from service.jobs.schemas import SampleIn
 from service.kit.db import session_scope
 from tests.service.factories import TenantHeaders
 from tests.service.jobs_support import job_spec, make_dataset
-from worker import reporting
-from worker.lease import claim_job
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

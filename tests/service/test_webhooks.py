@@ -21,6 +21,8 @@ from sqlalchemy import event, select
 from standardwebhooks import Webhook
 
 from service.app import create_app
+from service.execution import reporting
+from service.execution.lease import Claim, claim_job
 from service.grpc.server import create_grpc_server
 from service.jobs.models import JobEvent
 from service.jobs.schemas import SampleIn
@@ -33,9 +35,7 @@ from service.webhooks.delivery import DeliveryConfig, Dispatcher, start_dispatch
 from service.webhooks.models import WebhookDelivery
 from tests.service.factories import TenantHeaders
 from tests.service.jobs_support import job_spec, make_dataset, put_checkpoint
-from worker import reporting
 from worker.celery_app import create_celery_app
-from worker.lease import Claim, claim_job
 
 
 class Receiver:

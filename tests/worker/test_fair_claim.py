@@ -1,4 +1,4 @@
-"""The fair claim (worker.lease.claim_next) on real SQLite and PostgreSQL: which queued job a delivery starts.
+"""The fair claim (service.execution.lease.claim_next) on real SQLite and PostgreSQL: which queued job a delivery starts.
 
 Deliveries are simulated by calling claim_next with the id a message would carry; the end-to-end version with a
 real worker process is tests/worker/test_fair_scheduling.py.
@@ -11,6 +11,8 @@ from datetime import timedelta
 from sqlalchemy import select, update
 
 from contract.spec import JobSpec
+from service.execution import reporting
+from service.execution.lease import Claim, ClaimLimits, claim_next
 from service.jobs import service as jobs_service
 from service.jobs.models import Job
 from service.jobs.states import JobStatus
@@ -19,8 +21,6 @@ from service.kit.db import session_scope, utcnow
 from service.quotas.models import TenantQuota
 from tests.service.factories import TenantHeaders
 from tests.worker.conftest import RecordingQueue, insert_dataset, insert_job, tiny_spec
-from worker import reporting
-from worker.lease import Claim, ClaimLimits, claim_next
 
 UNLIMITED = ClaimLimits()
 

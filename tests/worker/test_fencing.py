@@ -11,6 +11,16 @@ import pytest
 from sqlalchemy import func, select, update
 
 from service.checkpoints.models import Checkpoint
+from service.execution import reporting
+from service.execution.lease import (
+    Claim,
+    Heartbeat,
+    LeaseLost,
+    claim_job,
+    fence,
+    latest_checkpoint,
+    rewind_to,
+)
 from service.jobs import progress
 from service.jobs.models import Job, JobMetric, JobSample
 from service.jobs.schemas import SampleIn
@@ -20,8 +30,6 @@ from service.kit.errors import NotFound
 from service.storage import checkpoint_key, get_storage
 from tests.service.factories import TenantHeaders
 from tests.worker.conftest import insert_job
-from worker import reporting
-from worker.lease import Claim, Heartbeat, LeaseLost, claim_job, fence, latest_checkpoint, rewind_to
 
 
 @pytest.fixture

@@ -8,8 +8,8 @@ import pytest
 from sqlalchemy import text
 from sqlalchemy.exc import DBAPIError
 
+from service.execution.lease import is_transient_db_error
 from service.kit.db import make_engine
-from worker.lease import is_transient_db_error
 
 
 def test_an_idle_transaction_is_ended_by_the_server_and_its_lock_released(postgres_admin_url: str) -> None:

@@ -9,6 +9,9 @@ import pytest
 from sqlalchemy import select, update
 
 from service.checkpoints.models import Checkpoint
+from service.execution import reporting
+from service.execution.lease import Claim, LeaseLost, claim_job
+from service.execution.reaper import LEASE_EXPIRED_EVENT, WORKER_LOST, reap_once
 from service.jobs.models import IdempotencyKey, Job, JobEvent, JobMetric
 from service.jobs.states import JobStatus
 from service.kit.config import Settings
@@ -16,10 +19,7 @@ from service.kit.db import session_scope, utcnow
 from service.storage import checkpoint_key, get_storage
 from tests.service.factories import TenantHeaders
 from tests.worker.conftest import RecordingQueue, insert_job
-from worker import reporting
-from worker.lease import Claim, LeaseLost, claim_job
 from worker.nodes import Invitation, attempt_owns_job, join
-from worker.reaper import LEASE_EXPIRED_EVENT, WORKER_LOST, reap_once
 
 
 @pytest.fixture
@@ -234,7 +234,7 @@ def test_worker_parent_and_api_never_import_torch() -> None:
     import subprocess
     import sys
 
-    code = "import sys, worker.tasks, cli, service.app, worker.reaper; print('torch' in sys.modules)"
+    code = "import sys, worker.tasks, cli, service.app, service.execution.reaper; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 

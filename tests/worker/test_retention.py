@@ -15,6 +15,8 @@ from contract.spec import JobSpec
 from service.checkpoints import retention
 from service.checkpoints.models import Checkpoint, CheckpointPin
 from service.checkpoints.retention import best_checkpoint, checkpoints_to_prune
+from service.execution import reporting
+from service.execution.lease import Claim, claim_job
 from service.jobs import service as jobs_service
 from service.jobs.models import Job
 from service.jobs.states import JobStatus
@@ -23,8 +25,6 @@ from service.kit.db import session_scope, utcnow
 from service.storage import checkpoint_key, get_storage, job_prefix
 from tests.service.factories import TenantHeaders
 from tests.worker.conftest import insert_job
-from worker import reporting
-from worker.lease import Claim, claim_job
 
 
 def _claimed_job(tenant_id: str, **hyper: Any) -> Claim:

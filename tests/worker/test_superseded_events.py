@@ -13,6 +13,8 @@ from sqlalchemy import update
 
 from client.sdk import GRPOClient, JobProgress
 from contract.api.jobs import EventOut
+from service.execution import reporting
+from service.execution.lease import Claim, claim_job
 from service.jobs.models import Job
 from service.jobs.states import JobStatus
 from service.kit.config import Settings
@@ -21,8 +23,6 @@ from service.storage import checkpoint_key, get_storage
 from tests.service.factories import TenantHeaders
 from tests.worker.conftest import insert_job
 from tests.worker.reward_servers import serving
-from worker import reporting
-from worker.lease import Claim, claim_job
 
 
 def _claim(job_id: str, worker: str) -> Claim:

@@ -14,6 +14,8 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import delete, select, update
 
+from service.execution import reporting
+from service.execution.lease import Claim, claim_job
 from service.jobs.models import Job
 from service.kit.config import Settings
 from service.kit.db import session_scope, utcnow
@@ -22,8 +24,6 @@ from service.usage.models import JobUsage, UsageCalibration
 from service.usage.service import StepUsageIn
 from tests.service.factories import TenantHeaders
 from tests.worker.conftest import insert_dataset, tiny_spec
-from worker import reporting
-from worker.lease import Claim, claim_job
 from worker.runner import JobRunner, UsageMeter
 
 FIELDS = ("tokens_generated", "tokens_trained", "reward_calls", "device_seconds")
@@ -223,7 +223,7 @@ class TestRerunSteps:
         assert _get(client, tenant_a, "/v1/usage")["totals"]["tokens_generated"] == 307
 
     def test_a_stale_attempt_cannot_record_usage(self, settings: Settings, tenant_a: TenantHeaders) -> None:
-        from worker.lease import LeaseLost
+        from service.execution.lease import LeaseLost
 
         with session_scope() as session:
             job_id = _job(session, tenant_a.tenant_id)

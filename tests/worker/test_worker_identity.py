@@ -13,11 +13,11 @@ import socket
 import pytest
 from fastapi.testclient import TestClient
 
+from service.execution import lease
 from service.kit.config import Settings
 from service.kit.db import session_scope
 from tests.service.factories import TenantHeaders
 from tests.worker.conftest import insert_dataset, tiny_spec
-from worker import lease
 from worker.runner import JobRunner
 
 OPAQUE = re.compile(r"^wrk_[0-9a-f]{12}$")
@@ -33,7 +33,7 @@ def test_events_name_the_worker_by_an_opaque_id(
     response = client.post("/v1/jobs", json=spec, headers=tenant_a)
     assert response.status_code == 201, response.text
     job_id = response.json()["id"]
-    with caplog.at_level(logging.INFO, logger="worker.lease"):
+    with caplog.at_level(logging.INFO, logger="service.execution.lease"):
         assert JobRunner(job_id).run() == "succeeded"
 
     events = client.get(f"/v1/jobs/{job_id}/events", headers=tenant_a, params={"limit": 200}).json()["data"]

@@ -1,7 +1,7 @@
 """Fenced progress reports of one attempt: metrics, samples, events, checkpoints and the final state.
 
 Thin wrappers over the jobs domain (service.jobs.progress), each in its own transaction that starts with
-the lease fence (worker.lease.fence), retried through transient database errors. A write refused because
+the lease fence (service.execution.lease.fence), retried through transient database errors. A write refused because
 a newer attempt owns the job raises `LeaseLost`; the runner then stops without touching anything else.
 
 Retried writes are idempotent: a step's metrics and usage replace that step's earlier rows, samples of a step are
@@ -19,15 +19,17 @@ from sqlalchemy.orm import Session
 
 from service.checkpoints import service as checkpoints
 from service.checkpoints.models import Checkpoint
-from service.jobs import progress, repository
-from service.jobs.repository import JobControl
+from service.execution import repository
+from service.execution.lease import Claim, LeaseLost, fenced_write
+from service.execution.repository import JobControl
+from service.jobs import progress
+from service.jobs import repository as jobs_repository
 from service.jobs.schemas import SampleIn
 from service.jobs.states import JobStatus
 from service.storage import get_storage
 from service.usage import service as usage_service
 from service.usage.budget import BUDGET_EXHAUSTED, Exhausted
 from service.usage.service import StepUsageIn
-from worker.lease import Claim, LeaseLost, fenced_write
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -63,7 +65,7 @@ def record_step(
             progress.record_samples(session, claim.job_id, claim.attempt, step, samples)
         if usage is None:
             return None
-        job = repository.get_job_any_tenant(session, claim.job_id)  # loaded and locked by record_metrics
+        job = jobs_repository.get_job_any_tenant(session, claim.job_id)  # loaded and locked by record_metrics
         assert job is not None
         return usage_service.record_step(session, job, step, claim.attempt, usage)
 
@@ -135,7 +137,7 @@ def finish(
     """
 
     def work(session: Session) -> JobStatus:
-        status = repository.job_status(session, claim.job_id)
+        status = jobs_repository.job_status(session, claim.job_id)
         target = to
         if status == JobStatus.cancelling.value and to is not JobStatus.failed:
             target = JobStatus.cancelled

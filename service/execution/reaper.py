@@ -34,7 +34,9 @@ from functools import partial
 
 from sqlalchemy.orm import Session
 
-from service.jobs import idempotency, repository
+from service.execution import repository
+from service.jobs import idempotency
+from service.jobs import repository as jobs_repository
 from service.jobs.models import JobEvent
 from service.jobs.states import JobStatus, transition
 from service.kit.config import Settings
@@ -89,7 +91,7 @@ def _take_back(session: Session, queue: JobQueue, job_id: str, attempt: int, now
                report: ReapReport) -> None:
     if not repository.release_expired_lease(session, job_id, attempt, now):
         return  # renewed meanwhile, or another reaper got there first
-    job = repository.get_job_any_tenant(session, job_id, refresh=True)
+    job = jobs_repository.get_job_any_tenant(session, job_id, refresh=True)
     if job is None:  # cannot happen: the UPDATE above holds the row until this transaction ends
         return
     lost = 1 + repository.count_events(session, job_id, LEASE_EXPIRED_EVENT)

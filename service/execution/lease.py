@@ -40,7 +40,7 @@ database write lock (SQLite) until the transaction ends, so a write and a takeov
 worker frozen with SIGSTOP whose lease expired cannot write anything after it wakes up.
 
 The heartbeat thread renews the lease every `lease_seconds / 3`; a frozen or dead worker stops renewing
-and the reaper (worker/reaper.py) re-enqueues the job once `lease_until` has passed.
+and the reaper (service/execution/reaper.py) re-enqueues the job once `lease_until` has passed.
 
 Before claiming, a job whose own budget or tenant's monthly cap is already reached is paused with
 `budget_exhausted` instead (`paused_for_budget`), so no step runs past a cap; the delivery then chooses again.
@@ -76,7 +76,8 @@ from tenacity import (
 
 from service.checkpoints import repository as checkpoints_repository
 from service.checkpoints.models import Checkpoint
-from service.jobs import repository
+from service.execution import repository
+from service.jobs import repository as jobs_repository
 from service.jobs import service as jobs_service
 from service.jobs.models import JobEvent
 from service.jobs.states import JobStatus, transition
@@ -202,7 +203,7 @@ def claim_next(
 def paused_for_budget(session: Session, job_id: str) -> bool:
     """Before claiming: a job whose budget or tenant's monthly cap is already reached is paused with
     `budget_exhausted` (service.usage.budget.pause_if_exhausted) and not started, so no step runs past it."""
-    job = repository.get_job_any_tenant(session, job_id, for_update=True)
+    job = jobs_repository.get_job_any_tenant(session, job_id, for_update=True)
     if job is None or job.status not in (JobStatus.queued.value, JobStatus.running.value):
         return False  # the claim's conditional UPDATE settles it
     reached = budget.pause_if_exhausted(session, job)
@@ -216,7 +217,7 @@ def claim_job(session: Session, job_id: str, worker_id: str, lease_seconds: int)
     now = utcnow()
     if not repository.claim_row(session, job_id, worker_id, now=now, lease_until=_lease_end(lease_seconds, now)):
         return None
-    job = repository.get_job_any_tenant(session, job_id, refresh=True)
+    job = jobs_repository.get_job_any_tenant(session, job_id, refresh=True)
     if job is None:  # cannot happen: the claim's UPDATE holds the row until this transaction ends
         raise RuntimeError(f"job {job_id!r} vanished under its claim")
     checkpoint = latest_checkpoint(session, job_id)
@@ -266,7 +267,7 @@ def wake_waiting_jobs(job_id: str) -> None:
     devices quota may have held back (jobs_service.enqueue_waiting). Surplus deliveries find nothing and return."""
     try:
         with session_scope() as session:
-            job = repository.get_job_any_tenant(session, job_id)
+            job = jobs_repository.get_job_any_tenant(session, job_id)
             if job is not None:
                 jobs_service.enqueue_waiting(session, job.tenant_id, get_job_queue())
     except Exception:
