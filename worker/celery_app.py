@@ -32,9 +32,7 @@ from typing import Any
 from celery import Celery
 from kombu import Queue
 
-from service.kit.config import Settings, get_settings
-from service.kit.queue import queues_for_devices
-from service.webhooks import outbox
+from service.execution.runtime import Settings, get_settings, prepare_worker_process, queues_for_devices
 from worker.embedded_broker import TRANSPORT_PATH, split_sqla_url
 
 RUN_JOB_TASK = "grpo.run_job"
@@ -79,7 +77,7 @@ def celery_config(settings: Settings) -> dict[str, Any]:
 
 def create_celery_app(settings: Settings | None = None) -> Celery:
     # Job events the worker writes are announced (service.webhooks.outbox); its forked children inherit it.
-    outbox.register()
+    prepare_worker_process()
     app = Celery("grpo-worker", include=["worker.tasks"])
     app.conf.update(celery_config(settings or get_settings()))
     return app

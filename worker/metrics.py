@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from service.usage.service import StepUsageIn
+    from service.execution.reporting import StepUsageIn
 
 log = logging.getLogger(__name__)
 

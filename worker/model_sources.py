@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from contract.spec import BUILTIN_PREFIX, CHECKPOINT_PREFIX
-from service.jobs.model_sources import (
+from service.execution.inputs import (
     ModelSource,
     ModelSourceKind,
     ModelSourcePolicy,

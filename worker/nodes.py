@@ -40,8 +40,10 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from contract.spec import Resources
 from service.execution import reporting
-from service.execution.lease import OWNED_STATES, Claim
-from service.kit.config import Settings, get_settings
+from service.execution.lease import OWNED_STATES, Claim, with_db_retry
+from service.execution.runtime import Settings, get_settings
+from worker.grpo.launch import launch_command
+from worker.processes import stop_process
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +97,8 @@ def store_endpoint(settings: Settings) -> str:
 
 def invite(claim: Claim, queue: str, resources: Resources, settings: Settings) -> Invitation:
     """Send the invitations to the other `resources.nodes - 1` nodes (node numbers 1 ..); returns node 0's."""
+    # The Celery app is built when its module is imported: only the process that sends invitations builds it,
+    # not the ranks, which import this module through the runner.
     from worker.celery_app import app
 
     invitation = Invitation(
@@ -112,8 +116,6 @@ def invite(claim: Claim, queue: str, resources: Resources, settings: Settings) -
 
 def launch_node(invitation: Invitation, workdir: Path, *, settings: Settings) -> subprocess.Popen[bytes]:
     """This node's launcher (worker.grpo.launch) for the invitation's attempt."""
-    from worker.grpo.launch import launch_command
-
     command = launch_command(
         "worker.rank_job", [json.dumps(invitation.claim), str(workdir), invitation.queue],
         nproc_per_node=invitation.nproc_per_node, run_id=invitation.run_id, nnodes=invitation.nnodes,
@@ -130,9 +132,6 @@ def attempt_owns_job(job_id: str, attempt: int) -> bool:
 
 def join(invitation: Invitation, settings: Settings | None = None) -> str:
     """Run this node's ranks of the invited attempt; returns what happened (for the worker log)."""
-    from service.execution.lease import with_db_retry
-    from worker.runner import stop_process
-
     settings = settings or get_settings()
     if not with_db_retry(lambda: attempt_owns_job(invitation.job_id, invitation.attempt)):
         log.info("job %s: invitation for attempt %d is stale; dropped", invitation.job_id, invitation.attempt)

@@ -24,27 +24,35 @@ import signal
 import sys
 from pathlib import Path
 
-import service.models  # noqa: F401  # every table, so the ORM mappers configure (as in worker.tasks)
+from outbound.rewards import build_remote_source
 from service.execution.lease import Claim
-from service.kit.config import get_settings
-from service.webhooks import outbox
+from service.execution.runtime import get_settings, prepare_worker_process
+from worker.grpo.distributed import (
+    Ranks,
+    device_for,
+    init_from_env,
+    local_peer_pids,
+    shutdown,
+    wait_for_nodes,
+)
+from worker.grpo.rewards import build_reward_sources
+from worker.grpo.trainer import GRPOTrainer
+from worker.grpo.wire import broadcast_value
+from worker.job_inputs import RANK_INPUTS_FILE, RankInputs
+from worker.runner import JobRunner
 
 log = logging.getLogger(__name__)
 EXIT_ALONE = 3
 
 
 def main(claim_json: str, workdir: Path, queue: str) -> int:
-    from worker.grpo.distributed import init_from_env, local_peer_pids, shutdown
-
-    outbox.register()  # rank 0 reports the job's events from this process (service.webhooks.outbox)
+    prepare_worker_process()  # rank 0 reports the job's events from this process
     settings = get_settings()
     claim = Claim(**json.loads(claim_json))
     ranks = init_from_env(settings.collective_timeout_seconds, cpu=queue.startswith("cpu"))
     peers = local_peer_pids(ranks)
     try:
         if ranks.is_main:
-            from worker.runner import JobRunner
-
             outcome, together = JobRunner(claim.job_id, worker_id=claim.worker_id).run_rank0(claim, workdir, ranks)
             log.info("job %s: rank 0 -> %s", claim.job_id, outcome)
             return 0 if together else EXIT_ALONE
@@ -58,16 +66,8 @@ def main(claim_json: str, workdir: Path, queue: str) -> int:
         shutdown()
 
 
-def _follow(ranks: object, claim: Claim, workdir: Path) -> None:
+def _follow(ranks: Ranks, claim: Claim, workdir: Path) -> None:
     """A rank other than 0: its share of the training, no hooks."""
-    from outbound.rewards import build_remote_source
-    from worker.grpo.distributed import Ranks, device_for, wait_for_nodes
-    from worker.grpo.rewards import build_reward_sources
-    from worker.grpo.trainer import GRPOTrainer
-    from worker.grpo.wire import broadcast_value
-    from worker.runner import RANK_INPUTS_FILE, JobRunner, RankInputs
-
-    assert isinstance(ranks, Ranks)
     shared = broadcast_value(None)
     if shared is None:
         return  # rank 0 ended the attempt before training (a failure it recorded, or nothing to do)

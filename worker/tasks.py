@@ -19,11 +19,7 @@ from typing import Any
 # (tests/worker/test_queue_lease.py checks that importing this module never imports torch).
 from sqlalchemy.orm import configure_mappers
 
-# Every table, so that foreign keys to tables of domains the worker never imports (tenants) resolve when the
-# claim and the progress reports flush.
-from service import models as _all_models  # noqa: F401
-from service.kit.config import get_settings
-from service.kit.db import end_idle_transactions_after
+from service.execution.runtime import end_idle_transactions_after, get_settings
 from worker.celery_app import RUN_JOB_TASK, app
 from worker.nodes import JOIN_JOB_TASK, Invitation, join
 from worker.runner import JobRunner

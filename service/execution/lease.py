@@ -200,6 +200,12 @@ def claim_next(
 
 
 
+def claim_delivery(job_id: str, worker_id: str, lease_seconds: int, limits: ClaimLimits) -> Claim | None:
+    """`claim_next` in a transaction of its own, committed when it returns."""
+    with session_scope() as session:
+        return claim_next(session, job_id, worker_id, lease_seconds, limits)
+
+
 def paused_for_budget(session: Session, job_id: str) -> bool:
     """Before claiming: a job whose budget or tenant's monthly cap is already reached is paused with
     `budget_exhausted` (service.usage.budget.pause_if_exhausted) and not started, so no step runs past it."""

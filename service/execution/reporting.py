@@ -19,8 +19,9 @@ from sqlalchemy.orm import Session
 
 from service.checkpoints import service as checkpoints
 from service.checkpoints.models import Checkpoint
+from service.checkpoints.service import new_checkpoint_id
 from service.execution import repository
-from service.execution.lease import Claim, LeaseLost, fenced_write
+from service.execution.lease import OWNED_STATES, Claim, LeaseLost, fenced_write
 from service.execution.repository import JobControl
 from service.jobs import progress
 from service.jobs import repository as jobs_repository
@@ -30,6 +31,25 @@ from service.storage import get_storage
 from service.usage import service as usage_service
 from service.usage.budget import BUDGET_EXHAUSTED, Exhausted
 from service.usage.service import StepUsageIn
+
+# The values of the reports, named here so that the worker needs nothing else of the service to make them.
+__all__ = [
+    "OWNED_STATES",
+    "Exhausted",
+    "JobControl",
+    "JobStatus",
+    "SampleIn",
+    "StepUsageIn",
+    "finish",
+    "finite_metrics",
+    "new_checkpoint_id",
+    "pause_for_budget",
+    "read_control",
+    "record_checkpoint",
+    "record_event",
+    "record_step",
+    "set_total_steps",
+]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -160,8 +160,8 @@ class TestCheckSource:
 
 
 def test_checkpoint_problems_are_reported_without_paths(tmp_path: Path) -> None:
+    from worker.failures import checkpoint_problem
     from worker.grpo.checkpoint import CheckpointCorrupt, verify_manifest
-    from worker.runner import checkpoint_problem
 
     with pytest.raises(CheckpointCorrupt) as corrupt:
         verify_manifest(tmp_path)
@@ -173,7 +173,7 @@ def test_checkpoint_problems_are_reported_without_paths(tmp_path: Path) -> None:
 
 
 def test_filesystem_errors_are_named_not_quoted() -> None:
-    from worker.runner import training_error_message
+    from worker.failures import training_error_message
 
     missing = FileNotFoundError(2, "No such file or directory", "/srv/grpo-data/work/job_x/base")
     assert training_error_message(missing) == "FileNotFoundError (details in the worker's log)"

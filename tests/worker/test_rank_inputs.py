@@ -14,7 +14,7 @@ from contract.spec import JobSpec
 from service.storage import Storage
 from tests.worker.conftest import tiny_spec
 from worker.grpo.checkpoint import CheckpointCorrupt
-from worker.runner import FetchedCheckpoint, RankInputs
+from worker.job_inputs import FetchedCheckpoint, RankInputs
 
 SPEC = JobSpec.model_validate(tiny_spec("ds_x"))
 

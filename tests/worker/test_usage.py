@@ -24,7 +24,8 @@ from service.usage.models import JobUsage, UsageCalibration
 from service.usage.service import StepUsageIn
 from tests.service.factories import TenantHeaders
 from tests.worker.conftest import insert_dataset, tiny_spec
-from worker.runner import JobRunner, UsageMeter
+from worker.runner import JobRunner
+from worker.usage_meter import UsageMeter
 
 FIELDS = ("tokens_generated", "tokens_trained", "reward_calls", "device_seconds")
 
@@ -187,7 +188,7 @@ class TestUsageMeter:
     @pytest.mark.parametrize("devices", [1, 4])
     def test_a_step_holds_every_device_of_the_job(self, devices: int, monkeypatch: pytest.MonkeyPatch) -> None:
         clock = iter([100.0, 102.5])
-        monkeypatch.setattr("worker.runner.time.monotonic", lambda: next(clock))
+        monkeypatch.setattr("worker.usage_meter.time.monotonic", lambda: next(clock))
         meter = UsageMeter(tenant_id="t", num_sources=1, max_completion_length=8, num_iterations=1, parameters=10,
                            cpu=False, devices=devices)
         usage = meter.take({"usage/tokens_generated": 6, "usage/tokens_trained": 12, "usage/reward_calls": 2})
