@@ -24,9 +24,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 from contract.config import GRPOConfig
 from worker.grpo.fastpath import FastPath
 from worker.grpo.logprobs import completion_logprobs
+from worker.grpo.model_paths import resolve_model_path
 from worker.grpo.module_options import apply_module_options
 from worker.grpo.rollout import Rollout, completion_mask_after_eos, tokenize_prompts
-from worker.grpo.tiny import resolve_model_path
 
 _DTYPES: dict[str, torch.dtype | str] = {
     "float32": torch.float32,
