@@ -17,7 +17,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from worker.grpo.backends.fused.decode_step import DecodeState, logits_of, scripted_decode_step
-from worker.grpo.backends.fused.fast_decoder import DecoderFunctional, FusedLayer, causal_padding_mask
+from worker.grpo.backends.fused.fast_decoder import DecoderFunctional, FusedLayer
+from worker.grpo.backends.fused.ops import causal_padding_mask
 
 
 class StaticDecoder:
