@@ -259,7 +259,8 @@ class Parallel:
             )
             return f"ddp over {world}: {how}"
         if self.mode == "fsdp":
-            from torch.distributed.fsdp import FSDPModule  # slow to import: only where fsdp runs (ShardedPolicy)
+            # FSDP2 is slow to import: only where fsdp runs (as ShardedPolicy).
+            from torch.distributed.fsdp import FSDPModule
 
             units = sum(isinstance(module, FSDPModule) for module in self.train_model.modules())
             return f"fsdp over {world}: {units} FSDP unit{'s' if units != 1 else ''}"

@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from peft import LoraConfig, PeftModel, get_peft_model
 from torch import Tensor
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
@@ -146,8 +147,6 @@ def _load_policy(base_path: str, config: GRPOConfig, resume_dir: Path | None) ->
     if config.lora is None:
         model = _load_causal_lm(resume_dir or base_path, config)
     else:
-        from peft import LoraConfig, PeftModel, get_peft_model
-
         base = _load_causal_lm(base_path, config)
         if resume_dir is not None:
             model = PeftModel.from_pretrained(base, resume_dir, is_trainable=True)
