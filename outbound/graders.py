@@ -17,7 +17,8 @@ one over the tokens, not an n x m table), except fuzzy_match, whose partial matc
 square of the length and is given texts of at most `max_fuzzy_match_chars`. A text over a limit is refused by
 graders/run (`GraderInputTooLarge`) and scores the grader's lowest value in training (`input_too_large`).
 
-The metric libraries (rapidfuzz, sacrebleu, nltk, rouge-score) are imported on first use.
+The metric libraries that are slow to import (sacrebleu, nltk, rouge-score) are imported on first use, so that
+neither the service nor the worker pays for them unless a grader uses them.
 """
 
 from __future__ import annotations
@@ -29,6 +30,9 @@ import math
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
+
+from rapidfuzz import fuzz
+from rapidfuzz.distance import LCSseq
 
 from contract.graders import (
     FormulaError,
@@ -71,8 +75,6 @@ def similarity(metric: str, text: str, reference: str, *, limits: GraderLimits =
 
     Raises GraderInputTooLarge for a fuzzy_match text over `limits.max_fuzzy_match_chars`."""
     if metric == "fuzzy_match":
-        from rapidfuzz import fuzz
-
         for name, value in (("input", text), ("reference", reference)):
             if len(value) > limits.max_fuzzy_match_chars:
                 raise GraderInputTooLarge(
@@ -81,11 +83,11 @@ def similarity(metric: str, text: str, reference: str, *, limits: GraderLimits =
                 )
         return float(fuzz.WRatio(text, reference)) / 100.0
     if metric == "bleu":
-        import sacrebleu
+        import sacrebleu  # slow to import: on first use (see the module docstring)
 
         return float(sacrebleu.sentence_bleu(text, [reference]).score) / 100.0
     if metric == "gleu":
-        from nltk.translate.gleu_score import sentence_gleu
+        from nltk.translate.gleu_score import sentence_gleu  # slow to import: on first use
 
         return float(sentence_gleu([reference.split()], text.split()))
     if metric == "rouge_l":
@@ -97,7 +99,7 @@ def similarity(metric: str, text: str, reference: str, *, limits: GraderLimits =
 
 @functools.cache
 def _rouge(kind: str) -> Callable[[str, str], float]:
-    from rouge_score import rouge_scorer
+    from rouge_score import rouge_scorer  # slow to import: on first use
 
     name = f"rouge{kind}"  # n-gram overlap: counts, linear in the tokens
     scorer = rouge_scorer.RougeScorer([name])
@@ -106,7 +108,7 @@ def _rouge(kind: str) -> Callable[[str, str], float]:
 
 @functools.cache
 def _rouge_tokenize() -> Callable[[str], list[str]]:
-    from rouge_score import tokenizers
+    from rouge_score import tokenizers  # slow to import: on first use
 
     return tokenizers.DefaultTokenizer(use_stemmer=False).tokenize  # type: ignore[no-any-return]
 
@@ -115,8 +117,6 @@ def rouge_l(reference: str, text: str) -> float:
     """rouge-score's rougeL F-measure (same tokens, same formula), its longest common subsequence computed by
     rapidfuzz's bit-parallel LCSseq over the token sequences: memory linear in the tokens, where rouge-score
     fills an n x m table of Python ints (3,000 tokens each: 6 s; 20,000 each: tens of GB)."""
-    from rapidfuzz.distance import LCSseq
-
     tokenize = _rouge_tokenize()
     target, prediction = tokenize(reference), tokenize(text)
     if not target or not prediction:

@@ -25,6 +25,8 @@ from sqlalchemy.exc import DisconnectionError
 from sqlalchemy.orm import DeclarativeBase, Session, sessionmaker
 from sqlalchemy.types import TypeDecorator
 
+from service.kit.config import get_settings
+
 NAMING_CONVENTION = {
     "ix": "ix_%(column_0_label)s",
     "uq": "uq_%(table_name)s_%(column_0_N_name)s",
@@ -141,8 +143,6 @@ def end_idle_transactions_after(seconds: float) -> None:
 
 
 def get_engine() -> Engine:
-    from service.kit.config import get_settings
-
     return _engine_for(get_settings().database_url, _idle_transaction_timeout_s)
 
 

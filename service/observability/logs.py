@@ -18,6 +18,8 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from datetime import UTC, datetime
 
+from celery.signals import after_setup_logger, after_setup_task_logger
+
 _job_id: ContextVar[str | None] = ContextVar("grpo_job_id", default=None)
 _attempt: ContextVar[int | None] = ContextVar("grpo_attempt", default=None)
 
@@ -95,8 +97,6 @@ def setup_logging(*, json_logs: bool, level: int | str = logging.INFO) -> None:
 
 def install_celery_logging(*, json_logs: bool) -> None:
     """Give the handlers Celery sets up (worker and task loggers) the job filter and JSON/text format."""
-    from celery.signals import after_setup_logger, after_setup_task_logger
-
     def configure(logger: logging.Logger, **_kwargs: object) -> None:
         for handler in logger.handlers:
             if json_logs:

@@ -24,6 +24,7 @@ from sqlalchemy import func, select
 from service.jobs.models import Job
 from service.jobs.states import JobStatus
 from service.kit.db import session_scope
+from service.webhooks.repository import count_pending_deliveries
 
 log = logging.getLogger(__name__)
 
@@ -76,8 +77,6 @@ class JobsCollector(Collector):
 
 
 def _counts() -> tuple[dict[str, int], dict[str, int], int]:
-    from service.webhooks.repository import count_pending_deliveries
-
     with session_scope() as session:
         rows = session.execute(select(Job.status, Job.queue, func.count()).group_by(Job.status, Job.queue)).all()
         outbox = count_pending_deliveries(session)

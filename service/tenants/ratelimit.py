@@ -201,6 +201,7 @@ class RedisBuckets:
     """
 
     def __init__(self, url: str) -> None:
+        # Only an API with a Redis imports the client: the embedded mode's (MemoryBuckets) never loads it.
         import redis.asyncio as aredis
 
         self._redis = aredis.Redis.from_url(url, socket_connect_timeout=1.0, socket_timeout=1.0)

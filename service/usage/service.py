@@ -36,7 +36,7 @@ from service.kit.config import get_settings
 from service.kit.db import utcnow
 from service.kit.errors import IllegalTransition, ValidationFailed
 from service.usage import repository
-from service.usage.budget import Exhausted, exhausted
+from service.usage.budget import Exhausted, exhausted, month_start
 from service.usage.models import UsageCalibration
 from service.usage.repository import Sums
 
@@ -126,8 +126,6 @@ def report(
     session: Session, tenant_id: str, *, start: datetime | None, end: datetime | None, group_by: GroupBy
 ) -> UsageReport:
     """The tenant's usage in [start, end) (default: this UTC month until now), by UTC day or by job."""
-    from service.usage.budget import month_start
-
     end = _utc(end) if end is not None else utcnow()
     start = _utc(start) if start is not None else month_start(end)
     if start >= end:

@@ -13,7 +13,7 @@ from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsW
 
 from contract.config import GRPOConfig
 from worker.grpo import rollout
-from worker.grpo.backends.fused import FusedPath, fast_decoder, static_decoder
+from worker.grpo.backends.fused import FusedPath, fast_decoder, ops, static_decoder
 from worker.grpo.concurrency import intra_op_threads
 from worker.grpo.logprobs import completion_logprobs
 
@@ -254,7 +254,7 @@ def test_rms_norm_matches_autograd_of_the_composite(shape: tuple[int, ...]) -> N
     grad = torch.randn(*shape, generator=gen)
     ours_x, ours_w = x.clone().requires_grad_(), weight.clone().requires_grad_()
     theirs_x, theirs_w = x.clone().requires_grad_(), weight.clone().requires_grad_()
-    ours = fast_decoder.rms_norm(ours_x, ours_w, 1e-6)
+    ours = ops.rms_norm(ours_x, ours_w, 1e-6)
     theirs = theirs_x * torch.rsqrt(theirs_x.pow(2).mean(-1, keepdim=True) + 1e-6) * theirs_w
     ours.backward(grad)
     theirs.backward(grad)
@@ -269,6 +269,6 @@ def test_rms_norm_without_the_fused_kernel_gives_the_same_values(monkeypatch: py
     """torch releases before the fused kernel take the composite forward."""
     x = torch.randn(4, 16, generator=torch.Generator().manual_seed(1)).requires_grad_()
     weight = torch.randn(16, generator=torch.Generator().manual_seed(2))
-    fused = fast_decoder.rms_norm(x, weight, 1e-6)
-    monkeypatch.setattr(fast_decoder, "_FUSED_RMS_NORM", False)
-    assert torch.allclose(fast_decoder.rms_norm(x, weight, 1e-6), fused, atol=1e-6)
+    fused = ops.rms_norm(x, weight, 1e-6)
+    monkeypatch.setattr(ops, "_FUSED_RMS_NORM", False)
+    assert torch.allclose(ops.rms_norm(x, weight, 1e-6), fused, atol=1e-6)

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from worker.grpo.model_paths import resolve_model_path
 from worker.grpo.pretrained import GGUFUnavailable, convert_local_gguf, gguf_file_of
-from worker.grpo.tiny import resolve_model_path
 
 HEADER = b"GGUF" + (3).to_bytes(4, "little") + bytes(16)
 

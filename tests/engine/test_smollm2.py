@@ -27,10 +27,10 @@ from worker.grpo.backends import FusedPath
 from worker.grpo.backends.fused import fast_decoder
 from worker.grpo.data import PromptRow
 from worker.grpo.logprobs import completion_logprobs
+from worker.grpo.model_paths import resolve_model_path
 from worker.grpo.pretrained import SMOLLM2_PRESET, build_smollm2
 from worker.grpo.rewards import CompositeReward, FunctionSource
 from worker.grpo.rollout import render_prompt, tokenize_prompts
-from worker.grpo.tiny import resolve_model_path
 from worker.grpo.trainer import GRPOTrainer
 
 from .trainer_helpers import small_config

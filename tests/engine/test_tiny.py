@@ -10,7 +10,8 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
-from worker.grpo.tiny import build_tiny_model, model_config, resolve_model_path
+from worker.grpo.model_paths import resolve_model_path
+from worker.grpo.tiny import build_tiny_model, model_config
 
 
 class TestPresets:

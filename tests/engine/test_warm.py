@@ -9,8 +9,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from worker.grpo.model_paths import resolve_model_path
 from worker.grpo.synthetic import TASKS, held_out_items, split, train_items
-from worker.grpo.tiny import resolve_model_path
 from worker.grpo.warm import DEFAULT_RECIPE, WarmRecipe, build_instruct_model, instruct_dir
 
 QUICK = WarmRecipe(steps=4, batch_size=8)

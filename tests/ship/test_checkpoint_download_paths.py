@@ -17,7 +17,8 @@ from urllib.parse import unquote
 
 import pytest
 
-from client.sdk import AsyncGRPOClient, GRPOClient, UnsafeCheckpointPath, checkpoint_file_targets
+from client.async_sdk import AsyncGRPOClient
+from client.sdk import GRPOClient, UnsafeCheckpointPath, checkpoint_file_targets
 
 CHECKPOINT = "ckpt_01JDX3V8Q4M2C6T9W1R5Y7Z0AB"
 CONTENT = b"weights"

@@ -1,7 +1,7 @@
 """The Python client covers every REST endpoint, and works against the real app.
 
 - Coverage is checked by introspection: every /v1 route of `create_app()` (method + path template) must be
-  reached by a `_calls` builder that the client class actually uses, or by a client method that talks to
+  reached by a `calls` builder that the client class actually uses, or by a client method that talks to
   `self._http` directly (upload, SSE stream, file/archive downloads, the plot PNG), found in its source.
 - The integration tests run `GRPOClient` against a real uvicorn server on a free port (SQLite migrated with
   Alembic, in-memory broker) and `AsyncGRPOClient` over httpx's ASGI transport.
@@ -26,7 +26,10 @@ from fastapi import FastAPI
 from fastapi.routing import APIRoute
 
 from cli.migrate import upgrade_head
-from client.sdk import APIError, AsyncGRPOClient, Call, GRPOClient, _calls, _SSEParser
+from client.async_sdk import AsyncGRPOClient
+from client.calls import Call, calls
+from client.http import SSEParser
+from client.sdk import APIError, GRPOClient
 from service.app import create_app
 from service.jobs.stream import format_error
 from service.kit import db as kit_db
@@ -66,8 +69,8 @@ def v1_routes(app: FastAPI) -> set[tuple[str, str]]:
 
 
 def _builder_calls(name: str) -> list[Call[Any]]:
-    """Build the Call(s) of one `_calls` builder with `{param}` placeholders for its arguments."""
-    builder = getattr(_calls, name)
+    """Build the Call(s) of one `calls` builder with `{param}` placeholders for its arguments."""
+    builder = getattr(calls, name)
     if name == "job_action":
         return [builder("{job_id}", action) for action in JOB_ACTIONS]
     params = inspect.signature(builder).parameters.values()
@@ -79,7 +82,7 @@ def _builder_calls(name: str) -> list[Call[Any]]:
     return [builder(*args)]
 
 
-BUILDERS = sorted(n for n, v in vars(_calls).items() if isinstance(v, staticmethod))
+BUILDERS = sorted(n for n, v in vars(calls).items() if isinstance(v, staticmethod))
 DIRECT_HTTP = re.compile(r"self\._http\.(get|post|put|patch|delete)\(\s*f?\"([^\"]+)\"")
 DIRECT_HTTP_METHOD = re.compile(r"self\._http\.(?:stream|request)\(\s*\"(\w+)\",\s*f?\"([^\"]+)\"")
 
@@ -87,7 +90,7 @@ DIRECT_HTTP_METHOD = re.compile(r"self\._http\.(?:stream|request)\(\s*\"(\w+)\",
 def covered_by(client_class: type) -> set[tuple[str, str]]:
     """Routes a client class reaches: builders its methods call, plus its direct `self._http` requests."""
     source = inspect.getsource(client_class)
-    used_builders = set(re.findall(r"_calls\.(\w+)\(", source))
+    used_builders = set(re.findall(r"\bcalls\.(\w+)\(", source))
     assert used_builders <= set(BUILDERS), used_builders - set(BUILDERS)
     routes = {(c.method, _template(c.path)) for name in used_builders for c in _builder_calls(name)}
     routes |= {(verb.upper(), _template(path)) for verb, path in DIRECT_HTTP.findall(source)}
@@ -111,7 +114,7 @@ class TestRouteCoverage:
         for name in BUILDERS:
             for call in _builder_calls(name):
                 assert (call.method, _template(call.path)) in routes, (
-                    f"_calls.{name}: {call.method} {call.path}"
+                    f"calls.{name}: {call.method} {call.path}"
                 )
 
     @pytest.mark.parametrize("client_class", [GRPOClient, AsyncGRPOClient])
@@ -123,10 +126,10 @@ class TestRouteCoverage:
         for name in BUILDERS:
             for call in _builder_calls(name):
                 if call.method == "GET":
-                    assert call.idempotent, f"_calls.{name} is a GET but not retried"
-        create = _calls.create_job({"base_model": "builtin:tiny"})
+                    assert call.idempotent, f"calls.{name} is a GET but not retried"
+        create = calls.create_job({"base_model": "builtin:tiny"})
         assert create.idempotent and create.headers["Idempotency-Key"]
-        assert _calls.create_job({}).headers["Idempotency-Key"] != create.headers["Idempotency-Key"]
+        assert calls.create_job({}).headers["Idempotency-Key"] != create.headers["Idempotency-Key"]
 
 
 # --- integration --------------------------------------------------------------------------------------
@@ -287,7 +290,7 @@ async def test_async_client_over_asgi(configured: str, tmp_path: Path) -> None:
 def test_the_stream_error_message_raises_api_error() -> None:
     """The message the server ends a job stream with when its key is revoked (service.jobs.stream) becomes the
     APIError a refused request would raise, not a parse failure."""
-    parser = _SSEParser()
+    parser = SSEParser()
     with pytest.raises(APIError) as err:
         for line in format_error(Unauthenticated("invalid API key")).decode().split("\n"):
             parser.feed(line)

@@ -35,7 +35,7 @@ GRADER = {
 @pytest.fixture(scope="session")
 def instruct_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """builtin:tiny-instruct, built once into pytest's cache (named by its recipe hash, so never stale)."""
-    from worker.grpo.tiny import resolve_model_path
+    from worker.grpo.model_paths import resolve_model_path
 
     store = getattr(request.config, "cache", None)
     cache = store.mkdir("grpo-models") if store is not None else tmp_path_factory.mktemp("models")

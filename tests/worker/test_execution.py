@@ -72,7 +72,7 @@ class TestEndToEnd:
         from peft import PeftModel
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        from worker.grpo.tiny import resolve_model_path
+        from worker.grpo.model_paths import resolve_model_path
 
         dataset = api.upload_dataset(PROMPTS)
         job_id = api.submit(tiny_spec(dataset, max_steps=2, checkpoint_every=2, lora={"r": 4, "alpha": 8}))

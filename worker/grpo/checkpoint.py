@@ -232,6 +232,8 @@ def save_checkpoint(
 
 
 def _is_peft(model: Any) -> bool:
+    # peft imports transformers (seconds): grpo train and the worker import this module for its file helpers
+    # (latest_checkpoint, verify_manifest, CheckpointCorrupt) before any model, so only a save pays for it.
     from peft import PeftModel
 
     return isinstance(model, PeftModel)
@@ -242,7 +244,7 @@ def save_merged(model: Any, directory: Path) -> None:
     """Save a peft LoRA model as the plain transformers model it computes: each adapted weight
     becomes W + (its active adapters' deltas). `model` itself is left untouched (merging in place
     and back would round the base weights)."""
-    from peft.tuners.lora import LoraLayer
+    from peft.tuners.lora import LoraLayer  # only a LoRA save pays for peft (see _is_peft)
 
     inner = model.get_base_model()
     # Every LoRA layer type (linear, embedding, ...) gives its delta in its base weight's shape.

@@ -29,6 +29,9 @@ Every rank runs the same GRPOTrainer loop in lockstep. What differs from one pro
 
 A collective that waits longer than the process group's timeout raises on the ranks still alive: a
 dead or hung rank ends the attempt in bounded time (the launcher then stops the others).
+
+The sharded copy of `fsdp` and its state dicts' names are in worker.grpo.sharded; the global batch for the
+metrics in worker.grpo.global_batch.
 """
 
 from __future__ import annotations
@@ -46,15 +49,20 @@ from typing import Any, Literal, TypeVar
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.nn import functional as F
 
-from worker.grpo.batch import Scored, StepBatch
-from worker.grpo.data import PromptRow
+from worker.grpo.batch import StepBatch
+from worker.grpo.global_batch import gather_batch
 from worker.grpo.logprobs import completion_logprobs
 from worker.grpo.loss import STEP_TOKEN_LOSSES
-from worker.grpo.modeling import ModelBundle, merge_groups
-from worker.grpo.module_options import decoder_layers
-from worker.grpo.rollout import Rollout
+from worker.grpo.modeling import ModelBundle
+from worker.grpo.sharded import (
+    ShardedPolicy,
+    keyed_by_name,
+    keyed_by_position,
+    policy_name,
+    renamed,
+    sharded_name,
+)
 from worker.grpo.wire import all_gather_values, broadcast_value
 
 T = TypeVar("T")
@@ -251,7 +259,8 @@ class Parallel:
             )
             return f"ddp over {world}: {how}"
         if self.mode == "fsdp":
-            from torch.distributed.fsdp import FSDPModule  # only where fsdp runs, as in ShardedPolicy
+            # FSDP2 is slow to import: only where fsdp runs (as ShardedPolicy).
+            from torch.distributed.fsdp import FSDPModule
 
             units = sum(isinstance(module, FSDPModule) for module in self.train_model.modules())
             return f"fsdp over {world}: {units} FSDP unit{'s' if units != 1 else ''}"
@@ -303,7 +312,7 @@ class Parallel:
         full = dict(self.models.policy.named_parameters())
         for name, shard in self.train_model.named_parameters():
             if shard.requires_grad:
-                full[_policy_name(name)].copy_(shard.full_tensor())
+                full[policy_name(name)].copy_(shard.full_tensor())
 
     # --- agreement -----------------------------------------------------------------------------
 
@@ -338,7 +347,7 @@ class Parallel:
         futures or log-probs: only what the metrics read."""
         if not self.ranks.distributed:
             return batch
-        return _concat([_batch_from_plain(part) for part in all_gather_values(_plain_batch(batch))])
+        return gather_batch(batch)
 
     # --- checkpoints ---------------------------------------------------------------------------
 
@@ -356,6 +365,7 @@ class Parallel:
             return self.models.optimizer.state_dict()
         if self.shards_on_disk:
             return None
+        # torch.distributed.checkpoint is slow to import: only fsdp jobs import it, where they need it.
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
         full = get_optimizer_state_dict(
@@ -364,19 +374,20 @@ class Parallel:
         if not self.ranks.is_main:
             return None
         # Keyed by position like a one-process optimizer.state_dict(), so any run reads it back.
-        return _keyed_by_position(_renamed(full, _policy_name), self.models.policy)
+        return keyed_by_position(renamed(full, policy_name), self.models.policy)
 
     def save_sharded(self, directory: Path) -> Path | None:
         """fsdp on one node: every rank writes its shards of model and optimiser under `directory`;
         None otherwise."""
         if not self.shards_on_disk:
             return None
+        # Slow to import: only jobs that write sharded checkpoints import it (as in optimizer_state).
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         model_state, optim_state = get_state_dict(self.train_model, self.models.optimizer)
         # Saved under the policy's own names, so that a plain (unsharded) model loads them too.
-        state = {"model": _renamed(model_state, _policy_name), "optim": _renamed(optim_state, _policy_name)}
+        state = {"model": renamed(model_state, policy_name), "optim": renamed(optim_state, policy_name)}
         dcp.save(state, checkpoint_id=str(directory))
         dist.barrier()  # every shard is written before rank 0 moves the directory into the checkpoint
         return directory
@@ -389,9 +400,10 @@ class Parallel:
         elif state is None:
             raise ValueError(f"checkpoint {checkpoint} holds no optimiser state")
         elif self.mode == "fsdp":  # a whole-model state keyed by position: re-key by name, then shard
+            # Slow to import: only fsdp jobs import it (as in optimizer_state).
             from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
-            by_name = _renamed(_keyed_by_name(state, self.models.policy), _sharded_name)
+            by_name = renamed(keyed_by_name(state, self.models.policy), sharded_name)
             set_optimizer_state_dict(
                 self.train_model, self.models.optimizer, by_name, options=StateDictOptions(full_state_dict=True)
             )
@@ -399,16 +411,17 @@ class Parallel:
             self.models.optimizer.load_state_dict(state)
 
     def _load_sharded(self, directory: Path) -> None:
+        # Slow to import: only a resume from a sharded checkpoint imports it (as in optimizer_state).
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
         model_state, optim_state = get_state_dict(self.train_model, self.models.optimizer)
-        target = {"model": _renamed(model_state, _policy_name), "optim": _renamed(optim_state, _policy_name)}
+        target = {"model": renamed(model_state, policy_name), "optim": renamed(optim_state, policy_name)}
         dcp.load(target, checkpoint_id=str(directory))  # in place, resharded to this run's ranks
-        rename = _sharded_name if self.mode == "fsdp" else _policy_name
+        rename = sharded_name if self.mode == "fsdp" else policy_name
         set_state_dict(
             self.train_model, self.models.optimizer,
-            model_state_dict=_renamed(target["model"], rename), optim_state_dict=_renamed(target["optim"], rename),
+            model_state_dict=renamed(target["model"], rename), optim_state_dict=renamed(target["optim"], rename),
         )
         if self.mode == "fsdp":
             self.after_update()
@@ -432,77 +445,6 @@ def merge_rank_stats(parts: list[tuple[dict[str, float], float]]) -> dict[str, f
         else:
             merged[key] = sum(values) / len(values)
     return merged
-
-
-# --- FSDP2 -------------------------------------------------------------------------------------
-
-
-class ShardedPolicy(torch.nn.Module):
-    """The training copy of the policy sharded with FSDP2. The policy sits inside unchanged (its class
-    is what selects the engine's fast path); `completion_logprobs` runs like a forward of the root unit
-    and reduce-scatters the gradients in the backward pass. `per_layer` (the module forward): every
-    decoder layer is a unit of its own, gathered only while it runs; else (the fused path, which reads
-    every layer's weights in one function) the whole policy is one unit."""
-
-    def __init__(self, policy: Any, *, per_layer: bool) -> None:
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
-
-        super().__init__()
-        self.policy = policy
-        device = next(policy.parameters()).device
-        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-        if per_layer:
-            for layer in decoder_layers(policy):
-                fully_shard(layer, mesh=mesh)
-        fully_shard(self, mesh=mesh)
-        register_fsdp_forward_method(self, "completion_logprobs")
-
-    def completion_logprobs(self, *args: Any, **kwargs: Any) -> tuple[Tensor, Tensor | None]:
-        logps, entropy = completion_logprobs(self.policy, *args, **kwargs)
-        # Fresh tensors, not views: FSDP's backward hooks sit on the outputs (an in-place op on a view drops them).
-        return logps.clone(), None if entropy is None else entropy.clone()
-
-
-_PREFIX = "policy."
-
-
-def _policy_name(name: str) -> str:
-    """A ShardedPolicy parameter's name in the policy itself."""
-    return name.removeprefix(_PREFIX)
-
-
-def _sharded_name(name: str) -> str:
-    return _PREFIX + name
-
-
-def _renamed(state: dict[str, Any], rename: Callable[[str], str]) -> dict[str, Any]:
-    """A model state dict, or an optimiser state dict keyed by name (get_state_dict's forms), renamed."""
-    if "param_groups" in state:
-        return {
-            "state": {rename(k): v for k, v in state["state"].items()},
-            "param_groups": [{**g, "params": [rename(p) for p in g["params"]]} for g in state["param_groups"]],
-        }
-    return {rename(k): v for k, v in state.items()}
-
-
-def _keyed_by_name(state: dict[str, Any], model: Any) -> dict[str, Any]:
-    """An optimizer.state_dict() over `model`'s trainable parameters, keyed by parameter name."""
-    names = [name for name, p in model.named_parameters() if p.requires_grad]
-    return {
-        "state": {names[index]: value for index, value in state["state"].items()},
-        "param_groups": [{**group, "params": [names[i] for i in group["params"]]} for group in state["param_groups"]],
-    }
-
-
-def _keyed_by_position(state: dict[str, Any], model: Any) -> dict[str, Any]:
-    """The inverse of `_keyed_by_name`: an optimiser state keyed by parameter name, keyed by position."""
-    names = [name for name, p in model.named_parameters() if p.requires_grad]
-    positions = {name: index for index, name in enumerate(names)}
-    return {
-        "state": {positions[name]: value for name, value in state["state"].items()},
-        "param_groups": [{**group, "params": [positions[n] for n in group["params"]]} for group in state["param_groups"]],
-    }
 
 
 # --- DDP ---------------------------------------------------------------------------------------
@@ -547,65 +489,3 @@ def _average_gradients(params: list[torch.nn.Parameter], world_size: int) -> Non
             for t in bucket:
                 t.copy_(flat[offset : offset + t.numel()].view_as(t))
                 offset += t.numel()
-
-
-# --- the global batch, for metrics ---------------------------------------------------------------
-
-
-def _plain_batch(batch: StepBatch) -> dict[str, Any]:
-    """What the metrics read of `batch`, as tensors and plain containers (worker.grpo.wire), on the CPU."""
-    return {
-        "scored": _plain_scored(batch.scored), "advantages": batch.advantages.cpu(),
-        "loss_mask": batch.loss_mask.cpu(), "generated": [_plain_scored(s) for s in batch.generated],
-    }
-
-
-def _plain_scored(scored: Scored) -> dict[str, Any]:
-    rollout = scored.rollout
-    return {
-        "prompt_ids": rollout.prompt_ids.cpu(), "prompt_mask": rollout.prompt_mask.cpu(),
-        "completion_ids": rollout.completion_ids.cpu(), "completion_mask": rollout.completion_mask.cpu(),
-        "is_truncated": rollout.is_truncated.cpu(), "completion_texts": list(rollout.completion_texts),
-        "group_size": rollout.group_size,
-        "rows": [{"prompt": row.prompt, "extras": row.extras} for row in scored.rows],
-        "prompts": list(scored.prompts), "rewards": scored.rewards.cpu(), "per_source": dict(scored.per_source),
-        "group_std": scored.group_std.cpu(),
-    }
-
-
-def _batch_from_plain(plain: dict[str, Any]) -> StepBatch:
-    return StepBatch(
-        _scored_from_plain(plain["scored"]), plain["advantages"], plain["loss_mask"], None, None,
-        [_scored_from_plain(s) for s in plain["generated"]],
-    )
-
-
-def _scored_from_plain(plain: dict[str, Any]) -> Scored:
-    rollout = Rollout(
-        plain["prompt_ids"], plain["prompt_mask"], plain["completion_ids"], plain["completion_mask"],
-        plain["is_truncated"], plain["completion_texts"], plain["group_size"],
-    )
-    rows = [PromptRow(prompt=row["prompt"], extras=row["extras"]) for row in plain["rows"]]
-    return Scored(rollout, rows, plain["prompts"], plain["rewards"], plain["per_source"], plain["group_std"])
-
-
-def _concat(parts: list[StepBatch]) -> StepBatch:
-    pad_id = 0  # completion padding is masked everywhere the metrics look
-    rollout = merge_groups([(p.scored.rollout, g) for p in parts for g in range(len(p.scored.rows))], pad_id)
-    width = max(p.loss_mask.shape[1] for p in parts)
-    scored = Scored(
-        rollout,
-        [row for p in parts for row in p.scored.rows],
-        [prompt for p in parts for prompt in p.scored.prompts],
-        torch.cat([p.scored.rewards for p in parts]),
-        {name: [v for p in parts for v in p.scored.per_source[name]] for name in parts[0].scored.per_source},
-        torch.cat([p.scored.group_std for p in parts]),
-    )
-    return StepBatch(
-        scored,
-        torch.cat([p.advantages for p in parts]),
-        torch.cat([F.pad(p.loss_mask, (0, width - p.loss_mask.shape[1])) for p in parts]),
-        None,
-        None,
-        [s for p in parts for s in p.generated],
-    )

@@ -36,7 +36,10 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 from types import FrameType
+
+import psutil
 
 POLL_S = 0.2
 STOP_GRACE_S = 10.0
@@ -90,8 +93,6 @@ def launch_command(
 
 def interface_of(address: str) -> str:
     """The name of the network interface that holds `address` (gloo and NCCL bind to an interface)."""
-    import psutil
-
     wanted = ipaddress.ip_address(address)
     for name, entries in psutil.net_if_addrs().items():
         for entry in entries:
@@ -161,8 +162,8 @@ class Launcher:
         """Node 0 serves the job's store on its address only; the others reach it there."""
         if self.world.node_rank != 0:
             return None, self.world.store_port
-        from datetime import timedelta
-
+        # torch only here, on node 0, for the store: the launcher and the worker that builds its command
+        # (launch_command) import no torch otherwise.
         import torch.distributed as dist
 
         sock = listening_socket(self.world.address, self.world.store_port)

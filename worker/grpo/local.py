@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -44,6 +45,7 @@ from contract.reward_types import RewardError
 from contract.spec import JobSpec
 from worker.grpo.checkpoint import CheckpointCorrupt, latest_checkpoint
 from worker.grpo.data import DatasetError, PromptRow, load_jsonl
+from worker.grpo.launch import launch_command
 
 if TYPE_CHECKING:
     from worker.grpo.distributed import Ranks
@@ -148,6 +150,8 @@ class _StopFlag:
 
 def run_local(config_path: Path, output_dir: Path | None) -> int:
     """Train the job described by `config_path`; returns the process exit code."""
+    # worker.grpo.distributed imports transformers (seconds): bad input fails first, and the parent of a
+    # multi-device run launches its ranks without it.
     from worker.grpo.distributed import Ranks
 
     in_launched_rank = "WORLD_SIZE" in os.environ
@@ -166,7 +170,7 @@ def run_local(config_path: Path, output_dir: Path | None) -> int:
         return _launch_ranks(config_path, job.output_dir, devices)
     ranks = Ranks()
     if in_launched_rank:
-        from worker.grpo.distributed import init_from_env
+        from worker.grpo.distributed import init_from_env  # imported here, as Ranks above
 
         ranks = init_from_env()
     try:
@@ -179,17 +183,13 @@ def run_local(config_path: Path, output_dir: Path | None) -> int:
         return EXIT_FAILED
     finally:
         if in_launched_rank:
-            from worker.grpo.distributed import shutdown
+            from worker.grpo.distributed import shutdown  # imported here, as Ranks above
 
             shutdown()
 
 
 def _launch_ranks(config_path: Path, output_dir: Path, devices: int) -> int:
     """Run this module as `devices` ranks; rank 0's exit code (the launcher's) is the command's."""
-    import secrets
-
-    from worker.grpo.launch import launch_command
-
     command = launch_command(
         "worker.grpo.local", [str(config_path), str(output_dir)], nproc_per_node=devices,
         run_id=secrets.token_hex(16),

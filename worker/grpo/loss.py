@@ -198,6 +198,48 @@ def grpo_loss(
     (the entropy the bonus acts on, for the adaptive controller; sums, not means).
     """
     s = settings
+    _check_inputs(logps, ref_logps, advantages, mask, s, entropies)
+    mask = mask.to(logps.dtype)  # (B, C)
+    if old_logps is None:
+        old_logps = logps.detach()
+
+    keep = mask.bool()  # (B, C)
+    # Masked positions are zeroed before exp (not only after): a stray huge value in a padded slot
+    # would otherwise give inf there and NaN gradients through the where below.
+    log_ratio = torch.where(keep, logps - old_logps, torch.zeros_like(logps))  # (B, C)
+    ratio = _importance_ratio(log_ratio, mask, s.importance_sampling_level)  # (B, C), or (B, 1) by sequence
+    adv = advantages.to(logps.dtype).unsqueeze(1)  # (B, 1): the sequence's advantage on every token
+    kl_weight = ratio  # the bias correction's factor: the ratio before delta's cap (as TRL)
+
+    policy, stats = _policy_term(ratio, log_ratio, adv, logps, mask, s)
+    policy, bonus_mask, mask_stats = _masked_policy_term(policy, adv, logps, old_logps, mask, entropies, s)
+    stats.update(mask_stats)
+    if is_weights is not None:
+        policy = policy * is_weights  # the sampler's distribution, corrected towards pi_old (as TRL)
+    per_token = policy.expand_as(logps)  # (B, C): a sequence-level term is the same on each token
+
+    kl = _kl_term(logps, ref_logps, keep, kl_weight, s)
+    if kl is not None and s.beta > 0:
+        per_token = per_token + s.beta * kl  # added per token, before aggregation (as TRL)
+    stats["kl"] = 0.0 if kl is None else _masked_mean(kl.detach(), mask)
+
+    loss = _aggregate(per_token, mask, s, step_tokens, num_mini_batches)
+    if s.entropy_bonus:
+        assert entropies is not None  # checked above
+        loss, bonus_stats = _with_entropy_bonus(loss, entropies, bonus_mask, entropy_coef, num_mini_batches)
+        stats.update(bonus_stats)
+    return loss, stats
+
+
+def _check_inputs(
+    logps: Tensor,
+    ref_logps: Tensor | None,
+    advantages: Tensor,
+    mask: Tensor,
+    s: LossSettings,
+    entropies: Tensor | None,
+) -> None:
+    """Raise ValueError for shapes or settings grpo_loss cannot compute with."""
     if logps.shape != mask.shape or advantages.shape != logps.shape[:1]:
         raise ValueError(
             f"shape mismatch: logps {tuple(logps.shape)}, mask {tuple(mask.shape)}, "
@@ -209,24 +251,21 @@ def grpo_loss(
         raise ValueError("beta > 0 needs ref_logps")
     if s.needs_entropy and entropies is None:
         raise ValueError("top_entropy_quantile < 1 and the entropy bonus need the per-token entropies")
-    mask = mask.to(logps.dtype)  # (B, C)
-    if old_logps is None:
-        old_logps = logps.detach()
 
-    keep = mask.bool()  # (B, C)
-    # Masked positions are zeroed before exp (not only after): a stray huge value in a padded slot
-    # would otherwise give inf there and NaN gradients through the where below.
-    log_ratio = torch.where(keep, logps - old_logps, torch.zeros_like(logps))  # (B, C)
-    if s.importance_sampling_level == "sequence":
-        log_weight = log_ratio.sum(dim=1, keepdim=True) / mask.sum(dim=1, keepdim=True).clamp(min=1.0)  # (B, 1)
-    else:
-        log_weight = log_ratio  # (B, C)
-    ratio = torch.exp(log_weight)  # (B, C), or (B, 1) at sequence level
-    adv = advantages.to(logps.dtype).unsqueeze(1)  # (B, 1): the sequence's advantage on every token
-    kl_weight = ratio  # the bias correction's factor: the ratio before delta's cap (as TRL)
+
+def _importance_ratio(log_ratio: Tensor, mask: Tensor, level: ImportanceSamplingLevel) -> Tensor:
+    """r = pi / pi_old from the masked (B, C) log-ratio: per token, or GSPO's one per sequence, (B, 1)."""
+    if level == "sequence":
+        return torch.exp(log_ratio.sum(dim=1, keepdim=True) / mask.sum(dim=1, keepdim=True).clamp(min=1.0))
+    return torch.exp(log_ratio)
+
+
+def _policy_term(
+    ratio: Tensor, log_ratio: Tensor, adv: Tensor, logps: Tensor, mask: Tensor, s: LossSettings
+) -> tuple[Tensor, dict[str, float]]:
+    """The per-token (or per-sequence) policy term of `s.loss_type` (the table of the module docstring),
+    with its statistics: the clip ratios, cispo's and vespo's, and ratio_mean (after delta's cap)."""
     stats: dict[str, float] = {}
-
-    # --- per-token policy term ---------------------------------------------------------------------
     if s.loss_type in CLIPPED_LOSSES:
         clipped = torch.clamp(ratio, 1 - s.epsilon, 1 + s.epsilon_high)
         if s.delta is not None:
@@ -252,8 +291,21 @@ def grpo_loss(
         policy = -phi * adv * logps
         stats["vespo/phi_seq_mean"] = float(phi.mean())
     stats["ratio_mean"] = _ratio_mean(ratio.detach(), mask)
+    return policy, stats
 
-    # --- masks on the policy term (not on the KL, not on the normaliser) ---------------------------
+
+def _masked_policy_term(
+    policy: Tensor,
+    adv: Tensor,
+    logps: Tensor,
+    old_logps: Tensor,
+    mask: Tensor,
+    entropies: Tensor | None,
+    s: LossSettings,
+) -> tuple[Tensor, Tensor, dict[str, float]]:
+    """The policy term under the off-policy sequence mask and the high-entropy token mask (not the KL, not the
+    normaliser), the mask of the tokens the entropy bonus acts on, and the masks' statistics."""
+    stats: dict[str, float] = {}
     if s.off_policy_mask_threshold is not None:
         sequence_keep = off_policy_mask(adv, logps, old_logps, mask, s.off_policy_mask_threshold)  # (B, 1)
         policy = policy * sequence_keep
@@ -264,31 +316,34 @@ def grpo_loss(
         policy = policy * token_keep
         bonus_mask = mask * token_keep
         stats["entropy_mask/kept_fraction"] = float(token_keep.sum() / mask.sum().clamp(min=1.0))
-    if is_weights is not None:
-        policy = policy * is_weights  # the sampler's distribution, corrected towards pi_old (as TRL)
-    per_token = policy.expand_as(logps)  # (B, C): a sequence-level term is the same on each token
+    return policy, bonus_mask, stats
 
-    kl: Tensor | None = None
-    if ref_logps is not None:
-        kl = k3_kl(logps, torch.where(keep, ref_logps, logps.detach()))  # (B, C), 0 where masked
-        if s.use_bias_correction_kl:
-            kl = kl * kl_weight  # (B, C); a sequence-level (B, 1) ratio on each of its tokens
-        if s.beta > 0:
-            per_token = per_token + s.beta * kl  # added per token, before aggregation (as TRL)
-    stats["kl"] = 0.0 if kl is None else _masked_mean(kl.detach(), mask)
 
-    loss = _aggregate(per_token, mask, s, step_tokens, num_mini_batches)
+def _kl_term(
+    logps: Tensor, ref_logps: Tensor | None, keep: Tensor, kl_weight: Tensor, s: LossSettings
+) -> Tensor | None:
+    """(B, C) k3 KL to the reference, 0 where masked, times the ratio with the bias correction; None without
+    a reference."""
+    if ref_logps is None:
+        return None
+    kl = k3_kl(logps, torch.where(keep, ref_logps, logps.detach()))  # (B, C), 0 where masked
+    if s.use_bias_correction_kl:
+        kl = kl * kl_weight  # (B, C); a sequence-level (B, 1) ratio on each of its tokens
+    return kl
 
-    # --- entropy bonus ----------------------------------------------------------------------------
-    if s.entropy_bonus:
-        assert entropies is not None  # checked above
-        # x num_mini_batches: the trainer averages stats over mini-batches, and the step's loss is their sum.
-        stats["policy_loss"] = float(loss.detach()) * num_mini_batches
-        bonus_entropy = torch.where(bonus_mask.bool(), entropies, torch.zeros_like(entropies))  # (B, C)
-        mean_entropy = bonus_entropy.sum() / bonus_mask.sum().clamp(min=1.0)
-        loss = loss - entropy_coef * mean_entropy / num_mini_batches
-        stats["entropy/bonus_sum"] = float(bonus_entropy.detach().sum())
-        stats["entropy/bonus_tokens"] = float(bonus_mask.sum())
+
+def _with_entropy_bonus(
+    loss: Tensor, entropies: Tensor, bonus_mask: Tensor, entropy_coef: float, num_mini_batches: int
+) -> tuple[Tensor, dict[str, float]]:
+    """`loss` less the entropy bonus (coef x the mean entropy over `bonus_mask`), and its statistics."""
+    stats: dict[str, float] = {}
+    # x num_mini_batches: the trainer averages stats over mini-batches, and the step's loss is their sum.
+    stats["policy_loss"] = float(loss.detach()) * num_mini_batches
+    bonus_entropy = torch.where(bonus_mask.bool(), entropies, torch.zeros_like(entropies))  # (B, C)
+    mean_entropy = bonus_entropy.sum() / bonus_mask.sum().clamp(min=1.0)
+    loss = loss - entropy_coef * mean_entropy / num_mini_batches
+    stats["entropy/bonus_sum"] = float(bonus_entropy.detach().sum())
+    stats["entropy/bonus_tokens"] = float(bonus_mask.sum())
     return loss, stats
 
 

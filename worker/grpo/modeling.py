@@ -18,15 +18,16 @@ from typing import Any
 
 import numpy as np
 import torch
+from peft import LoraConfig, PeftModel, get_peft_model
 from torch import Tensor
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from contract.config import GRPOConfig
 from worker.grpo.fastpath import FastPath
 from worker.grpo.logprobs import completion_logprobs
+from worker.grpo.model_paths import resolve_model_path
 from worker.grpo.module_options import apply_module_options
 from worker.grpo.rollout import Rollout, completion_mask_after_eos, tokenize_prompts
-from worker.grpo.tiny import resolve_model_path
 
 _DTYPES: dict[str, torch.dtype | str] = {
     "float32": torch.float32,
@@ -146,8 +147,6 @@ def _load_policy(base_path: str, config: GRPOConfig, resume_dir: Path | None) ->
     if config.lora is None:
         model = _load_causal_lm(resume_dir or base_path, config)
     else:
-        from peft import LoraConfig, PeftModel, get_peft_model
-
         base = _load_causal_lm(base_path, config)
         if resume_dir is not None:
             model = PeftModel.from_pretrained(base, resume_dir, is_trainable=True)

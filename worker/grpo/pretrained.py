@@ -64,7 +64,7 @@ def gguf_file_of(path: Path) -> Path | None:
 
 def require_gguf() -> None:
     try:
-        import gguf  # noqa: F401  (transformers' GGUF reader)
+        import gguf  # noqa: F401  (optional: transformers' GGUF reader, installed where GGUF files are read)
     except ImportError as exc:
         raise GGUFUnavailable("GGUF needs the gguf package on the worker") from exc
 

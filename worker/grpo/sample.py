@@ -7,12 +7,11 @@ from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers.utils import logging as hf_logging
 
 
 def answer_questions(model_path: str | Path, questions: list[str], *, max_new_tokens: int = 8) -> list[str]:
     """Greedy answers to single-turn chat questions (rendered with the model's chat template), one load."""
-    from transformers.utils import logging as hf_logging
-
     hf_logging.disable_progress_bar()  # no loading bar between the caller's lines
     tokenizer = AutoTokenizer.from_pretrained(str(model_path))
     model = AutoModelForCausalLM.from_pretrained(str(model_path))

@@ -32,6 +32,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from peft.tuners.lora import LoraLayer
+from safetensors.torch import save_file
 from torch import Tensor
 
 from contract.config import GRPOConfig
@@ -83,8 +85,6 @@ class VLLMRollout:
 
     def _write_weights(self, model_dir: Path) -> None:
         """The policy's current weights (adapters merged) as a Hugging Face folder vLLM can load."""
-        from safetensors.torch import save_file
-
         model_dir.mkdir(parents=True, exist_ok=True)
         base = _base_model(self.models)
         weights = policy_weights(self.models)
@@ -99,6 +99,7 @@ class VLLMRollout:
     def _build(self, model_dir: Path) -> Any:
         # In-process engine: no engine-core process to start, feed or clean up after a kill -9.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        # vLLM is optional (the vllm extras), slow to import and patches torch: use_vllm jobs only import it.
         from vllm import LLM
 
         config = self.config
@@ -156,6 +157,7 @@ class VLLMRollout:
     ) -> Rollout:
         """G = num_generations samples of each rendered prompt, laid out as the native rollout's.
         `side` is not used: the engine schedules its own threads."""
+        # vLLM: optional, imported by use_vllm jobs only (see _build).
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -242,8 +244,6 @@ def policy_weights(models: ModelBundle) -> dict[str, Tensor]:
     them separate): W + scale x B A for every adapted linear layer."""
     if not models.is_lora:
         return {name: tensor.detach() for name, tensor in models.policy.state_dict().items()}
-    from peft.tuners.lora import LoraLayer
-
     base = models.policy.get_base_model()
     adapter = models.policy.active_adapter
     weights = {

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from worker.grpo.backends.fused.fast_decoder import head_rms_norm, llama_rms_norm, rotate_pairs
+from worker.grpo.backends.fused.ops import head_rms_norm, llama_rms_norm, rotate_pairs
 
 
 class DecodeState(NamedTuple):

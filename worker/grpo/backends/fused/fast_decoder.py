@@ -1,6 +1,7 @@
 """A lean functional forward of Llama-family decoders for the hot paths of a GRPO step: the weights
 gathered once (`DecoderFunctional`) and the full-sequence forward the log-probs and the training
-step run. Incremental decoding for the sampling loop builds on it in `worker.grpo.backends.fused.static_decoder`.
+step run. Incremental decoding for the sampling loop builds on it in `worker.grpo.backends.fused.static_decoder`;
+the tensor operations that need no model (RMSNorm, RoPE, the causal mask) are `worker.grpo.backends.fused.ops`.
 
 Why: on small models `transformers`' module-per-op forward (and `generate()`'s per-token
 machinery: DynamicCache concatenation, logits processors, stopping criteria) costs far more than
@@ -23,29 +24,37 @@ to float rounding at every real (unmasked) position; padded positions attend to 
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
+from peft import PeftModel, PeftType
+from peft.tuners.lora import Linear as LoraLinear
+from peft.tuners.tuners_utils import BaseTunerLayer
+from peft.utils.other import AuxiliaryTrainingWrapper
 from torch import Tensor, nn
+from transformers import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
+
+from worker.grpo.backends.fused.ops import (
+    Rotary,
+    causal_padding_mask,
+    head_rms_norm,
+    llama_rms_norm,
+    pair_ordered,
+    rms_norm,
+)
 
 # Activation functions the fused MLP implements (config.hidden_act -> function).
 _ACTIVATIONS = {"silu": F.silu}
-
-
-def _family() -> tuple[type, ...]:
-    """The causal LM classes whose forward this module reproduces (same layer layout)."""
-    from transformers import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
-
-    return (LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, MistralForCausalLM)
+# The causal LM classes whose forward this module reproduces (same layer layout).
+_FAMILY: tuple[type, ...] = (LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, MistralForCausalLM)
 
 
 def supports(model: Any, max_length: int) -> bool:
     """True when this module reproduces `model` exactly on sequences of up to `max_length` tokens."""
     base = _unwrap(model)
-    if base is None or type(base) not in _family():  # subclasses and other wrappers: generic path
+    if base is None or type(base) not in _FAMILY:  # subclasses and other wrappers: generic path
         return False
     config = base.config
     if getattr(config, "pretraining_tp", 1) != 1 or config.hidden_act not in _ACTIVATIONS:
@@ -65,8 +74,6 @@ def supports(model: Any, max_length: int) -> bool:
 
 def _unwrap(model: Any) -> Any | None:
     """The transformers model inside a peft LoRA wrapper (or `model` itself); None for other peft methods."""
-    from peft import PeftModel, PeftType
-
     if not isinstance(model, PeftModel):
         return model
     if any(config.peft_type != PeftType.LORA for config in model.peft_config.values()):
@@ -94,10 +101,6 @@ def _plain_modules(base: Any) -> bool:
     projection (1,000+ for a 24-layer one), and transformers' `is_gradient_checkpointing` property would
     make a second pass. The flag is read from each module's own attributes, where
     `gradient_checkpointing_enable()` sets it (a class default is False)."""
-    from peft.tuners.lora import Linear as LoraLinear
-    from peft.tuners.tuners_utils import BaseTunerLayer
-    from peft.utils.other import AuxiliaryTrainingWrapper
-
     projections = {id(module) for module in _projections(base)}
     for module in base.modules():
         if vars(module).get("gradient_checkpointing"):
@@ -129,8 +132,6 @@ class _Adapter:
 
 
 def _adapter(module: Any) -> _Adapter | None:
-    from peft.tuners.lora import Linear as LoraLinear
-
     if type(module) is not LoraLinear or module.disable_adapters:
         return None
     active = [name for name in module.active_adapters if name in module.lora_A]
@@ -148,7 +149,7 @@ class FusedLinear:
     """Several projections of the same input as one matmul, with their LoRA adapters (if any):
     y = x @ W^T + b + (x @ A^T) @ B^T, W and b the parts stacked, A the adapted parts' A stacked and
     B block-diagonal with each part's scale. Rows of some parts may be in RoPE-pair order (see
-    `_pair_ordered`)."""
+    `pair_ordered`)."""
 
     weight: Tensor  # (out, in)
     bias: Tensor | None  # (out,)
@@ -267,13 +268,13 @@ class DecoderFunctional:
             # tensors, so several forwards may share one net and run their backwards through it.
             qk_norm = torch.cat(
                 [
-                    _pair_ordered(q_norm.weight).expand(self.num_heads, -1),
-                    _pair_ordered(attn.k_norm.weight).expand(self.num_kv_heads, -1),
+                    pair_ordered(q_norm.weight).expand(self.num_heads, -1),
+                    pair_ordered(attn.k_norm.weight).expand(self.num_kv_heads, -1),
                 ]
             )
         return FusedLayer(
             input_norm=layer.input_layernorm.weight,
-            # q and k rows in RoPE-pair order (see `_pair_ordered`); v keeps the model's order.
+            # q and k rows in RoPE-pair order (see `pair_ordered`); v keeps the model's order.
             qkv=FusedLinear.of(
                 [attn.q_proj, attn.k_proj, attn.v_proj],
                 adapters=adapters,
@@ -482,77 +483,9 @@ def _kept_completion_positions(completion_mask: Tensor) -> Tensor | None:
     return flat.nonzero().squeeze(1)
 
 
-# The three functions below are shared with the decode step, which TorchScript compiles
-# (`worker.grpo.backends.fused.decode_step`): plain tensor code with annotations it can read.
-
-
-def llama_rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """LlamaRMSNorm: normalise in float32, cast back, then scale (transformers' order). Differentiable;
-    float32 training takes the fused `rms_norm` below instead."""
-    if x.dtype == torch.float32:
-        return F.rms_norm(x, (x.shape[-1],), weight, eps)
-    return weight * F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
-
-
-def head_rms_norm(qk: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """Qwen3's per-head RMSNorm of q and k: (..., H+KV, D) with (H+KV, D) weights, rounded like `norm`."""
-    normed = F.rms_norm(qk.float(), (qk.shape[-1],), None, eps)
-    if qk.dtype == torch.float32:
-        return normed * weight
-    return weight * normed.to(qk.dtype)
-
-
-def rotate_pairs(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """RoPE on pair-ordered features (..., D) written out on the (even, odd) pairs, for dtypes
-    without complex arithmetic: a rotated copy; differentiable."""
-    even, odd = x.unflatten(-1, (-1, 2)).unbind(-1)
-    rotated = (even * cos - odd * sin, odd * cos + even * sin)
-    return torch.stack(rotated, dim=-1).flatten(-2)
-
-
-_FUSED_RMS_NORM = hasattr(torch.ops.aten, "_fused_rms_norm")
-
-
-class _RMSNorm(torch.autograd.Function):
-    """float32 RMSNorm whose forward is one fused kernel and whose backward is seven ops.
-
-    Why: `F.rms_norm` under autograd runs as its composite (pow, mean, add, rsqrt and two multiplies,
-    each with its backward), twice per layer on the whole batch's activations. Parity with it
-    (values and gradients) is tested in tests/engine/test_fast_decoder.py.
-    """
-
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, weight: Tensor, eps: float) -> Tensor:
-        if _FUSED_RMS_NORM:
-            y, rstd = torch.ops.aten._fused_rms_norm(x, [x.shape[-1]], weight, eps)
-        else:  # torch < 2.8 has no fused kernel
-            rstd = torch.rsqrt(x.pow(2).mean(-1, keepdim=True).add_(eps))
-            y = x * rstd * weight
-        ctx.save_for_backward(x, rstd, weight)
-        return cast(Tensor, y)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None, None]:
-        x, rstd, weight = ctx.saved_tensors
-        normed = x * rstd
-        grad_normed_x = grad * normed
-        grad_weight = grad_normed_x.reshape(-1, x.shape[-1]).sum(0) if ctx.needs_input_grad[1] else None
-        grad_x = None
-        if ctx.needs_input_grad[0]:
-            # d/dx of x * rstd(x) * w: rstd * (g*w - normed * mean(g*w*normed)).
-            mean = (grad_normed_x @ weight).unsqueeze(-1).div_(x.shape[-1])
-            grad_x = torch.addcmul(grad * weight, normed, mean, value=-1).mul_(rstd)
-        return grad_x, grad_weight, None
-
-
-def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """x * rsqrt(mean(x^2) + eps) * weight over the last dim, float32; differentiable in x and weight."""
-    return cast(Tensor, _RMSNorm.apply(x, weight, eps))
-
-
 def _stacked(parts: list[Tensor], paired: list[bool] | None, head_dim: int) -> Tensor:
     """Row blocks (rows, ...) stacked into one tensor, the rows of each block marked in `paired` in
-    RoPE-pair order (see `_pair_ordered`). The reordering is a view (within a head, (2, D/2) ->
+    RoPE-pair order (see `pair_ordered`). The reordering is a view (within a head, (2, D/2) ->
     (D/2, 2)) inside the one copy the concatenation makes, so the gradient flows back through views
     rather than an index scatter into a zero-filled tensor."""
     if paired is None or not any(paired):
@@ -583,64 +516,3 @@ def _unpack(kept_rows: Tensor, kept: Tensor, total: int) -> Tensor:
     """(K, ...) rows -> (total, ...) with them at `kept` and zeros elsewhere (differentiable)."""
     padded = kept_rows.new_zeros((total, *kept_rows.shape[1:]))
     return padded.index_copy(0, kept, kept_rows)
-
-
-def causal_padding_mask(attention_mask: Tensor) -> Tensor:
-    """(B, T) 0/1 -> (B, 1, T, T) bool: key j visible to query i when j <= i and j is real.
-
-    Every position also sees itself, so a padded query never has an empty row (which would give
-    NaN in softmax); padded positions' outputs are never read by real ones (they are masked keys).
-    """
-    length = attention_mask.shape[1]
-    causal = torch.ones(length, length, dtype=torch.bool, device=attention_mask.device).tril()
-    visible = causal & attention_mask.bool()[:, None, None, :]  # (B, 1, T, T)
-    return visible | torch.eye(length, dtype=torch.bool, device=attention_mask.device)
-
-
-# RoPE-pair order: q and k features reordered within each head as (0, D/2, 1, D/2 + 1, ...).
-# transformers rotates feature i with i + D/2 (`rotate_half`); adjacent pairs make the rotation one
-# complex multiply. q and k share the order, so q.k is unchanged. It is a view of each head's
-# features, (2, D/2) -> (D/2, 2), never an index (see `_stacked`).
-
-
-def _pair_ordered(weight: Tensor) -> Tensor:
-    """A head's (D,) feature weights in RoPE-pair order: (2, D/2) -> (D/2, 2)."""
-    return weight.view(2, -1).t().reshape(-1)
-
-
-@dataclass(frozen=True)
-class Rotary:
-    """RoPE cos/sin tables (..., D/2) for pair-ordered q/k features (see `_pair_ordered`).
-
-    float32/float64 rotate with one complex multiply per tensor; other dtypes (there is no complex
-    bfloat16) with the same rotation written out on the pairs.
-    """
-
-    cos: Tensor
-    sin: Tensor
-    cis: Tensor | None  # cos + i sin, when complex arithmetic is available for the dtype
-
-    @classmethod
-    def of(cls, cos: Tensor, sin: Tensor) -> Rotary:
-        complex_ok = cos.dtype in (torch.float32, torch.float64)
-        return cls(cos, sin, torch.complex(cos, sin) if complex_ok else None)
-
-    def _map(self, op: Callable[[Tensor], Tensor]) -> Rotary:
-        return Rotary(op(self.cos), op(self.sin), None if self.cis is None else op(self.cis))
-
-    def unsqueeze(self, dim: int) -> Rotary:
-        return self._map(lambda t: t.unsqueeze(dim))
-
-    def squeeze(self, dim: int) -> Rotary:
-        return self._map(lambda t: t.squeeze(dim))
-
-    def select(self, rows: Tensor, length: int) -> Rotary:
-        """Tables of `rows` for their first `length` positions: (n, length, D/2)."""
-        return self._map(lambda t: t[rows, :length])
-
-    def apply(self, x: Tensor) -> Tensor:
-        """Rotated copy of x (..., D); differentiable."""
-        pairs = x.unflatten(-1, (-1, 2))
-        if self.cis is not None:
-            return torch.view_as_real(torch.view_as_complex(pairs) * self.cis).flatten(-2)
-        return rotate_pairs(x, self.cos, self.sin)

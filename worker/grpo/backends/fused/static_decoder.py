@@ -17,7 +17,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from worker.grpo.backends.fused.decode_step import DecodeState, logits_of, scripted_decode_step
-from worker.grpo.backends.fused.fast_decoder import DecoderFunctional, FusedLayer, causal_padding_mask
+from worker.grpo.backends.fused.fast_decoder import DecoderFunctional, FusedLayer
+from worker.grpo.backends.fused.ops import Rotary, causal_padding_mask
 
 
 class StaticDecoder:
@@ -56,67 +57,12 @@ class StaticDecoder:
         ]
         self.keys = [cache[0] for cache in self._caches]  # (B, KV, S, D)
         self.values = [cache[1] for cache in self._caches]
-        # Additive key mask over the whole horizon: prompt padding -inf, generated tokens visible.
-        bias = torch.zeros(batch, total, dtype=dtype, device=device)
-        bias[:, :prompt_length].masked_fill_(prompt_mask == 0, float("-inf"))
-        prompt_positions = (prompt_mask.long().cumsum(-1) - 1).clamp(min=0)  # (B, P)
-        last = prompt_positions[:, -1:]  # left padding: the last column is a real token
-        steps = torch.arange(1, max_new_tokens + 1, device=device)
-        self.rotary = net.rotary(torch.cat([prompt_positions, last + steps], dim=1), dtype)  # (B, S, D/2)
+        self.rotary = net.rotary(_positions(prompt_mask, max_new_tokens), dtype)  # (B, S, D/2)
         self.prompt_mask = prompt_mask
         self.threads = threads or decode_threads(net, batch)
         self.length = 0  # filled cache positions
-        # Besides its matmuls, a decode step is dozens of small ops per layer (a large share of its time), so every view
-        # it needs is made here, once: the caches as (B*KV, S, D) batches (keys transposed), and the qkv and
-        # gate/up products written into buffers (`out=`) that every layer and step reuse, with their
-        # parts (q, k, v, the complex view RoPE rotates, gate, up) viewed once.
-        kv_rows = batch * net.num_kv_heads
-        heads, kv_heads = net.num_heads, net.num_kv_heads
-        qkv_out = torch.empty(batch, (heads + 2 * kv_heads) * net.head_dim, dtype=dtype, device=device)
-        fused = qkv_out.view(batch, heads + 2 * kv_heads, net.head_dim)
-        qk = fused[:, : heads + kv_heads]
-        complex_ok = self.rotary.cis is not None
-        gate_up_out = torch.empty(batch, 2 * net.intermediate, dtype=dtype, device=device)
-        gate, up = gate_up_out.split(net.intermediate, dim=-1)
-        layers = weights.layers
-        self.state = DecodeState(
-            embed=net.embed,
-            fold=weights.fold,
-            norm_eps=torch.tensor(net.hidden * net.eps, dtype=dtype, device=device),
-            eps=net.eps,
-            input_norms=[layer.input_norm for layer in net.layers],
-            post_norms=[layer.post_norm for layer in net.layers],
-            final_norm=net.final_norm,
-            qkv=[t.qkv.weight_t for t in layers],
-            qkv_bias=[t.qkv.bias for t in layers],
-            qk_norm=[t.qk_norm for t in layers],
-            o=[t.o.weight_t for t in layers],
-            o_bias=[t.o.bias for t in layers],
-            gate_up=[t.gate_up.weight_t for t in layers],
-            gate_up_bias=[t.gate_up.bias for t in layers],
-            down=[t.down.weight_t for t in layers],
-            down_bias=[t.down.bias for t in layers],
-            head=weights.head.weight_t,
-            head_bias=weights.head.bias,
-            caches=self._caches,
-            keys_t=[k.view(kv_rows, total, net.head_dim).transpose(1, 2) for k in self.keys],
-            values=[v.view(kv_rows, total, net.head_dim) for v in self.values],
-            qkv_out=qkv_out,
-            q=fused[:, :heads],
-            qk=qk,
-            qk_complex=torch.view_as_complex(qk.unflatten(-1, (-1, 2))) if complex_ok else None,
-            new_kv=fused[:, heads:].view(batch, 2, kv_heads, net.head_dim).transpose(0, 1),
-            gate_up_out=gate_up_out,
-            gate=gate,
-            up=up,
-            cis=self.rotary.cis,
-            cos=self.rotary.cos,
-            sin=self.rotary.sin,
-            key_bias=bias.repeat_interleave(kv_heads, dim=0).unsqueeze(1),
-            kv_heads=kv_heads,
-            groups=heads // kv_heads,
-            head_dim=net.head_dim,
-        )
+        key_bias = _key_bias(prompt_mask, total, dtype)
+        self.state = _decode_state(net, weights, self._caches, self.rotary, key_bias)
         self._step = scripted_decode_step()
 
     def prefill(self, prompt_ids: Tensor) -> Tensor:
@@ -166,6 +112,83 @@ class DecodeWeights:
         layers = [_DecodeLayer.of(layer, net, fold=fold, norm_gain=norm_gain) for layer in net.layers]
         head_scale = net.final_norm * norm_gain if fold else None
         return cls(fold, layers, _DecodeLinear(net.lm_head, net.lm_head_bias, in_scale=head_scale))
+
+
+def _positions(prompt_mask: Tensor, max_new_tokens: int) -> Tensor:
+    """(B, S) positions as `generate()` numbers them: the prompt's count real tokens (left padding does not
+    shift them), each new token takes the next."""
+    prompt_positions = (prompt_mask.long().cumsum(-1) - 1).clamp(min=0)  # (B, P)
+    last = prompt_positions[:, -1:]  # left padding: the last column is a real token
+    steps = torch.arange(1, max_new_tokens + 1, device=prompt_mask.device)
+    return torch.cat([prompt_positions, last + steps], dim=1)
+
+
+def _key_bias(prompt_mask: Tensor, total: int, dtype: torch.dtype) -> Tensor:
+    """(B, S) additive key mask over the whole horizon: prompt padding -inf, generated tokens visible."""
+    batch, prompt_length = prompt_mask.shape
+    bias = torch.zeros(batch, total, dtype=dtype, device=prompt_mask.device)
+    bias[:, :prompt_length].masked_fill_(prompt_mask == 0, float("-inf"))
+    return bias
+
+
+def _decode_state(
+    net: DecoderFunctional, weights: DecodeWeights, caches: list[Tensor], rotary: Rotary, key_bias: Tensor
+) -> DecodeState:
+    """Everything a decode step reads, over the (2, B, KV, S, D) `caches` of one decoder.
+
+    Besides its matmuls, a decode step is dozens of small ops per layer (a large share of its time), so every
+    view it needs is made here, once: the caches as (B*KV, S, D) batches (keys transposed), and the qkv and
+    gate/up products written into buffers (`out=`) that every layer and step reuse, with their parts (q, k, v,
+    the complex view RoPE rotates, gate, up) viewed once."""
+    _, batch, _, total, _ = caches[0].shape
+    device, dtype = caches[0].device, caches[0].dtype
+    kv_rows = batch * net.num_kv_heads
+    heads, kv_heads = net.num_heads, net.num_kv_heads
+    qkv_out = torch.empty(batch, (heads + 2 * kv_heads) * net.head_dim, dtype=dtype, device=device)
+    fused = qkv_out.view(batch, heads + 2 * kv_heads, net.head_dim)
+    qk = fused[:, : heads + kv_heads]
+    complex_ok = rotary.cis is not None
+    gate_up_out = torch.empty(batch, 2 * net.intermediate, dtype=dtype, device=device)
+    gate, up = gate_up_out.split(net.intermediate, dim=-1)
+    layers = weights.layers
+    return DecodeState(
+        embed=net.embed,
+        fold=weights.fold,
+        norm_eps=torch.tensor(net.hidden * net.eps, dtype=dtype, device=device),
+        eps=net.eps,
+        input_norms=[layer.input_norm for layer in net.layers],
+        post_norms=[layer.post_norm for layer in net.layers],
+        final_norm=net.final_norm,
+        qkv=[t.qkv.weight_t for t in layers],
+        qkv_bias=[t.qkv.bias for t in layers],
+        qk_norm=[t.qk_norm for t in layers],
+        o=[t.o.weight_t for t in layers],
+        o_bias=[t.o.bias for t in layers],
+        gate_up=[t.gate_up.weight_t for t in layers],
+        gate_up_bias=[t.gate_up.bias for t in layers],
+        down=[t.down.weight_t for t in layers],
+        down_bias=[t.down.bias for t in layers],
+        head=weights.head.weight_t,
+        head_bias=weights.head.bias,
+        caches=caches,
+        keys_t=[cache[0].view(kv_rows, total, net.head_dim).transpose(1, 2) for cache in caches],
+        values=[cache[1].view(kv_rows, total, net.head_dim) for cache in caches],
+        qkv_out=qkv_out,
+        q=fused[:, :heads],
+        qk=qk,
+        qk_complex=torch.view_as_complex(qk.unflatten(-1, (-1, 2))) if complex_ok else None,
+        new_kv=fused[:, heads:].view(batch, 2, kv_heads, net.head_dim).transpose(0, 1),
+        gate_up_out=gate_up_out,
+        gate=gate,
+        up=up,
+        cis=rotary.cis,
+        cos=rotary.cos,
+        sin=rotary.sin,
+        key_bias=key_bias.repeat_interleave(kv_heads, dim=0).unsqueeze(1),
+        kv_heads=kv_heads,
+        groups=heads // kv_heads,
+        head_dim=net.head_dim,
+    )
 
 
 # The rule of thumb below is the first guess; a trainer measures the alternatives (LayoutChooser).
