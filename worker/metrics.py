@@ -26,6 +26,7 @@ the job's process already imported it.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import shutil
@@ -67,6 +68,8 @@ class _Series:
 @lru_cache
 def _series() -> _Series:
     """Created on first use (in the job's process), after prepare_multiprocess chose the storage."""
+    # prometheus_client picks its value storage when first imported: after prepare_multiprocess has set
+    # PROMETHEUS_MULTIPROC_DIR in a worker with a metrics port.
     from prometheus_client import Counter, Gauge, Histogram
 
     return _Series(
@@ -131,11 +134,15 @@ def start_metrics_server(port: int, addr: str = "0.0.0.0") -> int:
 
     Returns the bound port (`port=0` picks a free one).
     """
+    # prometheus_client picks its value storage when first imported: after prepare_multiprocess has set
+    # PROMETHEUS_MULTIPROC_DIR in a worker with a metrics port.
     from prometheus_client import REGISTRY, CollectorRegistry, start_http_server
 
     registry = REGISTRY
     if os.environ.get(MULTIPROC_ENV):
-        from prometheus_client.multiprocess import MultiProcessCollector
+        from prometheus_client.multiprocess import (
+            MultiProcessCollector,  # as above: after the storage is chosen
+        )
 
         registry = CollectorRegistry()
         MultiProcessCollector(registry)
@@ -148,7 +155,7 @@ def start_metrics_server(port: int, addr: str = "0.0.0.0") -> int:
 def mark_process_dead(pid: int) -> None:
     """Drop a finished child's live gauges (GPU memory) from the aggregate."""
     if os.environ.get(MULTIPROC_ENV):
-        from prometheus_client import multiprocess
+        from prometheus_client import multiprocess  # as in _series: after the storage is chosen
 
         multiprocess.mark_process_dead(pid)
 
@@ -225,9 +232,7 @@ def start_for_celery_worker(port: int, data_dir: str, addr: str = "0.0.0.0") -> 
     """`grpo worker` with a metrics port: multiprocess storage, the server, and child clean-up.
 
     Returns the bound port."""
-    import atexit
-
-    from celery.signals import worker_process_shutdown
+    from celery.signals import worker_process_shutdown  # a Celery worker's only: ranks import this module too
 
     directory = prepare_multiprocess(data_dir)
     owner = os.getpid()

@@ -87,7 +87,7 @@ def check_adapter_base(field: str, value: str, directory: Path, policy: ModelSou
 def check_hub_size(field: str, repo_id: str, max_bytes: int, hub_files: HubFiles | None = None) -> None:
     """Refuse a hub model whose download would exceed `max_bytes`, before downloading anything."""
     if hub_files is None:
-        from huggingface_hub import constants
+        from huggingface_hub import constants  # slow to import; only hub ids need it
 
         if constants.HF_HUB_OFFLINE:
             return  # from_pretrained reads the local cache only
@@ -116,7 +116,7 @@ def check_hub_size(field: str, repo_id: str, max_bytes: int, hub_files: HubFiles
 
 def hub_file_sizes(repo_id: str, *, endpoint: str | None = None) -> list[tuple[str, int | None]]:
     """(path, size) of every file of the repository's main revision, from the hub's API (one request)."""
-    from huggingface_hub import HfApi
+    from huggingface_hub import HfApi  # slow to import; only hub ids need it
 
     info = HfApi(endpoint=endpoint).model_info(repo_id, files_metadata=True)
     return [(sibling.rfilename, sibling.size) for sibling in info.siblings or ()]

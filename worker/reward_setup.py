@@ -94,8 +94,8 @@ def _reward_model_paths(inputs: JobInputs, fetcher: InputFetcher, settings: Sett
         if isinstance(spec, ModelRewardSpec):
             path = fetcher.resolve_model(inputs, f"rewards[{i}].model", spec.model, models_dir)
             if path.startswith(BUILTIN_PREFIX):
-                # worker.grpo.tiny imports torch: only the job's process may (the Celery parent forks children).
-                from worker.grpo.tiny import resolve_model_path
+                # worker.grpo.model_paths imports torch: only the job's process may (the Celery parent forks children).
+                from worker.grpo.model_paths import resolve_model_path
 
                 path = resolve_model_path(path, Path(settings.data_dir) / "models")
             paths[spec.model] = path

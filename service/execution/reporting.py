@@ -27,6 +27,7 @@ from service.jobs import progress
 from service.jobs import repository as jobs_repository
 from service.jobs.schemas import SampleIn
 from service.jobs.states import JobStatus
+from service.kit.db import session_scope
 from service.storage import get_storage
 from service.usage import service as usage_service
 from service.usage.budget import BUDGET_EXHAUSTED, Exhausted
@@ -172,7 +173,5 @@ def finish(
 
 def read_control(job_id: str) -> JobControl | None:
     """The job's status, pause request and owning attempt, read without a lock; None if it is gone."""
-    from service.kit.db import session_scope
-
     with session_scope() as session:
         return repository.job_control(session, job_id)
