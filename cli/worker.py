@@ -76,4 +76,4 @@ def _observability() -> None:
     if settings.worker_metrics_port:
         from worker.metrics import start_for_celery_worker
 
-        start_for_celery_worker(settings.worker_metrics_port, settings.data_dir)
+        start_for_celery_worker(settings.worker_metrics_port, settings.data_dir, settings.worker_metrics_host)

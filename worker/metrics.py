@@ -129,7 +129,7 @@ def _remove_dead_workers(root: Path) -> None:
             pass  # alive, another user's
 
 
-def start_metrics_server(port: int, addr: str = "0.0.0.0") -> int:
+def start_metrics_server(port: int, addr: str = "127.0.0.1") -> int:
     """Serve /metrics (every child's series when in multiprocess mode) from a daemon thread.
 
     Returns the bound port (`port=0` picks a free one).
@@ -228,7 +228,7 @@ def _observe_gpu_memory(series: _Series) -> None:
         series.gpu_memory.labels(device, "max_allocated").set(torch.cuda.max_memory_allocated(index))
 
 
-def start_for_celery_worker(port: int, data_dir: str, addr: str = "0.0.0.0") -> int:
+def start_for_celery_worker(port: int, data_dir: str, addr: str = "127.0.0.1") -> int:
     """`grpo worker` with a metrics port: multiprocess storage, the server, and child clean-up.
 
     Returns the bound port."""

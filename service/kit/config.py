@@ -238,6 +238,9 @@ class Settings(BaseSettings):
     worker_metrics_port: int = Field(
         0, ge=0, le=65535, description="Port of the worker's Prometheus /metrics server (0 = off)."
     )
+    worker_metrics_host: str = Field(
+        "127.0.0.1", description="Bind address of the worker's /metrics server (0.0.0.0 to let another host scrape it)."
+    )
     monthly_max_tokens: int | None = Field(
         None, ge=1, description="Default monthly cap of a tenant's tokens (generated + trained; None = no cap); "
         "`grpo admin set-budget` sets a tenant's own. The step that reaches it pauses the job (`budget_exhausted`)."

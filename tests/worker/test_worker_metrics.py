@@ -9,6 +9,7 @@ import types
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 from prometheus_client import REGISTRY
 from prometheus_client.parser import text_string_to_metric_families
@@ -137,3 +138,10 @@ def test_gpu_memory_per_device_when_cuda_is_loaded(monkeypatch: pytest.MonkeyPat
         for kind, base in (("allocated", 1000), ("reserved", 2000), ("max_allocated", 3000)):
             value = REGISTRY.get_sample_value("grpo_worker_gpu_memory_bytes", {"device": device, "kind": kind})
             assert value == base + offset
+
+
+def test_the_metrics_server_listens_on_loopback_unless_configured() -> None:
+    """A worker's listener never binds every interface by default (GRPO_WORKER_METRICS_HOST opens it)."""
+    port = worker_metrics.start_metrics_server(0)
+    listening = [c.laddr for c in psutil.Process().net_connections(kind="tcp") if c.laddr and c.laddr.port == port]
+    assert listening and all(address.ip == "127.0.0.1" for address in listening)
