@@ -50,8 +50,11 @@ def _spec(devices: int, parallelism: str, lora: bool, **hyper: Any) -> dict[str,
     return spec
 
 
-def grpo_train(root: Path, name: str, spec: dict[str, Any], output: Path | None = None) -> Path:
-    """`grpo train` in a child process (the ranks are its children); returns the output directory."""
+def grpo_train(
+    root: Path, name: str, spec: dict[str, Any], output: Path | None = None, *, module_forward: bool = False
+) -> Path:
+    """`grpo train` in a child process (the ranks are its children); returns the output directory.
+    `module_forward`: one process on the hf backend even where the fused one applies (what fsdp runs on)."""
     root.mkdir(parents=True, exist_ok=True)
     (root / "train.jsonl").write_text("".join(json.dumps({"prompt": f"{w}: "}) + "\n" for w in WORDS))
     config = root / f"{name}.yaml"
@@ -61,6 +64,8 @@ def grpo_train(root: Path, name: str, spec: dict[str, Any], output: Path | None 
         "import sys; from pathlib import Path; from worker.grpo.local import run_local; "
         f"sys.exit(run_local(Path({str(config)!r}), Path({str(output)!r})))"
     )
+    if module_forward:  # `auto` then finds the fused path does not apply
+        code = "import worker.grpo.backends as backends; backends.fused_applies = lambda *_: False; " + code
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -91,7 +96,8 @@ def assert_same_metrics(one: list[dict[str, float]], two: list[dict[str, float]]
 
 
 class Runs(dict[str, Path]):
-    """"single-full", "fsdp-lora"...: each run made the first time a test asks for it, then shared."""
+    """"single-full", "fsdp-lora"...: each run made the first time a test asks for it, then shared. "hf-full":
+    one process on the hf backend, the one fsdp runs on (the tiny model takes the fused one by default)."""
 
     def __init__(self, root: Path) -> None:
         super().__init__()
@@ -99,9 +105,15 @@ class Runs(dict[str, Path]):
 
     def __missing__(self, name: str) -> Path:
         scheme, kind = name.split("-")
-        devices, parallelism = (1, "auto") if scheme == "single" else (2, scheme)
-        self[name] = grpo_train(self.root, name, _spec(devices, parallelism, kind == "lora"))
+        devices, parallelism = (1, "auto") if scheme in ("single", "hf") else (2, scheme)
+        spec = _spec(devices, parallelism, kind == "lora")
+        self[name] = grpo_train(self.root, name, spec, module_forward=scheme == "hf")
         return self[name]
+
+
+def one_process(parallelism: str) -> str:
+    """The one-process run a 2-rank run is compared with: on the same backend (fsdp: hf)."""
+    return "hf" if parallelism == "fsdp" else "single"
 
 
 @pytest.fixture(scope="module")
@@ -114,12 +126,13 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
 class TestSameResultOnTwoRanks:
     def test_one_step_gives_the_same_parameters(self, runs: dict[str, Path], parallelism: str, kind: str) -> None:
         lora = kind == "lora"
-        single = weights(runs[f"single-{kind}"] / "checkpoint-1", lora)
+        single = weights(runs[f"{one_process(parallelism)}-{kind}"] / "checkpoint-1", lora)
         diff = max_abs_diff(single, weights(runs[f"{parallelism}-{kind}"] / "checkpoint-1", lora))
         print(f"one step, {parallelism} {kind}: max abs difference {diff:.3g}")
         assert diff <= 1e-5
         # Not a vacuous match: the step had a gradient, and both ran it equally (global gradient norm).
-        one, two = history(runs[f"single-{kind}"] / "checkpoint-1"), history(runs[f"{parallelism}-{kind}"] / "checkpoint-1")
+        one = history(runs[f"{one_process(parallelism)}-{kind}"] / "checkpoint-1")
+        two = history(runs[f"{parallelism}-{kind}"] / "checkpoint-1")
         assert one[0]["grad_norm"] > 0.1
         assert two[0]["grad_norm"] == pytest.approx(one[0]["grad_norm"], rel=1e-5)
 
@@ -127,7 +140,8 @@ class TestSameResultOnTwoRanks:
         self, runs: dict[str, Path], parallelism: str, kind: str
     ) -> None:
         lora = kind == "lora"
-        one, two = runs[f"single-{kind}"] / "checkpoint-3", runs[f"{parallelism}-{kind}"] / "checkpoint-3"
+        one = runs[f"{one_process(parallelism)}-{kind}"] / "checkpoint-3"
+        two = runs[f"{parallelism}-{kind}"] / "checkpoint-3"
         diff = max_abs_diff(weights(one, lora), weights(two, lora))
         print(f"three steps, {parallelism} {kind}: max abs difference {diff:.3g}")
         assert diff <= 1e-4
@@ -216,9 +230,11 @@ def test_the_library_wrappers_over_the_module_forward_give_the_same_weights_and_
     assert expected in (module_runs[f"{parallelism}-{kind}"] / "grpo-train.log").read_text()
 
 
-def test_the_fused_backend_shards_one_unit_and_averages_by_hand(runs: Runs) -> None:
-    """The Llama-family tiny model takes the fused backend, which reads every layer's weights at once."""
-    assert "1 FSDP unit" in (runs["fsdp-full"] / "grpo-train.log").read_text()
+def test_fsdp_takes_the_module_forward_where_ddp_takes_the_fused_backend(runs: Runs) -> None:
+    """The Llama-family tiny model takes the fused backend, which reads every layer's weights at once: ddp
+    averages its gradients by hand; fsdp shards through the module forward instead, a unit per decoder layer (4)
+    and the root, since the fused path would gather the whole policy as one unit."""
+    assert "5 FSDP units" in (runs["fsdp-full"] / "grpo-train.log").read_text()
     assert "averaged after each update" in (runs["ddp-full"] / "grpo-train.log").read_text()
 
 

@@ -14,23 +14,22 @@ Every rank runs the same GRPOTrainer loop in lockstep. What differs from one pro
   (`no_sync` before). The `fused` backend computes through the weights directly, where no module forward
   exists for DDP's hooks to see: after the backward passes of an update one all-reduce per bucket of
   gradients averages them (`_average_gradients`);
-- `fsdp`: a copy of the policy is sharded with FSDP2 (`fully_shard`) and trains, with gradients and
-  AdamW state sharded; the unsharded policy stays on every rank for generation, log-probs without
-  gradient, evaluation and the consolidated checkpoint, and receives the new weights after every
-  update (as a separate inference engine would). Through the module forward every decoder layer is a
-  unit of its own (gathered for its forward and backward, freed after), then the root; on the `fused`
-  backend the copy is one unit whose weights are gathered for each mini-batch's forward and backward
-  (`register_fsdp_forward_method`): its decoder path reads every layer's weights in one function, and
-  the same path on every rank count is what makes 1 and N ranks agree (Adam's first steps turn float
-  noise in near-zero gradients into whole learning-rate steps, so the paths must match, not just nearly);
+- `fsdp`: the policy itself is sharded with FSDP2 (`fully_shard`, worker.grpo.sharded), through the module
+  forward only (the `hf` backend): every decoder layer is a unit of its own, gathered for its forward and
+  backward and freed after, then the root; parameters, gradients and AdamW state are sharded. Generation,
+  log-probs with and without gradient, evaluation and the reference model (sharded the same way; LoRA's is
+  the policy with its adapters off) all run through the sharded module, so every forward is a collective:
+  every rank runs the same forwards in the same order (decoding continues until every rank's rows are
+  finished, evaluation generates on every rank). The consolidated checkpoint is gathered from the shards;
 - metrics: the step's batch is gathered so that the reported metrics are those of the global batch;
   rank 0's metrics dict is broadcast so every rank takes the same health decisions;
-- control: only rank 0 talks to the outside world (hooks, evaluation); its stop decision is broadcast.
+- control: only rank 0 talks to the outside world (hooks, scoring the evaluation); its stop decision is
+  broadcast.
 
 A collective that waits longer than the process group's timeout raises on the ranks still alive: a
 dead or hung rank ends the attempt in bounded time (the launcher then stops the others).
 
-The sharded copy of `fsdp` and its state dicts' names are in worker.grpo.sharded; the global batch for the
+The sharded policy of `fsdp` and its state dicts' names are in worker.grpo.sharded; the global batch for the
 metrics in worker.grpo.global_batch.
 """
 
@@ -59,6 +58,7 @@ from worker.grpo.sharded import (
     ShardedPolicy,
     keyed_by_name,
     keyed_by_position,
+    meta_copy,
     policy_name,
     renamed,
     sharded_name,
@@ -222,6 +222,7 @@ class Parallel:
         self.ddp = ddp  # DistributedDataParallel over the log-prob forward (ddp through the module forward)
         # Token-level losses divide by the global token count; averaging over ranks divides again.
         self.loss_scale = float(ranks.world_size) if loss_type in STEP_TOKEN_LOSSES else 1.0
+        self.skeleton: Any = None  # fsdp: the policy's structure on the meta device (consolidated checkpoints)
 
     @classmethod
     def wrap(cls, models: ModelBundle, ranks: Ranks, parallelism: Literal["ddp", "fsdp"], loss_type: str) -> Parallel:
@@ -242,13 +243,20 @@ class Parallel:
                     LogprobModule(models.policy), device_ids=device_ids, broadcast_buffers=False
                 )
             return cls(ranks, "ddp", models, models.policy, loss_type, ddp)
-        sharded = ShardedPolicy(copy.deepcopy(models.policy), per_layer=module_forward)
+        if not module_forward:
+            raise ValueError("fsdp shards through the module forward (the hf backend), not the fused one")
+        skeleton = meta_copy(models.policy)  # before sharding: what the consolidated checkpoint is loaded into
+        sharded = ShardedPolicy(models.policy)
+        if models.reference is not None:
+            models.reference = ShardedPolicy(models.reference)
         old = models.optimizer
         # One AdamW over the shards with the same settings; the per-tensor kernel (fused is not for DTensors).
         settings = {k: old.defaults[k] for k in ("lr", "betas", "eps", "weight_decay")}
         models.optimizer = torch.optim.AdamW([p for p in sharded.parameters() if p.requires_grad], **settings)
         models.scheduler = torch.optim.lr_scheduler.LambdaLR(models.optimizer, models.scheduler.lr_lambdas[0])
-        return cls(ranks, "fsdp", models, sharded, loss_type)
+        parallel = cls(ranks, "fsdp", models, sharded, loss_type)
+        parallel.skeleton = skeleton
+        return parallel
 
     def describe(self) -> str:
         """How this job's ranks share the work, as built (not as configured)."""
@@ -259,7 +267,7 @@ class Parallel:
             )
             return f"ddp over {world}: {how}"
         if self.mode == "fsdp":
-            # FSDP2 is slow to import: only where fsdp runs (as ShardedPolicy).
+            # FSDP2 is slow to import: only where fsdp runs (as ShardedPolicy); the policy's units.
             from torch.distributed.fsdp import FSDPModule
 
             units = sum(isinstance(module, FSDPModule) for module in self.train_model.modules())
@@ -283,7 +291,7 @@ class Parallel:
         DistributedDataParallel averages the gradients accumulated so far in it (else it defers)."""
         kwargs.setdefault("fast", self.models.fast)
         if isinstance(self.train_model, ShardedPolicy):
-            return self.train_model.completion_logprobs(*args, **kwargs)
+            return self.train_model.logprobs(*args, **kwargs)
         if self.ddp is not None and torch.is_grad_enabled():
             with nullcontext() if sync else self.ddp.no_sync():
                 logps, entropy = self.ddp(*args, **kwargs)
@@ -304,15 +312,49 @@ class Parallel:
             norm = norm.full_tensor()  # type: ignore[attr-defined]  # a DTensor from sharded gradients
         return float(norm)
 
+    # --- forwards outside training ------------------------------------------------------------
+
+    @property
+    def forwards_together(self) -> bool:
+        """Every forward of the policy is a collective (fsdp gathers each layer's weights for it): every rank
+        runs the same forwards in the same order, evaluation included."""
+        return self.mode == "fsdp"
+
+    def run_policy(self, compute: Callable[[], T]) -> T:
+        """`compute()`, which calls the policy's own forward without gradient (sampling, greedy decoding): with
+        fsdp as a forward of the sharded root (worker.grpo.sharded), else as it is."""
+        if isinstance(self.train_model, ShardedPolicy):
+            return self.train_model.run(compute)
+        return compute()
+
+    def any_rank(self, flag: bool) -> bool:
+        """Whether `flag` holds on any rank (a collective): decoding continues while any rank's rows run."""
+        if not self.ranks.distributed:
+            return flag
+        tensor = torch.tensor([int(flag)], device=self._device())
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+        return bool(tensor.item())
+
+    @property
+    def lockstep(self) -> Callable[[bool], bool] | None:
+        """What the decoding loops ask before stopping, when the forwards are collectives (`any_rank`)."""
+        return self.any_rank if self.forwards_together else None
+
     @torch.no_grad()
-    def after_update(self) -> None:
-        """fsdp: copy the updated weights into the unsharded policy (all-gathers every trainable shard)."""
+    def reference_logps(
+        self, input_ids: Tensor, attention_mask: Tensor, completion_length: int, *, temperature: float
+    ) -> Tensor:
+        """(N, C) log-probs under the reference policy (ModelBundle.reference_logps): with fsdp through the
+        sharded reference, or the sharded policy with its LoRA adapters off."""
         if self.mode != "fsdp":
-            return
-        full = dict(self.models.policy.named_parameters())
-        for name, shard in self.train_model.named_parameters():
-            if shard.requires_grad:
-                full[policy_name(name)].copy_(shard.full_tensor())
+            return self.models.reference_logps(input_ids, attention_mask, completion_length, temperature=temperature)
+        args = (input_ids, attention_mask, completion_length)
+        if self.models.is_lora:
+            with self.models.policy.disable_adapter():
+                return self.train_model.logprobs(*args, temperature=temperature)[0]  # type: ignore[no-any-return]
+        if not isinstance(self.models.reference, ShardedPolicy):
+            raise RuntimeError("no reference model: beta == 0")
+        return self.models.reference.logprobs(*args, temperature=temperature)[0]
 
     # --- agreement -----------------------------------------------------------------------------
 
@@ -357,6 +399,23 @@ class Parallel:
         directory: only when every rank shares this machine's filesystem. Across nodes the state is
         gathered into trainer_state.pt instead (rank 0's memory then holds all of it while saving)."""
         return self.mode == "fsdp" and self.ranks.one_node
+
+    def consolidated_policy(self) -> Any:
+        """The policy with its full weights, for the consolidated checkpoint (safetensors, `from_pretrained`). With
+        fsdp a collective: the full state is gathered from the shards into rank 0's host memory, one tensor at a
+        time, and loaded into a copy of the policy's structure there (held while saving); the other ranks get
+        None."""
+        if self.mode != "fsdp":
+            return self.models.policy
+        # torch.distributed.checkpoint is slow to import: only fsdp jobs import it, where they need it.
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        full = get_model_state_dict(self.train_model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if not self.ranks.is_main:
+            return None
+        model = copy.deepcopy(self.skeleton)  # on the meta device: no data copied
+        model.load_state_dict(renamed(full, policy_name), assign=True)
+        return model
 
     def optimizer_state(self) -> dict[str, Any] | None:
         """The optimiser state for trainer_state.pt, or None when it is sharded (saved by `save_sharded`).
@@ -423,8 +482,6 @@ class Parallel:
             self.train_model, self.models.optimizer,
             model_state_dict=renamed(target["model"], rename), optim_state_dict=renamed(target["optim"], rename),
         )
-        if self.mode == "fsdp":
-            self.after_update()
 
     def _device(self) -> torch.device:
         return next(self.models.policy.parameters()).device

@@ -234,8 +234,11 @@ def merge_groups(parts: list[tuple[Rollout, int]], pad_id: int) -> Rollout:
 
 
 @torch.no_grad()
-def greedy_generate(model: Any, tokenizer: Any, prompts: list[str], config: GRPOConfig) -> Rollout:
-    """One greedy completion per prompt (evaluation), as a Rollout with group_size 1."""
+def greedy_generate(
+    model: Any, tokenizer: Any, prompts: list[str], config: GRPOConfig, *, synced: bool = False
+) -> Rollout:
+    """One greedy completion per prompt (evaluation), as a Rollout with group_size 1. `synced`: the model's
+    forwards are collectives (a sharded model), so generate() steps until every rank is done (`synced_gpus`)."""
     device = next(model.parameters()).device
     prompt_ids, prompt_mask = tokenize_prompts(tokenizer, prompts, config.max_prompt_length)
     prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
@@ -251,7 +254,8 @@ def greedy_generate(model: Any, tokenizer: Any, prompts: list[str], config: GRPO
     model.eval()
     try:
         sequences = model.generate(
-            input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=generation_config
+            input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=generation_config,
+            synced_gpus=synced,
         )
     finally:
         model.train(was_training)

@@ -13,7 +13,7 @@ never tokenised again (a decode/encode round trip is not the identity for most t
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -175,8 +175,10 @@ class NativeRollout:
         config: GRPOConfig,
         *,
         fast: FastPath | None = None,
+        lockstep: Callable[[bool], bool] | None = None,
     ) -> None:
         self.model, self.tokenizer, self.config, self.fast = model, tokenizer, config, fast
+        self.lockstep = lockstep
 
     def generate(
         self, prompts: list[str], *, generator_seed: int | list[int], side: SideThread | None = None
@@ -190,6 +192,7 @@ class NativeRollout:
             generator_seed=generator_seed,
             side=side,
             fast=self.fast,
+            lockstep=self.lockstep,
         )
 
     def sync_weights(self) -> None:
@@ -209,6 +212,7 @@ def generate_rollout(
     generator_seed: int | list[int] | None = None,
     side: SideThread | None = None,
     fast: FastPath | None = None,
+    lockstep: Callable[[bool], bool] | None = None,
 ) -> Rollout:
     """Generate G = config.num_generations completions for each already-rendered prompt.
 
@@ -218,7 +222,9 @@ def generate_rollout(
     holds one seed per prompt, so that a group samples the same tokens whichever batch (or rank) it is in.
     `side`, a second CPU lane, lets the fast path decode half the rows beside the caller; `fast`: the
     backend's fast path, which decodes the models it covers (else their own forward and a KV cache).
-    The model is put in eval mode for generation (no dropout) and restored afterwards. All
+    `lockstep`: when the model's forwards are collectives (a sharded model), asked at each decoding step whether
+    any rank still decodes (given whether this one does): every rank then runs the same forwards, finished rows
+    taking pad tokens, and samples what it would alone. The model is put in eval mode for generation (no dropout) and restored afterwards. All
     returned tensors live on the model's device.
     """
     eos_ids = eos_token_ids(model, tokenizer)
@@ -249,9 +255,12 @@ def generate_rollout(
                 generator,
                 side,
                 fast=fast,
+                lockstep=lockstep,
             )  # (N, C') with C' <= max_completion_length
         else:
-            completion_ids = _beam_search(model, tokenizer, prompt_ids, prompt_mask, config, eos_ids)
+            completion_ids = _beam_search(
+                model, tokenizer, prompt_ids, prompt_mask, config, eos_ids, synced=lockstep is not None
+            )
     finally:
         model.train(was_training)
 
@@ -281,13 +290,17 @@ def _beam_search(
     prompt_mask: Tensor,
     config: GRPOConfig,
     eos_ids: list[int],
+    *,
+    synced: bool = False,
 ) -> Tensor:
-    """G beams per prompt through `generate()`; returns the (num_prompts * G, C') completion ids."""
+    """G beams per prompt through `generate()`; returns the (num_prompts * G, C') completion ids. `synced`: the
+    model's forwards are collectives, so generate() steps until every rank is done (`synced_gpus`)."""
     # PreTrainedModel's stubs do not show GenerationMixin.generate to mypy.
     sequences = model.generate(  # type: ignore[operator]
         input_ids=prompt_ids,
         attention_mask=prompt_mask,
         generation_config=_generation_config(config, tokenizer, eos_ids),
+        synced_gpus=synced,
     )  # (N, P + C')
     return sequences[:, prompt_ids.shape[1] :]
 
@@ -404,13 +417,14 @@ def sample_completions(
     side: SideThread | None = None,
     *,
     fast: FastPath | None = None,
+    lockstep: Callable[[bool], bool] | None = None,
 ) -> Tensor:
     """Sample up to max_completion_length tokens per row; (B, P) left-padded prompts -> (B, C') ids.
 
     Rows that have emitted an EOS get `pad_id` from then on; decoding ends once every row has
     (so C' may be shorter than max_completion_length), as generate() does. Models the `fast` path covers
     decode through its decoders (with `side`, maybe two lanes side by side), which are told the seconds per
-    decoding step afterwards.
+    decoding step afterwards. `lockstep`: see generate_rollout (one lane only).
     """
     max_new = config.max_completion_length
     batch, device = prompt_ids.shape[0], prompt_ids.device
@@ -422,12 +436,12 @@ def sample_completions(
     else:
         draws = torch.rand(max_new, batch, generator=generator, device=device)  # (C, B)
     started = time.perf_counter()
-    with torch.inference_mode():
+    with _no_grad(lockstep):
         lanes = _lanes(model, prompt_mask, max_new, parallel=side is not None, fast=fast)
 
     def run(lane: tuple[slice, Decoder]) -> Tensor:
         rows, decoder = lane
-        return _sample_lane(decoder, prompt_ids[rows], draws[:, rows], config, eos_ids, pad_id)
+        return _sample_lane(decoder, prompt_ids[rows], draws[:, rows], config, eos_ids, pad_id, lockstep)
 
     first, *others = lanes.decoders
     beside = [side.submit(partial(run, lane)) for lane in others] if side is not None else []
@@ -439,6 +453,12 @@ def sample_completions(
     return torch.cat([F.pad(out, (0, produced - out.shape[1]), value=pad_id) for out in outputs])
 
 
+def _no_grad(lockstep: Callable[[bool], bool] | None) -> torch.no_grad | torch.inference_mode:
+    """inference_mode, or no_grad for a sharded model (`lockstep`): FSDP's gathered weights are written in place
+    by later forwards with gradient, which a tensor made under inference_mode does not allow."""
+    return torch.no_grad() if lockstep is not None else torch.inference_mode()
+
+
 def _sample_lane(
     decoder: Decoder,
     prompt_ids: Tensor,
@@ -446,12 +466,14 @@ def _sample_lane(
     config: GRPOConfig,
     eos_ids: list[int],
     pad_id: int,
+    lockstep: Callable[[bool], bool] | None = None,
 ) -> Tensor:
-    """The sampling loop over one decoder's rows: (b, P) prompts and (C, b) draws -> (b, C') ids."""
+    """The sampling loop over one decoder's rows: (b, P) prompts and (C, b) draws -> (b, C') ids. With
+    `lockstep` it stops only once no rank's rows run (finished rows take pad tokens meanwhile)."""
     max_new = config.max_completion_length
     batch, device = prompt_ids.shape[0], prompt_ids.device
     # inference_mode and the thread count are per thread: set here, where the lane runs.
-    with torch.inference_mode(), intra_op_threads(decoder.threads):
+    with _no_grad(lockstep), intra_op_threads(decoder.threads):
         eos = torch.tensor(eos_ids, device=device)
         out = torch.full((batch, max_new), pad_id, dtype=torch.long, device=device)
         running = torch.ones(batch, dtype=torch.bool, device=device)
@@ -466,7 +488,10 @@ def _sample_lane(
             out[:, index] = tokens
             produced = index + 1
             running &= ~torch.isin(tokens, eos)
-            if produced == max_new or not bool(running.any()):
+            decoding = bool(running.any())
+            if lockstep is not None:
+                decoding = lockstep(decoding)
+            if produced == max_new or not decoding:
                 break
             logits = decoder.step(tokens)
     return out[:, :produced]

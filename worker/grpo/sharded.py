@@ -1,11 +1,12 @@
-"""FSDP2 in a distributed job (worker.grpo.distributed, `fsdp`): the sharded training copy of the policy,
-and the names its state dicts use (the policy's own, under the copy's `policy.` prefix), so that checkpoints
-hold the policy's names whatever scheme wrote them."""
+"""FSDP2 in a distributed job (worker.grpo.distributed, `fsdp`): the policy sharded in place, and the names its
+state dicts use (the policy's own, under the wrapper's `policy.` prefix), so that checkpoints hold the policy's
+names whatever scheme wrote them."""
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -14,33 +15,70 @@ from torch import Tensor
 from worker.grpo.logprobs import completion_logprobs
 from worker.grpo.module_options import decoder_layers
 
+T = TypeVar("T")
+
 
 class ShardedPolicy(torch.nn.Module):
-    """The training copy of the policy sharded with FSDP2. The policy sits inside unchanged (its class
-    is what selects the engine's fast path); `completion_logprobs` runs like a forward of the root unit
-    and reduce-scatters the gradients in the backward pass. `per_layer` (the module forward): every
-    decoder layer is a unit of its own, gathered only while it runs; else (the fused path, which reads
-    every layer's weights in one function) the whole policy is one unit."""
+    """A model (the policy, or the reference) sharded with FSDP2 in place: every decoder layer is a unit of its
+    own, gathered only while it runs, and this wrapper is the root unit (embeddings, final norm, LM head). The
+    model sits inside unchanged otherwise (its class is what selects the engine's paths). Every forward of it
+    goes through this root, `completion_logprobs` or `run`, so that the root's parameters are gathered around
+    it; a forward without gradient frees them after (one with gradient keeps them for its backward, which
+    reduce-scatters the gradients). Its forwards are collectives: every rank runs the same ones in order."""
 
-    def __init__(self, policy: Any, *, per_layer: bool) -> None:
+    def __init__(self, model: Any) -> None:
         # FSDP2 is slow to import: only the ranks of an fsdp job pay for it.
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
 
         super().__init__()
-        self.policy = policy
-        device = next(policy.parameters()).device
+        self.policy = model
+        device = next(model.parameters()).device
         mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-        if per_layer:
-            for layer in decoder_layers(policy):
-                fully_shard(layer, mesh=mesh)
+        for layer in decoder_layers(model):
+            fully_shard(layer, mesh=mesh)
         fully_shard(self, mesh=mesh)
         register_fsdp_forward_method(self, "completion_logprobs")
+        register_fsdp_forward_method(self, "_run")
 
     def completion_logprobs(self, *args: Any, **kwargs: Any) -> tuple[Tensor, Tensor | None]:
         logps, entropy = completion_logprobs(self.policy, *args, **kwargs)
         # Fresh tensors, not views: FSDP's backward hooks sit on the outputs (an in-place op on a view drops them).
         return logps.clone(), None if entropy is None else entropy.clone()
+
+    def logprobs(self, *args: Any, **kwargs: Any) -> tuple[Tensor, Tensor | None]:
+        """`completion_logprobs`, the root freed after when no gradient is taken."""
+        out = self.completion_logprobs(*args, **kwargs)
+        if not torch.is_grad_enabled():
+            self.reshard()  # type: ignore[operator]  # FSDPModule's, mixed in by fully_shard
+        return out
+
+    def run(self, compute: Callable[[], T]) -> T:
+        """`compute()`, a computation without gradient that calls the model's own forward (sampling, greedy
+        decoding), as a forward of the root: the root's parameters gathered around it and freed after, each
+        layer's gathered by its own forward. The first forward through a ShardedPolicy must be one of its own
+        (FSDP takes the first unit that runs as the root)."""
+        with torch.no_grad():
+            out = self._run(compute)
+        self.reshard()  # type: ignore[operator]  # FSDPModule's, mixed in by fully_shard
+        return out
+
+    def _run(self, compute: Callable[[], T]) -> T:
+        return compute()
+
+
+def meta_copy(model: Any) -> Any:
+    """`model`'s structure with every parameter and buffer on the meta device (no data): what a full state dict
+    is loaded into (`load_state_dict(assign=True)`) for a consolidated checkpoint. Call it before sharding."""
+    memo: dict[int, Any] = {}
+    for tensor in [*model.parameters(), *model.buffers()]:
+        empty = torch.empty_like(tensor, device="meta")
+        memo[id(tensor)] = (
+            torch.nn.Parameter(empty, requires_grad=tensor.requires_grad)
+            if isinstance(tensor, torch.nn.Parameter)
+            else empty
+        )
+    return copy.deepcopy(model, memo)
 
 
 _PREFIX = "policy."

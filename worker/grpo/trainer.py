@@ -131,7 +131,7 @@ class GRPOTrainer:
                 device=device,
                 resume_dir=None if checkpoint is None else checkpoint.path,
             )
-        choose_backend(self.models, config, backend)
+        choose_backend(self.models, config, backend, sharded=ranks.distributed and config.resolved_parallelism() == "fsdp")
         # One process, or this rank's part of a job on several devices (hooks: rank 0 only).
         self.parallel = Parallel.wrap(self.models, ranks, config.resolved_parallelism(), config.loss_type)
         self.loss_settings = LossSettings.from_config(config)
@@ -156,7 +156,7 @@ class GRPOTrainer:
         with self.backend:
             if self.step == 0 and self._evaluates():
                 # The starting point, so every later eval has something to be compared with.
-                self._report_eval(0, self.parallel.on_main(lambda: self._evaluate(0)))
+                self._report_eval(0, self._evaluate(0))
             while self.step < self.total_steps and self.unhealthy is None:
                 if self.parallel.from_main(self.should_stop is not None and self.should_stop()):
                     stopped = True
@@ -213,7 +213,7 @@ class GRPOTrainer:
         )
         every = self.config.eval_every
         if every and self.eval_rows and (step % every == 0 or step == self.total_steps):
-            self.evaluations[step] = self.parallel.on_main(lambda: self._evaluate(step))
+            self.evaluations[step] = self._evaluate(step)
             metrics.update(self.evaluations[step])
         metrics = self.parallel.from_main(metrics)  # rank 0's timings: every rank decides on the same values
         samples = (
@@ -432,7 +432,6 @@ class GRPOTrainer:
         self.models.optimizer.step()
         self.models.scheduler.step()
         self.models.optimizer.zero_grad(set_to_none=True)
-        self.parallel.after_update()
         return grad_norm
 
     # --- 3. metrics, samples, eval, checkpoint -------------------------------------------------
@@ -457,36 +456,65 @@ class GRPOTrainer:
                 self.unhealthy = finding
 
     def _evaluate(self, step: int) -> dict[str, float]:
-        """The eval set, and the retain set (skills to keep) under eval/retain/."""
-        metrics = self._evaluate_rows(self.eval_rows, "eval/", step)
+        """The eval set, and the retain set (skills to keep) under eval/retain/; the same metrics on every rank.
+        Rank 0 alone scores (it talks to the reward endpoints). It alone generates too, unless the policy's
+        forwards are collectives (fsdp): then every rank generates the same completions and joins each forward."""
+        if not self.parallel.forwards_together:
+            return self.parallel.on_main(lambda: self._evaluate_sets(step, lambda compute: compute()))
+        return self._evaluate_sets(step, self.parallel.on_main)
+
+    def _evaluate_sets(self, step: int, scored: Callable[[Callable[[], dict[str, float]]], dict[str, float]]) -> dict[str, float]:
+        metrics = self._evaluate_rows(self.eval_rows, "eval/", step, scored)
         if self.retain_rows:
-            metrics.update(self._evaluate_rows(self.retain_rows, "eval/retain/", step))
+            metrics.update(self._evaluate_rows(self.retain_rows, "eval/retain/", step, scored))
         return metrics
 
-    def _evaluate_rows(self, all_rows: list[PromptRow], prefix: str, step: int) -> dict[str, float]:
+    def _evaluate_rows(
+        self,
+        all_rows: list[PromptRow],
+        prefix: str,
+        step: int,
+        scored: Callable[[Callable[[], dict[str, float]]], dict[str, float]],
+    ) -> dict[str, float]:
         """The first eval_samples prompts: one greedy completion each (mean reward, accuracy) and
-        G sampled ones (pass@G); see worker.grpo.evaluation for the names."""
+        G sampled ones (pass@G); see worker.grpo.evaluation for the names. `scored(compute)`: the metrics
+        `compute` scores (on rank 0, its result on every rank, when every rank generates)."""
         rows = all_rows[: self.config.eval_samples]
         prompts = [render_prompt(self.models.tokenizer, row.prompt) for row in rows]
-        rollout = greedy_generate(self.models.policy, self.models.tokenizer, prompts, self.config)
-        items = reward_inputs(rollout, rows, prompts)
-        result = self.backend.score(self.reward.score(items, step=step)).result()
-        metrics = greedy_metrics(result.total, prefix)
-        metrics.update({f"{prefix}{name}": value for name, value in result.metrics.items()})
+        synced = self.parallel.forwards_together
+        rollout = self.parallel.run_policy(
+            lambda: greedy_generate(self.models.policy, self.models.tokenizer, prompts, self.config, synced=synced)
+        )
+
+        def greedy() -> dict[str, float]:
+            result = self.backend.score(self.reward.score(reward_inputs(rollout, rows, prompts), step=step)).result()
+            metrics = greedy_metrics(result.total, prefix)
+            metrics.update({f"{prefix}{name}": value for name, value in result.metrics.items()})
+            return metrics
+
+        metrics = scored(greedy)
         if f"{prefix}accuracy" in metrics:  # binary reward: how often can the model answer at all?
             seed = (self.config.seed * 1_000_003 + step * 101 + 97) % (2**63)
-            sampled = generate_rollout(
-                self.models.policy, self.models.tokenizer, prompts, self.config, generator_seed=seed,
-                fast=self.models.fast,
+            sampled = self.parallel.run_policy(
+                lambda: generate_rollout(
+                    self.models.policy, self.models.tokenizer, prompts, self.config, generator_seed=seed,
+                    fast=self.models.fast, lockstep=self.parallel.lockstep,
+                )
             )
-            scored = self.backend.score(self.reward.score(reward_inputs(sampled, rows, prompts), step=step)).result()
-            metrics.update(pass_at_k(scored.total, sampled.group_size, prefix))
+
+            def at_k() -> dict[str, float]:
+                items = reward_inputs(sampled, rows, prompts)
+                total = self.backend.score(self.reward.score(items, step=step)).result().total
+                return pass_at_k(total, sampled.group_size, prefix)
+
+            metrics.update(scored(at_k))
         return metrics
 
     def _save(self) -> None:
         # Sharded state first (every rank writes its shards); rank 0 then writes the checkpoint around it.
         sharded = self.parallel.save_sharded(self.output_dir / f".sharded-{self.step}")
         optimizer_state = self.parallel.optimizer_state()  # gathered from every rank when fsdp spans nodes
+        model = self.parallel.consolidated_policy()  # gathered from every rank's shards with fsdp
         self._saved_step = self.step
         if not self.parallel.ranks.is_main:
             return
@@ -501,7 +529,7 @@ class GRPOTrainer:
         path, manifest = save_checkpoint(
             self.output_dir,
             step=self.step,
-            model=self.models.policy,
+            model=model,
             tokenizer=self.models.tokenizer,
             config=self.config,
             trainer_state=state,

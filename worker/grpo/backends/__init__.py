@@ -42,11 +42,17 @@ def fused_applies(models: ModelBundle, config: GRPOConfig) -> bool:
     return models.policy.device.type == "cpu" and fast_decoder.supports(models.policy, longest)
 
 
-def choose_backend(models: ModelBundle, config: GRPOConfig, name: BackendName = "auto") -> None:
+def choose_backend(
+    models: ModelBundle, config: GRPOConfig, name: BackendName = "auto", *, sharded: bool = False
+) -> None:
     """Choose this run's backend, once, before anything wraps the model (`auto`: fused where it applies, else
     hf): sets `models.fast`, the fast path the module-level functions (log-probs, sampling, reference) and
-    the distributed wrappers follow, so every path makes the same choice."""
-    models.fast = fast_path_for(models, config, name)
+    the distributed wrappers follow, so every path makes the same choice. `sharded` (fsdp on several ranks):
+    always hf, whose module forward gathers one decoder layer at a time; the fused path reads every layer's
+    weights in one function, so FSDP would have to gather the whole policy as one unit for it."""
+    if sharded and name == "fused":
+        raise ValueError("fsdp shards the policy through the module forward: use the hf backend")
+    models.fast = None if sharded else fast_path_for(models, config, name)
 
 
 def backend_for(

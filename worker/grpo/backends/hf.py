@@ -64,7 +64,7 @@ class ModuleBackend:
         self.rollouts: NativeRollout | VLLMRollout = (
             VLLMRollout(models, config, output_dir)
             if config.use_vllm
-            else NativeRollout(models.policy, models.tokenizer, config, fast=models.fast)
+            else NativeRollout(models.policy, models.tokenizer, config, fast=models.fast, lockstep=parallel.lockstep)
         )
 
     uses_side_lane = False
@@ -82,8 +82,10 @@ class ModuleBackend:
     # --- rollout and rewards -------------------------------------------------------------------
 
     def generate(self, prompts: list[str], seeds: list[int]) -> Rollout:
-        """G samples of each prompt, seeded per group."""
-        return self.rollouts.generate(prompts, generator_seed=seeds, side=self.lanes.side)
+        """G samples of each prompt, seeded per group (through the sharded root with fsdp)."""
+        return self.parallel.run_policy(
+            lambda: self.rollouts.generate(prompts, generator_seed=seeds, side=self.lanes.side)
+        )
 
     def score(self, coro: Coroutine[Any, Any, T]) -> Future[T]:
         """Run a reward coroutine on the reward loop while torch works here."""
@@ -123,7 +125,7 @@ class ModuleBackend:
         """(N, C) log-probs of the completions under the reference policy."""
         completion_length = rollout.completion_ids.shape[1]
         return torch.cat([
-            self.models.reference_logps(
+            self.parallel.reference_logps(
                 rollout.input_ids[rows], rollout.attention_mask[rows], completion_length,
                 temperature=self.config.temperature,
             )
