@@ -31,3 +31,11 @@ def test_glibc_accepts_the_thresholds(monkeypatch: pytest.MonkeyPatch) -> None:
     """mallopt returns 1 for both (a threshold over glibc's cap would be refused and return 0)."""
     monkeypatch.setattr(allocator, "_applied", None)
     assert allocator.keep_freed_memory()
+
+
+@pytest.mark.skipif(
+    not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc", reason="glibc only"
+)
+def test_glibc_accepts_the_thresholds_that_return_freed_memory() -> None:
+    """A fixed mmap threshold (an fsdp rank's): glibc accepts it and stops raising its own."""
+    assert allocator.return_freed_memory()

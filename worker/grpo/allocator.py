@@ -10,6 +10,13 @@ MALLOC_MMAP_THRESHOLD_ / MALLOC_TRIM_THRESHOLD_ environment variables), so a ste
 previous step's pages. Blocks over the mmap threshold (32 MiB, glibc's maximum) are still
 mapped and unmapped per use. Peak RSS is unchanged (the pages were resident at the peak anyway);
 the process just does not shrink between steps. Elsewhere than glibc Linux it does nothing.
+
+`return_freed_memory()` is the opposite, for a rank of an fsdp job: it gathers each layer's weights (and
+their gradients) for a moment, many times a step, and frees them after. Kept in the process, those blocks
+(and the holes between them in the heap) make each rank's resident memory several times what its shards
+and one gathered layer need. A fixed mmap threshold of 1 MiB (fixed: glibc's own threshold rises with every
+block freed, which would put the next gathers back on the heap) maps every block of that size or more on its
+own and unmaps it when freed, at the price of zero-filled pages for each.
 """
 
 from __future__ import annotations
@@ -26,6 +33,9 @@ _M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD = 32 * 2**20
 # Free memory at the heap top kept before trimming: well above one step's working set.
 TRIM_THRESHOLD = 1024 * 2**20
+# return_freed_memory: blocks from this size up are mapped on their own (a gathered layer's tensors are larger).
+RETURN_MMAP_THRESHOLD = 2**20
+RETURN_TRIM_THRESHOLD = 128 * 2**10  # glibc's default
 
 _applied: bool | None = None
 
@@ -36,6 +46,11 @@ def keep_freed_memory() -> bool:
     if _applied is None:
         _applied = _mallopt({_M_MMAP_THRESHOLD: MMAP_THRESHOLD, _M_TRIM_THRESHOLD: TRIM_THRESHOLD})
     return _applied
+
+
+def return_freed_memory() -> bool:
+    """Hand large freed blocks back to the kernel (the module docstring says when); True when glibc accepted."""
+    return _mallopt({_M_MMAP_THRESHOLD: RETURN_MMAP_THRESHOLD, _M_TRIM_THRESHOLD: RETURN_TRIM_THRESHOLD})
 
 
 def _mallopt(settings: dict[int, int]) -> bool:

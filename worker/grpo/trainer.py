@@ -33,7 +33,7 @@ from torch import Tensor
 
 from contract.config import GRPOConfig
 from worker.grpo.advantages import decoupled_advantages, group_advantages
-from worker.grpo.allocator import keep_freed_memory
+from worker.grpo.allocator import keep_freed_memory, return_freed_memory
 from worker.grpo.backends import BackendName, backend_for, choose_backend
 from worker.grpo.batch import (
     Generated,
@@ -118,10 +118,14 @@ class GRPOTrainer:
         self.checkpoint_metadata = checkpoint_metadata or {}
         self.total_steps = config.total_steps(len(train_rows))
         seed_everything(config.seed)
-        keep_freed_memory()  # each step reuses the last one's pages (no page faults per tensor)
+        ranks = ranks or Ranks()
+        sharded = ranks.distributed and config.resolved_parallelism() == "fsdp"
+        if sharded:
+            return_freed_memory()  # each rank's memory is its shards and one gathered layer (allocator.py)
+        else:
+            keep_freed_memory()  # each step reuses the last one's pages (no page faults per tensor)
         checkpoint = load_checkpoint(resume_from) if resume_from is not None else None
         cache_dir = model_cache_dir or self.output_dir / "models"
-        ranks = ranks or Ranks()
         with main_first(ranks):  # rank 0 fills the shared model cache
             self.models: ModelBundle = build_model_bundle(
                 base_model,
@@ -131,7 +135,7 @@ class GRPOTrainer:
                 device=device,
                 resume_dir=None if checkpoint is None else checkpoint.path,
             )
-        choose_backend(self.models, config, backend, sharded=ranks.distributed and config.resolved_parallelism() == "fsdp")
+        choose_backend(self.models, config, backend, sharded=sharded)
         # One process, or this rank's part of a job on several devices (hooks: rank 0 only).
         self.parallel = Parallel.wrap(self.models, ranks, config.resolved_parallelism(), config.loss_type)
         self.loss_settings = LossSettings.from_config(config)
