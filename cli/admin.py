@@ -135,11 +135,11 @@ def quotas_command(
     from pydantic import ValidationError
 
     from contract.api.quotas import QUOTA_NAMES, QuotaLimits
+    from service.admin import quotas as quota_admin
     from service.grpc.errors import from_validation_error
     from service.kit.db import session_scope
     from service.kit.errors import DomainError
     from service.kit.queue import get_job_queue
-    from service.quotas import admin as quota_admin
     from service.quotas import service as quota_service
     from service.tenants import service as tenants
 

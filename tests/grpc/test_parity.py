@@ -22,6 +22,7 @@ from contract.gen.grpo.v1 import (
     reward_functions_pb2,
     usage_pb2,
 )
+from service.admin import endpoints as quotas_rest
 from service.checkpoints import endpoints as checkpoints_rest
 from service.datasets import endpoints as datasets_rest
 from service.grpc import watch
@@ -33,7 +34,6 @@ from service.grpc.servicers import quotas as quotas_grpc
 from service.grpc.servicers import rewards as rewards_grpc
 from service.grpc.servicers import usage as usage_grpc
 from service.jobs import endpoints as jobs_rest
-from service.quotas import endpoints as quotas_rest
 from service.rewards import endpoints as rewards_rest
 from service.tenants import endpoints as api_keys_rest
 from service.usage import endpoints as usage_rest
