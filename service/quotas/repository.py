@@ -4,14 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sqlalchemy import func, select, update
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from service.datasets.models import Dataset
 from service.jobs.models import Job
 from service.jobs.states import WORKER_OWNED, JobStatus
 from service.quotas.models import TenantQuota
-from service.tenants.models import Tenant
 
 _OWNED = [state.value for state in WORKER_OWNED]
 
@@ -23,17 +22,6 @@ def get_override(session: Session, tenant_id: str) -> TenantQuota | None:
 def add(session: Session, row: TenantQuota) -> None:
     session.add(row)
     session.flush()
-
-
-def lock_tenant(session: Session, tenant_id: str) -> bool:
-    """Serialise quota checks of one tenant until the transaction ends (a row lock on PostgreSQL, the write lock
-    on SQLite), so two requests at once cannot both take the last unit. False if the tenant does not exist."""
-    result = session.execute(
-        update(Tenant).where(Tenant.id == tenant_id).values(name=Tenant.name).execution_options(
-            synchronize_session=False
-        )
-    )
-    return bool(result.rowcount == 1)  # type: ignore[attr-defined]
 
 
 @dataclass(frozen=True)

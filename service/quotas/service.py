@@ -83,7 +83,7 @@ def check_can_queue(session: Session, tenant_id: str, devices: int, *, resuming:
     """Before a job of `devices` devices becomes queued: QuotaExceeded past max_queued_jobs (a created job
     counts the tenant's queued and paused jobs, a resumed one its queued jobs: see the module docstring), or
     when the job alone needs more than max_devices."""
-    repository.lock_tenant(session, tenant_id)
+    tenants_repository.lock_tenant(session, tenant_id)
     limits = limits_for(session, tenant_id)
     use = repository.usage(session, tenant_id)
     if limits.max_devices is not None and devices > limits.max_devices:
@@ -99,7 +99,7 @@ def check_can_queue(session: Session, tenant_id: str, devices: int, *, resuming:
 
 def check_dataset_storage(session: Session, tenant_id: str, size: int) -> None:
     """Before a dataset of `size` bytes is recorded: QuotaExceeded past max_dataset_storage_bytes."""
-    repository.lock_tenant(session, tenant_id)
+    tenants_repository.lock_tenant(session, tenant_id)
     limit = limits_for(session, tenant_id).max_dataset_storage_bytes
     if limit is None:
         return
@@ -131,8 +131,8 @@ def get_quotas(session: Session, tenant_id: str) -> QuotasOut:
 
 def set_overrides(session: Session, tenant_id: str, overrides: QuotaLimits) -> QuotasOut:
     """Replace the tenant's overrides (a null field: the service default). Callers use
-    service.quotas.admin.update_quotas, which also wakes the jobs a raised limit lets start."""
-    if not repository.lock_tenant(session, tenant_id):
+    service.admin.quotas.write_quotas, which also wakes the jobs a raised limit lets start."""
+    if not tenants_repository.lock_tenant(session, tenant_id):
         raise NotFound("tenant", tenant_id)
     row = repository.get_override(session, tenant_id)
     if row is None:
