@@ -140,7 +140,6 @@ def quotas_command(
     from service.kit.db import session_scope
     from service.kit.errors import DomainError
     from service.kit.queue import get_job_queue
-    from service.quotas import service as quota_service
     from service.tenants import service as tenants
 
     changes = {
@@ -152,7 +151,7 @@ def quotas_command(
     try:
         with session_scope() as session:
             row = tenants.find_tenant(session, tenant)
-            result = quota_service.get_quotas(session, row.id)
+            result = quota_admin.quotas_of(session, row.id)
             if any(value is not None for value in changes.values()):
                 current = result.overrides.model_dump()
                 values = {

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from service.datasets.models import Dataset
@@ -30,3 +30,13 @@ def list_page(session: Session, tenant_id: str, *, limit: int, after: str | None
 def add(session: Session, dataset: Dataset) -> None:
     session.add(dataset)
     session.flush()
+
+
+def stored_bytes(session: Session, tenant_id: str) -> int:
+    """Bytes of the tenant's datasets that are not deleted: what the max_dataset_storage_bytes quota counts."""
+    stored = session.scalar(
+        select(func.coalesce(func.sum(Dataset.bytes), 0)).where(
+            Dataset.tenant_id == tenant_id, Dataset.deleted_at.is_(None)
+        )
+    )
+    return int(stored or 0)

@@ -53,7 +53,7 @@ def clean_name(name: str | None, fallback: str | None) -> str:
 def create_dataset(session: Session, tenant_id: str, name: str, ingest: DatasetIngest) -> Dataset:
     """Finish the upload (raises DatasetInvalid, removing the blob) and record the dataset. Past the tenant's
     storage quota: QuotaExceeded, before the blob is committed (the caller aborts the ingest)."""
-    quotas.check_dataset_storage(session, tenant_id, ingest.bytes_received)
+    quotas.check_dataset_storage(session, tenant_id, ingest.bytes_received, repository.stored_bytes)
     result = ingest.finish()
     row = Dataset(
         id=ingest.dataset_id,

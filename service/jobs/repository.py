@@ -16,6 +16,7 @@ from service.jobs.models import IdempotencyKey, Job, JobEvent, JobMetric, JobSam
 from service.jobs.states import UNFINISHED, WORKER_OWNED, JobStatus
 from service.kit.reads import Reads, one_or_none
 from service.quotas.models import TenantQuota
+from service.quotas.service import JobLoad
 from service.rewards.models import RewardFunction
 
 
@@ -81,6 +82,23 @@ async def list_jobs(
     stmt = _job_page(status is not None, before_id is not None)
     params = {"tenant_id": tenant_id, "status": status, "before_id": before_id, "limit": limit}
     return await reads.all(stmt, params)
+
+
+def job_load(session: Session, tenant_id: str) -> JobLoad:
+    """What the tenant's jobs take of its job quotas (service.quotas.service.check_can_queue)."""
+    owned = Job.status.in_([state.value for state in WORKER_OWNED])
+    row = session.execute(
+        select(
+            func.count().filter(owned),
+            func.count().filter(Job.status == JobStatus.queued.value),
+            func.count().filter(Job.status == JobStatus.paused.value),
+            func.coalesce(func.sum(Job.devices).filter(owned), 0),
+        ).where(
+            Job.tenant_id == tenant_id,
+            Job.status.in_([*(state.value for state in WORKER_OWNED), JobStatus.queued.value, JobStatus.paused.value]),
+        )
+    ).one()
+    return JobLoad(running_jobs=int(row[0]), queued_jobs=int(row[1]), paused_jobs=int(row[2]), devices=int(row[3]))
 
 
 def job_uses_dataset(session: Session, tenant_id: str, dataset_id: str, statuses: Sequence[str]) -> bool:

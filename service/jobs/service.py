@@ -50,7 +50,7 @@ def create_job(session: Session, tenant_id: str, spec: JobSpec, queue: JobQueue)
     `queued`, and enqueue it once committed."""
     check_resources(spec)
     devices = job_devices(spec)
-    quotas.check_can_queue(session, tenant_id, devices)
+    quotas.check_can_queue(session, tenant_id, devices, repository.job_load)
     budget.refuse_if_tenant_exhausted(session, tenant_id)
     check_references(session, tenant_id, spec)
     now = utcnow()
@@ -386,7 +386,7 @@ def resume_job(session: Session, tenant_id: str, job_id: str, queue: JobQueue) -
             f"job {job.id!r} is {job.status}: only a paused job can be resumed",
             details={"current_status": job.status, "requested_status": JobStatus.queued.value},
         )
-    quotas.check_can_queue(session, tenant_id, job.devices, resuming=True)
+    quotas.check_can_queue(session, tenant_id, job.devices, repository.job_load, resuming=True)
     budget.refuse_if_exhausted(session, job)
     job.resume_checkpoint_id = (
         checkpoints_repository.latest_checkpoint_id(session, job.id) or job.resume_checkpoint_id
