@@ -10,9 +10,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 from sqlalchemy.orm import Session
 
+from contract.api.checkpoints import CheckpointList
 from contract.api.jobs import EventList, JobList, JobOut, MetricsOut, SampleList
 from contract.fields import INT32_MAX, INT64_MAX, Text
 from contract.spec import JobSpec
+from service.checkpoints.schemas import checkpoint_out
 from service.jobs import service
 from service.jobs.idempotency import request_hash, run_idempotent
 from service.jobs.schemas import event_out, job_out, sample_out
@@ -243,6 +245,18 @@ def list_samples(
     )
     data = [sample_out(row) for row in rows]
     return SampleList(data=data, has_more=has_more, next_after=data[-1].id if has_more else None)
+
+
+@router.get(
+    "/jobs/{job_id}/checkpoints",
+    response_model=CheckpointList,
+    summary="List a job's checkpoints",
+    responses=error_responses(401, 404),
+    tags=["checkpoints"],
+)
+def list_checkpoints(job_id: PathId, tenant: CurrentTenant, session: SessionDep) -> CheckpointList:
+    rows = service.list_job_checkpoints(session, tenant.tenant_id, job_id)
+    return CheckpointList(data=[checkpoint_out(row) for row in rows])
 
 
 # One SSE message (OpenAPI 3.1: a text/event-stream schema describes each message). The first message

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 STATUS_EVENT = "status"  # every transition (service.jobs.states.transition)
 METRICS_EVENT = "metrics"  # a step's metrics (service.jobs.progress.record_metrics)
-CHECKPOINT_EVENT = "checkpoint"  # a registered checkpoint (service.checkpoints.service)
+CHECKPOINT_EVENT = "checkpoint"  # a registered checkpoint (service.jobs.progress.record_checkpoint)
 HEALTH_EVENT = "health"  # a training-health finding (worker.grpo.health, written by the worker)
 BUDGET_EXHAUSTED_EVENT = "budget_exhausted"  # a budget paused the job (service.usage.budget, worker.reporting)
 EVAL_PREFIX = "eval/"  # metric names of evaluations: a metrics event carrying one is an evaluation

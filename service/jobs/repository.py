@@ -223,6 +223,12 @@ def metric_rows(
     return [(row.step, row.name, row.value) for row in rows]
 
 
+def metrics_at_step(session: Session, job_id: str, step: int) -> dict[str, float]:
+    """{name: value} of the metrics recorded at `step` (a checkpoint's metrics unless the worker names them)."""
+    stmt = select(JobMetric.name, JobMetric.value).where(JobMetric.job_id == job_id, JobMetric.step == step)
+    return {row.name: row.value for row in session.execute(stmt)}
+
+
 def delete_step_samples(session: Session, job_id: str, step: int) -> None:
     session.execute(delete(JobSample).where(JobSample.job_id == job_id, JobSample.step == step))
 

@@ -299,6 +299,11 @@ def list_samples(
     return page(rows, limit)
 
 
+def list_job_checkpoints(session: Session, tenant_id: str, job_id: str) -> Sequence[Checkpoint]:
+    get_job(session, tenant_id, job_id)
+    return checkpoints_repository.list_for_job(session, job_id)
+
+
 def dataset_in_use(session: Session, tenant_id: str, dataset_id: str) -> bool:
     """True while an unfinished job (not succeeded/failed/cancelled) trains or evaluates on the dataset."""
     return repository.job_uses_dataset(session, tenant_id, dataset_id, [s.value for s in UNFINISHED])

@@ -62,7 +62,8 @@ OPERATIONS: list[tuple[str, ModuleType, str, tuple[ModuleType, ...], str]] = [
     ("GET /v1/jobs/{job_id}/samples", jobs_rest, "JobService.ListJobSamples", (jobs_grpc,), "service.list_samples"),
     # Following a job: SSE of event rows over REST, typed WatchJob over gRPC; both check ownership first.
     ("GET /v1/jobs/{job_id}/stream", jobs_rest, "JobService.WatchJob", (jobs_grpc, watch), "service.read_job"),
-    ("GET /v1/jobs/{job_id}/checkpoints", checkpoints_rest, "CheckpointService.ListCheckpoints", (checkpoints_grpc,), "service.list_job_checkpoints"),
+    # The jobs domain's: `service.` over REST (jobs/endpoints), `jobs.` over gRPC.
+    ("GET /v1/jobs/{job_id}/checkpoints", jobs_rest, "CheckpointService.ListCheckpoints", (checkpoints_grpc,), "list_job_checkpoints"),
     ("GET /v1/checkpoints/{checkpoint_id}", checkpoints_rest, "CheckpointService.GetCheckpoint", (checkpoints_grpc,), "service.get_checkpoint"),
     # Per-file Range download over REST; DownloadCheckpoint streams every (or the chosen) files with offsets.
     ("GET /v1/checkpoints/{checkpoint_id}/files/{path}", checkpoints_rest, "CheckpointService.DownloadCheckpoint", (checkpoints_grpc,), "service.manifest_entry"),
