@@ -15,15 +15,23 @@ from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 
 from contract.api.jobs import JobOut, MetricSeries, MetricsOut
+from contract.api.usage import Estimate, JobUsage
 from contract.fields import INT32_MAX
-from contract.spec import BUILTIN_PREFIX, GraderRewardSpec, JobSpec, ModelRewardSpec, reward_function_refs
+from contract.spec import (
+    BUILTIN_PREFIX,
+    GraderRewardSpec,
+    JobBudget,
+    JobSpec,
+    ModelRewardSpec,
+    reward_function_refs,
+)
 from service.checkpoints import repository as checkpoints_repository
 from service.checkpoints import retention
 from service.checkpoints.models import Checkpoint
 from service.datasets.models import Dataset
 from service.datasets.service import first_row_missing
 from service.jobs import model_sources, repository
-from service.jobs.events import STATUS_EVENT
+from service.jobs.events import BUDGET_EXHAUSTED_EVENT, STATUS_EVENT
 from service.jobs.model_sources import ModelSourceKind, ModelSourcePolicy, ModelSourceRefused
 from service.jobs.models import Job, JobEvent
 from service.jobs.schemas import job_out
@@ -37,7 +45,9 @@ from service.kit.queue import JobQueue, queue_name, send_job_logged
 from service.kit.reads import Reads
 from service.quotas import service as quotas
 from service.storage import Storage, job_prefix
-from service.usage import budget
+from service.usage import budget as budgets
+from service.usage import service as usage
+from service.usage.budget import Exhausted
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +61,7 @@ def create_job(session: Session, tenant_id: str, spec: JobSpec, queue: JobQueue)
     check_resources(spec)
     devices = job_devices(spec)
     quotas.check_can_queue(session, tenant_id, devices, repository.job_load)
-    budget.refuse_if_tenant_exhausted(session, tenant_id)
+    budgets.refuse_if_tenant_exhausted(session, tenant_id)
     check_references(session, tenant_id, spec)
     now = utcnow()
     job = Job(
@@ -304,6 +314,20 @@ def list_job_checkpoints(session: Session, tenant_id: str, job_id: str) -> Seque
     return checkpoints_repository.list_for_job(session, job_id)
 
 
+def job_usage(session: Session, tenant_id: str, job_id: str) -> JobUsage:
+    """The job's usage per step and its budget's state (service.usage.service.usage_of)."""
+    return usage.usage_of(session, get_job(session, tenant_id, job_id))
+
+
+def estimate(session: Session, tenant_id: str, spec: JobSpec) -> Estimate:
+    """Expected usage of `spec` (service.usage.service.estimate_spec), validated like a submission (422 naming
+    the field)."""
+    check_references(session, tenant_id, spec)
+    dataset = session.get(Dataset, spec.train_dataset)
+    assert dataset is not None  # check_references: the tenant's live dataset
+    return usage.estimate_spec(session, spec, train_rows=dataset.num_rows, train_bytes=dataset.bytes)
+
+
 def dataset_in_use(session: Session, tenant_id: str, dataset_id: str) -> bool:
     """True while an unfinished job (not succeeded/failed/cancelled) trains or evaluates on the dataset."""
     return repository.job_uses_dataset(session, tenant_id, dataset_id, [s.value for s in UNFINISHED])
@@ -392,7 +416,7 @@ def resume_job(session: Session, tenant_id: str, job_id: str, queue: JobQueue) -
             details={"current_status": job.status, "requested_status": JobStatus.queued.value},
         )
     quotas.check_can_queue(session, tenant_id, job.devices, repository.job_load, resuming=True)
-    budget.refuse_if_exhausted(session, job)
+    budgets.refuse_if_exhausted(session, job)
     job.resume_checkpoint_id = (
         checkpoints_repository.latest_checkpoint_id(session, job.id) or job.resume_checkpoint_id
     )
@@ -410,3 +434,46 @@ def _event(session: Session, job: Job, type_: str, message: str) -> None:
         )
     )
     session.flush()
+
+
+# --- budgets (service.usage.budget) --------------------------------------------------------------------
+
+
+def set_job_budget(session: Session, tenant_id: str, job_id: str, budget: JobBudget | None) -> Job:
+    """Replace the job's budget (None removes it). A running job sees it at its next step; a job paused with
+    `budget_exhausted` can be resumed once it allows more. Refused (409) for a finished job."""
+    job = get_job(session, tenant_id, job_id, for_update=True)
+    if JobStatus(job.status) in TERMINAL:
+        raise IllegalTransition(
+            f"job {job.id!r} is {job.status}: a finished job's budget cannot change",
+            details={"current_status": job.status},
+        )
+    value = None if budget is None else budget.model_dump(mode="json")
+    job.spec = {**job.spec, "budget": value}
+    job.updated_at = utcnow()
+    session.add(JobEvent(
+        job_id=job.id, type="budget_changed", message=f"budget set to {value}", data={"budget": value},
+        attempt=job.attempt, created_at=utcnow(),
+    ))
+    session.flush()
+    return job
+
+
+def pause_if_exhausted(session: Session, job: Job) -> Exhausted | None:
+    """At claim, before an attempt starts: a job (queued, or running with an expired lease) whose budget or
+    tenant cap is reached is paused with `budget_exhausted`, the event and error the step check writes, and no
+    step runs. Returns the limit, or None when the job may start. Never commits."""
+    reached = budgets.exhausted(session, job)
+    if reached is None:
+        return None
+    message = f"{BUDGET_EXHAUSTED_EVENT} before attempt {job.attempt + 1} started: {reached.message}"
+    session.add(JobEvent(
+        job_id=job.id, type=BUDGET_EXHAUSTED_EVENT, message=message,
+        data={"step": job.current_step, **reached.as_data()}, attempt=job.attempt, step=job.current_step,
+        created_at=utcnow(),
+    ))
+    transition(session, job, JobStatus.paused, reason=message)
+    job.error_code = BUDGET_EXHAUSTED_EVENT
+    job.error_message = f"{reached.message}; raise it (PATCH /v1/jobs/{job.id}) and resume the job"
+    session.flush()
+    return reached

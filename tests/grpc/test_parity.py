@@ -73,9 +73,10 @@ OPERATIONS: list[tuple[str, ModuleType, str, tuple[ModuleType, ...], str]] = [
     ("GET /v1/admin/tenants/{tenant_id}/quotas", quotas_rest, "QuotaService.GetTenantQuotas", (quotas_grpc,), "admin.read_quotas"),
     ("PUT /v1/admin/tenants/{tenant_id}/quotas", quotas_rest, "QuotaService.SetTenantQuotas", (quotas_grpc,), "admin.write_quotas"),
     ("GET /v1/usage", usage_rest, "UsageService.GetUsage", (usage_grpc,), "service.report"),
-    ("GET /v1/jobs/{job_id}/usage", usage_rest, "UsageService.GetJobUsage", (usage_grpc,), "service.job_usage"),
-    ("POST /v1/jobs/estimate", usage_rest, "UsageService.EstimateJob", (usage_grpc,), "service.estimate"),
-    ("PATCH /v1/jobs/{job_id}", usage_rest, "UsageService.UpdateJobBudget", (usage_grpc,), "service.set_job_budget"),
+    # The jobs domain's, like ListCheckpoints.
+    ("GET /v1/jobs/{job_id}/usage", jobs_rest, "UsageService.GetJobUsage", (usage_grpc,), "job_usage"),
+    ("POST /v1/jobs/estimate", jobs_rest, "UsageService.EstimateJob", (usage_grpc,), "estimate"),
+    ("PATCH /v1/jobs/{job_id}", jobs_rest, "UsageService.UpdateJobBudget", (usage_grpc,), "set_job_budget"),
 ]
 # The tar archive is a REST convenience for browsers and curl; gRPC clients use DownloadCheckpoint.
 # The plot is a PNG for browsers (gRPC clients plot GetJobMetrics). Webhook registration is REST-only:
