@@ -19,6 +19,14 @@ def get(session: Session, tenant_id: str, dataset_id: str, *, for_update: bool =
     return session.scalars(stmt).one_or_none()
 
 
+def live(session: Session, tenant_id: str, ids: Sequence[str]) -> dict[str, Dataset]:
+    """{id: row} of those of `ids` that are the tenant's."""
+    if not ids:
+        return {}
+    stmt = select(Dataset).where(Dataset.tenant_id == tenant_id, Dataset.id.in_(ids), Dataset.deleted_at.is_(None))
+    return {row.id: row for row in session.scalars(stmt)}
+
+
 def list_page(session: Session, tenant_id: str, *, limit: int, after: str | None) -> Sequence[Dataset]:
     """Newest first; `after` is the last id of the previous page. Returns up to `limit` rows."""
     stmt = select(Dataset).where(Dataset.tenant_id == tenant_id, Dataset.deleted_at.is_(None))

@@ -11,12 +11,13 @@ from sqlalchemy import Integer, Select, bindparam, delete, exists, func, literal
 from sqlalchemy.orm import Session
 
 from contract.spec import CHECKPOINT_PREFIX
-from service.datasets.models import Dataset
+from service.datasets import repository as datasets_repository
 from service.jobs.models import IdempotencyKey, Job, JobEvent, JobMetric, JobSample
 from service.jobs.states import UNFINISHED, WORKER_OWNED, JobStatus
 from service.kit.reads import Reads, one_or_none
 from service.quotas.models import TenantQuota
 from service.quotas.service import JobLoad
+from service.rewards import repository as rewards_repository
 from service.rewards.models import RewardFunction
 
 
@@ -116,31 +117,13 @@ def job_uses_dataset(session: Session, tenant_id: str, dataset_id: str, statuses
 
 
 def live_dataset_keys(session: Session, tenant_id: str, ids: Sequence[str]) -> dict[str, str]:
-    """{dataset id: storage key} of those of `ids` that are the tenant's and not deleted."""
-    if not ids:
-        return {}
-    stmt = select(Dataset.id, Dataset.storage_key).where(
-        Dataset.tenant_id == tenant_id, Dataset.id.in_(ids), Dataset.deleted_at.is_(None)
-    )
-    return {row.id: row.storage_key for row in session.execute(stmt)}
-
-
-def live_dataset_ids(session: Session, tenant_id: str, ids: Sequence[str]) -> set[str]:
-    return set(live_dataset_keys(session, tenant_id, ids))
+    """{dataset id: storage key} of those of `ids` that are the tenant's and not deleted (the worker's inputs)."""
+    return {dataset_id: row.storage_key for dataset_id, row in datasets_repository.live(session, tenant_id, ids).items()}
 
 
 def live_reward_functions(session: Session, tenant_id: str, ids: Sequence[str]) -> dict[str, RewardFunction]:
-    """{id: row} of those of `ids` that are the tenant's and not deleted."""
-    if not ids:
-        return {}
-    stmt = select(RewardFunction).where(
-        RewardFunction.tenant_id == tenant_id, RewardFunction.id.in_(ids), RewardFunction.deleted_at.is_(None)
-    )
-    return {row.id: row for row in session.scalars(stmt)}
-
-
-def live_reward_function_ids(session: Session, tenant_id: str, ids: Sequence[str]) -> set[str]:
-    return set(live_reward_functions(session, tenant_id, ids))
+    """{id: row} of those of `ids` that are the tenant's and not deleted (the worker's inputs)."""
+    return rewards_repository.live(session, tenant_id, ids)
 
 
 def base_model_uses(session: Session, checkpoint_ids: Sequence[str]) -> set[str]:
@@ -211,6 +194,12 @@ def replace_metrics(
     )
 
 
+def metrics_at_step(session: Session, job_id: str, step: int) -> dict[str, float]:
+    """{name: value} of the metrics recorded at `step` (a checkpoint's metrics unless the worker names them)."""
+    stmt = select(JobMetric.name, JobMetric.value).where(JobMetric.job_id == job_id, JobMetric.step == step)
+    return {row.name: row.value for row in session.execute(stmt)}
+
+
 def metric_rows(
     session: Session, job_id: str, *, names: Sequence[str] | None, since_step: int, limit: int
 ) -> Sequence[tuple[int, str, float]]:
@@ -221,12 +210,6 @@ def metric_rows(
         stmt = stmt.where(JobMetric.name.in_(names))
     rows = session.execute(stmt.order_by(JobMetric.step, JobMetric.name).limit(limit)).all()
     return [(row.step, row.name, row.value) for row in rows]
-
-
-def metrics_at_step(session: Session, job_id: str, step: int) -> dict[str, float]:
-    """{name: value} of the metrics recorded at `step` (a checkpoint's metrics unless the worker names them)."""
-    stmt = select(JobMetric.name, JobMetric.value).where(JobMetric.job_id == job_id, JobMetric.step == step)
-    return {row.name: row.value for row in session.execute(stmt)}
 
 
 def delete_step_samples(session: Session, job_id: str, step: int) -> None:

@@ -7,7 +7,7 @@ raise service.kit.errors.*. They never commit; enqueueing is registered to run a
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection, Sequence
+from collections.abc import Sequence
 from functools import partial
 from typing import Any
 
@@ -16,24 +16,14 @@ from sqlalchemy.orm import Session
 
 from contract.api.jobs import JobOut, MetricSeries, MetricsOut
 from contract.api.usage import Estimate, JobUsage
-from contract.fields import INT32_MAX
-from contract.spec import (
-    BUILTIN_PREFIX,
-    GraderRewardSpec,
-    JobBudget,
-    JobSpec,
-    ModelRewardSpec,
-    reward_function_refs,
-)
+from contract.spec import BUILTIN_PREFIX, JobBudget, JobSpec
 from service.checkpoints import repository as checkpoints_repository
 from service.checkpoints import retention
 from service.checkpoints.models import Checkpoint
-from service.datasets.models import Dataset
-from service.datasets.service import first_row_missing
-from service.jobs import model_sources, repository
+from service.jobs import repository
 from service.jobs.events import BUDGET_EXHAUSTED_EVENT, STATUS_EVENT
-from service.jobs.model_sources import ModelSourceKind, ModelSourcePolicy, ModelSourceRefused
 from service.jobs.models import Job, JobEvent
+from service.jobs.references import check_references
 from service.jobs.schemas import job_out
 from service.jobs.states import TERMINAL, UNFINISHED, JobStatus, transition
 from service.kit.config import get_settings
@@ -56,8 +46,9 @@ log = logging.getLogger(__name__)
 
 
 def create_job(session: Session, tenant_id: str, spec: JobSpec, queue: JobQueue) -> Job:
-    """Check the job's size, the tenant's quotas and monthly caps and what the spec refers to, insert the job
-    `queued`, and enqueue it once committed."""
+    """Check the job's size, the tenant's quotas and monthly caps and what the spec refers to (jobs.references),
+    insert the job `queued`, and enqueue it once committed: each step once, in that order (docs/development.md,
+    "Life of a job")."""
     check_resources(spec)
     devices = job_devices(spec)
     quotas.check_can_queue(session, tenant_id, devices, repository.job_load)
@@ -144,90 +135,6 @@ def enqueue_waiting(session: Session, tenant_id: str, queue: JobQueue) -> None:
     start returns at once (worker/lease.py)."""
     for name, job_id in repository.oldest_queued_per_queue(session, tenant_id).items():
         on_commit(session, partial(send_job_logged, queue, job_id, name))
-
-
-def check_references(session: Session, tenant_id: str, spec: JobSpec) -> None:
-    """Datasets, remote reward functions and checkpoints must exist and be the tenant's; model sources must be
-    accepted forms (jobs.model_sources).
-
-    Raises ValidationFailed (422) naming every offending field, e.g. `rewards[1].reward_function_id`.
-    """
-    errors: list[dict[str, Any]] = []
-    datasets = {
-        "train_dataset": spec.train_dataset, "eval_dataset": spec.eval_dataset, "retain_dataset": spec.retain_dataset
-    }
-    wanted = [ds for ds in datasets.values() if ds is not None]
-    found_datasets = found = repository.live_dataset_ids(session, tenant_id, wanted)
-    for field, dataset_id in datasets.items():
-        if dataset_id is not None and dataset_id not in found:
-            errors.append(_missing(field, f"dataset {dataset_id!r} not found"))
-
-    config = spec.hyperparameters
-    if config.num_epochs is not None and config.max_steps is None and spec.train_dataset in found_datasets:
-        # The steps column is an INTEGER; float arithmetic, since a huge num_epochs overflows int().
-        dataset = session.get(Dataset, spec.train_dataset)
-        if dataset is not None and config.num_epochs * dataset.num_rows / config.prompts_per_step > INT32_MAX:
-            errors.append({
-                "field": "hyperparameters.num_epochs",
-                "message": f"{config.num_epochs} epochs of {dataset.num_rows} prompts make more than {INT32_MAX} steps",
-                "type": "value_error",
-            })
-
-    remote = reward_function_refs(spec.rewards)
-    found = repository.live_reward_function_ids(session, tenant_id, [rf_id for _, rf_id in remote])
-    for field, rf_id in remote:
-        if rf_id not in found:
-            errors.append(_missing(field, f"reward function {rf_id!r} not found"))
-
-    for i, reward in enumerate(spec.rewards):
-        if isinstance(reward, GraderRewardSpec):
-            errors.extend(_grader_fields(session, tenant_id, spec, i, reward, found_datasets))
-
-    models = {"base_model": spec.base_model}
-    models.update(
-        {f"rewards[{i}].model": r.model for i, r in enumerate(spec.rewards) if isinstance(r, ModelRewardSpec)}
-    )
-    policy = ModelSourcePolicy.from_settings(get_settings())
-    for field, value in models.items():
-        try:
-            source = model_sources.classify(value, policy)
-        except ModelSourceRefused as exc:
-            errors.append({"field": field, "message": str(exc), "type": "model_source_refused"})
-            continue
-        # Another tenant's checkpoint reads exactly like an unknown id: no existence oracle.
-        if source.kind is ModelSourceKind.checkpoint and not checkpoints_repository.tenant_has_checkpoint(
-            session, tenant_id, source.value
-        ):
-            errors.append(_missing(field, f"checkpoint {source.value!r} not found"))
-
-    if errors:
-        raise ValidationFailed(f"{errors[0]['field']}: {errors[0]['message']}", details=errors)
-
-
-def _grader_fields(
-    session: Session, tenant_id: str, spec: JobSpec, index: int, reward: GraderRewardSpec, found: Collection[str]
-) -> list[dict[str, Any]]:
-    """A grader's ``{{item.*}}`` references must be in every row of the datasets it grades."""
-    errors: list[dict[str, Any]] = []
-    graded = {"train_dataset": spec.train_dataset, "eval_dataset": spec.eval_dataset}
-    for field, dataset_id in graded.items():
-        if dataset_id is None or dataset_id not in found:
-            continue
-        missing = first_row_missing(session, tenant_id, dataset_id, reward.parsed)
-        if missing is not None:
-            line, what = missing
-            errors.append({
-                "field": field,
-                "message": f"line {line} of dataset {dataset_id!r} has no field {what.at!r}, which "
-                f"rewards[{index}].grader reads as {what.reference}",
-                "type": "grader_field_missing",
-                "line": line,
-            })
-    return errors
-
-
-def _missing(field: str, message: str) -> dict[str, Any]:
-    return {"field": field, "message": message, "type": "not_found"}
 
 
 # --- read -----------------------------------------------------------------------------------------
@@ -322,10 +229,8 @@ def job_usage(session: Session, tenant_id: str, job_id: str) -> JobUsage:
 def estimate(session: Session, tenant_id: str, spec: JobSpec) -> Estimate:
     """Expected usage of `spec` (service.usage.service.estimate_spec), validated like a submission (422 naming
     the field)."""
-    check_references(session, tenant_id, spec)
-    dataset = session.get(Dataset, spec.train_dataset)
-    assert dataset is not None  # check_references: the tenant's live dataset
-    return usage.estimate_spec(session, spec, train_rows=dataset.num_rows, train_bytes=dataset.bytes)
+    train = check_references(session, tenant_id, spec).datasets[spec.train_dataset]
+    return usage.estimate_spec(session, spec, train_rows=train.num_rows, train_bytes=train.bytes)
 
 
 def dataset_in_use(session: Session, tenant_id: str, dataset_id: str) -> bool:
