@@ -1,4 +1,6 @@
-"""Jobs business logic for API callers (REST and gRPC): create, read, list, cancel, pause, resume, delete.
+"""Jobs business logic for API callers (REST and gRPC): create, read, list, cancel, pause, resume, delete, and a
+job's checkpoints, usage, estimate and budget (the lower domains answer with what the job hands them); the
+worker's claim pauses a job over its budget here too (pause_if_exhausted).
 
 Transport-free: functions take a Session and a tenant id, return ORM rows or pydantic models and
 raise service.kit.errors.*. They never commit; enqueueing is registered to run after the commit.
