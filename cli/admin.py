@@ -8,9 +8,11 @@ the service when it runs: the client-only install has none of it.
 from __future__ import annotations
 
 import typer
+from pydantic import ValidationError
 
 from cli.keys import COLUMNS, expiry
 from cli.output import JsonOpt, emit
+from contract.api.quotas import QUOTA_NAMES, QuotaLimits
 
 app = typer.Typer(help="Administration: tenants, API keys and quotas.", no_args_is_help=True)
 ScopeOpt = typer.Option(None, "--scope", help="read, write or admin; repeat for several (default: all three).")
@@ -24,6 +26,7 @@ def _fail(message: str) -> typer.Exit:
 @app.command("create-tenant")
 def create_tenant(name: str = typer.Argument(..., help="Unique tenant name.")) -> None:
     """Create a tenant and print its id and a first API key, with every scope (shown once)."""
+    # Operator commands import the service only when run: the client install has none of it (import-linter).
     from service.kit.db import session_scope
     from service.kit.errors import DomainError
     from service.tenants import service as tenants
@@ -48,6 +51,7 @@ def create_key(
     as_json: JsonOpt = False,
 ) -> None:
     """Create a new API key for an existing tenant and print it (shown once)."""
+    # Operator commands import the service only when run: the client install has none of it (import-linter).
     from service.kit.db import session_scope
     from service.kit.errors import DomainError
     from service.tenants import service as tenants
@@ -76,6 +80,7 @@ def list_keys(
     tenant: str = typer.Argument(..., help="Tenant name or id."), limit: int = 100, as_json: JsonOpt = False
 ) -> None:
     """List a tenant's API keys, revoked and expired ones included."""
+    # Operator commands import the service only when run: the client install has none of it (import-linter).
     from service.kit.db import session_scope
     from service.kit.errors import DomainError
     from service.tenants import service as tenants
@@ -96,6 +101,7 @@ def revoke_key(
     tenant: str = typer.Argument(..., help="Tenant name or id."), api_key_id: str = typer.Argument(..., help="key_...")
 ) -> None:
     """Revoke a key. API processes refuse it within GRPO_AUTH_CACHE_SECONDS."""
+    # Operator commands import the service only when run: the client install has none of it (import-linter).
     from service.kit.db import session_scope
     from service.kit.errors import DomainError
     from service.tenants import service as tenants
@@ -132,15 +138,12 @@ def quotas_command(
     max_dataset_storage_bytes: str | None = typer.Option(None, help=f"Total dataset bytes. {_QUOTA_HELP}"),
 ) -> None:
     """Show a tenant's quotas (limits, overrides, use); with options, change its overrides first."""
-    from pydantic import ValidationError
-
-    from contract.api.quotas import QUOTA_NAMES, QuotaLimits
+    # Operator commands import the service only when run: the client install has none of it (import-linter).
+    from service.admin import quotas as quota_admin
     from service.grpc.errors import from_validation_error
     from service.kit.db import session_scope
     from service.kit.errors import DomainError
     from service.kit.queue import get_job_queue
-    from service.quotas import admin as quota_admin
-    from service.quotas import service as quota_service
     from service.tenants import service as tenants
 
     changes = {
@@ -152,7 +155,7 @@ def quotas_command(
     try:
         with session_scope() as session:
             row = tenants.find_tenant(session, tenant)
-            result = quota_service.get_quotas(session, row.id)
+            result = quota_admin.quotas_of(session, row.id)
             if any(value is not None for value in changes.values()):
                 current = result.overrides.model_dump()
                 values = {

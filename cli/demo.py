@@ -32,6 +32,8 @@ from rich.console import Console
 
 from cli.jobs import follow
 from client.sdk import APIError, GRPOClient
+from contract.api.datasets import DatasetOut
+from contract.api.jobs import JobOut, MetricSeries
 
 console = Console()
 PYTHON = sys.executable
@@ -134,7 +136,7 @@ def _wait_started(
 def write_demo_datasets(directory: Path) -> tuple[Path, Path]:
     """(train, held-out eval) JSONL of the demo task; the eval questions were never trained on, not even
     by the warm model's supervised training (worker.grpo.synthetic)."""
-    from worker.grpo.synthetic import split  # torch-free
+    from worker.grpo.synthetic import split  # the engine's package loads only when the demo runs (torch-free)
 
     train, held_out = split(DEMO_TASK)
     paths = directory / f"{DEMO_TASK}-train.jsonl", directory / f"{DEMO_TASK}-eval.jsonl"
@@ -168,8 +170,22 @@ def demo_hyperparameters(steps: int) -> dict[str, object]:
 
 
 def _run(stack: ExitStack, out: Path, env: dict[str, str], model: str, steps: int) -> None:
-    api_url = f"http://127.0.0.1:{env['GRPO_API_PORT']}"
+    client, serve, serve_log = _serve(stack, out, env)
+    train, held_out = _upload_datasets(client, out)
+    reward_function_id = _reward_endpoint(stack, client, out, env)
+    job = _submit(client, model, steps, train.id, held_out.id, reward_function_id)
+    _wait_started(client, job.id, serve, serve_log)
+    series = _follow(client, job, held_out)
+    checkpoint_dir = _download_final_checkpoint(client, job.id, out)
+    _answer_held_out(checkpoint_dir)
+    _plot(out, job.id, series, checkpoint_dir)
 
+
+def _serve(
+    stack: ExitStack, out: Path, env: dict[str, str]
+) -> tuple[GRPOClient, subprocess.Popen[bytes], Path]:
+    """Stages 1-2: the schema, a tenant and its key (added to `env`), then `grpo serve` until it is ready."""
+    api_url = f"http://127.0.0.1:{env['GRPO_API_PORT']}"
     _stage("1/8 database and API key")
     _grpo(env, "migrate")
     api_key = _grpo(env, "admin", "create-tenant", "demo").splitlines()[-1]
@@ -183,14 +199,21 @@ def _run(stack: ExitStack, out: Path, env: dict[str, str], model: str, steps: in
     )
     _wait_http(f"{api_url}/readyz", serve, serve_log)
     console.print(f"REST {api_url}  gRPC 127.0.0.1:{env['GRPO_GRPC_PORT']}  (logs: {serve_log})")
-    client = stack.enter_context(GRPOClient(api_url, api_key))
+    return stack.enter_context(GRPOClient(api_url, api_key)), serve, serve_log
 
+
+def _upload_datasets(client: GRPOClient, out: Path) -> tuple[DatasetOut, DatasetOut]:
+    """Stage 3: (train, held-out eval)."""
     _stage("3/8 datasets")
     train_path, eval_path = write_demo_datasets(out)
     train = client.upload_dataset(train_path, name=f"{DEMO_TASK}-train")
     held_out = client.upload_dataset(eval_path, name=f"{DEMO_TASK}-eval")
     console.print(f"{train.id}: {train.num_rows} training questions; {held_out.id}: {held_out.num_rows} held-out")
+    return train, held_out
 
+
+def _reward_endpoint(stack: ExitStack, client: GRPOClient, out: Path, env: dict[str, str]) -> str:
+    """Stage 4: register the example reward server and start it with the signing secret; its id."""
     _stage("4/8 reward endpoint (example server, exact match, verifies every signature)")
     reward_port = _free_port()
     created = client.register_reward_function(
@@ -207,20 +230,30 @@ def _run(stack: ExitStack, out: Path, env: dict[str, str], model: str, steps: in
     )
     _wait_http(f"http://127.0.0.1:{reward_port}/healthz", server, reward_log, timeout=30)
     console.print(f"{created.id} -> {created.url}")
+    return created.id
 
+
+def _submit(
+    client: GRPOClient, model: str, steps: int, train_id: str, held_out_id: str, reward_function_id: str
+) -> JobOut:
+    """Stage 5 begins: the job, trained on `train_id` and evaluated on `held_out_id`."""
     _stage("5/8 job")
     job = client.create_job(
         {
             "name": f"demo-{DEMO_TASK}",
             "base_model": model,
-            "train_dataset": train.id,
-            "eval_dataset": held_out.id,
-            "rewards": [{"type": "remote", "reward_function_id": created.id, "weight": 1.0}],
+            "train_dataset": train_id,
+            "eval_dataset": held_out_id,
+            "rewards": [{"type": "remote", "reward_function_id": reward_function_id, "weight": 1.0}],
             "hyperparameters": demo_hyperparameters(steps),
         }
     )
     console.print(f"{job.id} queued")
-    _wait_started(client, job.id, serve, serve_log)
+    return job
+
+
+def _follow(client: GRPOClient, job: JobOut, held_out: DatasetOut) -> dict[str, MetricSeries]:
+    """Stage 5 goes on: live progress until the job ends, then held-out accuracy before and after; its metrics."""
     outcome = follow(client, job)
     if outcome != 0:
         events = client.list_job_events(job.id).data
@@ -233,17 +266,26 @@ def _run(stack: ExitStack, out: Path, env: dict[str, str], model: str, steps: in
         f"[bold]held-out accuracy ({held_out.num_rows} questions never trained on): "
         f"{accuracy.values[0]:.0%} at step {accuracy.steps[0]} -> {accuracy.values[-1]:.0%} at step {accuracy.steps[-1]}"
     )
+    return series
 
+
+def _download_final_checkpoint(client: GRPOClient, job_id: str, out: Path) -> Path:
+    """Stage 6: the job's last checkpoint, downloaded under `out`; its directory."""
     _stage("6/8 download the final checkpoint")
-    checkpoints = client.list_checkpoints(job.id).data
+    checkpoints = client.list_checkpoints(job_id).data
     if not checkpoints:
         raise DemoFailed("the job recorded no checkpoint")
     final = checkpoints[-1]
     checkpoint_dir = client.download_checkpoint(final.id, out / "checkpoint")
     console.print(f"{final.id} (step {final.step}, {final.total_bytes} bytes) -> {checkpoint_dir}")
+    return checkpoint_dir
 
+
+def _answer_held_out(checkpoint_dir: Path) -> None:
+    """Stage 7: the downloaded checkpoint, loaded with from_pretrained, answers held-out questions."""
     _stage("7/8 load it with from_pretrained and answer held-out questions")
-    from worker.grpo.sample import answer_questions  # torch only here, never in the API process
+    # The engine's modules, and torch with them, load only here: never when the CLI or the API is imported.
+    from worker.grpo.sample import answer_questions
     from worker.grpo.synthetic import held_out_items
 
     shown = held_out_items(DEMO_TASK)[:DEMO_QUESTIONS_SHOWN]
@@ -252,11 +294,14 @@ def _run(stack: ExitStack, out: Path, env: dict[str, str], model: str, steps: in
         mark = "[green]right[/green]" if answer.strip() == item.answer else f"[red]wrong (expected {item.answer})[/red]"
         console.print(f"{item.question!r} -> {answer!r}  {mark}")
 
+
+def _plot(out: Path, job_id: str, series: dict[str, MetricSeries], checkpoint_dir: Path) -> None:
+    """Stage 8: the training curves as a PNG, and the training reward's first and last steps."""
     _stage("8/8 training curves")
     from service.plots import render_metrics_png  # matplotlib is slow to import: only when needed
 
     png = out / "training_curves.png"
-    png.write_bytes(render_metrics_png(series, title=f"{job.id} (demo)"))
+    png.write_bytes(render_metrics_png(series, title=f"{job_id} (demo)"))
     rewards = series["reward/mean"].values
     first, last = sum(rewards[:5]) / len(rewards[:5]), sum(rewards[-5:]) / len(rewards[-5:])
     console.print(f"training reward: first 5 steps {first:.3f} -> last 5 steps {last:.3f}")

@@ -221,7 +221,7 @@ def samples(job_id: str, step: int | None = None, as_json: JsonOpt = False) -> N
 @app.command()
 def plot(job_id: str, out: Path = typer.Option(Path("reward_curve.png"), "--out", "-o")) -> None:
     """Render reward mean ± std, KL and completion length over steps to a PNG."""
-    from service.plots import render_metrics_png
+    from service.plots import render_metrics_png  # matplotlib is slow to import: only this command needs it
 
     with api_client() as client:
         series = client.get_job_metrics(job_id).series

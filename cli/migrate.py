@@ -16,7 +16,8 @@ ALEMBIC_INI = Path(__file__).resolve().parents[1] / "alembic.ini"
 
 def alembic_config(database_url: str | None = None) -> Config:
     """An Alembic config for `database_url` (default: the service settings' URL)."""
-    # Imported here: alembic is slow to import and most commands never need it.
+    # Imported here: alembic is slow to import and most commands never need it; neither it nor the server's
+    # settings are in the client install.
     from alembic.config import Config
 
     from service.kit.config import get_settings
@@ -30,7 +31,7 @@ def alembic_config(database_url: str | None = None) -> Config:
 
 def upgrade_head(database_url: str | None = None) -> None:
     """Apply every migration up to `head` (idempotent: a migrated database is left as is)."""
-    from alembic import command
+    from alembic import command  # slow to import, and not in the client install
 
     command.upgrade(alembic_config(database_url), "head")
 
@@ -43,7 +44,7 @@ def migrate(
     ),
 ) -> None:
     """Create or upgrade the database schema (alembic upgrade head)."""
-    from service.kit.config import get_settings
+    from service.kit.config import get_settings  # the server's settings: not in the client install
 
     url = database_url or get_settings().database_url
     upgrade_head(url)
@@ -51,6 +52,6 @@ def migrate(
 
 
 def _redacted(url: str) -> str:
-    from sqlalchemy.engine import make_url
+    from sqlalchemy.engine import make_url  # the server's: not in the client install
 
     return make_url(url).render_as_string(hide_password=True)

@@ -29,6 +29,9 @@ from typing import TYPE_CHECKING
 
 import typer
 
+from cli.migrate import upgrade_head
+from cli.worker import parse_queues
+
 if TYPE_CHECKING:  # the server's modules are imported when the command runs: the client installs without them
     from service.kit.config import Settings
 
@@ -50,17 +53,14 @@ def serve(
     ),
 ) -> None:
     """Serve the REST and gRPC APIs (and, by default, run a worker next to them)."""
-    from cli.worker import parse_queues
+    # Operator commands import the service only when run: the client install has none of it (import-linter).
     from service.kit.config import get_settings
-
-    settings = get_settings()
     from service.observability.logs import setup_logging
 
+    settings = get_settings()
     setup_logging(json_logs=settings.log_json)
     worker_queues = parse_queues(queues)
     if migrate if migrate is not None else settings.database_url.startswith("sqlite"):
-        from cli.migrate import upgrade_head
-
         upgrade_head(settings.database_url)
     if settings.allow_private_reward_urls:
         log.warning("reward endpoints on loopback/private addresses are ALLOWED (GRPO_ALLOW_PRIVATE_REWARD_URLS; "
@@ -71,6 +71,7 @@ def serve(
 
 
 async def _serve_apis(settings: Settings, host: str, port: int, grpc_port: int) -> None:
+    # The server's modules, as in `serve`: only when the command runs.
     import uvicorn
 
     from service.app import create_app
@@ -80,7 +81,7 @@ async def _serve_apis(settings: Settings, host: str, port: int, grpc_port: int) 
                                           proxy_headers=proxy_headers, forwarded_allow_ips=forwarded_allow_ips))
     grpc_task: asyncio.Task[None] | None = None
     if grpc_port:
-        from service.grpc.server import serve_grpc
+        from service.grpc.server import serve_grpc  # grpc loads only when the gRPC port is on
 
         grpc_task = asyncio.create_task(serve_grpc(grpc_port, host))
     try:
@@ -107,6 +108,7 @@ def _reaper(settings: Settings, *, enabled: bool) -> Iterator[None]:
     if not enabled:
         yield
         return
+    # The server's modules, as in `serve`: only when the command runs.
     from service.execution.reaper import start_reaper_thread
     from service.kit.queue import get_job_queue
 
@@ -121,7 +123,7 @@ def _reaper(settings: Settings, *, enabled: bool) -> Iterator[None]:
 @contextlib.contextmanager
 def _webhooks(settings: Settings) -> Iterator[None]:
     """The webhook dispatcher (service/webhooks/delivery.py): sends the outbox, with retries."""
-    from service.webhooks.delivery import start_dispatcher_thread
+    from service.webhooks.delivery import start_dispatcher_thread  # the server's, as in `serve`
 
     thread, stop = start_dispatcher_thread(settings)
     try:
@@ -158,8 +160,6 @@ def _stop(process: subprocess.Popen[bytes]) -> None:
     and the job resumes from its last checkpoint on the next worker."""
     if process.poll() is not None:
         return
-    import signal
-
     process.send_signal(signal.SIGQUIT)
     try:
         process.wait(timeout=WORKER_STOP_TIMEOUT_S)

@@ -35,6 +35,7 @@ def set_budget(
     monthly_max_device_seconds: float | None = typer.Option(None, min=0.001, help="Device-seconds per UTC month."),
 ) -> None:
     """Set a tenant's monthly caps (an option left out: the GRPO_MONTHLY_MAX_* default applies)."""
+    # Operator commands import the service only when run: the client install has none of it (import-linter).
     from service.kit.db import session_scope
     from service.kit.errors import DomainError
     from service.tenants import service as tenants

@@ -51,6 +51,8 @@ def worker(
     """Run a worker that trains queued jobs (broker: GRPO_BROKER_URL; embedded SQLite broker by default)."""
     if pool not in POOLS:
         raise typer.BadParameter(f"unknown pool {pool!r}; choose from {', '.join(POOLS)}", param_hint="--pool")
+    # Operator commands import the service and the worker only when run: the client install has neither
+    # (import-linter).
     from service.kit.config import get_settings
     from service.kit.queue import queues_for_devices
 
@@ -58,7 +60,7 @@ def worker(
         queues_for_devices(parse_queues(queues), devices or get_settings().worker_devices), pool, loglevel, hostname
     )
     _observability()
-    from worker.celery_app import app as celery_app
+    from worker.celery_app import app as celery_app  # Celery and the worker: only when run, as above
 
     celery_app.worker_main(argv)
 
@@ -68,12 +70,13 @@ def _observability() -> None:
 
     Must run before the pool forks: the children inherit the metrics directory and logging hooks.
     """
+    # Only `grpo worker` runs this: the service's modules load then, not with the CLI (import-linter).
     from service.kit.config import get_settings
     from service.observability.logs import install_celery_logging
 
     settings = get_settings()
     install_celery_logging(json_logs=settings.log_json)
     if settings.worker_metrics_port:
-        from worker.metrics import start_for_celery_worker
+        from worker.metrics import start_for_celery_worker  # only with a metrics port
 
         start_for_celery_worker(settings.worker_metrics_port, settings.data_dir, settings.worker_metrics_host)

@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
+from service.admin.endpoints import router as admin_router
 from service.checkpoints.endpoints import router as checkpoints_router
 from service.datasets.endpoints import router as datasets_router
 from service.jobs.endpoints import router as jobs_router
@@ -30,7 +31,6 @@ from service.openai import errors as openai_errors
 from service.openai.endpoints import router as openai_router
 from service.openai.grading import open_grading_pool
 from service.ops.endpoints import router as ops_router
-from service.quotas.endpoints import router as quotas_router
 from service.rewards.endpoints import router as rewards_router
 from service.tenants.endpoints import router as api_keys_router
 from service.tenants.ratelimit import RateLimitHeaders, close_buckets
@@ -150,7 +150,7 @@ def create_app() -> FastAPI:
     app.include_router(checkpoints_router, prefix="/v1")
     app.include_router(webhooks_router, prefix="/v1")
     app.include_router(api_keys_router, prefix="/v1")
-    app.include_router(quotas_router, prefix="/v1")
+    app.include_router(admin_router, prefix="/v1")
     app.include_router(usage_router, prefix="/v1")
     app.include_router(metrics_router)
     # The OpenAI-compatible door (docs/openai.md): OpenAI's shapes over the same domain services.

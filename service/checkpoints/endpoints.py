@@ -1,4 +1,4 @@
-"""Routes (thin): parse, call the domain service, render."""
+"""Routes (thin): parse, call the domain service, render. A job's list of checkpoints is a jobs route."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from urllib.parse import quote
 from fastapi import APIRouter, Header
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from contract.api.checkpoints import CheckpointList, CheckpointOut
+from contract.api.checkpoints import CheckpointOut
 from service.checkpoints import retention, service
 from service.checkpoints.download import (
     RangeNotSatisfiable,
@@ -30,17 +30,6 @@ from service.tenants.auth import CurrentTenant
 router = APIRouter(tags=["checkpoints"])
 
 _BINARY = {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}
-
-
-@router.get(
-    "/jobs/{job_id}/checkpoints",
-    response_model=CheckpointList,
-    summary="List a job's checkpoints",
-    responses=error_responses(401, 404),
-)
-def list_checkpoints(job_id: PathId, tenant: CurrentTenant, session: SessionDep) -> CheckpointList:
-    rows = service.list_job_checkpoints(session, tenant.tenant_id, job_id)
-    return CheckpointList(data=[checkpoint_out(row) for row in rows])
 
 
 @router.get(

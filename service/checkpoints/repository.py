@@ -8,7 +8,6 @@ from sqlalchemy import delete, exists, select
 from sqlalchemy.orm import Session
 
 from service.checkpoints.models import Checkpoint
-from service.jobs.models import JobMetric
 
 
 def get(session: Session, tenant_id: str, checkpoint_id: str) -> Checkpoint | None:
@@ -25,11 +24,6 @@ def list_for_job(session: Session, job_id: str) -> Sequence[Checkpoint]:
 def get_by_step(session: Session, job_id: str, step: int) -> Checkpoint | None:
     stmt = select(Checkpoint).where(Checkpoint.job_id == job_id, Checkpoint.step == step)
     return session.scalars(stmt).one_or_none()
-
-
-def metrics_at_step(session: Session, job_id: str, step: int) -> dict[str, float]:
-    stmt = select(JobMetric.name, JobMetric.value).where(JobMetric.job_id == job_id, JobMetric.step == step)
-    return {row.name: row.value for row in session.execute(stmt)}
 
 
 def tenant_has_checkpoint(session: Session, tenant_id: str, checkpoint_id: str) -> bool:

@@ -4,7 +4,8 @@ After each recorded checkpoint a job keeps its newest `save_total_limit` checkpo
 `metric_for_best_model` when that is set (TRL's rule). The newest is the job's resume point (what a resumed
 attempt downloads), so it is always kept. Never deleted either, whatever the limit:
 
-- a checkpoint another unfinished job names as its base model (`checkpoint:<id>`);
+- a checkpoint another unfinished job names as its base model (`checkpoint:<id>`; the jobs domain answers which,
+  `UsedAsBaseModel`);
 - a checkpoint being downloaded: each download pins it (a `CheckpointPin` row, renewed while it streams and
   removed when it ends).
 
@@ -18,17 +19,15 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from functools import partial
 
 from sqlalchemy import delete, select, update
 from sqlalchemy.orm import Session
 
-from contract.spec import JobSpec
+from contract.config import GRPOConfig
 from service.checkpoints.models import Checkpoint, CheckpointPin
-from service.jobs import repository as jobs_repository
-from service.jobs.models import Job
 from service.kit.db import on_commit, session_scope, utcnow
 from service.storage import Storage, job_prefix
 
@@ -36,6 +35,10 @@ log = logging.getLogger(__name__)
 
 PIN_SECONDS = 300  # a download's pin; renewed every PIN_RENEW_SECONDS while it streams
 PIN_RENEW_SECONDS = 60
+
+# Those of the given checkpoint ids that an unfinished job uses as its base model
+# (service.jobs.repository.base_model_uses, bound to the session).
+UsedAsBaseModel = Callable[[Sequence[str]], set[str]]
 
 
 def checkpoints_to_prune(
@@ -75,18 +78,20 @@ def best_checkpoint(
     return max(scored, key=lambda entry: (sign * entry[0], entry[1]))[2]
 
 
-def apply_retention(session: Session, storage: Storage, job: Job) -> list[Checkpoint]:
-    """Delete the checkpoints of `job` that retention no longer keeps (files after commit); returns them."""
-    hyper = JobSpec.model_validate(job.spec).hyperparameters
+def apply_retention(
+    session: Session, storage: Storage, job_id: str, hyper: GRPOConfig, used_as_base_model: UsedAsBaseModel
+) -> list[Checkpoint]:
+    """Delete the checkpoints of the job that retention (its `hyper`parameters) no longer keeps (files after
+    commit); returns them."""
     if hyper.save_total_limit is None:
         return []
-    checkpoints = session.scalars(select(Checkpoint).where(Checkpoint.job_id == job.id)).all()
+    checkpoints = session.scalars(select(Checkpoint).where(Checkpoint.job_id == job_id)).all()
     pruned = checkpoints_to_prune(
         checkpoints,
         hyper.save_total_limit,
         best_metric=hyper.metric_for_best_model,
         greater_is_better=hyper.greater_is_better,
-        protected=_in_use(session, job, checkpoints),
+        protected=_in_use(session, checkpoints, used_as_base_model),
     )
     if not pruned:
         return []
@@ -96,9 +101,11 @@ def apply_retention(session: Session, storage: Storage, job: Job) -> list[Checkp
     return list(pruned)
 
 
-def _in_use(session: Session, job: Job, checkpoints: Sequence[Checkpoint]) -> frozenset[str]:
+def _in_use(
+    session: Session, checkpoints: Sequence[Checkpoint], used_as_base_model: UsedAsBaseModel
+) -> frozenset[str]:
     protected = pinned(session, [c.id for c in checkpoints])
-    protected |= jobs_repository.base_model_uses(session, [c.id for c in checkpoints])
+    protected |= used_as_base_model([c.id for c in checkpoints])
     return frozenset(protected)
 
 

@@ -2,28 +2,25 @@
 
 The manifest is the allow-list for downloads: a file is served only if its exact relative path is
 listed, and storage keys are built from ids plus that listed path (service.storage), never from
-the request.
+the request. What a checkpoint does to its job (the attempt's fence, the resume point, the events, retention)
+is service.jobs.progress.record_checkpoint's; a job's list of checkpoints is service.jobs.service's.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 from sqlalchemy.orm import Session
 
-from service.checkpoints import repository, retention
+from service.checkpoints import repository
 from service.checkpoints.models import Checkpoint
-from service.jobs import service as jobs_service
-from service.jobs.events import CHECKPOINT_EVENT
-from service.jobs.progress import append_locked_event, load_owned_job
 from service.kit.db import utcnow
 from service.kit.errors import Conflict, NotFound, ValidationFailed
 from service.kit.ids import new_id
 from service.storage import InvalidStorageKey, Storage, checkpoint_key, checkpoint_prefix, validate_key
 
-CHECKPOINTS_PRUNED_EVENT = "checkpoints_pruned"
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
 
@@ -35,64 +32,40 @@ def new_checkpoint_id() -> str:
 # --- worker side ----------------------------------------------------------------------------------
 
 
-def record_checkpoint(
+def add_checkpoint(
     session: Session,
     storage: Storage,
     job_id: str,
+    tenant_id: str,
     attempt: int,
     *,
     checkpoint_id: str,
     step: int,
     files: Mapping[str, Mapping[str, Any]],
-    metrics: Mapping[str, float] | None = None,
+    metrics: Mapping[str, float],
 ) -> Checkpoint:
-    """Register a checkpoint whose files the worker has uploaded under checkpoint_prefix(job, id).
+    """Add the row of a checkpoint whose files the worker has uploaded under checkpoint_prefix(job, id).
 
     `files` is the engine manifest's `files` mapping: {relative path: {"size": int, "sha256": hex}}.
-    Each path must be a safe relative key and exist in storage with the listed size. `metrics`
-    defaults to the job's recorded metrics at `step`. Fenced by `attempt` (StaleAttempt otherwise).
-    Emits a "checkpoint" event and makes this the job's resume point, then applies the job's retention
-    (`service.checkpoints.retention`; a "checkpoints_pruned" event names what it deleted).
+    Each path must be a safe relative key and exist in storage with the listed size (ValidationFailed), and the
+    job may have one checkpoint per step (Conflict).
     """
-    job = load_owned_job(session, job_id, attempt)
     manifest = _manifest(storage, job_id, checkpoint_id, files)
     if repository.get_by_step(session, job_id, step) is not None:
         raise Conflict(f"job {job_id!r} already has a checkpoint at step {step}")
     checkpoint = Checkpoint(
         id=checkpoint_id,
-        tenant_id=job.tenant_id,
+        tenant_id=tenant_id,
         job_id=job_id,
         step=step,
         storage_path=checkpoint_prefix(job_id, checkpoint_id),
         manifest=manifest,
         total_bytes=sum(entry["size"] for entry in manifest),
-        metrics=dict(metrics) if metrics is not None else repository.metrics_at_step(session, job_id, step),
+        metrics=dict(metrics),
         attempt=attempt,
         created_at=utcnow(),
     )
     session.add(checkpoint)
-    job.resume_checkpoint_id = checkpoint_id
-    append_locked_event(
-        session,
-        job,
-        CHECKPOINT_EVENT,
-        f"checkpoint at step {step}",
-        {
-            "checkpoint_id": checkpoint_id,
-            "step": step,
-            "files": len(manifest),
-            "total_bytes": checkpoint.total_bytes,
-        },
-    )
-    pruned = retention.apply_retention(session, storage, job)
-    if pruned:
-        append_locked_event(
-            session,
-            job,
-            CHECKPOINTS_PRUNED_EVENT,
-            f"deleted {len(pruned)} checkpoint(s) beyond save_total_limit",
-            {"checkpoint_ids": [c.id for c in pruned], "steps": sorted(c.step for c in pruned)},
-        )
     return checkpoint
 
 
@@ -128,11 +101,6 @@ def get_checkpoint(session: Session, tenant_id: str, checkpoint_id: str) -> Chec
     if checkpoint is None:
         raise NotFound("checkpoint", checkpoint_id)
     return checkpoint
-
-
-def list_job_checkpoints(session: Session, tenant_id: str, job_id: str) -> Sequence[Checkpoint]:
-    jobs_service.get_job(session, tenant_id, job_id)
-    return repository.list_for_job(session, job_id)
 
 
 def manifest_entry(checkpoint: Checkpoint, path: str) -> dict[str, Any]:

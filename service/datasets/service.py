@@ -29,7 +29,7 @@ MAX_NAME_LEN = 256
 
 # "Does an unfinished job train or evaluate on this dataset?" (session, tenant id, dataset id). The jobs
 # domain answers it (service.jobs.service.dataset_in_use); callers hand it in, so datasets never import the
-# jobs that reference them (jobs import datasets: the first-row check, the rows' sizes).
+# jobs that reference them (jobs import datasets: the live rows a spec names, the first-row check).
 InUse = Callable[[Session, str, str], bool]
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
@@ -53,7 +53,7 @@ def clean_name(name: str | None, fallback: str | None) -> str:
 def create_dataset(session: Session, tenant_id: str, name: str, ingest: DatasetIngest) -> Dataset:
     """Finish the upload (raises DatasetInvalid, removing the blob) and record the dataset. Past the tenant's
     storage quota: QuotaExceeded, before the blob is committed (the caller aborts the ingest)."""
-    quotas.check_dataset_storage(session, tenant_id, ingest.bytes_received)
+    quotas.check_dataset_storage(session, tenant_id, ingest.bytes_received, repository.stored_bytes)
     result = ingest.finish()
     row = Dataset(
         id=ingest.dataset_id,
@@ -76,17 +76,20 @@ def get_dataset(session: Session, tenant_id: str, dataset_id: str) -> Dataset:
     return row
 
 
-def first_row_missing(
-    session: Session, tenant_id: str, dataset_id: str, grader: Grader
-) -> tuple[int, MissingField] | None:
-    """(1-based line, what is missing) of the first row without a field the grader reads as ``{{item.*}}``.
+def live_datasets(session: Session, tenant_id: str, ids: Sequence[str]) -> dict[str, Dataset]:
+    """{id: row} of those of `ids` that are the tenant's and not deleted (what a job may name)."""
+    return repository.live(session, tenant_id, ids)
+
+
+def first_row_missing(dataset: Dataset, grader: Grader) -> tuple[int, MissingField] | None:
+    """(1-based line, what is missing) of the first row of `dataset` without a field the grader reads as
+    ``{{item.*}}``.
 
     One streamed pass over the stored file (datasets are bounded by the upload limit); rows are read the way the
     worker reads them (the prompt column is not part of the item)."""
     if not item_references(grader):
         return None
-    row = get_dataset(session, tenant_id, dataset_id)
-    with get_storage().open(row.storage_key) as handle:
+    with get_storage().open(dataset.storage_key) as handle:
         for line, raw in enumerate(handle, start=1):
             if not raw.strip():
                 continue

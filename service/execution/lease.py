@@ -83,7 +83,6 @@ from service.jobs.models import JobEvent
 from service.jobs.states import JobStatus, transition
 from service.kit.db import session_scope, utcnow
 from service.kit.queue import get_job_queue
-from service.usage import budget
 from service.usage import repository as usage_repository
 
 log = logging.getLogger(__name__)
@@ -208,11 +207,11 @@ def claim_delivery(job_id: str, worker_id: str, lease_seconds: int, limits: Clai
 
 def paused_for_budget(session: Session, job_id: str) -> bool:
     """Before claiming: a job whose budget or tenant's monthly cap is already reached is paused with
-    `budget_exhausted` (service.usage.budget.pause_if_exhausted) and not started, so no step runs past it."""
+    `budget_exhausted` (service.jobs.service.pause_if_exhausted) and not started, so no step runs past it."""
     job = jobs_repository.get_job_any_tenant(session, job_id, for_update=True)
     if job is None or job.status not in (JobStatus.queued.value, JobStatus.running.value):
         return False  # the claim's conditional UPDATE settles it
-    reached = budget.pause_if_exhausted(session, job)
+    reached = jobs_service.pause_if_exhausted(session, job)
     if reached is not None:
         log.info("job %s: not started, %s", job_id, reached.message)
     return reached is not None

@@ -17,7 +17,6 @@ from typing import Any, TypeVar
 
 from sqlalchemy.orm import Session
 
-from service.checkpoints import service as checkpoints
 from service.checkpoints.models import Checkpoint
 from service.checkpoints.service import new_checkpoint_id
 from service.execution import repository
@@ -134,7 +133,7 @@ def record_checkpoint(
     def work(session: Session) -> None:
         if session.get(Checkpoint, checkpoint_id) is not None:  # a retry after a lost commit reply
             return
-        checkpoints.record_checkpoint(
+        progress.record_checkpoint(
             session, get_storage(), claim.job_id, claim.attempt, checkpoint_id=checkpoint_id, step=step,
             files=files, metrics=None if metrics is None else finite_metrics(metrics),
         )

@@ -24,7 +24,6 @@ from sqlalchemy.orm import Session
 
 from contract.api.jobs import EventOut, JobOut
 from contract.gen.grpo.v1 import jobs_pb2
-from service.checkpoints import service as checkpoints_service
 from service.grpc.calls import in_session
 from service.grpc.convert import event_to_proto, job_to_proto, metrics_by_step
 from service.jobs import service as jobs_service
@@ -59,7 +58,7 @@ def _progress(
 ) -> _Poll:
     metrics = jobs_service.get_metrics(session, tenant_id, job_id, names=None, since_step=next_step, limit=METRICS_PAGE)
     series = {name: (s.steps, s.values) for name, s in metrics.series.items()}
-    checkpoints = [(c.id, c.step) for c in checkpoints_service.list_job_checkpoints(session, tenant_id, job_id)]
+    checkpoints = [(c.id, c.step) for c in jobs_service.list_job_checkpoints(session, tenant_id, job_id)]
     health, _ = jobs_service.list_events(
         session, tenant_id, job_id, after=health_after, limit=METRICS_PAGE, types=[HEALTH_EVENT]
     )

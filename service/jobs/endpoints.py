@@ -10,9 +10,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 from sqlalchemy.orm import Session
 
+from contract.api.checkpoints import CheckpointList
 from contract.api.jobs import EventList, JobList, JobOut, MetricsOut, SampleList
+from contract.api.usage import Estimate, JobUsage
 from contract.fields import INT32_MAX, INT64_MAX, Text
 from contract.spec import JobSpec
+from service.checkpoints.schemas import checkpoint_out
 from service.jobs import service
 from service.jobs.idempotency import request_hash, run_idempotent
 from service.jobs.schemas import event_out, job_out, sample_out
@@ -25,6 +28,7 @@ from service.kit.params import Cursor, PathId
 from service.kit.queue import JobQueue, get_job_queue
 from service.storage import get_storage
 from service.tenants.auth import CurrentTenant, bearer_credentials, reauthenticate
+from service.usage.schemas import JobPatch
 
 router = APIRouter(tags=["jobs"])
 
@@ -245,6 +249,18 @@ def list_samples(
     return SampleList(data=data, has_more=has_more, next_after=data[-1].id if has_more else None)
 
 
+@router.get(
+    "/jobs/{job_id}/checkpoints",
+    response_model=CheckpointList,
+    summary="List a job's checkpoints",
+    responses=error_responses(401, 404),
+    tags=["checkpoints"],
+)
+def list_checkpoints(job_id: PathId, tenant: CurrentTenant, session: SessionDep) -> CheckpointList:
+    rows = service.list_job_checkpoints(session, tenant.tenant_id, job_id)
+    return CheckpointList(data=[checkpoint_out(row) for row in rows])
+
+
 # One SSE message (OpenAPI 3.1: a text/event-stream schema describes each message). The first message
 # only sets the client's reconnection delay (`retry:`); every other one is a job event.
 SSE_MESSAGE_SCHEMA: dict[str, Any] = {
@@ -330,3 +346,42 @@ def plot_job(job_id: PathId, tenant: CurrentTenant, session: SessionDep) -> Resp
 def _steps(metrics: MetricsOut) -> str:
     steps = [step for series in metrics.series.values() for step in series.steps]
     return f"{min(steps)}-{max(steps)}" if steps else "none yet"
+
+
+# --- a job's usage, estimate and budget (the API reference lists them under usage) ----------------------
+
+
+@router.get(
+    "/jobs/{job_id}/usage",
+    response_model=JobUsage,
+    summary="A job's usage, per step, and its budget",
+    responses=error_responses(401, 404),
+    tags=["usage"],
+)
+def get_job_usage(job_id: PathId, tenant: CurrentTenant, session: SessionDep) -> JobUsage:
+    return service.job_usage(session, tenant.tenant_id, job_id)
+
+
+@router.post(
+    "/jobs/estimate",
+    response_model=Estimate,
+    summary="Expected tokens and device-seconds of a spec",
+    responses=error_responses(401, 422),
+    tags=["usage"],
+)
+def estimate_job(spec: Annotated[JobSpec, Body()], tenant: CurrentTenant, session: SessionDep) -> Estimate:
+    """Validated like a submission; nothing is created. From what workers measured on the same base model (or
+    models of its size), else the documented defaults (`calibration.source` says which)."""
+    return service.estimate(session, tenant.tenant_id, spec)
+
+
+@router.patch(
+    "/jobs/{job_id}",
+    response_model=JobOut,
+    summary="Change a job's budget",
+    responses=error_responses(401, 404, 409, 422),
+    tags=["usage"],
+)
+def patch_job(job_id: PathId, patch: JobPatch, tenant: CurrentTenant, session: SessionDep) -> JobOut:
+    """Replace the budget of an unfinished job; resume a job paused with `budget_exhausted` afterwards."""
+    return job_out(service.set_job_budget(session, tenant.tenant_id, job_id, patch.budget))

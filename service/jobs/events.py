@@ -7,9 +7,13 @@ budget events through it, and readers match on them (the webhook outbox, gRPC Wa
 
 from __future__ import annotations
 
+from service.usage.budget import BUDGET_EXHAUSTED
+
 STATUS_EVENT = "status"  # every transition (service.jobs.states.transition)
 METRICS_EVENT = "metrics"  # a step's metrics (service.jobs.progress.record_metrics)
-CHECKPOINT_EVENT = "checkpoint"  # a registered checkpoint (service.checkpoints.service)
+CHECKPOINT_EVENT = "checkpoint"  # a registered checkpoint (service.jobs.progress.record_checkpoint)
 HEALTH_EVENT = "health"  # a training-health finding (worker.grpo.health, written by the worker)
-BUDGET_EXHAUSTED_EVENT = "budget_exhausted"  # a budget paused the job (service.usage.budget, service.execution.reporting)
+# A budget paused the job (service.jobs.service.pause_if_exhausted, service.execution.reporting); also the error code, so
+# spelled by service.usage.budget.
+BUDGET_EXHAUSTED_EVENT = BUDGET_EXHAUSTED
 EVAL_PREFIX = "eval/"  # metric names of evaluations: a metrics event carrying one is an evaluation

@@ -12,7 +12,6 @@ from typing import Any
 
 from sqlalchemy import (
     JSON,
-    BigInteger,
     Boolean,
     Float,
     ForeignKey,
@@ -25,10 +24,7 @@ from sqlalchemy import (
 from sqlalchemy.orm import Mapped, mapped_column
 from sqlalchemy.sql.expression import false
 
-from service.kit.db import Base, UTCDateTime, utcnow
-
-# An autoincrementing 64-bit key on PostgreSQL; SQLite only autoincrements an INTEGER PRIMARY KEY.
-BigIntId = BigInteger().with_variant(Integer(), "sqlite")
+from service.kit.db import Base, BigIntId, UTCDateTime, utcnow
 
 
 class Job(Base):

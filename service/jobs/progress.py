@@ -1,4 +1,4 @@
-"""What the worker reports while it runs a job: events, metrics, samples, state changes.
+"""What the worker reports while it runs a job: events, metrics, samples, checkpoints, state changes.
 
 Transport-free domain functions (the worker calls them through service/execution/reporting.py). Every call carries the
 `attempt` the worker claimed: it is a fencing token. A worker whose lease was lost (the job was
@@ -13,18 +13,26 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from functools import partial
 from typing import Any
 
 from sqlalchemy.orm import Session
 
 from contract.fields import storable_json, storable_text
+from contract.spec import JobSpec
+from service.checkpoints import retention
+from service.checkpoints import service as checkpoints
+from service.checkpoints.models import Checkpoint
 from service.jobs import repository
-from service.jobs.events import EVAL_PREFIX, METRICS_EVENT, STATUS_EVENT
+from service.jobs.events import CHECKPOINT_EVENT, EVAL_PREFIX, METRICS_EVENT, STATUS_EVENT
 from service.jobs.models import Job, JobEvent, JobSample
 from service.jobs.schemas import SampleIn
 from service.jobs.states import WORKER_OWNED, JobStatus, flush_job, transition
 from service.kit.db import utcnow
 from service.kit.errors import Conflict, NotFound, ValidationFailed
+from service.storage import Storage
+
+CHECKPOINTS_PRUNED_EVENT = "checkpoints_pruned"
 
 
 class StaleAttempt(Conflict):
@@ -117,6 +125,64 @@ def set_total_steps(session: Session, job_id: str, attempt: int, total_steps: in
     flush_job(session, job)
 
 
+def record_checkpoint(
+    session: Session,
+    storage: Storage,
+    job_id: str,
+    attempt: int,
+    *,
+    checkpoint_id: str,
+    step: int,
+    files: Mapping[str, Mapping[str, Any]],
+    metrics: Mapping[str, float] | None = None,
+) -> Checkpoint:
+    """Register a checkpoint whose files the worker has uploaded under checkpoint_prefix(job, id).
+
+    `files` is the engine manifest's `files` mapping, checked by service.checkpoints.service.add_checkpoint.
+    `metrics` defaults to the job's recorded metrics at `step`. Fenced by `attempt` (StaleAttempt otherwise).
+    Emits a "checkpoint" event and makes this the job's resume point, then applies the job's retention
+    (`service.checkpoints.retention`; a "checkpoints_pruned" event names what it deleted).
+    """
+    job = load_owned_job(session, job_id, attempt)
+    checkpoint = checkpoints.add_checkpoint(
+        session,
+        storage,
+        job_id,
+        job.tenant_id,
+        attempt,
+        checkpoint_id=checkpoint_id,
+        step=step,
+        files=files,
+        metrics=metrics if metrics is not None else repository.metrics_at_step(session, job_id, step),
+    )
+    job.resume_checkpoint_id = checkpoint_id
+    _append(
+        session,
+        job,
+        CHECKPOINT_EVENT,
+        f"checkpoint at step {step}",
+        {
+            "checkpoint_id": checkpoint_id,
+            "step": step,
+            "files": len(checkpoint.manifest),
+            "total_bytes": checkpoint.total_bytes,
+        },
+    )
+    hyper = JobSpec.model_validate(job.spec).hyperparameters
+    pruned = retention.apply_retention(
+        session, storage, job.id, hyper, partial(repository.base_model_uses, session)
+    )
+    if pruned:
+        _append(
+            session,
+            job,
+            CHECKPOINTS_PRUNED_EVENT,
+            f"deleted {len(pruned)} checkpoint(s) beyond save_total_limit",
+            {"checkpoint_ids": [c.id for c in pruned], "steps": sorted(c.step for c in pruned)},
+        )
+    return checkpoint
+
+
 def worker_transition(
     session: Session,
     job_id: str,
@@ -140,7 +206,7 @@ def worker_transition(
 def append_locked_event(
     session: Session, job: Job, type: str, message: str, data: dict[str, Any]
 ) -> JobEvent:
-    """For other domains (checkpoints) that already hold the owned, locked job row."""
+    """For callers that already hold the owned, locked job row (the worker's step report)."""
     return _append(session, job, type, message, data)
 
 

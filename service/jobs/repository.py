@@ -11,10 +11,12 @@ from sqlalchemy import Integer, Select, bindparam, delete, exists, func, or_, se
 from sqlalchemy.orm import Session
 
 from contract.spec import CHECKPOINT_PREFIX
-from service.datasets.models import Dataset
+from service.datasets import repository as datasets_repository
 from service.jobs.models import IdempotencyKey, Job, JobEvent, JobMetric, JobSample
-from service.jobs.states import UNFINISHED, JobStatus
+from service.jobs.states import UNFINISHED, WORKER_OWNED, JobStatus
 from service.kit.reads import Reads, one_or_none
+from service.quotas.service import JobLoad
+from service.rewards import repository as rewards_repository
 from service.rewards.models import RewardFunction
 
 
@@ -82,6 +84,23 @@ async def list_jobs(
     return await reads.all(stmt, params)
 
 
+def job_load(session: Session, tenant_id: str) -> JobLoad:
+    """What the tenant's jobs take of its job quotas (service.quotas.service.check_can_queue)."""
+    owned = Job.status.in_([state.value for state in WORKER_OWNED])
+    row = session.execute(
+        select(
+            func.count().filter(owned),
+            func.count().filter(Job.status == JobStatus.queued.value),
+            func.count().filter(Job.status == JobStatus.paused.value),
+            func.coalesce(func.sum(Job.devices).filter(owned), 0),
+        ).where(
+            Job.tenant_id == tenant_id,
+            Job.status.in_([*(state.value for state in WORKER_OWNED), JobStatus.queued.value, JobStatus.paused.value]),
+        )
+    ).one()
+    return JobLoad(running_jobs=int(row[0]), queued_jobs=int(row[1]), paused_jobs=int(row[2]), devices=int(row[3]))
+
+
 def job_uses_dataset(session: Session, tenant_id: str, dataset_id: str, statuses: Sequence[str]) -> bool:
     stmt = select(
         exists().where(
@@ -97,31 +116,13 @@ def job_uses_dataset(session: Session, tenant_id: str, dataset_id: str, statuses
 
 
 def live_dataset_keys(session: Session, tenant_id: str, ids: Sequence[str]) -> dict[str, str]:
-    """{dataset id: storage key} of those of `ids` that are the tenant's and not deleted."""
-    if not ids:
-        return {}
-    stmt = select(Dataset.id, Dataset.storage_key).where(
-        Dataset.tenant_id == tenant_id, Dataset.id.in_(ids), Dataset.deleted_at.is_(None)
-    )
-    return {row.id: row.storage_key for row in session.execute(stmt)}
-
-
-def live_dataset_ids(session: Session, tenant_id: str, ids: Sequence[str]) -> set[str]:
-    return set(live_dataset_keys(session, tenant_id, ids))
+    """{dataset id: storage key} of those of `ids` that are the tenant's and not deleted (the worker's inputs)."""
+    return {dataset_id: row.storage_key for dataset_id, row in datasets_repository.live(session, tenant_id, ids).items()}
 
 
 def live_reward_functions(session: Session, tenant_id: str, ids: Sequence[str]) -> dict[str, RewardFunction]:
-    """{id: row} of those of `ids` that are the tenant's and not deleted."""
-    if not ids:
-        return {}
-    stmt = select(RewardFunction).where(
-        RewardFunction.tenant_id == tenant_id, RewardFunction.id.in_(ids), RewardFunction.deleted_at.is_(None)
-    )
-    return {row.id: row for row in session.scalars(stmt)}
-
-
-def live_reward_function_ids(session: Session, tenant_id: str, ids: Sequence[str]) -> set[str]:
-    return set(live_reward_functions(session, tenant_id, ids))
+    """{id: row} of those of `ids` that are the tenant's and not deleted (the worker's inputs)."""
+    return rewards_repository.live(session, tenant_id, ids)
 
 
 def base_model_uses(session: Session, checkpoint_ids: Sequence[str]) -> set[str]:
@@ -175,6 +176,12 @@ def replace_metrics(
         JobMetric(job_id=job_id, step=step, name=name, value=value, attempt=attempt)
         for name, value in values.items()
     )
+
+
+def metrics_at_step(session: Session, job_id: str, step: int) -> dict[str, float]:
+    """{name: value} of the metrics recorded at `step` (a checkpoint's metrics unless the worker names them)."""
+    stmt = select(JobMetric.name, JobMetric.value).where(JobMetric.job_id == job_id, JobMetric.step == step)
+    return {row.name: row.value for row in session.execute(stmt)}
 
 
 def metric_rows(

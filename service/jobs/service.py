@@ -1,4 +1,6 @@
-"""Jobs business logic for API callers (REST and gRPC): create, read, list, cancel, pause, resume, delete.
+"""Jobs business logic for API callers (REST and gRPC): create, read, list, cancel, pause, resume, delete, and a
+job's checkpoints, usage, estimate and budget (the lower domains answer with what the job hands them); the
+worker's claim pauses a job over its budget here too (pause_if_exhausted).
 
 Transport-free: functions take a Session and a tenant id, return ORM rows or pydantic models and
 raise service.kit.errors.*. They never commit; enqueueing is registered to run after the commit.
@@ -7,7 +9,7 @@ raise service.kit.errors.*. They never commit; enqueueing is registered to run a
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection, Sequence
+from collections.abc import Sequence
 from functools import partial
 from typing import Any
 
@@ -15,17 +17,15 @@ from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 
 from contract.api.jobs import JobOut, MetricSeries, MetricsOut
-from contract.fields import INT32_MAX
-from contract.spec import BUILTIN_PREFIX, GraderRewardSpec, JobSpec, ModelRewardSpec, reward_function_refs
+from contract.api.usage import Estimate, JobUsage
+from contract.spec import BUILTIN_PREFIX, JobBudget, JobSpec
 from service.checkpoints import repository as checkpoints_repository
 from service.checkpoints import retention
 from service.checkpoints.models import Checkpoint
-from service.datasets.models import Dataset
-from service.datasets.service import first_row_missing
-from service.jobs import model_sources, repository
-from service.jobs.events import STATUS_EVENT
-from service.jobs.model_sources import ModelSourceKind, ModelSourcePolicy, ModelSourceRefused
+from service.jobs import repository
+from service.jobs.events import BUDGET_EXHAUSTED_EVENT, STATUS_EVENT
 from service.jobs.models import Job, JobEvent
+from service.jobs.references import check_references
 from service.jobs.schemas import job_out
 from service.jobs.states import TERMINAL, UNFINISHED, JobStatus, transition
 from service.kit.config import get_settings
@@ -37,7 +37,9 @@ from service.kit.queue import JobQueue, queue_name, send_job_logged
 from service.kit.reads import Reads
 from service.quotas import service as quotas
 from service.storage import Storage, job_prefix
-from service.usage import budget
+from service.usage import budget as budgets
+from service.usage import service as usage
+from service.usage.budget import Exhausted
 
 log = logging.getLogger(__name__)
 
@@ -46,12 +48,13 @@ log = logging.getLogger(__name__)
 
 
 def create_job(session: Session, tenant_id: str, spec: JobSpec, queue: JobQueue) -> Job:
-    """Check the job's size, the tenant's quotas and monthly caps and what the spec refers to, insert the job
-    `queued`, and enqueue it once committed."""
+    """Check the job's size, the tenant's quotas and monthly caps and what the spec refers to (jobs.references),
+    insert the job `queued`, and enqueue it once committed: each step once, in that order (docs/development.md,
+    "Life of a job")."""
     check_resources(spec)
     devices = job_devices(spec)
-    quotas.check_can_queue(session, tenant_id, devices)
-    budget.refuse_if_tenant_exhausted(session, tenant_id)
+    quotas.check_can_queue(session, tenant_id, devices, repository.job_load)
+    budgets.refuse_if_tenant_exhausted(session, tenant_id)
     check_references(session, tenant_id, spec)
     now = utcnow()
     job = Job(
@@ -136,90 +139,6 @@ def enqueue_waiting(session: Session, tenant_id: str, queue: JobQueue) -> None:
         on_commit(session, partial(send_job_logged, queue, job_id, name))
 
 
-def check_references(session: Session, tenant_id: str, spec: JobSpec) -> None:
-    """Datasets, remote reward functions and checkpoints must exist and be the tenant's; model sources must be
-    accepted forms (jobs.model_sources).
-
-    Raises ValidationFailed (422) naming every offending field, e.g. `rewards[1].reward_function_id`.
-    """
-    errors: list[dict[str, Any]] = []
-    datasets = {
-        "train_dataset": spec.train_dataset, "eval_dataset": spec.eval_dataset, "retain_dataset": spec.retain_dataset
-    }
-    wanted = [ds for ds in datasets.values() if ds is not None]
-    found_datasets = found = repository.live_dataset_ids(session, tenant_id, wanted)
-    for field, dataset_id in datasets.items():
-        if dataset_id is not None and dataset_id not in found:
-            errors.append(_missing(field, f"dataset {dataset_id!r} not found"))
-
-    config = spec.hyperparameters
-    if config.num_epochs is not None and config.max_steps is None and spec.train_dataset in found_datasets:
-        # The steps column is an INTEGER; float arithmetic, since a huge num_epochs overflows int().
-        dataset = session.get(Dataset, spec.train_dataset)
-        if dataset is not None and config.num_epochs * dataset.num_rows / config.prompts_per_step > INT32_MAX:
-            errors.append({
-                "field": "hyperparameters.num_epochs",
-                "message": f"{config.num_epochs} epochs of {dataset.num_rows} prompts make more than {INT32_MAX} steps",
-                "type": "value_error",
-            })
-
-    remote = reward_function_refs(spec.rewards)
-    found = repository.live_reward_function_ids(session, tenant_id, [rf_id for _, rf_id in remote])
-    for field, rf_id in remote:
-        if rf_id not in found:
-            errors.append(_missing(field, f"reward function {rf_id!r} not found"))
-
-    for i, reward in enumerate(spec.rewards):
-        if isinstance(reward, GraderRewardSpec):
-            errors.extend(_grader_fields(session, tenant_id, spec, i, reward, found_datasets))
-
-    models = {"base_model": spec.base_model}
-    models.update(
-        {f"rewards[{i}].model": r.model for i, r in enumerate(spec.rewards) if isinstance(r, ModelRewardSpec)}
-    )
-    policy = ModelSourcePolicy.from_settings(get_settings())
-    for field, value in models.items():
-        try:
-            source = model_sources.classify(value, policy)
-        except ModelSourceRefused as exc:
-            errors.append({"field": field, "message": str(exc), "type": "model_source_refused"})
-            continue
-        # Another tenant's checkpoint reads exactly like an unknown id: no existence oracle.
-        if source.kind is ModelSourceKind.checkpoint and not checkpoints_repository.tenant_has_checkpoint(
-            session, tenant_id, source.value
-        ):
-            errors.append(_missing(field, f"checkpoint {source.value!r} not found"))
-
-    if errors:
-        raise ValidationFailed(f"{errors[0]['field']}: {errors[0]['message']}", details=errors)
-
-
-def _grader_fields(
-    session: Session, tenant_id: str, spec: JobSpec, index: int, reward: GraderRewardSpec, found: Collection[str]
-) -> list[dict[str, Any]]:
-    """A grader's ``{{item.*}}`` references must be in every row of the datasets it grades."""
-    errors: list[dict[str, Any]] = []
-    graded = {"train_dataset": spec.train_dataset, "eval_dataset": spec.eval_dataset}
-    for field, dataset_id in graded.items():
-        if dataset_id is None or dataset_id not in found:
-            continue
-        missing = first_row_missing(session, tenant_id, dataset_id, reward.parsed)
-        if missing is not None:
-            line, what = missing
-            errors.append({
-                "field": field,
-                "message": f"line {line} of dataset {dataset_id!r} has no field {what.at!r}, which "
-                f"rewards[{index}].grader reads as {what.reference}",
-                "type": "grader_field_missing",
-                "line": line,
-            })
-    return errors
-
-
-def _missing(field: str, message: str) -> dict[str, Any]:
-    return {"field": field, "message": message, "type": "not_found"}
-
-
 # --- read -----------------------------------------------------------------------------------------
 
 
@@ -297,6 +216,23 @@ def list_samples(
     get_job(session, tenant_id, job_id)
     rows = repository.list_samples(session, job_id, step=step, after_id=after, limit=limit + 1)
     return page(rows, limit)
+
+
+def list_job_checkpoints(session: Session, tenant_id: str, job_id: str) -> Sequence[Checkpoint]:
+    get_job(session, tenant_id, job_id)
+    return checkpoints_repository.list_for_job(session, job_id)
+
+
+def job_usage(session: Session, tenant_id: str, job_id: str) -> JobUsage:
+    """The job's usage per step and its budget's state (service.usage.service.usage_of)."""
+    return usage.usage_of(session, get_job(session, tenant_id, job_id))
+
+
+def estimate(session: Session, tenant_id: str, spec: JobSpec) -> Estimate:
+    """Expected usage of `spec` (service.usage.service.estimate_spec), validated like a submission (422 naming
+    the field)."""
+    train = check_references(session, tenant_id, spec).datasets[spec.train_dataset]
+    return usage.estimate_spec(session, spec, train_rows=train.num_rows, train_bytes=train.bytes)
 
 
 def dataset_in_use(session: Session, tenant_id: str, dataset_id: str) -> bool:
@@ -386,8 +322,8 @@ def resume_job(session: Session, tenant_id: str, job_id: str, queue: JobQueue) -
             f"job {job.id!r} is {job.status}: only a paused job can be resumed",
             details={"current_status": job.status, "requested_status": JobStatus.queued.value},
         )
-    quotas.check_can_queue(session, tenant_id, job.devices, resuming=True)
-    budget.refuse_if_exhausted(session, job)
+    quotas.check_can_queue(session, tenant_id, job.devices, repository.job_load, resuming=True)
+    budgets.refuse_if_exhausted(session, job)
     job.resume_checkpoint_id = (
         checkpoints_repository.latest_checkpoint_id(session, job.id) or job.resume_checkpoint_id
     )
@@ -405,3 +341,46 @@ def _event(session: Session, job: Job, type_: str, message: str) -> None:
         )
     )
     session.flush()
+
+
+# --- budgets (service.usage.budget) --------------------------------------------------------------------
+
+
+def set_job_budget(session: Session, tenant_id: str, job_id: str, budget: JobBudget | None) -> Job:
+    """Replace the job's budget (None removes it). A running job sees it at its next step; a job paused with
+    `budget_exhausted` can be resumed once it allows more. Refused (409) for a finished job."""
+    job = get_job(session, tenant_id, job_id, for_update=True)
+    if JobStatus(job.status) in TERMINAL:
+        raise IllegalTransition(
+            f"job {job.id!r} is {job.status}: a finished job's budget cannot change",
+            details={"current_status": job.status},
+        )
+    value = None if budget is None else budget.model_dump(mode="json")
+    job.spec = {**job.spec, "budget": value}
+    job.updated_at = utcnow()
+    session.add(JobEvent(
+        job_id=job.id, type="budget_changed", message=f"budget set to {value}", data={"budget": value},
+        attempt=job.attempt, created_at=utcnow(),
+    ))
+    session.flush()
+    return job
+
+
+def pause_if_exhausted(session: Session, job: Job) -> Exhausted | None:
+    """At claim, before an attempt starts: a job (queued, or running with an expired lease) whose budget or
+    tenant cap is reached is paused with `budget_exhausted`, the event and error the step check writes, and no
+    step runs. Returns the limit, or None when the job may start. Never commits."""
+    reached = budgets.exhausted(session, job)
+    if reached is None:
+        return None
+    message = f"{BUDGET_EXHAUSTED_EVENT} before attempt {job.attempt + 1} started: {reached.message}"
+    session.add(JobEvent(
+        job_id=job.id, type=BUDGET_EXHAUSTED_EVENT, message=message,
+        data={"step": job.current_step, **reached.as_data()}, attempt=job.attempt, step=job.current_step,
+        created_at=utcnow(),
+    ))
+    transition(session, job, JobStatus.paused, reason=message)
+    job.error_code = BUDGET_EXHAUSTED_EVENT
+    job.error_message = f"{reached.message}; raise it (PATCH /v1/jobs/{job.id}) and resume the job"
+    session.flush()
+    return reached

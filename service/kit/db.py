@@ -19,7 +19,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, ParamSpec, TypeVar
 
-from sqlalchemy import DateTime, Engine, MetaData, create_engine, event
+from sqlalchemy import BigInteger, DateTime, Engine, Integer, MetaData, create_engine, event
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import DisconnectionError
 from sqlalchemy.orm import DeclarativeBase, Session, sessionmaker
@@ -55,6 +55,10 @@ class UTCDateTime(TypeDecorator[datetime]):
         if value is not None and value.tzinfo is None:
             value = value.replace(tzinfo=UTC)
         return value
+
+
+# An autoincrementing 64-bit key on PostgreSQL; SQLite only autoincrements an INTEGER PRIMARY KEY.
+BigIntId = BigInteger().with_variant(Integer(), "sqlite")
 
 
 def utcnow() -> datetime:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, generate_latest
+from prometheus_client import CollectorRegistry, Histogram, ProcessCollector, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from sqlalchemy import func, select
@@ -24,6 +24,7 @@ from sqlalchemy import func, select
 from service.jobs.models import Job
 from service.jobs.states import JobStatus
 from service.kit.db import session_scope
+from service.webhooks.delivery import WEBHOOK_DELIVERIES
 from service.webhooks.repository import count_pending_deliveries
 
 log = logging.getLogger(__name__)
@@ -39,12 +40,7 @@ HTTP_LATENCY = Histogram(
     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0),
     registry=REGISTRY,
 )
-WEBHOOK_DELIVERIES = Counter(
-    "grpo_webhook_deliveries",
-    "Webhook delivery attempts by outcome (delivered, retry, failed).",
-    ["outcome"],
-    registry=REGISTRY,
-)
+REGISTRY.register(WEBHOOK_DELIVERIES)  # counted by the webhook dispatcher
 ProcessCollector(registry=REGISTRY)
 
 

@@ -20,7 +20,6 @@ from contract.api.jobs import JobOut
 from contract.fields import INT64_MAX
 from contract.graders import GraderInvalid, grader_dump, parse_grader
 from service.checkpoints import repository as checkpoint_rows
-from service.checkpoints import service as checkpoints
 from service.datasets import service as datasets
 from service.datasets.multipart import check_content_length, multipart_boundary, read_upload
 from service.jobs import service as jobs
@@ -206,7 +205,7 @@ def _event_cursor(after: str | None) -> int | None:
 def list_checkpoints(
     job_id: PathId, tenant: CurrentTenant, session: SessionDep, limit: Limit = 10, after: Cursor = None
 ) -> dict[str, Any]:
-    rows = list(reversed(checkpoints.list_job_checkpoints(session, tenant.tenant_id, job_id)))
+    rows = list(reversed(jobs.list_job_checkpoints(session, tenant.tenant_id, job_id)))
     if after is not None:
         ids = [r.id for r in rows]
         rows = rows[ids.index(after) + 1:] if after in ids else []

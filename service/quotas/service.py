@@ -17,9 +17,16 @@ Four limits, each a service default (settings `quota_*`) that a tenant's overrid
 
 Every refusal is `QuotaExceeded` (code `quota_exceeded`) with details {quota, limit, current, requested}.
 A check locks the tenant row first, so concurrent requests cannot both take the last unit.
+
+What a tenant uses is counted by the domain whose rows it is, which hands its counter in (`CountJobs`,
+`CountStoredBytes`): quotas import nothing of the jobs and datasets they limit. A check runs the counter after
+the lock.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import grpc
 from sqlalchemy.orm import Session
@@ -45,6 +52,23 @@ class QuotaExceeded(DomainError):
         )
         self.http_status = 429 if waits else 409
         self.grpc_status = grpc.StatusCode.RESOURCE_EXHAUSTED if waits else grpc.StatusCode.FAILED_PRECONDITION
+
+
+@dataclass(frozen=True)
+class JobLoad:
+    """What a tenant's jobs take of the job quotas: running (worker-owned) jobs, queued and paused jobs, and the
+    devices of the running ones."""
+
+    running_jobs: int
+    queued_jobs: int
+    paused_jobs: int
+    devices: int
+
+
+# (session, tenant id) -> the tenant's JobLoad (service.jobs.repository.job_load).
+CountJobs = Callable[[Session, str], JobLoad]
+# (session, tenant id) -> bytes of the tenant's datasets that are not deleted (service.datasets.repository).
+CountStoredBytes = Callable[[Session, str], int]
 
 
 def default_limits(settings: Settings | None = None) -> QuotaLimits:
@@ -79,13 +103,15 @@ def _pick(override: int | None, default: int | None) -> int | None:
 # --- checks ---------------------------------------------------------------------------------------
 
 
-def check_can_queue(session: Session, tenant_id: str, devices: int, *, resuming: bool = False) -> None:
+def check_can_queue(
+    session: Session, tenant_id: str, devices: int, count_jobs: CountJobs, *, resuming: bool = False
+) -> None:
     """Before a job of `devices` devices becomes queued: QuotaExceeded past max_queued_jobs (a created job
     counts the tenant's queued and paused jobs, a resumed one its queued jobs: see the module docstring), or
     when the job alone needs more than max_devices."""
-    repository.lock_tenant(session, tenant_id)
+    tenants_repository.lock_tenant(session, tenant_id)
     limits = limits_for(session, tenant_id)
-    use = repository.usage(session, tenant_id)
+    use = count_jobs(session, tenant_id)
     if limits.max_devices is not None and devices > limits.max_devices:
         raise QuotaExceeded(
             "max_devices", limit=limits.max_devices, current=use.devices, requested=devices, waits=False
@@ -97,13 +123,13 @@ def check_can_queue(session: Session, tenant_id: str, devices: int, *, resuming:
         )
 
 
-def check_dataset_storage(session: Session, tenant_id: str, size: int) -> None:
+def check_dataset_storage(session: Session, tenant_id: str, size: int, stored_bytes: CountStoredBytes) -> None:
     """Before a dataset of `size` bytes is recorded: QuotaExceeded past max_dataset_storage_bytes."""
-    repository.lock_tenant(session, tenant_id)
+    tenants_repository.lock_tenant(session, tenant_id)
     limit = limits_for(session, tenant_id).max_dataset_storage_bytes
     if limit is None:
         return
-    stored = repository.usage(session, tenant_id).dataset_storage_bytes
+    stored = stored_bytes(session, tenant_id)
     if stored + size > limit:
         raise QuotaExceeded("max_dataset_storage_bytes", limit=limit, current=stored, requested=size, waits=False)
 
@@ -111,11 +137,13 @@ def check_dataset_storage(session: Session, tenant_id: str, size: int) -> None:
 # --- administration ---------------------------------------------------------------------------------
 
 
-def get_quotas(session: Session, tenant_id: str) -> QuotasOut:
+def get_quotas(
+    session: Session, tenant_id: str, count_jobs: CountJobs, stored_bytes: CountStoredBytes
+) -> QuotasOut:
     """Limits, overrides and current use of a tenant (NotFound if there is no such tenant)."""
     if tenants_repository.get_tenant(session, tenant_id) is None:
         raise NotFound("tenant", tenant_id)
-    use = repository.usage(session, tenant_id)
+    use = count_jobs(session, tenant_id)
     return QuotasOut(
         tenant_id=tenant_id,
         limits=limits_for(session, tenant_id),
@@ -124,15 +152,15 @@ def get_quotas(session: Session, tenant_id: str) -> QuotasOut:
             running_jobs=use.running_jobs,
             queued_jobs=use.queued_jobs + use.paused_jobs,
             devices=use.devices,
-            dataset_storage_bytes=use.dataset_storage_bytes,
+            dataset_storage_bytes=stored_bytes(session, tenant_id),
         ),
     )
 
 
-def set_overrides(session: Session, tenant_id: str, overrides: QuotaLimits) -> QuotasOut:
+def set_overrides(session: Session, tenant_id: str, overrides: QuotaLimits) -> None:
     """Replace the tenant's overrides (a null field: the service default). Callers use
-    service.quotas.admin.update_quotas, which also wakes the jobs a raised limit lets start."""
-    if not repository.lock_tenant(session, tenant_id):
+    service.admin.quotas.write_quotas, which also wakes the jobs a raised limit lets start."""
+    if not tenants_repository.lock_tenant(session, tenant_id):
         raise NotFound("tenant", tenant_id)
     row = repository.get_override(session, tenant_id)
     if row is None:
@@ -142,4 +170,3 @@ def set_overrides(session: Session, tenant_id: str, overrides: QuotaLimits) -> Q
         setattr(row, name, getattr(overrides, name))
     row.updated_at = utcnow()
     session.flush()
-    return get_quotas(session, tenant_id)

@@ -19,6 +19,16 @@ def get(session: Session, tenant_id: str, rf_id: str, *, for_update: bool = Fals
     return session.scalars(stmt).one_or_none()
 
 
+def live(session: Session, tenant_id: str, ids: Sequence[str]) -> dict[str, RewardFunction]:
+    """{id: row} of those of `ids` that are the tenant's."""
+    if not ids:
+        return {}
+    stmt = select(RewardFunction).where(
+        RewardFunction.tenant_id == tenant_id, RewardFunction.id.in_(ids), RewardFunction.deleted_at.is_(None)
+    )
+    return {row.id: row for row in session.scalars(stmt)}
+
+
 def get_for_job(session: Session, rf_id: str) -> RewardFunction | None:
     """Any row, deleted or not: a job keeps calling what it was submitted with."""
     return session.get(RewardFunction, rf_id)

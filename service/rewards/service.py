@@ -99,6 +99,11 @@ def get_reward_function(session: Session, tenant_id: str, rf_id: str) -> RewardF
     return row
 
 
+def live_reward_function_ids(session: Session, tenant_id: str, ids: Sequence[str]) -> set[str]:
+    """Those of `ids` that are the tenant's and not deleted (what a job may call)."""
+    return set(repository.live(session, tenant_id, ids))
+
+
 def list_reward_functions(
     session: Session, tenant_id: str, *, limit: int, after: str | None
 ) -> tuple[Sequence[RewardFunction], bool]:

@@ -15,6 +15,18 @@ def get_tenant(session: Session, tenant_id: str) -> Tenant | None:
     return session.get(Tenant, tenant_id)
 
 
+def lock_tenant(session: Session, tenant_id: str) -> bool:
+    """Serialise checks of one tenant's limits (quotas, API keys) until the transaction ends (a row lock on
+    PostgreSQL, the write lock on SQLite), so two requests at once cannot both take the last unit. False if the
+    tenant does not exist."""
+    result = session.execute(
+        update(Tenant).where(Tenant.id == tenant_id).values(name=Tenant.name).execution_options(
+            synchronize_session=False
+        )
+    )
+    return bool(result.rowcount == 1)  # type: ignore[attr-defined]
+
+
 def get_tenant_by_name(session: Session, name: str) -> Tenant | None:
     return session.scalars(select(Tenant).where(Tenant.name == name)).one_or_none()
 

@@ -20,7 +20,6 @@ from service.kit.db import on_commit, utcnow
 from service.kit.errors import Conflict, DomainError, NotFound, ValidationFailed
 from service.kit.ids import new_id
 from service.kit.paging import page
-from service.quotas.repository import lock_tenant
 from service.tenants import repository
 from service.tenants.auth import KEY_CACHE
 from service.tenants.keys import KEY_PREFIX, hash_key, lookup_prefix
@@ -123,7 +122,7 @@ def create_api_key_for(
             f"({'name an expires_at' if expires_at is None else 'asked for ' + expires_at.isoformat()})",
             details=[{"field": "expires_at", "message": f"must be no later than {limit}"}],
         )
-    if not lock_tenant(session, parent.tenant_id):  # concurrent creations cannot both take the last place
+    if not repository.lock_tenant(session, parent.tenant_id):  # concurrent creations cannot both take the last place
         raise NotFound("tenant", parent.tenant_id)
     tenant = repository.get_tenant(session, parent.tenant_id)
     if tenant is None:

@@ -4,29 +4,44 @@ Checked at three points, so that no step runs past a limit that is already reach
 
 - submission (`refuse_if_tenant_exhausted`, from jobs.create_job: REST, gRPC and the OpenAI-compatible door):
   a tenant at or over a monthly cap gets 409 `budget_exhausted` naming the cap, and no job is created;
-- claim (`pause_if_exhausted`, from the worker's claim): a job whose budget or tenant cap is reached is paused
-  with `budget_exhausted` instead of starting an attempt, as the step check below would have paused it;
+- claim (`service.jobs.service.pause_if_exhausted`, from the worker's claim): a job whose budget or tenant cap is
+  reached is paused with `budget_exhausted` instead of starting an attempt, as the step check below would have
+  paused it;
 - every step (`exhausted`, evaluated by the worker in the transaction that records a step's usage), so the
   step that reaches a limit is the one that pauses the job. The API calls it before resuming a job, so a job
   paused with `budget_exhausted` only resumes once the limit was raised.
+
+Budgets read a job (`BudgetedJob`) and never change it: pausing it is the jobs domain's.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from typing import Any, Protocol
 
 from sqlalchemy.orm import Session
 
-from service.jobs.events import BUDGET_EXHAUSTED_EVENT
-from service.jobs.models import Job, JobEvent
-from service.jobs.states import JobStatus, transition
 from service.kit.config import get_settings
 from service.kit.db import utcnow
 from service.kit.errors import Conflict
 from service.usage import repository
 
-BUDGET_EXHAUSTED = BUDGET_EXHAUSTED_EVENT  # the event type is also the error code
+# The error code, and the type of the job event that a reached limit writes (service.jobs.events names it).
+BUDGET_EXHAUSTED = "budget_exhausted"
+
+
+class BudgetedJob(Protocol):
+    """What budgets read of a job (a service.jobs.models.Job)."""
+
+    @property
+    def id(self) -> str: ...
+
+    @property
+    def tenant_id(self) -> str: ...
+
+    @property
+    def spec(self) -> dict[str, Any]: ...
 
 
 class BudgetExhausted(Conflict):
@@ -76,7 +91,7 @@ def tenant_caps(session: Session, tenant_id: str) -> TenantCaps:
     )
 
 
-def exhausted(session: Session, job: Job) -> Exhausted | None:
+def exhausted(session: Session, job: BudgetedJob) -> Exhausted | None:
     """The first limit the job or its tenant has reached, else None."""
     budget = job.spec.get("budget") or {}
     if budget.get("max_tokens") is not None or budget.get("max_device_seconds") is not None:
@@ -101,7 +116,7 @@ def tenant_exhausted(session: Session, tenant_id: str) -> Exhausted | None:
     return None
 
 
-def refuse_if_exhausted(session: Session, job: Job) -> None:
+def refuse_if_exhausted(session: Session, job: BudgetedJob) -> None:
     """Before resuming: 409 `budget_exhausted` naming the limit while it is still reached."""
     reached = exhausted(session, job)
     if reached is not None:
@@ -119,22 +134,3 @@ def refuse_if_tenant_exhausted(session: Session, tenant_id: str) -> None:
             f"{reached.message}: no job can start until the cap is raised or the month ends",
             details=reached.as_data(),
         )
-
-
-def pause_if_exhausted(session: Session, job: Job) -> Exhausted | None:
-    """At claim, before an attempt starts: a job (queued, or running with an expired lease) whose budget or
-    tenant cap is reached is paused with `budget_exhausted`, the event and error the step check writes, and no
-    step runs. Returns the limit, or None when the job may start. Never commits."""
-    reached = exhausted(session, job)
-    if reached is None:
-        return None
-    message = f"{BUDGET_EXHAUSTED} before attempt {job.attempt + 1} started: {reached.message}"
-    session.add(JobEvent(
-        job_id=job.id, type=BUDGET_EXHAUSTED, message=message, data={"step": job.current_step, **reached.as_data()},
-        attempt=job.attempt, step=job.current_step, created_at=utcnow(),
-    ))
-    transition(session, job, JobStatus.paused, reason=message)
-    job.error_code = BUDGET_EXHAUSTED
-    job.error_message = f"{reached.message}; raise it (PATCH /v1/jobs/{job.id}) and resume the job"
-    session.flush()
-    return reached

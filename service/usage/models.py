@@ -17,12 +17,12 @@ from datetime import datetime
 from sqlalchemy import BigInteger, Float, ForeignKey, Index, Integer, String, UniqueConstraint
 from sqlalchemy.orm import Mapped, mapped_column
 
-from service.jobs.models import BigIntId
-from service.kit.db import Base, UTCDateTime, utcnow
+from service.kit.db import Base, BigIntId, UTCDateTime, utcnow
 from service.tenants import models as tenants_models
 
 # The tenants table must be in the metadata wherever these rows are written (a worker imports no API module):
-# flushing resolves every foreign key of the mapped tables.
+# flushing resolves every foreign key of the mapped tables. The jobs table is: a step's usage is written for a
+# job its writer has loaded.
 __all__ = ["JobUsage", "TenantBudget", "UsageCalibration", "tenants_models"]
 
 

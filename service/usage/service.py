@@ -3,8 +3,9 @@
 - The worker records each step's usage (`record_step`) in the transaction that records its metrics, after
   the attempt fence; the same transaction adds the step to its model's calibration and tells whether a
   budget is now reached (service.usage.budget).
-- Tenants read exact sums of the per-step records (`report`, `job_usage`), estimate a spec before running it
-  (`estimate`), and change a job's budget (`set_job_budget`).
+- Tenants read exact sums of the per-step records (`report`, and `usage_of` a job), and estimate a spec before
+  running it (`estimate_spec`). The jobs domain finds the job or checks the spec first
+  (service.jobs.service.job_usage, estimate) and changes a job's budget (set_job_budget).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import math
 import re
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Literal
+from typing import Literal, Protocol
 
 from sqlalchemy.orm import Session
 
@@ -28,15 +29,11 @@ from contract.api.usage import (
     UsageTotals,
 )
 from contract.spec import JobBudget, JobSpec
-from service.datasets.models import Dataset
-from service.jobs import service as jobs
-from service.jobs.models import Job, JobEvent
-from service.jobs.states import TERMINAL, JobStatus
 from service.kit.config import get_settings
 from service.kit.db import utcnow
-from service.kit.errors import IllegalTransition, ValidationFailed
+from service.kit.errors import ValidationFailed
 from service.usage import repository
-from service.usage.budget import Exhausted, exhausted, month_start
+from service.usage.budget import BudgetedJob, Exhausted, exhausted, month_start
 from service.usage.models import UsageCalibration
 from service.usage.repository import Sums
 
@@ -89,7 +86,16 @@ class StepUsageIn:
             raise ValidationFailed(f"usage: counts and device_seconds must be finite and >= 0, got {self}")
 
 
-def record_step(session: Session, job: Job, step: int, attempt: int, usage: StepUsageIn) -> Exhausted | None:
+class MeteredJob(BudgetedJob, Protocol):
+    """What recording a step reads of its job (a service.jobs.models.Job)."""
+
+    @property
+    def base_model(self) -> str: ...
+
+
+def record_step(
+    session: Session, job: MeteredJob, step: int, attempt: int, usage: StepUsageIn
+) -> Exhausted | None:
     """Record `step`'s usage for `job` (locked and fenced by the caller), add it to the calibration of the job's
     base model, and return the budget the job has now reached, if any."""
     repository.replace_step(
@@ -141,8 +147,8 @@ def report(
     )
 
 
-def job_usage(session: Session, tenant_id: str, job_id: str) -> JobUsage:
-    job = jobs.get_job(session, tenant_id, job_id)
+def usage_of(session: Session, job: BudgetedJob) -> JobUsage:
+    """The job's usage per step, its totals and its budget's state."""
     steps = repository.job_steps(session, job.id)
     budget = job.spec.get("budget")
     reached = exhausted(session, job)
@@ -168,18 +174,15 @@ def job_usage(session: Session, tenant_id: str, job_id: str) -> JobUsage:
 # --- estimate -----------------------------------------------------------------------------------------
 
 
-def estimate(session: Session, tenant_id: str, spec: JobSpec) -> Estimate:
-    """Expected usage of `spec`, validated like a submission (422 naming the field), from the calibration
-    of its base model, else of its size bucket, else the settings' default.
+def estimate_spec(session: Session, spec: JobSpec, *, train_rows: int, train_bytes: int) -> Estimate:
+    """Expected usage of `spec`, whose train dataset has `train_rows` rows of `train_bytes` bytes, from the
+    calibration of its base model, else of its size bucket, else the settings' default.
 
     Completions are assumed as long as measured runs made them (default: max_completion_length); dynamic
     sampling's extra rounds are not predicted.
     """
-    jobs.check_references(session, tenant_id, spec)
-    dataset = session.get(Dataset, spec.train_dataset)
-    assert dataset is not None  # check_references: the tenant's live dataset
     config = spec.hyperparameters
-    steps = config.total_steps(dataset.num_rows)
+    steps = config.total_steps(train_rows)
     completions = steps * config.prompts_per_step * config.num_generations
     capacity = completions * config.max_completion_length
 
@@ -195,7 +198,7 @@ def estimate(session: Session, tenant_id: str, spec: JobSpec) -> Estimate:
     else:
         source, observed = "default", 0
         fill = 1.0
-        prompt_tokens = dataset.bytes / max(dataset.num_rows, 1) / BYTES_PER_TOKEN
+        prompt_tokens = train_bytes / max(train_rows, 1) / BYTES_PER_TOKEN
         trained_per_generated = 1.0 + prompt_tokens / config.max_completion_length
         seconds_per_token = get_settings().estimate_seconds_per_token
     generated = round(capacity * fill)
@@ -212,26 +215,3 @@ def estimate(session: Session, tenant_id: str, spec: JobSpec) -> Estimate:
 
 def _usable(calibration: UsageCalibration) -> bool:
     return calibration.tokens_generated > 0 and calibration.completion_capacity > 0
-
-
-# --- budget -------------------------------------------------------------------------------------------
-
-
-def set_job_budget(session: Session, tenant_id: str, job_id: str, budget: JobBudget | None) -> Job:
-    """Replace the job's budget (None removes it). A running job sees it at its next step; a job paused with
-    `budget_exhausted` can be resumed once it allows more. Refused (409) for a finished job."""
-    job = jobs.get_job(session, tenant_id, job_id, for_update=True)
-    if JobStatus(job.status) in TERMINAL:
-        raise IllegalTransition(
-            f"job {job.id!r} is {job.status}: a finished job's budget cannot change",
-            details={"current_status": job.status},
-        )
-    value = None if budget is None else budget.model_dump(mode="json")
-    job.spec = {**job.spec, "budget": value}
-    job.updated_at = utcnow()
-    session.add(JobEvent(
-        job_id=job.id, type="budget_changed", message=f"budget set to {value}", data={"budget": value},
-        attempt=job.attempt, created_at=utcnow(),
-    ))
-    session.flush()
-    return job

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
 import httpx
+from prometheus_client import Counter
 from tenacity import RetryCallState, Retrying, wait_exponential_jitter
 
 from outbound.signing import SigningKeys, sign_headers
@@ -37,7 +38,6 @@ from outbound.transport import PinnedResolutionTransport
 from outbound.urlpolicy import Resolver, UrlRejected
 from service.kit.config import Settings
 from service.kit.db import session_scope, utcnow
-from service.observability.metrics import WEBHOOK_DELIVERIES
 from service.webhooks import repository
 from service.webhooks.models import DeliveryStatus, WebhookDelivery, WebhookEndpoint
 
@@ -45,6 +45,15 @@ log = logging.getLogger(__name__)
 
 USER_AGENT = "grpo-webhooks/1"
 _EXCERPT = 200  # bytes of an error response body kept in last_error
+
+# Created outside any registry: service.observability.metrics registers it with the API's (GET /metrics), so
+# webhooks import nothing of observability.
+WEBHOOK_DELIVERIES = Counter(
+    "grpo_webhook_deliveries",
+    "Webhook delivery attempts by outcome (delivered, retry, failed).",
+    ["outcome"],
+    registry=None,
+)
 
 
 @dataclass(frozen=True)

@@ -13,8 +13,7 @@ from typing import Any
 from sqlalchemy import JSON, ForeignKey, Index, Integer, String, Text
 from sqlalchemy.orm import Mapped, mapped_column
 
-from service.jobs.models import BigIntId
-from service.kit.db import Base, UTCDateTime, utcnow
+from service.kit.db import Base, BigIntId, UTCDateTime, utcnow
 
 
 class WebhookEndpoint(Base):

@@ -22,6 +22,7 @@ from contract.gen.grpo.v1 import (
     reward_functions_pb2,
     usage_pb2,
 )
+from service.admin import endpoints as quotas_rest
 from service.checkpoints import endpoints as checkpoints_rest
 from service.datasets import endpoints as datasets_rest
 from service.grpc import watch
@@ -33,7 +34,6 @@ from service.grpc.servicers import quotas as quotas_grpc
 from service.grpc.servicers import rewards as rewards_grpc
 from service.grpc.servicers import usage as usage_grpc
 from service.jobs import endpoints as jobs_rest
-from service.quotas import endpoints as quotas_rest
 from service.rewards import endpoints as rewards_rest
 from service.tenants import endpoints as api_keys_rest
 from service.usage import endpoints as usage_rest
@@ -62,7 +62,8 @@ OPERATIONS: list[tuple[str, ModuleType, str, tuple[ModuleType, ...], str]] = [
     ("GET /v1/jobs/{job_id}/samples", jobs_rest, "JobService.ListJobSamples", (jobs_grpc,), "service.list_samples"),
     # Following a job: SSE of event rows over REST, typed WatchJob over gRPC; both check ownership first.
     ("GET /v1/jobs/{job_id}/stream", jobs_rest, "JobService.WatchJob", (jobs_grpc, watch), "service.read_job"),
-    ("GET /v1/jobs/{job_id}/checkpoints", checkpoints_rest, "CheckpointService.ListCheckpoints", (checkpoints_grpc,), "service.list_job_checkpoints"),
+    # The jobs domain's: `service.` over REST (jobs/endpoints), `jobs.` over gRPC.
+    ("GET /v1/jobs/{job_id}/checkpoints", jobs_rest, "CheckpointService.ListCheckpoints", (checkpoints_grpc,), "list_job_checkpoints"),
     ("GET /v1/checkpoints/{checkpoint_id}", checkpoints_rest, "CheckpointService.GetCheckpoint", (checkpoints_grpc,), "service.get_checkpoint"),
     # Per-file Range download over REST; DownloadCheckpoint streams every (or the chosen) files with offsets.
     ("GET /v1/checkpoints/{checkpoint_id}/files/{path}", checkpoints_rest, "CheckpointService.DownloadCheckpoint", (checkpoints_grpc,), "service.manifest_entry"),
@@ -72,9 +73,10 @@ OPERATIONS: list[tuple[str, ModuleType, str, tuple[ModuleType, ...], str]] = [
     ("GET /v1/admin/tenants/{tenant_id}/quotas", quotas_rest, "QuotaService.GetTenantQuotas", (quotas_grpc,), "admin.read_quotas"),
     ("PUT /v1/admin/tenants/{tenant_id}/quotas", quotas_rest, "QuotaService.SetTenantQuotas", (quotas_grpc,), "admin.write_quotas"),
     ("GET /v1/usage", usage_rest, "UsageService.GetUsage", (usage_grpc,), "service.report"),
-    ("GET /v1/jobs/{job_id}/usage", usage_rest, "UsageService.GetJobUsage", (usage_grpc,), "service.job_usage"),
-    ("POST /v1/jobs/estimate", usage_rest, "UsageService.EstimateJob", (usage_grpc,), "service.estimate"),
-    ("PATCH /v1/jobs/{job_id}", usage_rest, "UsageService.UpdateJobBudget", (usage_grpc,), "service.set_job_budget"),
+    # The jobs domain's, like ListCheckpoints.
+    ("GET /v1/jobs/{job_id}/usage", jobs_rest, "UsageService.GetJobUsage", (usage_grpc,), "job_usage"),
+    ("POST /v1/jobs/estimate", jobs_rest, "UsageService.EstimateJob", (usage_grpc,), "estimate"),
+    ("PATCH /v1/jobs/{job_id}", jobs_rest, "UsageService.UpdateJobBudget", (usage_grpc,), "set_job_budget"),
 ]
 # The tar archive is a REST convenience for browsers and curl; gRPC clients use DownloadCheckpoint.
 # The plot is a PNG for browsers (gRPC clients plot GetJobMetrics). Webhook registration is REST-only:

@@ -11,9 +11,10 @@ from fastapi import FastAPI
 from sqlalchemy.orm import Session
 
 from service.checkpoints.models import Checkpoint
-from service.checkpoints.service import new_checkpoint_id, record_checkpoint
+from service.checkpoints.service import new_checkpoint_id
 from service.datasets.models import Dataset
 from service.jobs.models import Job
+from service.jobs.progress import record_checkpoint
 from service.jobs.repository import get_job_any_tenant
 from service.jobs.states import JobStatus, transition
 from service.kit.db import session_scope, utcnow

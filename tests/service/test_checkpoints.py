@@ -15,7 +15,8 @@ from fastapi.testclient import TestClient
 
 from service.checkpoints.download import TarMember, iter_tar, parse_range, tar_plan
 from service.checkpoints.models import Checkpoint
-from service.checkpoints.service import new_checkpoint_id, record_checkpoint
+from service.checkpoints.service import new_checkpoint_id
+from service.jobs.progress import record_checkpoint
 from service.kit.db import session_scope
 from service.kit.errors import Conflict, ValidationFailed
 from service.storage import Storage, checkpoint_key, get_storage

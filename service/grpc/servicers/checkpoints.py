@@ -1,4 +1,5 @@
-"""CheckpointService: the same domain functions as /v1/checkpoints (service.checkpoints.service).
+"""CheckpointService: the same domain functions as /v1/checkpoints (service.checkpoints.service) and
+/v1/jobs/{job_id}/checkpoints (service.jobs.service).
 
 DownloadCheckpoint is the gRPC twin of the per-file download with Range: each file is announced with its
 manifest entry (path, size, sha256) and the offset it starts at, then streamed in chunks read from storage
@@ -22,6 +23,7 @@ from service.checkpoints.schemas import checkpoint_out
 from service.grpc.auth import current_tenant
 from service.grpc.calls import in_session
 from service.grpc.convert import checkpoint_to_proto
+from service.jobs import service as jobs
 from service.kit.errors import DomainError, NotFound, ValidationFailed
 from service.storage import get_storage
 
@@ -89,7 +91,7 @@ class CheckpointServicer(checkpoints_pb2_grpc.CheckpointServiceServicer):
     ) -> checkpoints_pb2.ListCheckpointsResponse:
         tenant = current_tenant()
         rows = await in_session(
-            lambda s: [checkpoint_out(c) for c in service.list_job_checkpoints(s, tenant.tenant_id, request.job_id)]
+            lambda s: [checkpoint_out(c) for c in jobs.list_job_checkpoints(s, tenant.tenant_id, request.job_id)]
         )
         return checkpoints_pb2.ListCheckpointsResponse(checkpoints=[checkpoint_to_proto(c) for c in rows])
 

@@ -1,4 +1,4 @@
-"""QuotaService: the same domain functions as /v1/admin/tenants/{tenant_id}/quotas (service.quotas.admin)."""
+"""QuotaService: the same domain functions as /v1/admin/tenants/{tenant_id}/quotas (service.admin.quotas)."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ from pydantic import ValidationError
 
 from contract.api.quotas import QUOTA_NAMES, QuotaLimits, QuotasOut
 from contract.gen.grpo.v1 import quotas_pb2, quotas_pb2_grpc
+from service.admin import quotas as admin
 from service.grpc.auth import current_tenant
 from service.grpc.calls import in_session
 from service.grpc.errors import from_validation_error
 from service.kit.queue import get_job_queue
-from service.quotas import admin
 
 Context = grpc.aio.ServicerContext[Any, Any]
 

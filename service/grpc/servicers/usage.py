@@ -1,5 +1,5 @@
-"""UsageService: the same domain functions as /v1/usage and the jobs' estimate and budget routes
-(service.usage.service)."""
+"""UsageService: the same domain functions as /v1/usage (service.usage.service) and the jobs' usage, estimate
+and budget routes (service.jobs.service)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from service.grpc.auth import current_tenant
 from service.grpc.calls import in_session
 from service.grpc.convert import job_spec_from_proto, job_to_proto, timestamp
 from service.grpc.errors import from_validation_error, prefix_fields
+from service.jobs import service as jobs
 from service.jobs.schemas import job_out
 from service.kit.errors import ValidationFailed
 from service.usage import service
@@ -62,7 +63,7 @@ class UsageServicer(usage_pb2_grpc.UsageServiceServicer):
         self, request: usage_pb2.GetJobUsageRequest, context: Context
     ) -> usage_pb2.GetJobUsageResponse:
         tenant = current_tenant()
-        usage = await in_session(lambda s: service.job_usage(s, tenant.tenant_id, request.job_id))
+        usage = await in_session(lambda s: jobs.job_usage(s, tenant.tenant_id, request.job_id))
         budget = usage.budget.budget
         return usage_pb2.GetJobUsageResponse(
             job_id=usage.job_id,
@@ -81,7 +82,7 @@ class UsageServicer(usage_pb2_grpc.UsageServiceServicer):
         tenant = current_tenant()
         spec = job_spec_from_proto(request.spec)
         try:
-            estimate = await in_session(lambda s: service.estimate(s, tenant.tenant_id, spec))
+            estimate = await in_session(lambda s: jobs.estimate(s, tenant.tenant_id, spec))
         except ValidationFailed as exc:
             raise prefix_fields(exc, "spec") from exc  # reference checks name fields of the spec
         calibration = estimate.calibration
@@ -98,6 +99,6 @@ class UsageServicer(usage_pb2_grpc.UsageServiceServicer):
         tenant = current_tenant()
         budget = _budget_in(request)
         job = await in_session(
-            lambda s: job_out(service.set_job_budget(s, tenant.tenant_id, request.job_id, budget))
+            lambda s: job_out(jobs.set_job_budget(s, tenant.tenant_id, request.job_id, budget))
         )
         return usage_pb2.UpdateJobBudgetResponse(job=job_to_proto(job))

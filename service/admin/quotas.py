@@ -12,6 +12,8 @@ import grpc
 from sqlalchemy.orm import Session
 
 from contract.api.quotas import QuotaLimits, QuotasOut
+from service.datasets import repository as datasets_repository
+from service.jobs import repository as jobs_repository
 from service.jobs import service as jobs_service
 from service.kit.config import get_settings
 from service.kit.errors import DomainError, NotFound
@@ -31,12 +33,17 @@ def is_operator(caller: TenantContext) -> bool:
     return caller.tenant_id in operators or caller.tenant_name in operators
 
 
+def quotas_of(session: Session, tenant_id: str) -> QuotasOut:
+    """A tenant's limits, overrides and what its jobs and datasets use (NotFound if there is no such tenant)."""
+    return quotas.get_quotas(session, tenant_id, jobs_repository.job_load, datasets_repository.stored_bytes)
+
+
 def read_quotas(session: Session, caller: TenantContext, tenant_id: str) -> QuotasOut:
     """A tenant's limits, overrides and use. Another tenant's reads as not found unless the caller is an
     operator (no existence oracle)."""
     if tenant_id != caller.tenant_id and not is_operator(caller):
         raise NotFound("tenant", tenant_id)
-    return quotas.get_quotas(session, tenant_id)
+    return quotas_of(session, tenant_id)
 
 
 def write_quotas(
@@ -51,6 +58,7 @@ def write_quotas(
             "only an admin key of an operator tenant (settings operator_tenants) may change quotas",
             details={"tenant_id": tenant_id},
         )
-    result = quotas.set_overrides(session, tenant_id, overrides)
+    quotas.set_overrides(session, tenant_id, overrides)
+    result = quotas_of(session, tenant_id)
     jobs_service.enqueue_waiting(session, tenant_id, queue)
     return result

@@ -7,11 +7,11 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends
 
 from contract.api.quotas import QuotaLimits, QuotasOut
+from service.admin import quotas as admin
 from service.kit.deps import SessionDep
 from service.kit.openapi import ErrorBody, error_responses
 from service.kit.params import PathId
 from service.kit.queue import JobQueue, get_job_queue
-from service.quotas import admin
 from service.tenants.auth import AdminTenant
 
 router = APIRouter(tags=["admin"])
