@@ -33,7 +33,7 @@ CHECKPOINT_PREFIX = "checkpoint:"  # checkpoint:<id>, a checkpoint of one of the
 TINY_PRESETS = ("tiny", "small", "medium", "tiny-instruct")
 PRETRAINED_PRESETS = ("smollm2-135m-instruct",)  # real pretrained models, offline (worker.grpo.pretrained)
 BUILTIN_MODELS = (*TINY_PRESETS, *PRETRAINED_PRESETS)
-_NAME = r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$"
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$"  # a job's or evaluation's name
 # Job metadata is stored with the job and returned by every read of it: bounded like any free text.
 MAX_METADATA_KEYS = 32
 MAX_METADATA_KEY_CHARS = 64
@@ -231,6 +231,21 @@ def reward_function_refs(rewards: list[RewardSpec]) -> list[tuple[str, str]]:
     return refs
 
 
+def check_builtin_model(value: str) -> str:
+    """A `builtin:` model source must name a preset (any other form is checked by the service's policy)."""
+    if value.startswith(BUILTIN_PREFIX) and value.removeprefix(BUILTIN_PREFIX) not in BUILTIN_MODELS:
+        raise ValueError(f"unknown builtin model {value!r}; choose one of {', '.join(BUILTIN_MODELS)}")
+    return value
+
+
+def check_reward_sources(rewards: list[RewardSpec]) -> None:
+    """Each source once: their values are reported (and weighted) by name."""
+    names = [r.source_name for r in rewards]
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise ValueError(f"reward sources listed twice: {', '.join(duplicates)}")
+
+
 MAX_DEVICES = 1024
 MAX_NODES = 128
 
@@ -289,7 +304,7 @@ class JobSpec(BaseModel):
         },
     )
 
-    name: str | None = Field(None, pattern=_NAME, description="Optional human-readable name.")
+    name: str | None = Field(None, pattern=NAME_PATTERN, description="Optional human-readable name.")
     base_model: Text = Field(min_length=1, max_length=512)
     train_dataset: Text = Field(min_length=1, max_length=1024)
     eval_dataset: Text | None = Field(None, min_length=1, max_length=1024)
@@ -328,9 +343,7 @@ class JobSpec(BaseModel):
     @field_validator("base_model")
     @classmethod
     def _check_base_model(cls, value: str) -> str:
-        if value.startswith(BUILTIN_PREFIX) and value.removeprefix(BUILTIN_PREFIX) not in BUILTIN_MODELS:
-            raise ValueError(f"unknown builtin model {value!r}; choose one of {', '.join(BUILTIN_MODELS)}")
-        return value
+        return check_builtin_model(value)
 
     @field_validator("metadata")
     @classmethod
@@ -346,10 +359,7 @@ class JobSpec(BaseModel):
             if self.hyperparameters.lora is not None and self.hyperparameters.lora != self.lora:
                 raise ValueError("lora is set both at the top level and in hyperparameters, differently")
             self.hyperparameters.lora = self.lora
-        names = [r.source_name for r in self.rewards]
-        duplicates = sorted({n for n in names if names.count(n) > 1})
-        if duplicates:
-            raise ValueError(f"reward sources listed twice: {', '.join(duplicates)}")
+        check_reward_sources(self.rewards)
         self._check_devices()
         return self
 

@@ -72,6 +72,7 @@ from service.execution.reporting import Exhausted, JobStatus, SampleIn
 from service.execution.runtime import Settings, Storage, get_settings, get_storage, job_context
 from worker import metrics as worker_metrics
 from worker.checkpoint_upload import upload_checkpoint
+from worker.evaluation_run import run_evaluation
 from worker.failures import JobFailure, training_error_message
 from worker.job_inputs import RANK_INPUTS_FILE, InputFetcher, RankInputs, Rows
 from worker.model_sources import ModelUnavailable
@@ -113,6 +114,7 @@ class JobRunner:
         self.ranks: Ranks | None = None  # set in rank 0 of a multi-device job (worker.rank_job)
         self._inputs_sent = False
         self._trained = False  # trainer.train() returned: every rank left the loop together
+        self._evaluation = False  # this job runs an evaluation (worker.evaluation_run)
         self._meter: UsageMeter | None = None
         self._budget_reached: tuple[Exhausted, int] | None = None  # (the limit, the step that reached it)
 
@@ -231,6 +233,8 @@ class JobRunner:
             return reporting.finish(
                 claim, JobStatus.paused, reason=f"unhealthy at step {finding.step}: {finding.kind}: {finding.message}"
             )
+        if not result.stopped and self._evaluation:
+            return reporting.finish_evaluation(claim, reason=f"evaluated {result.step} items")
         if not result.stopped:
             return reporting.finish(claim, JobStatus.succeeded, reason=f"trained {result.step} steps")
         control = reporting.read_control(self.job_id)
@@ -248,6 +252,8 @@ class JobRunner:
 
     def _train(self, claim: Claim, heartbeat: Heartbeat, workdir: Path) -> TrainResult:
         inputs = with_db_retry(lambda: self._load_inputs(claim))
+        if inputs.evaluation is not None:
+            return self._evaluate(claim, heartbeat, inputs, workdir)
         if inputs.spec.hyperparameters.use_vllm:
             # vllm_rollout imports torch: only the job's process may (the Celery parent forks children).
             from worker.grpo.vllm_rollout import VLLMUnavailable, vllm_installed
@@ -297,6 +303,18 @@ class JobRunner:
         finally:
             if self._tensorboard is not None:
                 self._tensorboard.close()
+
+    def _evaluate(self, claim: Claim, heartbeat: Heartbeat, inputs: port.JobInputs, workdir: Path) -> TrainResult:
+        """An evaluation's attempt (worker.evaluation_run), its outcome as the trainer's."""
+        # The trainer's result type imports torch: only the job's process may (the Celery parent forks children).
+        from worker.grpo.trainer import TrainResult
+
+        self._evaluation = True
+        device = "cpu" if inputs.queue.startswith("cpu") else _default_device()
+        outcome = run_evaluation(claim, inputs, self.fetcher, self.settings, workdir, device=device,
+                                 should_stop=lambda: self._should_stop(claim, heartbeat))
+        self._budget_reached = outcome.budget
+        return TrainResult(step=outcome.items_done, stopped=outcome.stopped, last_checkpoint=None)
 
     def _trainer(
         self, claim: Claim, heartbeat: Heartbeat, inputs: port.JobInputs, rows: Rows, rewards: RewardSetup,

@@ -13,11 +13,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from pydantic import ValidationError
+from sqlalchemy.orm import Session
 
+from contract.evaluation import EvaluationSpec
 from contract.spec import JobSpec, Resources, reward_function_refs
 from service.checkpoints import repository as checkpoints_repository
 from service.checkpoints.models import Checkpoint
 from service.checkpoints.retention import delete_unrecorded
+from service.evaluations import repository as evaluations_repository
+from service.evaluations.service import EVALUATION
 from service.execution.lease import Claim, LeaseLost, rewind_to
 from service.jobs import repository as jobs_repository
 from service.jobs.model_sources import (
@@ -27,6 +31,7 @@ from service.jobs.model_sources import (
     ModelSourceRefused,
     classify,
 )
+from service.jobs.models import Job
 from service.kit.db import session_scope, utcnow
 from service.rewards.models import RewardFunction
 from service.rewards.service import previous_secret_in_overlap
@@ -89,6 +94,8 @@ class JobInputs:
     eval_dataset_key: str | None
     retain_dataset_key: str | None
     reward_endpoints: dict[str, dict[str, Any]]
+    # Set when the job runs an evaluation (its spec is then the job view of it: EvaluationSpec.as_job_spec).
+    evaluation: EvaluationSpec | None = None
 
 
 def job_placement(job_id: str) -> tuple[Resources, str] | None:
@@ -119,6 +126,7 @@ def load_inputs(claim: Claim) -> JobInputs:
         remote_ids = [rf_id for _, rf_id in reward_function_refs(spec.rewards)]
         functions = jobs_repository.live_reward_functions(session, job.tenant_id, remote_ids)
         job_id, tenant_id, queue = job.id, job.tenant_id, str(job.queue)
+        evaluation = _evaluation_spec(session, job)
         endpoints = {rf_id: _endpoint_fields(row, job_id) for rf_id, row in functions.items()}
     for field in ("train_dataset", "eval_dataset", "retain_dataset"):
         dataset_id = getattr(spec, field)
@@ -133,7 +141,17 @@ def load_inputs(claim: Claim) -> JobInputs:
         eval_dataset_key=datasets[spec.eval_dataset] if spec.eval_dataset else None,
         retain_dataset_key=datasets[spec.retain_dataset] if spec.retain_dataset else None,
         reward_endpoints=endpoints,
+        evaluation=evaluation,
     )
+
+
+def _evaluation_spec(session: Session, job: Job) -> EvaluationSpec | None:
+    if job.kind != EVALUATION:
+        return None
+    evaluation = evaluations_repository.get_any_tenant(session, job.id)
+    if evaluation is None:  # cannot happen: the evaluation is deleted with its job
+        raise LeaseLost(job.id, job.attempt)
+    return EvaluationSpec.model_validate(evaluation.spec)
 
 
 def _endpoint_fields(row: RewardFunction, job_id: str) -> dict[str, Any]:

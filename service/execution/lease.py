@@ -76,6 +76,8 @@ from tenacity import (
 
 from service.checkpoints import repository as checkpoints_repository
 from service.checkpoints.models import Checkpoint
+from service.evaluations import repository as evaluations_repository
+from service.evaluations.service import EVALUATION
 from service.execution import repository
 from service.jobs import repository as jobs_repository
 from service.jobs import service as jobs_service
@@ -227,6 +229,10 @@ def claim_job(session: Session, job_id: str, worker_id: str, lease_seconds: int)
         raise RuntimeError(f"job {job_id!r} vanished under its claim")
     checkpoint = latest_checkpoint(session, job_id)
     resume_step = checkpoint.step if checkpoint is not None else 0
+    if job.kind == EVALUATION:
+        # An evaluation's step counts the items it recorded, each batch with its progress and usage in one
+        # fenced write: the next attempt continues after them.
+        resume_step = evaluations_repository.items_recorded(session, job_id)
     _discard_steps_after(session, job_id, resume_step, attempt=job.attempt)
     job.current_step = resume_step
     job.resume_checkpoint_id = checkpoint.id if checkpoint is not None else None

@@ -19,6 +19,9 @@ from sqlalchemy.orm import Session
 
 from service.checkpoints.models import Checkpoint
 from service.checkpoints.service import new_checkpoint_id
+from service.evaluations import progress as evaluation_progress
+from service.evaluations import service as evaluations_service
+from service.evaluations.progress import EvaluationItemIn
 from service.execution import repository
 from service.execution.lease import OWNED_STATES, Claim, LeaseLost, fenced_write
 from service.execution.repository import JobControl
@@ -39,12 +42,15 @@ __all__ = [
     "JobControl",
     "JobStatus",
     "SampleIn",
+    "EvaluationItemIn",
     "StepUsageIn",
     "finish",
+    "finish_evaluation",
     "finite_metrics",
     "new_checkpoint_id",
     "pause_for_budget",
     "read_control",
+    "record_evaluation_batch",
     "record_checkpoint",
     "record_event",
     "record_step",
@@ -88,6 +94,42 @@ def record_step(
         job = jobs_repository.get_job_any_tenant(session, claim.job_id)  # loaded and locked by record_metrics
         assert job is not None
         return usage_service.record_step(session, job, step, claim.attempt, usage)
+
+    return _fenced(claim, work)
+
+
+def record_evaluation_batch(
+    claim: Claim,
+    step: int,
+    items: Sequence[EvaluationItemIn],
+    metrics: Mapping[str, float],
+    usage: StepUsageIn,
+) -> Exhausted | None:
+    """One batch of an evaluation, atomically: its items, progress (`step`: the items recorded so far, where the
+    next attempt continues), metrics and usage. Returns the budget the job has reached with it, if any."""
+    values = finite_metrics(metrics)
+
+    def work(session: Session) -> Exhausted | None:
+        progress.record_metrics(session, claim.job_id, claim.attempt, step, values)
+        evaluation_progress.record_items(session, claim.job_id, claim.attempt, step, items)
+        job = jobs_repository.get_job_any_tenant(session, claim.job_id)  # loaded and locked by record_metrics
+        assert job is not None
+        return usage_service.record_step(session, job, step, claim.attempt, usage)
+
+    return _fenced(claim, work)
+
+
+def finish_evaluation(claim: Claim, *, reason: str) -> JobStatus:
+    """Every item is recorded: store the summary and succeed; a cancel requested meanwhile wins."""
+
+    def work(session: Session) -> JobStatus:
+        target = JobStatus.succeeded
+        if jobs_repository.job_status(session, claim.job_id) == JobStatus.cancelling.value:
+            target = JobStatus.cancelled
+        else:
+            evaluations_service.summarize(session, claim.job_id)
+        progress.worker_transition(session, claim.job_id, claim.attempt, target, reason=reason)
+        return target
 
     return _fenced(claim, work)
 

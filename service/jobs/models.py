@@ -41,6 +41,8 @@ class Job(Base):
     id: Mapped[str] = mapped_column(String(40), primary_key=True)
     tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
     name: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    # "train", or "evaluation" for the job that runs an evaluation (service.evaluations, same id).
+    kind: Mapped[str] = mapped_column(String(16), server_default="train")
     status: Mapped[str] = mapped_column(String(16))
     # The submitted JobSpec as validated (model_dump(mode="json")): what the worker runs.
     spec: Mapped[dict[str, Any]] = mapped_column(JSON)

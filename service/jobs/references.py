@@ -17,6 +17,7 @@ datasets and num_epochs, reward functions, the graders' fields, models.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -74,14 +75,19 @@ class Resolved:
     datasets: dict[str, Dataset]
 
 
-def check_references(session: Session, tenant_id: str, spec: JobSpec) -> Resolved:
-    """Raises ValidationFailed naming every offending field (see the module docstring)."""
+def check_references(
+    session: Session, tenant_id: str, spec: JobSpec, *, fields: Mapping[str, str] | None = None
+) -> Resolved:
+    """Raises ValidationFailed naming every offending field (see the module docstring). `fields` renames the
+    job spec's top-level fields for a spec that calls them otherwise (an evaluation's `model`, `dataset`)."""
     named = Named.of(spec)
     found = datasets.live_datasets(session, tenant_id, list(named.datasets.values()))
     errors = _dataset_errors(spec, named, found)
     errors += _reward_function_errors(session, tenant_id, named)
     errors += _grader_field_errors(named, found)
     errors += _model_errors(session, tenant_id, named)
+    for error in errors:
+        error["field"] = (fields or {}).get(error["field"], error["field"])
     if errors:
         raise ValidationFailed(f"{errors[0]['field']}: {errors[0]['message']}", details=errors)
     return Resolved(found)

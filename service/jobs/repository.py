@@ -66,7 +66,8 @@ def get_job_any_tenant(
 def _job_page(by_status: bool, with_cursor: bool) -> Select[Any]:
     """The list statement for one combination of filters, built once (see _JOB_ROW)."""
     table = Job.__table__
-    stmt = select(*_JOB_COLUMNS).where(table.c.tenant_id == bindparam("tenant_id"))
+    # Training jobs only: an evaluation's job is listed as an evaluation (service.evaluations).
+    stmt = select(*_JOB_COLUMNS).where(table.c.tenant_id == bindparam("tenant_id"), table.c.kind == "train")
     if by_status:
         stmt = stmt.where(table.c.status == bindparam("status"))
     if with_cursor:

@@ -9,7 +9,8 @@ raise service.kit.errors.*. They never commit; enqueueing is registered to run a
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
@@ -47,18 +48,22 @@ log = logging.getLogger(__name__)
 # --- create ---------------------------------------------------------------------------------------
 
 
-def create_job(session: Session, tenant_id: str, spec: JobSpec, queue: JobQueue) -> Job:
+def create_job(
+    session: Session, tenant_id: str, spec: JobSpec, queue: JobQueue, *, run: JobRun | None = None
+) -> Job:
     """Check the job's size, the tenant's quotas and monthly caps and what the spec refers to (jobs.references),
     insert the job `queued`, and enqueue it once committed: each step once, in that order (docs/development.md,
-    "Life of a job")."""
+    "Life of a job"). `run`: a job that runs something other than training (an evaluation)."""
+    run = run or JobRun()
     check_resources(spec)
     devices = job_devices(spec)
     quotas.check_can_queue(session, tenant_id, devices, repository.job_load)
     budgets.refuse_if_tenant_exhausted(session, tenant_id)
-    check_references(session, tenant_id, spec)
+    check_references(session, tenant_id, spec, fields=run.fields)
     now = utcnow()
     job = Job(
-        id=new_id("job"),
+        id=run.job_id or new_id("job"),
+        kind=run.kind,
         tenant_id=tenant_id,
         name=spec.name,
         status=JobStatus.queued.value,
@@ -71,7 +76,7 @@ def create_job(session: Session, tenant_id: str, spec: JobSpec, queue: JobQueue)
         priority=spec.priority,
         metadata_=dict(spec.metadata),
         current_step=0,
-        total_steps=spec.hyperparameters.max_steps,
+        total_steps=spec.hyperparameters.max_steps if run.kind == TRAIN else None,
         latest_metrics={},
         pause_requested=False,
         attempt=0,
@@ -93,6 +98,19 @@ def create_job(session: Session, tenant_id: str, spec: JobSpec, queue: JobQueue)
     session.flush()
     enqueue_after_commit(session, job, queue)
     return job
+
+
+TRAIN = "train"
+
+
+@dataclass(frozen=True)
+class JobRun:
+    """What a job runs: training, or another kind (`evaluation`) with its own id and the names its own spec
+    gives the job spec's fields (errors name those)."""
+
+    kind: str = TRAIN
+    job_id: str | None = None
+    fields: Mapping[str, str] = field(default_factory=dict)
 
 
 def queue_for(spec: JobSpec) -> str:

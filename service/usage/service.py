@@ -117,6 +117,11 @@ def record_step(
 # --- reading ------------------------------------------------------------------------------------------
 
 
+def job_totals(session: Session, job_id: str) -> Sums:
+    """What a job used, all attempts."""
+    return repository.job_sums(session, job_id)
+
+
 def _totals(sums: Sums) -> UsageTotals:
     return UsageTotals(
         steps=sums.steps, tokens_generated=sums.tokens_generated, tokens_trained=sums.tokens_trained,
