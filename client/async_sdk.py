@@ -25,6 +25,7 @@ from client.sdk import JobProgress, checkpoint_file_targets
 from contract.api.api_keys import ApiKeyList, ApiKeyWithSecret
 from contract.api.checkpoints import CheckpointList, CheckpointOut
 from contract.api.datasets import DatasetList, DatasetOut
+from contract.api.evaluations import ComparisonOut, EvaluationItemList, EvaluationList, EvaluationOut
 from contract.api.jobs import EventList, EventOut, JobList, JobOut, MetricsOut, SampleList
 from contract.api.quotas import QuotaLimits, QuotasOut
 from contract.api.rewards import (
@@ -35,6 +36,7 @@ from contract.api.rewards import (
 )
 from contract.api.usage import Estimate, JobUsage, UsageReport
 from contract.api.webhooks import DeliveryList, WebhookList, WebhookOut, WebhookWithSecret
+from contract.evaluation import EvaluationSpec
 from contract.spec import JobBudget, JobSpec
 
 
@@ -266,6 +268,30 @@ class AsyncGRPOClient:
         self, webhook_id: str, limit: int = 20, after: int | None = None
     ) -> DeliveryList:
         return await self._run(calls.list_webhook_deliveries(webhook_id, limit, after))
+
+    # --- evaluations
+    async def create_evaluation(self, spec: EvaluationSpec | dict[str, Any]) -> EvaluationOut:
+        """Evaluate a model on a dataset (docs/evaluations.md); runs on the workers like a job."""
+        return await self._run(calls.create_evaluation(spec))
+
+    async def list_evaluations(self, limit: int = 20, after: str | None = None) -> EvaluationList:
+        return await self._run(calls.list_evaluations(limit, after))
+
+    async def get_evaluation(self, evaluation_id: str) -> EvaluationOut:
+        return await self._run(calls.get_evaluation(evaluation_id))
+
+    async def list_evaluation_items(self, evaluation_id: str, limit: int = 100, after: int | None = None) -> EvaluationItemList:
+        return await self._run(calls.list_evaluation_items(evaluation_id, limit, after))
+
+    async def cancel_evaluation(self, evaluation_id: str) -> EvaluationOut:
+        return await self._run(calls.cancel_evaluation(evaluation_id))
+
+    async def resume_evaluation(self, evaluation_id: str) -> EvaluationOut:
+        return await self._run(calls.resume_evaluation(evaluation_id))
+
+    async def compare_evaluations(self, evaluation_a: str, evaluation_b: str, seed: int = 0) -> ComparisonOut:
+        """b against a, paired over the items both scored: the difference, its interval, a paired test."""
+        return await self._run(calls.compare_evaluations(evaluation_a, evaluation_b, seed))
 
     # --- API keys (an `admin` key)
     async def create_api_key(

@@ -14,6 +14,7 @@ from pydantic import BaseModel
 from contract.api.api_keys import ApiKeyList, ApiKeyWithSecret
 from contract.api.checkpoints import CheckpointList, CheckpointOut
 from contract.api.datasets import DatasetList, DatasetOut
+from contract.api.evaluations import ComparisonOut, EvaluationItemList, EvaluationList, EvaluationOut
 from contract.api.jobs import EventList, JobList, JobOut, MetricsOut, SampleList
 from contract.api.quotas import QuotaLimits, QuotasOut
 from contract.api.rewards import (
@@ -24,6 +25,7 @@ from contract.api.rewards import (
 )
 from contract.api.usage import Estimate, JobUsage, UsageReport
 from contract.api.webhooks import DeliveryList, WebhookList, WebhookOut, WebhookWithSecret
+from contract.evaluation import EvaluationSpec
 from contract.spec import JobBudget, JobSpec
 
 T = TypeVar("T", bound=BaseModel)
@@ -228,3 +230,37 @@ class calls:  # noqa: N801 - a namespace of request builders, one per endpoint
         # Replacing the overrides with the same values leaves the same state: safe to retry.
         return Call("PUT", f"/v1/admin/tenants/{tenant_id}/quotas", QuotasOut, json=body, idempotent=True)
 
+    # --- evaluations ---------------------------------------------------------------------------------
+
+    @staticmethod
+    def create_evaluation(spec: EvaluationSpec | dict[str, Any]) -> Call[EvaluationOut]:
+        body = spec.model_dump(mode="json", exclude_none=True) if isinstance(spec, EvaluationSpec) else spec
+        return Call("POST", "/v1/evaluations", EvaluationOut, json=body)
+
+    @staticmethod
+    def list_evaluations(limit: int = 20, after: str | None = None) -> Call[EvaluationList]:
+        return Call("GET", "/v1/evaluations", EvaluationList, query_params(limit=limit, after=after), idempotent=True)
+
+    @staticmethod
+    def get_evaluation(evaluation_id: str) -> Call[EvaluationOut]:
+        return Call("GET", f"/v1/evaluations/{evaluation_id}", EvaluationOut, idempotent=True)
+
+    @staticmethod
+    def list_evaluation_items(
+        evaluation_id: str, limit: int = 100, after: int | None = None
+    ) -> Call[EvaluationItemList]:
+        params = query_params(limit=limit, after=after)
+        return Call("GET", f"/v1/evaluations/{evaluation_id}/items", EvaluationItemList, params, idempotent=True)
+
+    @staticmethod
+    def cancel_evaluation(evaluation_id: str) -> Call[EvaluationOut]:
+        return Call("POST", f"/v1/evaluations/{evaluation_id}/cancel", EvaluationOut)
+
+    @staticmethod
+    def resume_evaluation(evaluation_id: str) -> Call[EvaluationOut]:
+        return Call("POST", f"/v1/evaluations/{evaluation_id}/resume", EvaluationOut)
+
+    @staticmethod
+    def compare_evaluations(evaluation_a: str, evaluation_b: str, seed: int = 0) -> Call[ComparisonOut]:
+        body = {"evaluation_a": evaluation_a, "evaluation_b": evaluation_b, "seed": seed}
+        return Call("POST", "/v1/evaluations/compare", ComparisonOut, json=body, idempotent=True)

@@ -39,6 +39,7 @@ from client.http import (
 from contract.api.api_keys import ApiKeyList, ApiKeyWithSecret
 from contract.api.checkpoints import CheckpointList, CheckpointOut
 from contract.api.datasets import DatasetList, DatasetOut
+from contract.api.evaluations import ComparisonOut, EvaluationItemList, EvaluationList, EvaluationOut
 from contract.api.jobs import EventList, EventOut, JobList, JobOut, MetricsOut, SampleList
 from contract.api.quotas import QuotaLimits, QuotasOut
 from contract.api.rewards import (
@@ -49,6 +50,7 @@ from contract.api.rewards import (
 )
 from contract.api.usage import Estimate, JobUsage, UsageReport
 from contract.api.webhooks import DeliveryList, WebhookList, WebhookOut, WebhookWithSecret
+from contract.evaluation import EvaluationSpec
 from contract.spec import JobBudget, JobSpec
 
 # APIError is defined with the rest of the HTTP handling (client.http) and is part of this module's API.
@@ -336,6 +338,30 @@ class GRPOClient:
                 for chunk in r.iter_bytes(1 << 20):
                     out.write(chunk)
         return dest
+
+    # --- evaluations
+    def create_evaluation(self, spec: EvaluationSpec | dict[str, Any]) -> EvaluationOut:
+        """Evaluate a model on a dataset (docs/evaluations.md); runs on the workers like a job."""
+        return self._run(calls.create_evaluation(spec))
+
+    def list_evaluations(self, limit: int = 20, after: str | None = None) -> EvaluationList:
+        return self._run(calls.list_evaluations(limit, after))
+
+    def get_evaluation(self, evaluation_id: str) -> EvaluationOut:
+        return self._run(calls.get_evaluation(evaluation_id))
+
+    def list_evaluation_items(self, evaluation_id: str, limit: int = 100, after: int | None = None) -> EvaluationItemList:
+        return self._run(calls.list_evaluation_items(evaluation_id, limit, after))
+
+    def cancel_evaluation(self, evaluation_id: str) -> EvaluationOut:
+        return self._run(calls.cancel_evaluation(evaluation_id))
+
+    def resume_evaluation(self, evaluation_id: str) -> EvaluationOut:
+        return self._run(calls.resume_evaluation(evaluation_id))
+
+    def compare_evaluations(self, evaluation_a: str, evaluation_b: str, seed: int = 0) -> ComparisonOut:
+        """b against a, paired over the items both scored: the difference, its interval, a paired test."""
+        return self._run(calls.compare_evaluations(evaluation_a, evaluation_b, seed))
 
     # --- webhooks
     def create_webhook(self, url: str, description: str | None = None) -> WebhookWithSecret:

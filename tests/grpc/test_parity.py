@@ -93,6 +93,17 @@ REST_ONLY = {
 }
 # Declared in the API, waiting for its domain operation: UNIMPLEMENTED until then (none at the moment).
 GRPC_PENDING: set[str] = set()
+# REST routes whose gRPC twin is not written yet: evaluations have no EvaluationService so far. Not a design
+# choice: this set must empty, and nothing may be added to it but a domain the gRPC API has yet to reach.
+AWAITING_GRPC = {
+    "POST /v1/evaluations",
+    "GET /v1/evaluations",
+    "POST /v1/evaluations/compare",
+    "GET /v1/evaluations/{evaluation_id}",
+    "GET /v1/evaluations/{evaluation_id}/items",
+    "POST /v1/evaluations/{evaluation_id}/cancel",
+    "POST /v1/evaluations/{evaluation_id}/resume",
+}
 
 SERVICES = [
     d.services_by_name[name]
@@ -116,7 +127,8 @@ def test_every_rest_route_is_paired(app: FastAPI) -> None:
         for method in operations
     }
     paired = {op[0] for op in OPERATIONS}
-    assert routes - paired - REST_ONLY == set(), "REST routes without a gRPC twin"
+    assert routes - paired - REST_ONLY - AWAITING_GRPC == set(), "REST routes without a gRPC twin"
+    assert AWAITING_GRPC <= routes, "AWAITING_GRPC names routes that do not exist"
     assert paired - routes == set(), "table names REST routes that do not exist"
 
 

@@ -258,6 +258,22 @@ def test_sync_client_against_live_server(live_api: LiveAPI, tmp_path: Path) -> N
         assert events and events[-1].data.get("to") == "cancelled", events
         assert [e.id for e in client.stream_job(job.id)] == [e.id for e in events]
 
+        # evaluations: create, get, list, items (none yet), a comparison of unfinished ones is refused, cancel
+        spec = {"model": "builtin:tiny", "dataset": dataset.id, "samples_per_item": 2,
+                "rewards": [{"type": "builtin", "name": "exact_match"}]}
+        evaluation = client.create_evaluation(spec)
+        assert evaluation.progress.items_total == len(ROWS) and evaluation.status == "queued"
+        assert client.get_evaluation(evaluation.id).spec.samples_per_item == 2
+        assert [e.id for e in client.list_evaluations().data] == [evaluation.id]
+        assert client.list_evaluation_items(evaluation.id).data == []
+        with pytest.raises(APIError) as unfinished:
+            client.compare_evaluations(evaluation.id, evaluation.id)
+        assert (unfinished.value.status, unfinished.value.code) == (409, "evaluation_not_finished")
+        assert client.cancel_evaluation(evaluation.id).status == "cancelled"
+        with pytest.raises(APIError) as not_paused:
+            client.resume_evaluation(evaluation.id)
+        assert not_paused.value.status == 409
+
         # errors carry the API's stable code
         with pytest.raises(APIError) as missing:
             client.get_job("job_does_not_exist")
@@ -278,6 +294,16 @@ async def test_async_client_over_asgi(configured: str, tmp_path: Path) -> None:
         job = await client.create_job(job_spec(dataset.id))
         assert (await client.get_job(job.id)).status == "queued"
         assert (await client.get_job_plot(job.id)).startswith(b"\x89PNG")
+        evaluation = await client.create_evaluation({"model": "builtin:tiny", "dataset": dataset.id,
+                                                     "rewards": [{"type": "builtin", "name": "exact_match"}]})
+        assert (await client.get_evaluation(evaluation.id)).status == "queued"
+        assert [e.id for e in (await client.list_evaluations()).data] == [evaluation.id]
+        assert (await client.list_evaluation_items(evaluation.id)).data == []
+        assert (await client.cancel_evaluation(evaluation.id)).status == "cancelled"
+        with pytest.raises(APIError):
+            await client.resume_evaluation(evaluation.id)
+        with pytest.raises(APIError):
+            await client.compare_evaluations(evaluation.id, evaluation.id)
         # the job's `queued` event went to the webhook's outbox
         assert (await client.list_webhook_deliveries(webhook.id)).data
 
