@@ -11,6 +11,7 @@ from cli import (
     checkpoints,
     datasets,
     demo,
+    evals,
     jobs,
     keys,
     migrate,
@@ -29,6 +30,7 @@ app.add_typer(datasets.app, name="datasets")
 app.add_typer(rewards.app, name="rewards")
 app.add_typer(jobs.app, name="jobs")
 app.add_typer(checkpoints.app, name="checkpoints")
+app.add_typer(evals.app, name="evals")
 app.add_typer(keys.app, name="keys")
 app.add_typer(webhooks.app, name="webhooks")
 app.command("train")(train.train)

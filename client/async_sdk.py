@@ -289,6 +289,12 @@ class AsyncGRPOClient:
     async def resume_evaluation(self, evaluation_id: str) -> EvaluationOut:
         return await self._run(calls.resume_evaluation(evaluation_id))
 
+    async def wait_evaluation(self, evaluation_id: str) -> EvaluationOut:
+        """Block until the evaluation succeeds, fails or is cancelled (its job's event stream then closes)."""
+        async for _event in self.stream_job(evaluation_id):
+            pass
+        return await self.get_evaluation(evaluation_id)
+
     async def compare_evaluations(self, evaluation_a: str, evaluation_b: str, seed: int = 0) -> ComparisonOut:
         """b against a, paired over the items both scored: the difference, its interval, a paired test."""
         return await self._run(calls.compare_evaluations(evaluation_a, evaluation_b, seed))

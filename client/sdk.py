@@ -359,6 +359,12 @@ class GRPOClient:
     def resume_evaluation(self, evaluation_id: str) -> EvaluationOut:
         return self._run(calls.resume_evaluation(evaluation_id))
 
+    def wait_evaluation(self, evaluation_id: str) -> EvaluationOut:
+        """Block until the evaluation succeeds, fails or is cancelled (its job's event stream then closes)."""
+        for _event in self.stream_job(evaluation_id):
+            pass
+        return self.get_evaluation(evaluation_id)
+
     def compare_evaluations(self, evaluation_a: str, evaluation_b: str, seed: int = 0) -> ComparisonOut:
         """b against a, paired over the items both scored: the difference, its interval, a paired test."""
         return self._run(calls.compare_evaluations(evaluation_a, evaluation_b, seed))

@@ -139,6 +139,23 @@ def test_cli_upload_register_create_watch_download(tmp_path: Path, processes: Pr
     assert sum(p.numel() for p in model.parameters()) > 0
     stages["list + download + load"] = time.monotonic() - started
 
+    # --- evaluate the checkpoint on the dataset with the signed remote reward; compare it with itself
+    eval_spec = tmp_path / "eval.yaml"
+    eval_spec.write_text(yaml.safe_dump({
+        "model": f"checkpoint:{checkpoints[0]['id']}", "dataset": dataset["id"], "samples_per_item": 2,
+        "max_tokens": 4, "rewards": [{"type": "remote", "reward_function_id": reward["id"]}],
+    }))
+    evaluated = run_cli(cli_env, "evals", "create", "-f", str(eval_spec), "--wait", "--json", timeout=150)
+    assert evaluated.returncode == 0, describe(evaluated) + processes.logs()
+    evaluation = json.loads(evaluated.stdout)
+    assert evaluation["status"] == "succeeded" and evaluation["results"]["items"] == 2 * len(LETTERS), evaluation
+    assert evaluation["results"]["samples"] == 4 * len(LETTERS)
+    items = cli_json(cli_env, "evals", "items", evaluation["id"])
+    assert isinstance(items, list) and all(list(i["sources"][0]) == [f"remote:{reward['id']}"] for i in items)
+    compared = cli_json(cli_env, "evals", "compare", evaluation["id"], evaluation["id"])
+    assert isinstance(compared, dict) and compared["difference"] == 0, compared
+    stages["evaluate + compare"] = time.monotonic() - started
+
     # --- delete: the finished job and its checkpoints are gone
     deleted = run_cli(cli_env, "jobs", "delete", job["id"])
     assert deleted.returncode == 0 and f"deleted {job['id']}" in deleted.stdout, describe(deleted)
