@@ -201,3 +201,46 @@ def test_endpoint_down_pauses_then_resume_finishes(api: ApiClient, judge: str, p
     assert done["attempt"] == 2
     assert api.metric_steps(job_id) == [1, 2, 3, 4]
     assert stopped_at >= 1
+
+
+def _evaluation(api: ApiClient, judge: str, rows: int) -> str:
+    spec = {"model": "builtin:tiny", "dataset": api.upload_dataset((PROMPTS * rows)[:rows]), "samples_per_item": 2,
+            "max_tokens": 4, "rewards": [{"type": "remote", "reward_function_id": judge}]}
+    response = api.http.post("/v1/evaluations", json=spec)
+    assert response.status_code == 201, response.text
+    return str(response.json()["id"])
+
+
+def test_endpoint_down_pauses_an_evaluation_then_resume_finishes_it(
+    api: ApiClient, judge: str, plan: Switchboard
+) -> None:
+    """An evaluation scores 16 items a batch (2 samples each); the endpoint fails from the second batch on
+    (reward requests carry the batch's first item index as their step)."""
+    plan.mode = "down_from_step_2"
+    try:
+        evaluation = _evaluation(api, judge, 48)
+        api.wait_status(evaluation, {"paused"}, timeout=240)
+    finally:
+        plan.mode = "ok"
+    paused = api.http.get(f"/v1/evaluations/{evaluation}").json()
+    assert paused["progress"]["items_done"] == 16 and paused["results"] is None, paused
+    assert [e["type"] for e in api.events(evaluation)].count("reward_endpoint_unavailable") == 1
+    resumed = api.http.post(f"/v1/evaluations/{evaluation}/resume")
+    assert resumed.status_code == 200, resumed.text
+    api.wait_status(evaluation, {"succeeded"}, timeout=240)
+    done = api.http.get(f"/v1/evaluations/{evaluation}").json()
+    assert done["attempt"] == 2 and done["results"]["items"] == 48
+    assert api.resume_step(evaluation, attempt=2) == 16  # continued after the recorded batch, not from scratch
+    indices = [i["index"] for i in api.http.get(f"/v1/evaluations/{evaluation}/items", params={"limit": 100}).json()["data"]]
+    assert indices == list(range(48))
+
+
+def test_an_invalid_answer_fails_an_evaluation_with_its_code(api: ApiClient, judge: str, plan: Switchboard) -> None:
+    plan.mode = "wrong_length"
+    try:
+        evaluation = _evaluation(api, judge, 6)
+        api.wait_status(evaluation, {"failed"}, timeout=240)
+    finally:
+        plan.mode = "ok"
+    failed = api.http.get(f"/v1/evaluations/{evaluation}").json()
+    assert failed["error"]["code"] == "reward_endpoint_invalid_response" and "remote:" in failed["error"]["message"]
