@@ -3,9 +3,10 @@
 Stages (each printed; any failure exits non-zero and everything started is stopped):
 migrate + tenant/key -> `grpo serve` (REST + gRPC + embedded worker, SQLite, embedded broker, local storage)
 -> example reward server (signature-verifying, exact match) -> upload train and held-out eval datasets ->
-register the endpoint -> submit a job on `builtin:tiny-instruct` -> live progress -> held-out accuracy before
-and after -> download the final checkpoint -> load it with from_pretrained and answer held-out questions ->
-training-curve PNG (reward, KL, length, held-out eval).
+register the endpoint -> submit a job on `builtin:tiny-instruct` (one per seed with `--seeds N`) -> live
+progress -> held-out accuracy before and after -> download the final checkpoint -> load it with from_pretrained
+and answer held-out questions -> evaluate the checkpoint and the base model through the evaluations API and
+compare them -> training-curve PNG (reward, KL, length, held-out eval).
 
 The task is conditional ("Larger of 6 and 7?" -> "7") with an exact-match reward, so a rising reward means
 the model answers the question asked. The model starts warm (supervised on synthetic tasks, partly right on
@@ -50,6 +51,7 @@ def demo(
         "builtin:tiny-instruct", "--model", help="Base model: builtin:tiny-instruct, a Hugging Face id or a local path."
     ),
     steps: int = typer.Option(DEMO_STEPS, "--steps", help="Training steps."),
+    seeds: int = typer.Option(1, "--seeds", min=1, max=10, help="Train once per seed (0, 1, ...), print each."),
 ) -> None:
     """Run the main job end to end on embedded defaults and print the outcome."""
     shutil.rmtree(out, ignore_errors=True)
@@ -57,7 +59,7 @@ def demo(
     env = _demo_env(out)
     with ExitStack() as stack:
         try:
-            _run(stack, out.resolve(), env, model, steps)
+            _run(stack, out.resolve(), env, model, steps, seeds)
         except (APIError, DemoFailed, httpx.HTTPError, subprocess.CalledProcessError) as exc:
             console.print(f"[red]demo failed:[/red] {exc}")
             raise typer.Exit(1) from None
@@ -169,15 +171,23 @@ def demo_hyperparameters(steps: int) -> dict[str, object]:
     }
 
 
-def _run(stack: ExitStack, out: Path, env: dict[str, str], model: str, steps: int) -> None:
+def _run(stack: ExitStack, out: Path, env: dict[str, str], model: str, steps: int, seeds: int) -> None:
     client, serve, serve_log = _serve(stack, out, env)
     train, held_out = _upload_datasets(client, out)
     reward_function_id = _reward_endpoint(stack, client, out, env)
-    job = _submit(client, model, steps, train.id, held_out.id, reward_function_id)
-    _wait_started(client, job.id, serve, serve_log)
-    series = _follow(client, job, held_out)
-    checkpoint_dir = _download_final_checkpoint(client, job.id, out)
+    outcomes: list[tuple[int, float, float]] = []
+    for seed in range(seeds):
+        job = _submit(client, model, steps, train.id, held_out.id, reward_function_id, seed)
+        _wait_started(client, job.id, serve, serve_log)
+        series = _follow(client, job, held_out)
+        accuracy = series["eval/accuracy"].values
+        outcomes.append((seed, accuracy[0], accuracy[-1]))
+    if seeds > 1:
+        for seed, before, after in outcomes:
+            console.print(f"[bold]seed {seed}: held-out accuracy {before:.0%} -> {after:.0%}")
+    checkpoint_dir, checkpoint_id = _download_final_checkpoint(client, job.id, out)
     _answer_held_out(checkpoint_dir)
+    _compare_with_base(client, model, checkpoint_id, held_out, reward_function_id)
     _plot(out, job.id, series, checkpoint_dir)
 
 
@@ -186,13 +196,13 @@ def _serve(
 ) -> tuple[GRPOClient, subprocess.Popen[bytes], Path]:
     """Stages 1-2: the schema, a tenant and its key (added to `env`), then `grpo serve` until it is ready."""
     api_url = f"http://127.0.0.1:{env['GRPO_API_PORT']}"
-    _stage("1/8 database and API key")
+    _stage("1/9 database and API key")
     _grpo(env, "migrate")
     api_key = _grpo(env, "admin", "create-tenant", "demo").splitlines()[-1]
     env.update(GRPO_API_URL=api_url, GRPO_API_KEY=api_key)
     console.print(f"tenant 'demo', key {api_key[:12]}...  data in {env['GRPO_DATA_DIR']}")
 
-    _stage("2/8 grpo serve (REST + gRPC + embedded worker)")
+    _stage("2/9 grpo serve (REST + gRPC + embedded worker)")
     serve_log = out / "serve.log"
     serve = stack.enter_context(
         _process([PYTHON, "-m", "cli", "serve", "--worker", "--no-migrate"], env, serve_log)
@@ -204,7 +214,7 @@ def _serve(
 
 def _upload_datasets(client: GRPOClient, out: Path) -> tuple[DatasetOut, DatasetOut]:
     """Stage 3: (train, held-out eval)."""
-    _stage("3/8 datasets")
+    _stage("3/9 datasets")
     train_path, eval_path = write_demo_datasets(out)
     train = client.upload_dataset(train_path, name=f"{DEMO_TASK}-train")
     held_out = client.upload_dataset(eval_path, name=f"{DEMO_TASK}-eval")
@@ -214,7 +224,7 @@ def _upload_datasets(client: GRPOClient, out: Path) -> tuple[DatasetOut, Dataset
 
 def _reward_endpoint(stack: ExitStack, client: GRPOClient, out: Path, env: dict[str, str]) -> str:
     """Stage 4: register the example reward server and start it with the signing secret; its id."""
-    _stage("4/8 reward endpoint (example server, exact match, verifies every signature)")
+    _stage("4/9 reward endpoint (example server, exact match, verifies every signature)")
     reward_port = _free_port()
     created = client.register_reward_function(
         "exact-answer", f"http://127.0.0.1:{reward_port}/score", max_batch_size=64, max_concurrency=4
@@ -234,10 +244,10 @@ def _reward_endpoint(stack: ExitStack, client: GRPOClient, out: Path, env: dict[
 
 
 def _submit(
-    client: GRPOClient, model: str, steps: int, train_id: str, held_out_id: str, reward_function_id: str
+    client: GRPOClient, model: str, steps: int, train_id: str, held_out_id: str, reward_function_id: str, seed: int
 ) -> JobOut:
     """Stage 5 begins: the job, trained on `train_id` and evaluated on `held_out_id`."""
-    _stage("5/8 job")
+    _stage(f"5/9 job (seed {seed})")
     job = client.create_job(
         {
             "name": f"demo-{DEMO_TASK}",
@@ -245,7 +255,7 @@ def _submit(
             "train_dataset": train_id,
             "eval_dataset": held_out_id,
             "rewards": [{"type": "remote", "reward_function_id": reward_function_id, "weight": 1.0}],
-            "hyperparameters": demo_hyperparameters(steps),
+            "hyperparameters": {**demo_hyperparameters(steps), "seed": seed},
         }
     )
     console.print(f"{job.id} queued")
@@ -269,21 +279,21 @@ def _follow(client: GRPOClient, job: JobOut, held_out: DatasetOut) -> dict[str, 
     return series
 
 
-def _download_final_checkpoint(client: GRPOClient, job_id: str, out: Path) -> Path:
-    """Stage 6: the job's last checkpoint, downloaded under `out`; its directory."""
-    _stage("6/8 download the final checkpoint")
+def _download_final_checkpoint(client: GRPOClient, job_id: str, out: Path) -> tuple[Path, str]:
+    """Stage 6: the job's last checkpoint, downloaded under `out`; its directory and id."""
+    _stage("6/9 download the final checkpoint")
     checkpoints = client.list_checkpoints(job_id).data
     if not checkpoints:
         raise DemoFailed("the job recorded no checkpoint")
     final = checkpoints[-1]
     checkpoint_dir = client.download_checkpoint(final.id, out / "checkpoint")
     console.print(f"{final.id} (step {final.step}, {final.total_bytes} bytes) -> {checkpoint_dir}")
-    return checkpoint_dir
+    return checkpoint_dir, final.id
 
 
 def _answer_held_out(checkpoint_dir: Path) -> None:
     """Stage 7: the downloaded checkpoint, loaded with from_pretrained, answers held-out questions."""
-    _stage("7/8 load it with from_pretrained and answer held-out questions")
+    _stage("7/9 load it with from_pretrained and answer held-out questions")
     # The engine's modules, and torch with them, load only here: never when the CLI or the API is imported.
     from worker.grpo.sample import answer_questions
     from worker.grpo.synthetic import held_out_items
@@ -295,9 +305,34 @@ def _answer_held_out(checkpoint_dir: Path) -> None:
         console.print(f"{item.question!r} -> {answer!r}  {mark}")
 
 
+def _compare_with_base(
+    client: GRPOClient, model: str, checkpoint_id: str, held_out: DatasetOut, reward_function_id: str
+) -> None:
+    """Stage 8: the base model and the checkpoint evaluated on the held-out set (greedy, the reward endpoint),
+    and their paired comparison."""
+    _stage("8/9 evaluate the checkpoint against the base model (evaluations API)")
+    ids = []
+    for source in (model, f"checkpoint:{checkpoint_id}"):
+        spec = {"model": source, "dataset": held_out.id, "temperature": 0, "max_tokens": 4,
+                "rewards": [{"type": "remote", "reward_function_id": reward_function_id}]}
+        evaluation = client.wait_evaluation(client.create_evaluation(spec).id)
+        if evaluation.results is None or evaluation.results.accuracy is None:
+            raise DemoFailed(f"evaluation {evaluation.id} of {source} ended {evaluation.status}: {evaluation.error}")
+        interval = evaluation.results.accuracy_interval
+        bounds = f" [{interval.low:.0%}, {interval.high:.0%}]" if interval is not None else ""
+        console.print(f"{evaluation.id} {source}: accuracy {evaluation.results.accuracy:.0%}{bounds}")
+        ids.append(evaluation.id)
+    diff = client.compare_evaluations(ids[0], ids[1])
+    console.print(
+        f"[bold]checkpoint - base: {diff.difference:+.0%} (95 % interval {diff.interval.low:+.0%} to "
+        f"{diff.interval.high:+.0%}; {diff.test} p = {diff.p_value:.2g}); {diff.b_better} questions now right, "
+        f"{diff.a_better} now wrong"
+    )
+
+
 def _plot(out: Path, job_id: str, series: dict[str, MetricSeries], checkpoint_dir: Path) -> None:
     """Stage 8: the training curves as a PNG, and the training reward's first and last steps."""
-    _stage("8/8 training curves")
+    _stage("9/9 training curves")
     from service.plots import render_metrics_png  # matplotlib is slow to import: only when needed
 
     png = out / "training_curves.png"

@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from contract.config import GRPOConfig, LoraConfig
 from contract.dataset_format import MAX_COLUMN_NAME_CHARS
-from contract.fields import Int32, Int64, Text
+from contract.fields import INT32_MAX, Int32, Int64, Text
 from contract.graders import Grader, GraderInvalid, ScoreModelGrader, grader_dump, parse_grader, sub_graders
 
 # How base_model names a model other than a Hub id or a local path.
@@ -246,6 +246,40 @@ def check_reward_sources(rewards: list[RewardSpec]) -> None:
         raise ValueError(f"reward sources listed twice: {', '.join(duplicates)}")
 
 
+class CheckpointEvaluations(BaseModel):
+    """An evaluation of every checkpoint the job saves (docs/evaluations.md): each runs as an evaluation of its
+    own, listed with the others, announced in the job's events and drawn in its plot."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    dataset: Text = Field(min_length=1, max_length=1024, description="Id of the dataset to evaluate on.")
+    rewards: list[RewardSpec] | None = Field(
+        None, min_length=1, max_length=16, description="Reward sources; the job's own when omitted."
+    )
+    samples_per_item: int = Field(1, ge=1, le=64, description="k: completions sampled per item.")
+    temperature: float | None = Field(
+        None, ge=0, le=10, description="Sampling temperature; default greedy (0) for one sample, else 1."
+    )
+    max_tokens: int | None = Field(
+        None, ge=1, le=32768, description="Most new tokens per completion; default the job's max_completion_length."
+    )
+    max_items: int | None = Field(None, ge=1, le=INT32_MAX, description="Evaluate only the first max_items rows.")
+    seed: Int64 = Field(0, description="Seeds sampling and the bootstrap: every checkpoint gets the same draws.")
+
+    @model_validator(mode="after")
+    def _check(self) -> CheckpointEvaluations:
+        if self.rewards is not None:
+            check_reward_sources(self.rewards)
+        if self.temperature == 0 and self.samples_per_item > 1:
+            raise ValueError("temperature 0 decodes greedily: set samples_per_item to 1 or a temperature above 0")
+        return self
+
+    @property
+    def sampling_temperature(self) -> float:
+        if self.temperature is not None:
+            return self.temperature
+        return 0.0 if self.samples_per_item == 1 else 1.0
+
+
 MAX_DEVICES = 1024
 MAX_NODES = 128
 
@@ -338,6 +372,9 @@ class JobSpec(BaseModel):
 
     budget: JobBudget | None = Field(
         None, description="Spending limits; the step that reaches one pauses the job with `budget_exhausted`."
+    )
+    eval_checkpoints: CheckpointEvaluations | None = Field(
+        None, description="Evaluate every checkpoint the job saves on a dataset (an evaluation each)."
     )
 
     @field_validator("base_model")

@@ -59,6 +59,11 @@ def _eval_lines(ax: plt.Axes, series: Mapping[str, Series]) -> None:
     for name in names:
         if series[name].steps:
             ax.plot(series[name].steps, series[name].values, marker="o", label=name.removeprefix("eval/"))
+    # Evaluations of the job's checkpoints (eval_checkpoints), at each checkpoint's step.
+    for name in sorted(n for n in series if n.startswith("checkpoint_eval/")):
+        if series[name].steps:
+            ax.plot(series[name].steps, series[name].values, marker="s", linestyle="--",
+                    label=name.replace("checkpoint_eval/", "checkpoint "))
     if ax.lines:
         ax.legend(loc="best")
     _line(ax, None, "held-out eval")

@@ -28,6 +28,8 @@ def upgrade() -> None:
         sa.Column("model", sa.String(length=512), nullable=False),
         sa.Column("dataset_id", sa.String(length=40), nullable=False),
         sa.Column("spec", sa.JSON(), nullable=False),
+        sa.Column("source_job_id", sa.String(length=40), nullable=True),
+        sa.Column("source_step", sa.Integer(), nullable=True),
         sa.Column("summary", sa.JSON(), nullable=True),
         sa.Column("created_at", sa.DateTime(timezone=True), nullable=False),
         sa.ForeignKeyConstraint(["id"], ["jobs.id"], name=op.f("fk_evaluations_id_jobs"), ondelete="CASCADE"),

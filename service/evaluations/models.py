@@ -28,6 +28,10 @@ class Evaluation(Base):
     dataset_id: Mapped[str] = mapped_column(ForeignKey("datasets.id"), index=True)
     # The submitted EvaluationSpec as validated (model_dump(mode="json")).
     spec: Mapped[dict[str, Any]] = mapped_column(JSON)
+    # The job whose checkpoint of `source_step` this evaluates (its spec's eval_checkpoints); null otherwise.
+    # No foreign key: the job may be deleted before its checkpoints' evaluations.
+    source_job_id: Mapped[str | None] = mapped_column(String(40), nullable=True)
+    source_step: Mapped[int | None] = mapped_column(Integer, nullable=True)
     # service.evaluations.stats.Summary.as_dict(), written when the evaluation succeeds.
     summary: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)

@@ -45,7 +45,10 @@ class EvaluationView:
     job: Job
 
 
-def create_evaluation(session: Session, tenant_id: str, spec: EvaluationSpec, queue: JobQueue) -> EvaluationView:
+def create_evaluation(
+    session: Session, tenant_id: str, spec: EvaluationSpec, queue: JobQueue, *, source: tuple[str, int] | None = None
+) -> EvaluationView:
+    """`source`: (job id, step) when a job evaluates its own checkpoint of that step (service.evaluations.scheduled)."""
     run = jobs.JobRun(kind=EVALUATION, job_id=new_id("eval"), fields=SPEC_FIELDS)
     job = jobs.create_job(session, tenant_id, spec.as_job_spec(), queue, run=run)
     dataset = datasets.live_datasets(session, tenant_id, [spec.dataset])[spec.dataset]  # checked just above
@@ -53,6 +56,7 @@ def create_evaluation(session: Session, tenant_id: str, spec: EvaluationSpec, qu
     evaluation = Evaluation(
         id=job.id, tenant_id=tenant_id, model=spec.model, dataset_id=spec.dataset,
         spec=spec.model_dump(mode="json"), summary=None, created_at=job.created_at,
+        source_job_id=source[0] if source else None, source_step=source[1] if source else None,
     )
     session.add(evaluation)
     session.flush()

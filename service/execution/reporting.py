@@ -20,7 +20,7 @@ from sqlalchemy.orm import Session
 from service.checkpoints.models import Checkpoint
 from service.checkpoints.service import new_checkpoint_id
 from service.evaluations import progress as evaluation_progress
-from service.evaluations import service as evaluations_service
+from service.evaluations import scheduled
 from service.evaluations.progress import EvaluationItemIn
 from service.execution import repository
 from service.execution.lease import OWNED_STATES, Claim, LeaseLost, fenced_write
@@ -30,6 +30,7 @@ from service.jobs import repository as jobs_repository
 from service.jobs.schemas import SampleIn
 from service.jobs.states import JobStatus
 from service.kit.db import session_scope
+from service.kit.queue import get_job_queue
 from service.storage import get_storage
 from service.usage import service as usage_service
 from service.usage.budget import BUDGET_EXHAUSTED, Exhausted
@@ -127,7 +128,7 @@ def finish_evaluation(claim: Claim, *, reason: str) -> JobStatus:
         if jobs_repository.job_status(session, claim.job_id) == JobStatus.cancelling.value:
             target = JobStatus.cancelled
         else:
-            evaluations_service.summarize(session, claim.job_id)
+            scheduled.summarize_and_report(session, claim.job_id)
         progress.worker_transition(session, claim.job_id, claim.attempt, target, reason=reason)
         return target
 
@@ -180,6 +181,9 @@ def record_checkpoint(
             files=files, metrics=None if metrics is None else finite_metrics(metrics),
         )
         session.flush()
+        job = jobs_repository.get_job_any_tenant(session, claim.job_id)  # loaded and locked by record_checkpoint
+        assert job is not None
+        scheduled.evaluate_checkpoint(session, job, checkpoint_id, step, get_job_queue())
 
     _fenced(claim, work)
 

@@ -318,7 +318,9 @@ async def stream_job(
     )
 
 
-PLOTTED_METRICS = ["reward/mean", "reward/std", "kl", "completion_length/mean"]
+PLOTTED_METRICS = [
+    "reward/mean", "reward/std", "kl", "completion_length/mean", "eval/accuracy", "eval/reward/mean",
+]
 
 
 @router.get(
@@ -328,7 +330,8 @@ PLOTTED_METRICS = ["reward/mean", "reward/std", "kl", "completion_length/mean"]
     responses={
         200: {
             "content": {"image/png": {}},
-            "description": "Reward mean ± std, KL and completion length over steps.",
+            "description": "Reward mean ± std, KL, completion length and held-out evaluations (of checkpoints "
+            "too: eval_checkpoints) over steps.",
         },
         **error_responses(401, 404),
     },
@@ -339,7 +342,8 @@ def plot_job(job_id: PathId, tenant: CurrentTenant, session: SessionDep) -> Resp
     metrics = service.get_metrics(
         session, tenant.tenant_id, job_id, names=PLOTTED_METRICS, since_step=0, limit=50_000
     )
-    png = render_metrics_png(metrics.series, title=f"{job_id} (steps {_steps(metrics)})")
+    series = {**metrics.series, **service.checkpoint_evaluations(session, tenant.tenant_id, job_id)}
+    png = render_metrics_png(series, title=f"{job_id} (steps {_steps(metrics)})")
     return Response(content=png, media_type="image/png", headers={"Cache-Control": "no-cache"})
 
 

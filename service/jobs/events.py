@@ -17,3 +17,6 @@ HEALTH_EVENT = "health"  # a training-health finding (worker.grpo.health, writte
 # spelled by service.usage.budget.
 BUDGET_EXHAUSTED_EVENT = BUDGET_EXHAUSTED
 EVAL_PREFIX = "eval/"  # metric names of evaluations: a metrics event carrying one is an evaluation
+# The results of an evaluation of one of the job's checkpoints (service.evaluations.scheduled writes it; the
+# job's plot draws it).
+CHECKPOINT_EVALUATED_EVENT = "checkpoint_evaluated"

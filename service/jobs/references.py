@@ -51,18 +51,27 @@ class Named:
 
     @classmethod
     def of(cls, spec: JobSpec) -> Named:
+        plan = spec.eval_checkpoints
         datasets = {
             "train_dataset": spec.train_dataset,
             "eval_dataset": spec.eval_dataset,
             "retain_dataset": spec.retain_dataset,
+            "eval_checkpoints.dataset": plan.dataset if plan is not None else None,
         }
         models = {"base_model": spec.base_model}
         models.update(
             {f"rewards[{i}].model": r.model for i, r in enumerate(spec.rewards) if isinstance(r, ModelRewardSpec)}
         )
+        reward_functions = reward_function_refs(spec.rewards)
+        if plan is not None and plan.rewards is not None:
+            # The checkpoints' evaluations call these when they run: checked now, not at each checkpoint.
+            models.update({f"eval_checkpoints.rewards[{i}].model": r.model for i, r in enumerate(plan.rewards)
+                           if isinstance(r, ModelRewardSpec)})
+            reward_functions += [(f"eval_checkpoints.{field}", rf_id)
+                                 for field, rf_id in reward_function_refs(plan.rewards)]
         return cls(
             datasets={field: dataset_id for field, dataset_id in datasets.items() if dataset_id is not None},
-            reward_functions=reward_function_refs(spec.rewards),
+            reward_functions=reward_functions,
             graders=[(i, r.parsed) for i, r in enumerate(spec.rewards) if isinstance(r, GraderRewardSpec)],
             models=models,
         )

@@ -140,6 +140,12 @@ def base_model_uses(session: Session, checkpoint_ids: Sequence[str]) -> set[str]
 # --- events, metrics, samples ---------------------------------------------------------------------
 
 
+def events_of_type(session: Session, job_id: str, type_: str) -> Sequence[JobEvent]:
+    """Oldest first."""
+    stmt = select(JobEvent).where(JobEvent.job_id == job_id, JobEvent.type == type_).order_by(JobEvent.id)
+    return session.scalars(stmt).all()
+
+
 def list_events(
     session: Session,
     job_id: str,

@@ -24,7 +24,7 @@ from service.checkpoints import repository as checkpoints_repository
 from service.checkpoints import retention
 from service.checkpoints.models import Checkpoint
 from service.jobs import repository
-from service.jobs.events import BUDGET_EXHAUSTED_EVENT, STATUS_EVENT
+from service.jobs.events import BUDGET_EXHAUSTED_EVENT, CHECKPOINT_EVALUATED_EVENT, STATUS_EVENT
 from service.jobs.models import Job, JobEvent
 from service.jobs.references import check_references
 from service.jobs.schemas import job_out
@@ -187,6 +187,20 @@ async def list_jobs(
     )
     jobs, has_more = page(rows, limit)
     return [job_out(row) for row in jobs], has_more
+
+
+def checkpoint_evaluations(session: Session, tenant_id: str, job_id: str) -> dict[str, MetricSeries]:
+    """The results of the evaluations of the job's checkpoints (`checkpoint_evaluated` events) as series by the
+    checkpoint's step, named `checkpoint_eval/<result>`."""
+    get_job(session, tenant_id, job_id)
+    series: dict[str, MetricSeries] = {}
+    for event in repository.events_of_type(session, job_id, CHECKPOINT_EVALUATED_EVENT):
+        for name, value in event.data.items():
+            if name not in ("step", "evaluation_id") and isinstance(value, int | float) and event.step is not None:
+                points = series.setdefault(f"checkpoint_eval/{name}", MetricSeries(steps=[], values=[]))
+                points.steps.append(event.step)
+                points.values.append(float(value))
+    return series
 
 
 def list_events(

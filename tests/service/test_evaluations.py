@@ -5,6 +5,7 @@ and comparisons of evaluations whose batches are reported through the worker's r
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -12,11 +13,14 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
+from contract.api.quotas import QuotaLimits
 from service.evaluations.stats import pass_at_k
 from service.execution import reporting
 from service.execution.lease import Claim, ClaimLimits, claim_delivery
 from service.execution.reporting import EvaluationItemIn, StepUsageIn
-from service.storage import get_storage
+from service.kit.db import session_scope
+from service.quotas import service as quotas
+from service.storage import checkpoint_key, get_storage
 from tests.service.factories import TenantHeaders
 from tests.service.jobs_support import (
     RecordingQueue,
@@ -265,3 +269,81 @@ class TestCompare:
                                 json={"evaluation_a": done, "evaluation_b": other})
         assert different.status_code == 422, different.text
         assert different.json()["error"]["details"][0]["field"] == "evaluation_b"
+
+
+class TestCheckpointEvaluations:
+    """A job's `eval_checkpoints`: an evaluation of each checkpoint it records, scheduled in the checkpoint's
+    fenced write, its results reported back to the job's events and plot."""
+
+    def _job(self, client: TestClient, tenant: TenantHeaders, **plan: Any) -> str:
+        held_out = make_dataset(tenant.tenant_id)
+        spec = job_spec(make_dataset(tenant.tenant_id), eval_checkpoints={"dataset": held_out, **plan})
+        response = client.post("/v1/jobs", json=spec, headers=tenant)
+        assert response.status_code == 201, response.text
+        return str(response.json()["id"])
+
+    def _checkpoint(self, job_id: str, claim: Claim, step: int) -> str:
+        checkpoint_id = reporting.new_checkpoint_id()
+        manifest = {}
+        for path, content in FILES.items():
+            get_storage().put_stream(checkpoint_key(job_id, checkpoint_id, path), [content])
+            manifest[path] = {"size": len(content), "sha256": hashlib.sha256(content).hexdigest()}
+        reporting.record_checkpoint(claim, checkpoint_id=checkpoint_id, step=step, files=manifest)
+        return checkpoint_id
+
+    def test_each_checkpoint_is_evaluated_and_reported_to_the_job(
+        self, client: TestClient, tenant_a: TenantHeaders, recording_queue: RecordingQueue
+    ) -> None:
+        job_id = self._job(client, tenant_a, samples_per_item=2)
+        claim = claim_delivery(job_id, "test-worker", 60, ClaimLimits())
+        assert claim is not None and claim.job_id == job_id
+        checkpoint_id = self._checkpoint(job_id, claim, 5)
+        (scheduled,) = [e for e in client.get(f"/v1/jobs/{job_id}/events", headers=tenant_a).json()["data"]
+                        if e["type"] == "checkpoint_evaluation_scheduled"]
+        evaluation = client.get(f"/v1/evaluations/{scheduled['data']['evaluation_id']}", headers=tenant_a).json()
+        assert evaluation["model"] == f"checkpoint:{checkpoint_id}" and evaluation["status"] == "queued"
+        assert evaluation["spec"]["rewards"] == [{"type": "builtin", "name": "exact_match", "weight": 1.0,
+                                                  "params": {"answer_column": "answer", "case_sensitive": True,
+                                                             "strip": True}}]  # the job's own
+        assert evaluation["spec"]["temperature"] == 1.0 and evaluation["spec"]["max_tokens"] == 256
+        assert evaluation["spec"]["metadata"] == {"job_id": job_id, "step": "5"}
+        reporting.finish(claim, reporting.JobStatus.succeeded, reason="trained")  # frees the claim for the next
+        run_as_worker(evaluation["id"], [[1.0, 0.0], [1.0, 1.0], [0.0, 0.0]])
+        (reported,) = [e for e in client.get(f"/v1/jobs/{job_id}/events", headers=tenant_a).json()["data"]
+                       if e["type"] == "checkpoint_evaluated"]
+        assert reported["step"] == 5 and reported["data"]["accuracy"] == pytest.approx(0.5)
+        assert reported["data"]["evaluation_id"] == evaluation["id"]
+        plot = client.get(f"/v1/jobs/{job_id}/plot.png", headers=tenant_a)
+        assert plot.status_code == 200 and plot.content.startswith(b"\x89PNG")
+
+    def test_a_refused_evaluation_keeps_the_checkpoint(
+        self, client: TestClient, tenant_a: TenantHeaders, recording_queue: RecordingQueue
+    ) -> None:
+        job_id = self._job(client, tenant_a)
+        claim = claim_delivery(job_id, "test-worker", 60, ClaimLimits())
+        assert claim is not None
+        with session_scope() as session:
+            quotas.set_overrides(session, tenant_a.tenant_id, QuotaLimits(max_queued_jobs=0))
+        checkpoint_id = self._checkpoint(job_id, claim, 2)
+        assert [c["id"] for c in client.get(f"/v1/jobs/{job_id}/checkpoints", headers=tenant_a).json()["data"]] \
+            == [checkpoint_id]
+        (skipped,) = [e for e in client.get(f"/v1/jobs/{job_id}/events", headers=tenant_a).json()["data"]
+                      if e["type"].startswith("checkpoint_evaluation")]
+        assert skipped["type"] == "checkpoint_evaluation_skipped" and skipped["data"]["code"] == "quota_exceeded"
+        assert client.get("/v1/evaluations", headers=tenant_a).json()["data"] == []
+
+    def test_its_references_are_checked_at_submission(
+        self, client: TestClient, tenant_a: TenantHeaders, tenant_b: TenantHeaders
+    ) -> None:
+        theirs = make_dataset(tenant_b.tenant_id)
+        spec = job_spec(make_dataset(tenant_a.tenant_id), eval_checkpoints={
+            "dataset": theirs, "rewards": [{"type": "remote", "reward_function_id": "rf_missing"}],
+        })
+        response = client.post("/v1/jobs", json=spec, headers=tenant_a)
+        assert response.status_code == 422
+        assert [d["field"] for d in response.json()["error"]["details"]] == [
+            "eval_checkpoints.dataset", "eval_checkpoints.rewards[0].reward_function_id",
+        ]
+        greedy_k = job_spec(make_dataset(tenant_a.tenant_id),
+                            eval_checkpoints={"dataset": theirs, "temperature": 0, "samples_per_item": 3})
+        assert client.post("/v1/jobs", json=greedy_k, headers=tenant_a).status_code == 422
