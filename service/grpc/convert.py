@@ -1,7 +1,8 @@
 """Converters between grpo.v1 messages and the pydantic schemas of the REST API (the one place they meet).
 
-Inbound: the typed JobSpec message becomes the plain dict that `contract.spec.JobSpec` validates, so
-gRPC and REST run the very same validation (and report the same field paths, prefixed with "spec.").
+Inbound: the typed JobSpec and EvaluationSpec messages become the plain dicts that `contract.spec.JobSpec` and
+`contract.evaluation.EvaluationSpec` validate, so gRPC and REST run the very same validation (and report the same
+field paths, prefixed with "spec.").
 Only fields the client set are passed on (proto3 `optional` presence, enum `*_UNSPECIFIED`), so the
 pydantic defaults stay the single source of defaults.
 
@@ -24,12 +25,21 @@ from pydantic import ValidationError
 
 from contract.api.checkpoints import CheckpointOut
 from contract.api.datasets import DatasetOut
+from contract.api.evaluations import (
+    ComparisonOut,
+    EvaluationItemOut,
+    EvaluationOut,
+    EvaluationResults,
+    Interval,
+)
 from contract.api.jobs import EventOut, JobOut, SampleOut
 from contract.api.rewards import RewardFunctionOut, RewardTestResult
+from contract.evaluation import EvaluationSpec
 from contract.gen.grpo.v1 import (
     checkpoints_pb2,
     common_pb2,
     datasets_pb2,
+    evaluations_pb2,
     job_spec_pb2,
     jobs_pb2,
     reward_functions_pb2,
@@ -198,15 +208,20 @@ def job_spec_to_proto(spec: JobSpec) -> job_spec_pb2.JobSpec:
         _lora_out(message.hyperparameters.lora, hyper["lora"])
     if dumped["lora"] is not None:
         _lora_out(message.lora, dumped["lora"])
-    for reward in dumped["rewards"]:
-        out = message.rewards.add(weight=reward["weight"])
+    _rewards_out(message.rewards, dumped["rewards"])
+    return message
+
+
+def _rewards_out(rewards: Any, dumped: list[dict[str, Any]]) -> None:
+    """Append the dumped reward sources to a repeated RewardSpec field."""
+    for reward in dumped:
+        out = rewards.add(weight=reward["weight"])
         if reward["type"] == "builtin":
             _fill(getattr(out, reward["name"]), reward["params"])
         elif reward["type"] == "grader":
             out.grader.json = json.dumps(reward["grader"], ensure_ascii=False)
         else:
             _fill(getattr(out, reward["type"]), {k: v for k, v in reward.items() if k not in ("type", "weight")})
-    return message
 
 
 def _lora_out(message: job_spec_pb2.LoraConfig, values: dict[str, Any]) -> None:
@@ -324,6 +339,106 @@ def checkpoint_to_proto(checkpoint: CheckpointOut) -> checkpoints_pb2.Checkpoint
         metrics=_finite_values(checkpoint.metrics),
         created_at=timestamp(checkpoint.created_at),
         total_bytes=checkpoint.total_bytes,
+    )
+
+
+# --- evaluations -------------------------------------------------------------------------------------
+
+
+def evaluation_spec_from_proto(message: evaluations_pb2.EvaluationSpec) -> EvaluationSpec:
+    """Validate an EvaluationSpec message with the shared pydantic model (the REST body's). Errors name fields as
+    "spec.<path>", like a JobSpec's."""
+    values = _set_fields(message)
+    values["rewards"] = [_reward_in(i, r) for i, r in enumerate(message.rewards)]
+    try:
+        return EvaluationSpec.model_validate(values)
+    except ValidationError as exc:
+        raise from_validation_error(exc, prefix="spec") from exc
+
+
+def evaluation_spec_to_proto(spec: EvaluationSpec) -> evaluations_pb2.EvaluationSpec:
+    """The validated spec (defaults filled in) as a message."""
+    dumped = spec.model_dump(mode="json")
+    message = evaluations_pb2.EvaluationSpec()
+    _fill(message, {k: v for k, v in dumped.items() if k != "rewards"})
+    _rewards_out(message.rewards, dumped["rewards"])
+    return message
+
+
+def _interval(interval: Interval | None) -> evaluations_pb2.ConfidenceInterval | None:
+    return None if interval is None else evaluations_pb2.ConfidenceInterval(low=interval.low, high=interval.high)
+
+
+def _results_to_proto(results: EvaluationResults) -> evaluations_pb2.EvaluationResults:
+    return evaluations_pb2.EvaluationResults(
+        items=results.items,
+        samples=results.samples,
+        abstained=results.abstained,
+        mean_reward=results.mean_reward,
+        mean_reward_interval=_interval(results.mean_reward_interval),
+        binary=results.binary,
+        accuracy=results.accuracy,
+        accuracy_interval=_interval(results.accuracy_interval),
+        k=results.k,
+        pass_at_k=results.pass_at_k,
+        pass_at_k_interval=_interval(results.pass_at_k_interval),
+        tokens_generated=results.tokens_generated,
+        device_seconds=results.device_seconds,
+    )
+
+
+def evaluation_to_proto(evaluation: EvaluationOut) -> evaluations_pb2.Evaluation:
+    return evaluations_pb2.Evaluation(
+        id=evaluation.id,
+        name=evaluation.name,
+        state=job_state(evaluation.status),
+        model=evaluation.model,
+        dataset=evaluation.dataset,
+        samples_per_item=evaluation.samples_per_item,
+        progress=evaluations_pb2.EvaluationProgress(
+            items_done=evaluation.progress.items_done, items_total=evaluation.progress.items_total
+        ),
+        results=None if evaluation.results is None else _results_to_proto(evaluation.results),
+        error_code=evaluation.error.code if evaluation.error else "",
+        error_message=evaluation.error.message if evaluation.error else "",
+        attempt=evaluation.attempt,
+        spec=evaluation_spec_to_proto(evaluation.spec),
+        metadata=evaluation.metadata,
+        created_at=timestamp(evaluation.created_at),
+        started_at=timestamp(evaluation.started_at),
+        finished_at=timestamp(evaluation.finished_at),
+    )
+
+
+def evaluation_item_to_proto(item: EvaluationItemOut) -> evaluations_pb2.EvaluationItem:
+    return evaluations_pb2.EvaluationItem(
+        index=item.index,
+        prompt=item.prompt,
+        completions=item.completions,
+        rewards=[reward_pb2.Reward() if r is None else reward_pb2.Reward(value=r) for r in item.rewards],
+        sources=[evaluations_pb2.SourceRewards(values=_finite_values(s)) for s in item.sources],
+        score=item.score,
+    )
+
+
+def comparison_to_proto(comparison: ComparisonOut) -> evaluations_pb2.EvaluationComparison:
+    return evaluations_pb2.EvaluationComparison(
+        evaluation_a=comparison.evaluation_a,
+        evaluation_b=comparison.evaluation_b,
+        metric=evaluations_pb2.ComparisonMetric.Value(f"COMPARISON_METRIC_{comparison.metric.upper()}"),
+        items=comparison.items,
+        mean_a=comparison.mean_a,
+        mean_b=comparison.mean_b,
+        difference=comparison.difference,
+        interval=_interval(comparison.interval),
+        test=evaluations_pb2.ComparisonTest.Value(f"COMPARISON_TEST_{comparison.test.upper()}"),
+        p_value=comparison.p_value,
+        b_better=comparison.b_better,
+        a_better=comparison.a_better,
+        flipped=[
+            evaluations_pb2.FlippedItem(index=f.index, prompt=f.prompt, score_a=f.score_a, score_b=f.score_b)
+            for f in comparison.flipped
+        ],
     )
 
 

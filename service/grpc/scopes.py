@@ -28,6 +28,15 @@ _SERVICES: dict[str, dict[str, Scope]] = {
         "ListJobSamples": "read",
         "WatchJob": "read",
     },
+    "grpo.v1.EvaluationService": {
+        "CreateEvaluation": "write",
+        "GetEvaluation": "read",
+        "ListEvaluations": "read",
+        "ListEvaluationItems": "read",
+        "CancelEvaluation": "write",
+        "ResumeEvaluation": "write",
+        "CompareEvaluations": "write",  # POST /v1/evaluations/compare: only GET reads, as in REST
+    },
     "grpo.v1.DatasetService": {
         "UploadDataset": "write",
         "GetDataset": "read",

@@ -15,6 +15,8 @@ from contract.gen.grpo.v1 import (
     checkpoints_pb2_grpc,
     datasets_pb2,
     datasets_pb2_grpc,
+    evaluations_pb2,
+    evaluations_pb2_grpc,
     jobs_pb2,
     jobs_pb2_grpc,
     quotas_pb2,
@@ -27,6 +29,7 @@ from contract.gen.grpo.v1 import (
 from service.grpc.servicers.api_keys import ApiKeyServicer
 from service.grpc.servicers.checkpoints import CheckpointServicer
 from service.grpc.servicers.datasets import DatasetServicer
+from service.grpc.servicers.evaluations import EvaluationServicer
 from service.grpc.servicers.jobs import JobServicer
 from service.grpc.servicers.quotas import QuotaServicer
 from service.grpc.servicers.rewards import RewardFunctionServicer
@@ -40,6 +43,7 @@ def register_all(server: grpc.aio.Server, reads: Reads = THREADED_READS) -> tupl
     `reads` runs the polled job reads (kit.reads), as the REST app's lifespan does for its routes."""
     datasets_pb2_grpc.add_DatasetServiceServicer_to_server(DatasetServicer(), server)
     jobs_pb2_grpc.add_JobServiceServicer_to_server(JobServicer(reads), server)
+    evaluations_pb2_grpc.add_EvaluationServiceServicer_to_server(EvaluationServicer(), server)
     checkpoints_pb2_grpc.add_CheckpointServiceServicer_to_server(CheckpointServicer(), server)
     reward_functions_pb2_grpc.add_RewardFunctionServiceServicer_to_server(RewardFunctionServicer(), server)
     api_keys_pb2_grpc.add_ApiKeyServiceServicer_to_server(ApiKeyServicer(), server)
@@ -50,6 +54,7 @@ def register_all(server: grpc.aio.Server, reads: Reads = THREADED_READS) -> tupl
         checkpoints_pb2.DESCRIPTOR.services_by_name["CheckpointService"].full_name,
         datasets_pb2.DESCRIPTOR.services_by_name["DatasetService"].full_name,
         jobs_pb2.DESCRIPTOR.services_by_name["JobService"].full_name,
+        evaluations_pb2.DESCRIPTOR.services_by_name["EvaluationService"].full_name,
         reward_functions_pb2.DESCRIPTOR.services_by_name["RewardFunctionService"].full_name,
         quotas_pb2.DESCRIPTOR.services_by_name["QuotaService"].full_name,
         usage_pb2.DESCRIPTOR.services_by_name["UsageService"].full_name,
