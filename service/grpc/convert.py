@@ -150,10 +150,10 @@ def _hyperparameters_in(message: job_spec_pb2.Hyperparameters) -> dict[str, Any]
     return values
 
 
-def _reward_in(index: int, message: job_spec_pb2.RewardSpec) -> dict[str, Any]:
+def _reward_in(index: int, message: job_spec_pb2.RewardSpec, where: str = "spec.rewards") -> dict[str, Any]:
     source = message.WhichOneof("source")
     if source is None:
-        field = f"spec.rewards[{index}]"
+        field = f"{where}[{index}]"
         raise ValidationFailed(
             f"{field}: set one reward source ({', '.join(BUILTIN_REWARDS)}, remote or model)",
             details=[{"field": field, "message": "no reward source set"}],
@@ -161,7 +161,7 @@ def _reward_in(index: int, message: job_spec_pb2.RewardSpec) -> dict[str, Any]:
     values = _set_fields(getattr(message, source))
     reward: dict[str, Any]
     if source == "grader":
-        reward = {"type": "grader", "grader": _grader_json(index, message.grader.json)}
+        reward = {"type": "grader", "grader": _grader_json(f"{where}[{index}].grader.json", message.grader.json)}
     elif source in BUILTIN_REWARDS:
         reward = {"type": "builtin", "name": source, "params": values}
     else:
@@ -171,8 +171,7 @@ def _reward_in(index: int, message: job_spec_pb2.RewardSpec) -> dict[str, Any]:
     return reward
 
 
-def _grader_json(index: int, text: str) -> Any:
-    field = f"spec.rewards[{index}].grader.json"
+def _grader_json(field: str, text: str) -> Any:
     try:
         return json.loads(text)
     except ValueError as exc:
@@ -189,6 +188,11 @@ def job_spec_from_proto(message: job_spec_pb2.JobSpec) -> JobSpec:
         values["hyperparameters"] = _hyperparameters_in(message.hyperparameters)
     if message.HasField("lora"):
         values["lora"] = _lora_in(values["lora"])
+    if message.HasField("eval_checkpoints"):
+        plan = message.eval_checkpoints
+        values["eval_checkpoints"]["rewards"] = [
+            _reward_in(i, r, "spec.eval_checkpoints.rewards") for i, r in enumerate(plan.rewards)
+        ] or None  # none listed: the job's own
     try:
         return JobSpec.model_validate(values)
     except ValidationError as exc:
@@ -199,7 +203,8 @@ def job_spec_to_proto(spec: JobSpec) -> job_spec_pb2.JobSpec:
     """The validated spec (defaults filled in) as a message."""
     dumped = spec.model_dump(mode="json")
     message = job_spec_pb2.JobSpec()
-    _fill(message, {k: v for k, v in dumped.items() if k not in ("rewards", "hyperparameters", "lora")})
+    _fill(message, {k: v for k, v in dumped.items()
+                    if k not in ("rewards", "hyperparameters", "lora", "eval_checkpoints")})
     hyper = dumped["hyperparameters"]
     for flag, field in NONE_FLAGS.items():
         setattr(message.hyperparameters, flag, hyper[field] is None)
@@ -209,6 +214,10 @@ def job_spec_to_proto(spec: JobSpec) -> job_spec_pb2.JobSpec:
     if dumped["lora"] is not None:
         _lora_out(message.lora, dumped["lora"])
     _rewards_out(message.rewards, dumped["rewards"])
+    plan = dumped["eval_checkpoints"]
+    if plan is not None:
+        _fill(message.eval_checkpoints, {k: v for k, v in plan.items() if k != "rewards"})
+        _rewards_out(message.eval_checkpoints.rewards, plan["rewards"] or [])
     return message
 
 

@@ -9,7 +9,14 @@ from pydantic import BaseModel
 
 from contract.config import GRPOConfig, LoraConfig
 from contract.gen.grpo.v1 import job_spec_pb2
-from contract.spec import BUILTIN_PARAMS, JobSpec, ModelRewardSpec, RemoteRewardSpec, Resources
+from contract.spec import (
+    BUILTIN_PARAMS,
+    CheckpointEvaluations,
+    JobSpec,
+    ModelRewardSpec,
+    RemoteRewardSpec,
+    Resources,
+)
 from service.grpc.convert import (
     BUILTIN_REWARDS,
     NONE_FLAGS,
@@ -28,6 +35,7 @@ PAIRS: list[tuple[type[BaseModel], type[typing.Any]]] = [
     (HealthConfig, job_spec_pb2.HealthConfig),
     (JobSpec, job_spec_pb2.JobSpec),
     (Resources, job_spec_pb2.Resources),
+    (CheckpointEvaluations, job_spec_pb2.CheckpointEvaluations),
     (RemoteRewardSpec, job_spec_pb2.RemoteReward),
     (ModelRewardSpec, job_spec_pb2.ModelReward),
     *((BUILTIN_PARAMS[name], getattr(job_spec_pb2, f"{name.title().replace('_', '')}Reward")) for name in BUILTIN_REWARDS),
@@ -86,6 +94,31 @@ def test_roundtrip_resources_and_parallelism() -> None:
             "resources": {"devices": 2, "nodes": 1},
         }
     )
+
+
+@pytest.mark.parametrize("rewards", [None, [{"type": "remote", "reward_function_id": "rf_1", "weight": 0.5}]])
+def test_roundtrip_eval_checkpoints(rewards: list[dict[str, typing.Any]] | None) -> None:
+    """Omitted rewards stay omitted (the job's own), listed ones come back as listed; defaults are kept."""
+    _roundtrip(
+        {
+            "base_model": "builtin:tiny",
+            "train_dataset": "ds_1",
+            "rewards": [{"type": "builtin", "name": "exact_match"}],
+            "hyperparameters": {"max_steps": 3},
+            "eval_checkpoints": {"dataset": "ds_2", "samples_per_item": 4, "rewards": rewards},
+        }
+    )
+
+
+def test_a_bad_eval_checkpoints_reward_names_its_field() -> None:
+    message = job_spec_to_proto(JobSpec.model_validate({
+        "base_model": "builtin:tiny", "train_dataset": "ds_1", "rewards": [{"type": "builtin", "name": "exact_match"}],
+        "hyperparameters": {"max_steps": 3}, "eval_checkpoints": {"dataset": "ds_2"},
+    }))
+    message.eval_checkpoints.rewards.add()  # no source set
+    with pytest.raises(ValidationFailed) as refused:
+        job_spec_from_proto(message)
+    assert refused.value.details[0]["field"] == "spec.eval_checkpoints.rewards[0]"
 
 
 def test_roundtrip_example() -> None:

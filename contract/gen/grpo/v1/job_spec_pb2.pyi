@@ -1454,6 +1454,7 @@ class JobSpec(_message.Message):
     PRIORITY_FIELD_NUMBER: _builtins.int
     RESOURCES_FIELD_NUMBER: _builtins.int
     BUDGET_FIELD_NUMBER: _builtins.int
+    EVAL_CHECKPOINTS_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """Optional human-readable name ([A-Za-z0-9][A-Za-z0-9_.-]{0,63})."""
     base_model: _builtins.str
@@ -1492,6 +1493,10 @@ class JobSpec(_message.Message):
     def budget(self) -> Global___JobBudget:
         """Spending limits; the step that reaches one pauses the job with budget_exhausted (resumable after raising it)."""
 
+    @_builtins.property
+    def eval_checkpoints(self) -> Global___CheckpointEvaluations:
+        """Evaluate every checkpoint the job saves on a dataset: an evaluation each (docs/evaluations.md)."""
+
     def __init__(
         self,
         *,
@@ -1507,10 +1512,11 @@ class JobSpec(_message.Message):
         priority: _builtins.int | None = ...,
         resources: Global___Resources | None = ...,
         budget: Global___JobBudget | None = ...,
+        eval_checkpoints: Global___CheckpointEvaluations | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_eval_dataset", b"_eval_dataset", "_name", b"_name", "_priority", b"_priority", "_retain_dataset", b"_retain_dataset", "budget", b"budget", "eval_dataset", b"eval_dataset", "hyperparameters", b"hyperparameters", "lora", b"lora", "name", b"name", "priority", b"priority", "resources", b"resources", "retain_dataset", b"retain_dataset"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_eval_dataset", b"_eval_dataset", "_name", b"_name", "_priority", b"_priority", "_retain_dataset", b"_retain_dataset", "budget", b"budget", "eval_checkpoints", b"eval_checkpoints", "eval_dataset", b"eval_dataset", "hyperparameters", b"hyperparameters", "lora", b"lora", "name", b"name", "priority", b"priority", "resources", b"resources", "retain_dataset", b"retain_dataset"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_eval_dataset", b"_eval_dataset", "_name", b"_name", "_priority", b"_priority", "_retain_dataset", b"_retain_dataset", "base_model", b"base_model", "budget", b"budget", "eval_dataset", b"eval_dataset", "hyperparameters", b"hyperparameters", "lora", b"lora", "metadata", b"metadata", "name", b"name", "priority", b"priority", "resources", b"resources", "retain_dataset", b"retain_dataset", "rewards", b"rewards", "train_dataset", b"train_dataset"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_eval_dataset", b"_eval_dataset", "_name", b"_name", "_priority", b"_priority", "_retain_dataset", b"_retain_dataset", "base_model", b"base_model", "budget", b"budget", "eval_checkpoints", b"eval_checkpoints", "eval_dataset", b"eval_dataset", "hyperparameters", b"hyperparameters", "lora", b"lora", "metadata", b"metadata", "name", b"name", "priority", b"priority", "resources", b"resources", "retain_dataset", b"retain_dataset", "rewards", b"rewards", "train_dataset", b"train_dataset"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__eval_dataset: _TypeAlias = _typing.Literal["eval_dataset"]  # noqa: Y015
     _WhichOneofArgType__eval_dataset: _TypeAlias = _typing.Literal["_eval_dataset", b"_eval_dataset"]  # noqa: Y015
@@ -1530,6 +1536,73 @@ class JobSpec(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__retain_dataset) -> _WhichOneofReturnType__retain_dataset | None: ...
 
 Global___JobSpec: _TypeAlias = JobSpec  # noqa: Y015
+
+@_typing.final
+class CheckpointEvaluations(_message.Message):
+    """The evaluation of every checkpoint a job saves."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DATASET_FIELD_NUMBER: _builtins.int
+    REWARDS_FIELD_NUMBER: _builtins.int
+    SAMPLES_PER_ITEM_FIELD_NUMBER: _builtins.int
+    TEMPERATURE_FIELD_NUMBER: _builtins.int
+    MAX_TOKENS_FIELD_NUMBER: _builtins.int
+    MAX_ITEMS_FIELD_NUMBER: _builtins.int
+    SEED_FIELD_NUMBER: _builtins.int
+    dataset: _builtins.str
+    """Id of the dataset to evaluate on ("ds_...")."""
+    samples_per_item: _builtins.int
+    """k: completions sampled per item, 1 to 64 (default 1)."""
+    temperature: _builtins.float
+    """Sampling temperature, 0 to 10 (default greedy for one sample, else 1.0)."""
+    max_tokens: _builtins.int
+    """Most new tokens per completion (default the job's max_completion_length)."""
+    max_items: _builtins.int
+    """Evaluate only the dataset's first max_items rows (default: all)."""
+    seed: _builtins.int
+    """Seeds sampling and the bootstrap (default 0): every checkpoint gets the same draws."""
+    @_builtins.property
+    def rewards(self) -> _containers.RepeatedCompositeFieldContainer[Global___RewardSpec]:
+        """Reward sources (default: the job's own)."""
+
+    def __init__(
+        self,
+        *,
+        dataset: _builtins.str = ...,
+        rewards: _abc.Iterable[Global___RewardSpec] | None = ...,
+        samples_per_item: _builtins.int | None = ...,
+        temperature: _builtins.float | None = ...,
+        max_tokens: _builtins.int | None = ...,
+        max_items: _builtins.int | None = ...,
+        seed: _builtins.int | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_max_items", b"_max_items", "_max_tokens", b"_max_tokens", "_samples_per_item", b"_samples_per_item", "_seed", b"_seed", "_temperature", b"_temperature", "max_items", b"max_items", "max_tokens", b"max_tokens", "samples_per_item", b"samples_per_item", "seed", b"seed", "temperature", b"temperature"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_items", b"_max_items", "_max_tokens", b"_max_tokens", "_samples_per_item", b"_samples_per_item", "_seed", b"_seed", "_temperature", b"_temperature", "dataset", b"dataset", "max_items", b"max_items", "max_tokens", b"max_tokens", "rewards", b"rewards", "samples_per_item", b"samples_per_item", "seed", b"seed", "temperature", b"temperature"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__max_items: _TypeAlias = _typing.Literal["max_items"]  # noqa: Y015
+    _WhichOneofArgType__max_items: _TypeAlias = _typing.Literal["_max_items", b"_max_items"]  # noqa: Y015
+    _WhichOneofReturnType__max_tokens: _TypeAlias = _typing.Literal["max_tokens"]  # noqa: Y015
+    _WhichOneofArgType__max_tokens: _TypeAlias = _typing.Literal["_max_tokens", b"_max_tokens"]  # noqa: Y015
+    _WhichOneofReturnType__samples_per_item: _TypeAlias = _typing.Literal["samples_per_item"]  # noqa: Y015
+    _WhichOneofArgType__samples_per_item: _TypeAlias = _typing.Literal["_samples_per_item", b"_samples_per_item"]  # noqa: Y015
+    _WhichOneofReturnType__seed: _TypeAlias = _typing.Literal["seed"]  # noqa: Y015
+    _WhichOneofArgType__seed: _TypeAlias = _typing.Literal["_seed", b"_seed"]  # noqa: Y015
+    _WhichOneofReturnType__temperature: _TypeAlias = _typing.Literal["temperature"]  # noqa: Y015
+    _WhichOneofArgType__temperature: _TypeAlias = _typing.Literal["_temperature", b"_temperature"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__max_items) -> _WhichOneofReturnType__max_items | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__max_tokens) -> _WhichOneofReturnType__max_tokens | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__samples_per_item) -> _WhichOneofReturnType__samples_per_item | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__seed) -> _WhichOneofReturnType__seed | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__temperature) -> _WhichOneofReturnType__temperature | None: ...
+
+Global___CheckpointEvaluations: _TypeAlias = CheckpointEvaluations  # noqa: Y015
 
 @_typing.final
 class JobBudget(_message.Message):
