@@ -10,20 +10,15 @@ Torch-free on purpose: the service validates submitted specs with these models.
 
 from __future__ import annotations
 
-import json
-from typing import Annotated
-
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from contract.config import GRPOConfig
 from contract.fields import INT32_MAX, Int64, Text
 from contract.spec import (
-    MAX_METADATA_JSON_BYTES,
-    MAX_METADATA_KEY_CHARS,
-    MAX_METADATA_KEYS,
-    MAX_METADATA_VALUE_CHARS,
+    METADATA_DESCRIPTION,
     NAME_PATTERN,
     JobSpec,
+    Metadata,
     RewardSpec,
     check_builtin_model,
     check_reward_sources,
@@ -78,23 +73,12 @@ class EvaluationSpec(BaseModel):
     )
     seed: Int64 = Field(0, description="Seeds sampling (each item's samples depend on it and the item's index "
                         "only) and the bootstrap intervals: the same spec gives the same results.")
-    metadata: dict[
-        Annotated[Text, Field(min_length=1, max_length=MAX_METADATA_KEY_CHARS)],
-        Annotated[Text, Field(max_length=MAX_METADATA_VALUE_CHARS)],
-    ] = Field(default_factory=dict, max_length=MAX_METADATA_KEYS, description="Free-form labels, as a job's.")
+    metadata: Metadata = Field(default_factory=dict, description=METADATA_DESCRIPTION)
 
     @field_validator("model")
     @classmethod
     def _check_model(cls, value: str) -> str:
         return check_builtin_model(value)
-
-    @field_validator("metadata")
-    @classmethod
-    def _metadata_size(cls, value: dict[str, str]) -> dict[str, str]:
-        size = len(json.dumps(value, ensure_ascii=False).encode())
-        if size > MAX_METADATA_JSON_BYTES:
-            raise ValueError(f"metadata is {size} bytes as JSON; the limit is {MAX_METADATA_JSON_BYTES}")
-        return value
 
     @model_validator(mode="after")
     def _check(self) -> EvaluationSpec:

@@ -20,7 +20,7 @@ import json
 from typing import Annotated, Any, Literal
 
 import re2
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from contract.config import GRPOConfig, LoraConfig
 from contract.dataset_format import MAX_COLUMN_NAME_CHARS
@@ -39,6 +39,28 @@ MAX_METADATA_KEYS = 32
 MAX_METADATA_KEY_CHARS = 64
 MAX_METADATA_VALUE_CHARS = 1024
 MAX_METADATA_JSON_BYTES = 16 * 1024
+
+
+def _metadata_size(value: dict[str, str]) -> dict[str, str]:
+    size = len(json.dumps(value, ensure_ascii=False).encode())
+    if size > MAX_METADATA_JSON_BYTES:
+        raise ValueError(f"metadata is {size} bytes as JSON; the limit is {MAX_METADATA_JSON_BYTES}")
+    return value
+
+
+# A job's or an evaluation's labels: stored with it and returned by every read of it, so bounded like free text.
+Metadata = Annotated[
+    dict[
+        Annotated[Text, Field(min_length=1, max_length=MAX_METADATA_KEY_CHARS)],
+        Annotated[Text, Field(max_length=MAX_METADATA_VALUE_CHARS)],
+    ],
+    Field(max_length=MAX_METADATA_KEYS),
+    AfterValidator(_metadata_size),
+]
+METADATA_DESCRIPTION = (
+    f"Free-form labels: at most {MAX_METADATA_KEYS} keys of 1-{MAX_METADATA_KEY_CHARS} characters, values up to "
+    f"{MAX_METADATA_VALUE_CHARS} characters, {MAX_METADATA_JSON_BYTES} bytes as JSON in all."
+)
 
 
 class BoxedAnswerParams(BaseModel):
@@ -360,15 +382,7 @@ class JobSpec(BaseModel):
         description="Among your own queued jobs, a higher priority starts first (then the older job). It does "
         "not move your jobs ahead of other tenants' (see docs/tenancy.md).",
     )
-    metadata: dict[
-        Annotated[Text, Field(min_length=1, max_length=MAX_METADATA_KEY_CHARS)],
-        Annotated[Text, Field(max_length=MAX_METADATA_VALUE_CHARS)],
-    ] = Field(
-        default_factory=dict,
-        max_length=MAX_METADATA_KEYS,
-        description=f"Free-form labels: at most {MAX_METADATA_KEYS} keys of 1-{MAX_METADATA_KEY_CHARS} characters, "
-        f"values up to {MAX_METADATA_VALUE_CHARS} characters, {MAX_METADATA_JSON_BYTES} bytes as JSON in all.",
-    )
+    metadata: Metadata = Field(default_factory=dict, description=METADATA_DESCRIPTION)
 
     budget: JobBudget | None = Field(
         None, description="Spending limits; the step that reaches one pauses the job with `budget_exhausted`."
@@ -381,14 +395,6 @@ class JobSpec(BaseModel):
     @classmethod
     def _check_base_model(cls, value: str) -> str:
         return check_builtin_model(value)
-
-    @field_validator("metadata")
-    @classmethod
-    def _metadata_size(cls, value: dict[str, str]) -> dict[str, str]:
-        size = len(json.dumps(value, ensure_ascii=False).encode())
-        if size > MAX_METADATA_JSON_BYTES:
-            raise ValueError(f"metadata is {size} bytes as JSON; the limit is {MAX_METADATA_JSON_BYTES}")
-        return value
 
     @model_validator(mode="after")
     def _merge_lora(self) -> JobSpec:
