@@ -111,10 +111,15 @@ class TestEvaluations:
                 finished(api, evaluation_id, stack)
         finally:
             worker.stop()
-        # The same spec samples the same completions.
+        # The same spec samples the same completions: the comparison is exactly 0.
         assert [i["completions"] for i in items(api, first)] == [i["completions"] for i in items(api, again)]
-        comparison = compare(api, first, other_seed)
-        assert comparison["interval"]["low"] <= 0 <= comparison["interval"]["high"], comparison
+        same = compare(api, first, again)
+        assert same["difference"] == 0 and same["interval"]["low"] <= 0 <= same["interval"]["high"], same
+        # Other draws of the same model: no difference beyond noise. A 95 % interval misses 0 in 1 case of 20 by
+        # construction, and which case that is depends on the CPU's float rounding: the test asks only for a p-value
+        # that a real difference would not give.
+        resampled = compare(api, first, other_seed)
+        assert resampled["p_value"] > 0.001, resampled
 
     def test_a_worker_killed_mid_evaluation_leaves_each_item_once(self, stack: Stack) -> None:
         api = stack.make_client()
