@@ -11,6 +11,10 @@ LOWEST := .venv-lowest
 LOWEST_PINS := transformers==5.0.0 huggingface_hub==1.33.0 tokenizers==0.22.2
 LOWEST_STAMP := $(LOWEST)/.installed
 export PYTHONUNBUFFERED := 1
+# pytest-xdist workers: one per core, at most 8 (each has its own PostgreSQL database, Redis brokers and ports).
+# Whole files go to a worker (`--dist loadfile`): module-scoped stacks and models are built once.
+PYTEST_WORKERS ?= $(shell n=$$(nproc); echo $$(( n < 8 ? n : 8 )))
+XDIST := -n $(PYTEST_WORKERS) --dist loadfile
 
 .PHONY: install test lint typecheck pytest test-lowest demo proto bench gpu-wheels clean
 
@@ -45,7 +49,7 @@ typecheck: install
 	$(VENV)/bin/mypy service worker contract outbound cli client
 
 pytest: install
-	$(VENV)/bin/pytest -q -ra $(PYTEST_ARGS)
+	$(VENV)/bin/pytest -q -ra $(XDIST) $(PYTEST_ARGS)
 
 $(LOWEST_STAMP): Makefile
 	rm -rf $(LOWEST)
@@ -56,7 +60,7 @@ $(LOWEST_STAMP): Makefile
 # Not the vLLM rollouts: vLLM itself needs transformers >= 5.16.1.
 test-lowest: install $(LOWEST_STAMP)
 	PYTHONPATH=$(CURDIR)/$(LOWEST) $(PY) -c 'import transformers; print("transformers", transformers.__version__)'
-	PYTHONPATH=$(CURDIR)/$(LOWEST) $(VENV)/bin/pytest -q -ra -p no:cacheprovider tests/engine \
+	PYTHONPATH=$(CURDIR)/$(LOWEST) $(VENV)/bin/pytest -q -ra -p no:cacheprovider $(XDIST) tests/engine \
 		--ignore=tests/engine/test_vllm_rollout.py
 
 test: lint typecheck pytest test-lowest

@@ -26,6 +26,8 @@ from worker.grpo.checkpoint import verify_manifest
 from worker.grpo.distributed import SHARDED_DIR, merge_rank_stats
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.slow  # each test launches ranks in child processes
 WORDS = ["cat", "dog", "sun", "map", "hat", "pen", "cup", "box"]
 TIMING = ("time/", "tokens_per_s")
 

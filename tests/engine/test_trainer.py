@@ -345,6 +345,7 @@ class TestModelOptions:
         # lora_B starts at 0, so lora_A only gets a gradient from the second step
         assert changed == ({n for n in trainable if "lora_B" in n} if lora else trainable)
 
+    @pytest.mark.slow
     def test_torch_compile_compiles_each_decoder_layer_and_trains_the_same_step(
         self, tmp_path: Path, models_dir: Path
     ) -> None:

@@ -39,6 +39,7 @@ def empty_database(postgres_admin_url: str) -> Iterator[str]:
         admin.dispose()
 
 
+@pytest.mark.slow
 def test_api_conforms_to_its_openapi(empty_database: str, tmp_path: Path) -> None:
     if not Path(SOCKET_DIR).is_dir():
         pytest.fail(f"PostgreSQL's Unix socket directory {SOCKET_DIR} is missing (GRPO_TEST_POSTGRES_SOCKET_DIR)")

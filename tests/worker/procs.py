@@ -56,9 +56,18 @@ def wait_for(
 
 
 
-# Databases 1-15 of the shared Redis, handed out in turn so that a test's broker is never one an earlier test of
-# this session used moments ago (db 0 is left to the rate limiter's tests).
-_REDIS_DATABASES = itertools.cycle(range(1, 16))
+def _broker_databases() -> list[int]:
+    """Databases 1-13 of the shared Redis, split between pytest-xdist workers: two workers never share a broker
+    (db 0 is left to health checks, 14 to the rate limiter's tests, whose keys are unique per test)."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if count > 13:
+        raise RuntimeError(f"{count} pytest workers: the shared Redis has brokers for 13 at most")
+    return [db for db in range(1, 14) if db % count == int(worker.removeprefix("gw")) % count]
+
+
+# Handed out in turn, so that a test's broker is never one an earlier test of this session used moments ago.
+_REDIS_DATABASES = itertools.cycle(_broker_databases())
 
 
 def fresh_redis_database(base_url: str) -> str:
