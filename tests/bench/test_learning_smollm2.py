@@ -57,7 +57,7 @@ def test_the_data_is_reproducible_and_held_out(tmp_path: Path) -> None:
     assert (len(train), len(held_out)) == (78, 40)
     train_sums = {row["expression"] for row in train}
     held_out_sums = {row["expression"] for row in held_out}
-    shots = {expression for expression, _ in make_data.SHOTS}
+    shots = {expression for expression, _ in make_data.SHOTS["+"]}
     assert len(train_sums) == 78 and len(held_out_sums) == 40
     assert not train_sums & held_out_sums and not (train_sums | held_out_sums) & shots
     for row in train + held_out:
@@ -65,6 +65,17 @@ def test_the_data_is_reproducible_and_held_out(tmp_path: Path) -> None:
         assert row["answer"] == str(a + b) and 0 <= a <= 10 and 0 <= b <= 10
         assert row["prompt"][0] == {"role": "system", "content": make_data.SYSTEM}
         assert row["prompt"][-1] == {"role": "user", "content": f"{row['expression']} ="}
+
+
+def test_the_differences_are_checked_by_the_task_and_held_out(tmp_path: Path) -> None:
+    """bench/learning.py's second task on SmolLM2: the same generator with `-`."""
+    train, held_out = make_data.generate(operator="-")
+    assert (len(train), len(held_out)) == (118 - 40, 40)
+    assert not {r["expression"] for r in train} & {r["expression"] for r in held_out}
+    for row in train + held_out:
+        a, b = map(int, row["expression"].split(" - "))
+        assert row["answer"] == str(a - b) and 0 <= a <= 10 and 0 <= b <= 10
+        assert row["prompt"][1:3] == [{"role": "user", "content": "8 - 3 ="}, {"role": "assistant", "content": "5"}]
 
 
 def test_a_short_run_of_the_example_trains_and_reports_held_out_accuracy(tmp_path: Path, smollm2_dir: Path) -> None:
