@@ -369,8 +369,10 @@ def main() -> None:
             for framework in order:
                 done = subprocess.run(
                     [sys.executable, __file__, "--child", framework, "--task", task, "--seed", str(seed), *extra],
-                    check=True, capture_output=True, text=True,
+                    capture_output=True, text=True,
                 )
+                if done.returncode != 0:
+                    sys.exit(f"{task} seed {seed} {framework} failed:\n{done.stderr[-4000:]}")
                 result = json.loads(done.stdout.strip().splitlines()[-1])
                 results.append(result)
                 before, after = (sum(result[k]) / len(result[k]) for k in ("before", "after"))
