@@ -341,6 +341,7 @@ def main() -> None:
     parser.add_argument("--tasks", help=f"default: {','.join(TASKS)} (tiny), {','.join(SMOLLM2_TASKS)} (smollm2)")
     parser.add_argument("--seeds", default=",".join(map(str, SEEDS)))
     parser.add_argument("--steps", type=int, help=f"default: {STEPS} (tiny), {SMOLLM2.steps} (smollm2)")
+    parser.add_argument("--frameworks", default="ours,trl", help="which to run (a partial run's missing half)")
     parser.add_argument("--json", type=Path, help="also write every run's per-item results here")
     parser.add_argument("--child", choices=("ours", "trl"))
     parser.add_argument("--task")
@@ -366,7 +367,7 @@ def main() -> None:
     for task in tasks:
         for seed in map(int, args.seeds.split(",")):
             order = ("ours", "trl") if seed % 2 == 0 else ("trl", "ours")  # alternate who runs first
-            for framework in order:
+            for framework in (f for f in order if f in args.frameworks.split(",")):
                 done = subprocess.run(
                     [sys.executable, __file__, "--child", framework, "--task", task, "--seed", str(seed), *extra],
                     capture_output=True, text=True,
