@@ -77,5 +77,5 @@ def test_default_warm_model_is_partly_right_on_held_out_prompts(tmp_path: Path) 
         any(sampled_texts[8 * n + k] == item.answer for k in range(8)) for n, item in enumerate(items)
     ) / len(items)
     print(f"tiny-instruct on held-out 'larger': greedy {accuracy:.2f}, pass@8 {pass_at_8:.2f}")
-    assert 0.15 <= accuracy <= 0.7
-    assert pass_at_8 >= 0.7
+    assert 0.15 <= accuracy <= 0.8  # room for RL to show
+    assert pass_at_8 >= 0.9  # a held-out answer never sampled right stays wrong under RL
