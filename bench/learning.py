@@ -132,10 +132,44 @@ def run_ours(model_dir: Path, task: str, seed: int, steps: int, work: Path) -> l
     return held_out_matches(trainer.models.policy, trainer.models.tokenizer, task)
 
 
+def trl_config(
+    work: Path, seed: int, steps: int, *, prompts_per_step: int, num_generations: int, max_completion_length: int,
+    learning_rate: float, lr_scheduler_type: str, warmup_steps: int,
+) -> Any:
+    """TRL's GRPOConfig for the knobs both setups share with ours: beta 0, DAPO loss, temperature 1, grad clip 1,
+    fp32 on CPU, no checkpoints."""
+    from trl import GRPOConfig
+
+    return GRPOConfig(
+        output_dir=str(work / "trl-out"),
+        per_device_train_batch_size=prompts_per_step * num_generations,  # counts completions
+        gradient_accumulation_steps=1,
+        num_generations=num_generations,
+        max_completion_length=max_completion_length,
+        temperature=1.0,
+        learning_rate=learning_rate,
+        warmup_steps=warmup_steps,
+        lr_scheduler_type=lr_scheduler_type,
+        max_grad_norm=1.0,
+        beta=0.0,
+        loss_type="dapo",
+        max_steps=steps,
+        bf16=False,  # TRL turns bf16 on by default, even on CPU; both train in fp32 here
+        gradient_checkpointing=False,
+        use_cpu=True,
+        report_to="none",
+        save_strategy="no",
+        logging_steps=10,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        seed=seed,
+    )
+
+
 def run_trl(model_dir: Path, task: str, seed: int, steps: int, work: Path) -> list[bool]:
     from datasets import Dataset
     from transformers import AutoTokenizer
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOTrainer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     rows = [
@@ -147,29 +181,10 @@ def run_trl(model_dir: Path, task: str, seed: int, steps: int, work: Path) -> li
     def exact(completions: list[str], answer: list[str], **_: object) -> list[float | None]:
         return [float(c.strip() == a) for c, a in zip(completions, answer, strict=True)]
 
-    config = GRPOConfig(
-        output_dir=str(work / "trl-out"),
-        per_device_train_batch_size=PROMPTS_PER_STEP * NUM_GENERATIONS,  # counts completions
-        gradient_accumulation_steps=1,
-        num_generations=NUM_GENERATIONS,
-        max_completion_length=MAX_COMPLETION_LENGTH,
-        temperature=1.0,
-        learning_rate=LEARNING_RATE,
-        warmup_steps=min(WARMUP_STEPS, steps - 1),
-        lr_scheduler_type="linear",
-        max_grad_norm=1.0,
-        beta=0.0,
-        loss_type="dapo",
-        max_steps=steps,
-        bf16=False,
-        gradient_checkpointing=False,
-        use_cpu=True,
-        report_to="none",
-        save_strategy="no",
-        logging_steps=10,
-        disable_tqdm=True,
-        dataloader_num_workers=0,
-        seed=seed,
+    config = trl_config(
+        work, seed, steps, prompts_per_step=PROMPTS_PER_STEP, num_generations=NUM_GENERATIONS,
+        max_completion_length=MAX_COMPLETION_LENGTH, learning_rate=LEARNING_RATE,
+        lr_scheduler_type="linear", warmup_steps=min(WARMUP_STEPS, steps - 1),
     )
     trainer = GRPOTrainer(
         model=str(model_dir), reward_funcs=exact, args=config, train_dataset=Dataset.from_list(rows),
@@ -230,7 +245,7 @@ def run_trl_smollm2(task: str, seed: int, steps: int, work: Path) -> list[bool]:
     from datasets import Dataset
     from peft import LoraConfig
     from transformers import AutoTokenizer
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOTrainer
 
     from worker.grpo.pretrained import build_smollm2
 
@@ -241,28 +256,10 @@ def run_trl_smollm2(task: str, seed: int, steps: int, work: Path) -> list[bool]:
     def exact(completions: list[list[dict[str, str]]], answer: list[str], **_: object) -> list[float | None]:
         return [float(c[0]["content"].strip() == a) for c, a in zip(completions, answer, strict=True)]
 
-    config = GRPOConfig(
-        output_dir=str(work / "trl-out"),
-        per_device_train_batch_size=SMOLLM2.prompts_per_step * SMOLLM2.num_generations,  # counts completions
-        gradient_accumulation_steps=1,
-        num_generations=SMOLLM2.num_generations,
-        max_completion_length=SMOLLM2.max_completion_length,
-        temperature=1.0,
-        learning_rate=SMOLLM2.learning_rate,
-        lr_scheduler_type="constant",
-        max_grad_norm=1.0,
-        beta=0.0,
-        loss_type="dapo",
-        max_steps=steps,
-        bf16=False,  # TRL turns bf16 on by default, even on CPU; both train in fp32 here
-        gradient_checkpointing=False,
-        use_cpu=True,
-        report_to="none",
-        save_strategy="no",
-        logging_steps=10,
-        disable_tqdm=True,
-        dataloader_num_workers=0,
-        seed=seed,
+    config = trl_config(
+        work, seed, steps, prompts_per_step=SMOLLM2.prompts_per_step, num_generations=SMOLLM2.num_generations,
+        max_completion_length=SMOLLM2.max_completion_length, learning_rate=SMOLLM2.learning_rate,
+        lr_scheduler_type="constant", warmup_steps=0,
     )
     peft_config = LoraConfig(r=SMOLLM2.lora_r, lora_alpha=SMOLLM2.lora_alpha, lora_dropout=0.0,
                              target_modules="all-linear", task_type="CAUSAL_LM")
