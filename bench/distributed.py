@@ -115,8 +115,10 @@ def run_memory_case(root: Path, name: str, document: dict[str, Any]) -> tuple[li
     peaks = [json.loads((results / f"rank-{r}.json").read_text())["peak_rss_mib"] for r in range(devices)]
     checkpoint = sorted(output.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))[-1]
     history = torch.load(checkpoint / "trainer_state.pt", weights_only=True)["history"]
-    with safe_open(str(checkpoint / "model.safetensors"), "pt") as weights:
-        numel = sum(_numel(weights.get_slice(key).get_shape()) for key in weights.keys())
+    numel = 0
+    for file in checkpoint.glob("model*.safetensors"):  # one file, or fsdp's shards (one per decoder layer)
+        with safe_open(str(file), "pt") as weights:
+            numel += sum(_numel(weights.get_slice(key).get_shape()) for key in weights.keys())
     subprocess.run(["rm", "-rf", str(output), str(results)], check=True)  # the next round starts fresh
     return peaks, statistics.median(float(m["time/step_s"]) for m in history[1:]), numel
 

@@ -76,7 +76,14 @@ def grpo_train(
 
 
 def weights(checkpoint: Path, lora: bool) -> dict[str, torch.Tensor]:
-    return load_file(checkpoint / ("adapter_model.safetensors" if lora else "model.safetensors"))
+    """The adapter's tensors, or the model's, from one file or from shards (fsdp's consolidated model)."""
+    if lora:
+        return load_file(checkpoint / "adapter_model.safetensors")
+    index = checkpoint / "model.safetensors.index.json"
+    if not index.is_file():
+        return load_file(checkpoint / "model.safetensors")
+    files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    return {name: tensor for file in files for name, tensor in load_file(checkpoint / file).items()}
 
 
 def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -166,7 +173,14 @@ class TestCheckpoints:
         assert torch.equal(model.lm_head.weight.detach(), saved["lm_head.weight"])
 
     def test_lora_fsdp_checkpoint_has_the_merged_model(self, runs: dict[str, Path]) -> None:
-        assert (runs["fsdp-lora"] / "checkpoint-3" / "merged" / "model.safetensors").is_file()
+        """Written from the shards a layer at a time: the merged model one process writes, in shards."""
+        merged = runs["fsdp-lora"] / "checkpoint-3" / "merged"
+        index = json.loads((merged / "model.safetensors.index.json").read_text())
+        assert len(set(index["weight_map"].values())) == 5  # 4 decoder layers and the rest
+        one = weights(runs["hf-lora"] / "checkpoint-3" / "merged", lora=False)
+        diff = max_abs_diff(one, weights(merged, lora=False))
+        assert diff <= 1e-4
+        assert max_abs_diff(one, weights(runs["hf-lora"] / "checkpoint-1" / "merged", lora=False)) > 1e-3
 
     @pytest.mark.parametrize(
         ("written_by", "resumed_on", "parallelism"),

@@ -196,13 +196,16 @@ def save_checkpoint(
     save_total_limit: int | None = None,
     metadata: dict[str, Any] | None = None,
     extra_dirs: dict[str, Path] | None = None,
+    model_files: Path | None = None,
 ) -> tuple[Path, dict[str, Any]]:
     """Write ``checkpoint-<step>`` atomically and prune old ones; returns (path, manifest).
 
     ``extra_dirs`` (name -> a directory written beforehand, e.g. sharded state) are moved in under their
     names and listed in the manifest like every other file.
 
-    ``model`` is a transformers model or a peft model (then only the adapter is saved).
+    ``model`` is a transformers model or a peft model (then the adapter is saved, and the merged model).
+    Or, with ``model`` None, ``model_files``: a directory holding the model's files already (a sharded
+    job's consolidated model, worker.grpo.consolidated), whose entries are moved in at the top.
     ``trainer_state`` must hold plain types and tensors (it is loaded with weights_only=True).
     """
     output_dir = Path(output_dir)
@@ -210,10 +213,16 @@ def save_checkpoint(
     final = output_dir / checkpoint_name(step)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=output_dir))
     try:
-        model.save_pretrained(tmp, safe_serialization=True)
+        if model is not None:
+            model.save_pretrained(tmp, safe_serialization=True)
+            if _is_peft(model):
+                save_merged(model, tmp / MERGED_DIR)
+        elif model_files is not None:
+            for entry in model_files.iterdir():
+                os.rename(entry, tmp / entry.name)
+            model_files.rmdir()
         tokenizer.save_pretrained(tmp)
-        if _is_peft(model):
-            save_merged(model, tmp / MERGED_DIR)
+        if (tmp / MERGED_DIR).is_dir():
             tokenizer.save_pretrained(tmp / MERGED_DIR)
         config_doc = {"step": step, "config": config.model_dump(mode="json"), "metadata": metadata or {}}
         (tmp / CONFIG_NAME).write_text(json.dumps(config_doc, indent=2, sort_keys=True), encoding="utf-8")

@@ -35,7 +35,6 @@ metrics in worker.grpo.global_batch.
 
 from __future__ import annotations
 
-import copy
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -50,6 +49,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from worker.grpo.batch import StepBatch
+from worker.grpo.consolidated import write_consolidated
+from worker.grpo.full_weights import gathered_layer
 from worker.grpo.global_batch import gather_batch
 from worker.grpo.logprobs import completion_logprobs
 from worker.grpo.loss import STEP_TOKEN_LOSSES
@@ -222,7 +223,7 @@ class Parallel:
         self.ddp = ddp  # DistributedDataParallel over the log-prob forward (ddp through the module forward)
         # Token-level losses divide by the global token count; averaging over ranks divides again.
         self.loss_scale = float(ranks.world_size) if loss_type in STEP_TOKEN_LOSSES else 1.0
-        self.skeleton: Any = None  # fsdp: the policy's structure on the meta device (consolidated checkpoints)
+        self.skeleton: Any = None  # fsdp: the policy's structure on the meta device (its configs, for checkpoints)
 
     @classmethod
     def wrap(cls, models: ModelBundle, ranks: Ranks, parallelism: Literal["ddp", "fsdp"], loss_type: str) -> Parallel:
@@ -245,7 +246,7 @@ class Parallel:
             return cls(ranks, "ddp", models, models.policy, loss_type, ddp)
         if not module_forward:
             raise ValueError("fsdp shards through the module forward (the hf backend), not the fused one")
-        skeleton = meta_copy(models.policy)  # before sharding: what the consolidated checkpoint is loaded into
+        skeleton = meta_copy(models.policy)  # before sharding: the config and adapter config checkpoints save
         sharded = ShardedPolicy(models.policy)
         if models.reference is not None:
             models.reference = ShardedPolicy(models.reference)
@@ -400,22 +401,17 @@ class Parallel:
         gathered into trainer_state.pt instead (rank 0's memory then holds all of it while saving)."""
         return self.mode == "fsdp" and self.ranks.one_node
 
-    def consolidated_policy(self) -> Any:
-        """The policy with its full weights, for the consolidated checkpoint (safetensors, `from_pretrained`). With
-        fsdp a collective: the full state is gathered from the shards into rank 0's host memory, one tensor at a
-        time, and loaded into a copy of the policy's structure there (held while saving); the other ranks get
-        None."""
+    def save_consolidated(self, directory: Path) -> Path | None:
+        """fsdp: the whole model written into `directory` from the shards, one decoder layer gathered at a time
+        (worker.grpo.consolidated); a collective, returning `directory` on rank 0 and None on the others. None
+        for other schemes, whose policy is whole (the checkpoint saves it)."""
         if self.mode != "fsdp":
-            return self.models.policy
-        # torch.distributed.checkpoint is slow to import: only fsdp jobs import it, where they need it.
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        full = get_model_state_dict(self.train_model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        if not self.ranks.is_main:
             return None
-        model = copy.deepcopy(self.skeleton)  # on the meta device: no data copied
-        model.load_state_dict(renamed(full, policy_name), assign=True)
-        return model
+        target = directory if self.ranks.is_main else None
+        self.run_policy(
+            lambda: write_consolidated(self.models, self.skeleton, target, gathered=gathered_layer)
+        )  # the root's weights gathered around it
+        return target
 
     def optimizer_state(self) -> dict[str, Any] | None:
         """The optimiser state for trainer_state.pt, or None when it is sharded (saved by `save_sharded`).

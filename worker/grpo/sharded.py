@@ -68,8 +68,8 @@ class ShardedPolicy(torch.nn.Module):
 
 
 def meta_copy(model: Any) -> Any:
-    """`model`'s structure with every parameter and buffer on the meta device (no data): what a full state dict
-    is loaded into (`load_state_dict(assign=True)`) for a consolidated checkpoint. Call it before sharding."""
+    """`model`'s structure with every parameter and buffer on the meta device (no data): what a consolidated
+    checkpoint saves its configs from (the model's, and peft's adapter config). Call it before sharding."""
     memo: dict[int, Any] = {}
     for tensor in [*model.parameters(), *model.buffers()]:
         empty = torch.empty_like(tensor, device="meta")

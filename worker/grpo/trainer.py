@@ -518,7 +518,8 @@ class GRPOTrainer:
         # Sharded state first (every rank writes its shards); rank 0 then writes the checkpoint around it.
         sharded = self.parallel.save_sharded(self.output_dir / f".sharded-{self.step}")
         optimizer_state = self.parallel.optimizer_state()  # gathered from every rank when fsdp spans nodes
-        model = self.parallel.consolidated_policy()  # gathered from every rank's shards with fsdp
+        # fsdp: the whole model written from every rank's shards, a layer at a time; else the policy is saved.
+        model_files = self.parallel.save_consolidated(self.output_dir / f".consolidated-{self.step}")
         self._saved_step = self.step
         if not self.parallel.ranks.is_main:
             return
@@ -533,7 +534,8 @@ class GRPOTrainer:
         path, manifest = save_checkpoint(
             self.output_dir,
             step=self.step,
-            model=model,
+            model=self.models.policy if model_files is None else None,
+            model_files=model_files,
             tokenizer=self.models.tokenizer,
             config=self.config,
             trainer_state=state,

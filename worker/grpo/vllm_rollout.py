@@ -38,21 +38,17 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
 import torch
-from peft.tuners.lora import LoraLayer
-from torch import Tensor
 
 from contract.config import GRPOConfig
 from worker.grpo.checkpoint import capture_rng_state, restore_rng_state
 from worker.grpo.concurrency import SideThread
 from worker.grpo.distributed import Parallel, Ranks
+from worker.grpo.full_weights import base_model, gathered_layer, policy_weights
 from worker.grpo.modeling import ModelBundle
-from worker.grpo.module_options import decoder_layers
 from worker.grpo.rollout import Rollout, completion_mask_after_eos, eos_token_ids, tokenize_prompts
 
 # The field a job names when it asks for vLLM, for errors about a worker that lacks it.
@@ -90,7 +86,7 @@ class VLLMRollout:
         self.config = config
         self.parallel = parallel or Parallel.wrap(models, Ranks(), "ddp", config.loss_type)
         self.device = models.policy.device
-        self.eos_ids = eos_token_ids(_base_model(models), models.tokenizer)
+        self.eos_ids = eos_token_ids(base_model(models), models.tokenizer)
         self.pad_id = int(models.tokenizer.pad_token_id)
         self.sleep_mode = config.vllm_enable_sleep_mode and self.device.type == "cuda"
         self._asleep = False
@@ -105,7 +101,7 @@ class VLLMRollout:
     def _write_model_files(self, model_dir: Path) -> None:
         """What vLLM builds the model from besides its weights: config, generation config, tokenizer."""
         model_dir.mkdir(parents=True, exist_ok=True)
-        base = _base_model(self.models)
+        base = base_model(self.models)
         base.config.save_pretrained(model_dir)
         if base.generation_config is not None:
             base.generation_config.save_pretrained(model_dir)
@@ -158,11 +154,11 @@ class VLLMRollout:
         if config.max_prompt_length is None:
             return None  # the model's own
         needed = config.max_prompt_length + config.max_completion_length
-        return min(needed, int(_base_model(self.models).config.max_position_embeddings))
+        return min(needed, int(base_model(self.models).config.max_position_embeddings))
 
     def _cpu_kv_cache_bytes(self) -> int:
         """Room for the whole step's batch at full length, within [64 MiB, 4 GiB]."""
-        model_config = _base_model(self.models).config
+        model_config = base_model(self.models).config
         heads = model_config.num_key_value_heads or model_config.num_attention_heads
         head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // model_config.num_attention_heads
         element = torch.finfo(next(self.models.policy.parameters()).dtype).bits // 8
@@ -244,7 +240,7 @@ class VLLMRollout:
         rank gathers the same layers in the same order."""
         if self._asleep:
             self.llm.wake_up(tags=["weights"])
-        gathered = _gathered_layer if self.parallel.forwards_together else None
+        gathered = gathered_layer if self.parallel.forwards_together else None
 
         def reload() -> None:
             weights = policy_weights(self.models, gathered=gathered)
@@ -257,61 +253,3 @@ class VLLMRollout:
     def close(self) -> None:
         """Stop the engine's core (its KV cache and weights are freed with the LLM object)."""
         self.llm.llm_engine.engine_core.shutdown()
-
-
-def _base_model(models: ModelBundle) -> Any:
-    """The transformers model under a peft wrapper (or the policy itself)."""
-    return models.policy.get_base_model() if models.is_lora else models.policy
-
-
-Gathering = Callable[[torch.nn.Module], AbstractContextManager[Any]]
-
-
-@contextmanager
-def _gathered_layer(layer: torch.nn.Module) -> Iterator[None]:
-    """An FSDP unit's full parameters, in place, for the duration (fsdp: each decoder layer is one)."""
-    layer.unshard()  # type: ignore[operator]  # FSDPModule's, mixed in by fully_shard
-    try:
-        yield
-    finally:
-        layer.reshard()  # type: ignore[operator]
-
-
-@torch.no_grad()
-def policy_weights(models: ModelBundle, *, gathered: Gathering | None = None) -> Iterator[tuple[str, Tensor]]:
-    """The policy's weights under the base model's names, LoRA adapters merged (the policy keeps them
-    separate): W + scale x B A for every adapted layer. One decoder layer at a time, then what no layer
-    holds (embeddings, final norm, head), each inside `gathered(layer)` (fsdp: the layer's shards gathered
-    for it, then freed). A head tied to the embedding comes under both names, as in a state dict."""
-    base = _base_model(models)
-    adapter = models.policy.active_adapter if models.is_lora else None
-    layers = decoder_layers(base)
-    names = {id(module): name for name, module in base.named_modules()}
-    for layer in layers:
-        with (gathered or nullcontext)(layer):
-            yield from _merged(layer, names[id(layer)], adapter, skip=set()).items()
-    yield from _merged(base, "", adapter, skip={id(layer) for layer in layers}).items()
-
-
-def _merged(scope: torch.nn.Module, prefix: str, adapter: str | None, skip: set[int]) -> dict[str, Tensor]:
-    """The parameters of `scope` (named from `prefix`) outside the modules in `skip`, adapters merged in."""
-    weights: dict[str, Tensor] = {}
-    deltas: dict[str, Tensor] = {}
-    for name, module in _modules_outside(scope, prefix, skip):
-        for leaf, tensor in module.named_parameters(recurse=False):
-            full = f"{name}.{leaf}" if name else leaf
-            if ".lora_" not in full:  # adapter tensors: merged below, never pushed
-                weights[full.replace(".base_layer.", ".")] = tensor.detach()
-        if adapter is not None and isinstance(module, LoraLayer) and adapter in module.lora_A:
-            deltas[f"{name}.weight"] = module.get_delta_weight(adapter)  # type: ignore[operator]  # on every layer kind
-    for key, delta in deltas.items():
-        weights[key] = weights[key] + delta.to(weights[key].dtype)
-    return weights
-
-
-def _modules_outside(module: torch.nn.Module, prefix: str, skip: set[int]) -> Iterator[tuple[str, torch.nn.Module]]:
-    """`module` and its submodules (with their names), not descending into those in `skip`."""
-    yield prefix, module
-    for name, child in module.named_children():
-        if id(child) not in skip:
-            yield from _modules_outside(child, f"{prefix}.{name}" if prefix else name, skip)
