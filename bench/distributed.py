@@ -1,8 +1,8 @@
 """Step time of one GRPO job on 1 process vs 2 ranks (DDP, FSDP) on CPU, gloo, one thread per process; with
-`--memory`, each rank's peak RSS under FSDP against one process's.
+`--memory`, each rank's peak RSS under DDP and FSDP against one process's.
 
     python bench/distributed.py [--model builtin:small] [--steps 6] [--rounds 3] [--json out.json]
-    python bench/distributed.py --memory [--model builtin:smollm2-135m-instruct] [--steps 3] [--rounds 2]
+    python bench/distributed.py --memory [--lora] [--model builtin:smollm2-135m-instruct] [--steps 3] [--rounds 2]
 
 Each case is `grpo train` (worker.grpo.local) in a child process: one process with one intra-op thread,
 or two ranks launched by worker.grpo.launch (one thread each). Cases alternate round by round so that
@@ -11,11 +11,13 @@ median step time (time/step_s, the first step left out: it warms caches up). On 
 cannot be much faster than one process: the figures measure the overhead of the collectives, the
 gathered metrics and FSDP's gathers of each layer's weights. See bench/README.md.
 
-`--memory`: full fine-tuning in fp32 with AdamW and beta 0 (no reference model), as one process and as 2 FSDP
-ranks, each process wrapped by bench/peak_rss.py, which records its own peak RSS (the high-water mark of the
-whole run: loading, every step, the final checkpoint). Cases alternate round by round; a figure is the median
-over rounds. Printed beside: the weights W (from the saved checkpoint, fp32), and the theoretical
-(W + G + O) / N with G = W and O = 2W (AdamW's two moments).
+`--memory`: full fine-tuning (or with `--lora`, LoRA r 16 on every linear layer of the decoder) in fp32 with
+AdamW and beta 0 (no reference model), as one process, as 2 DDP ranks and as 2 FSDP ranks, each process wrapped
+by bench/peak_rss.py, which records its own peak RSS (the high-water mark of the whole run: loading, every step,
+the final checkpoint). Cases alternate round by round; a figure is the median over rounds. Printed beside: the
+weights W (from the saved checkpoint, fp32), the trainable part T (W, or the adapters), and the theoretical
+weights + gradients + AdamW state per rank: W - T + 4T (G = T, O = 2T) on one process and under DDP, divided by
+N under FSDP.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ import yaml
 
 REPO = Path(__file__).resolve().parent.parent
 CASES = {"1 process": (1, "auto"), "2 ranks ddp": (2, "ddp"), "2 ranks fsdp": (2, "fsdp")}
-MEMORY_CASES = {"1 process": 1, "2 ranks fsdp": 2}
+MEMORY_CASES = {"1 process": (1, "auto"), "2 ranks ddp": (2, "ddp"), "2 ranks fsdp": (2, "fsdp")}
 MIB = 1024 * 1024
 
 
@@ -75,9 +77,9 @@ def run_case(root: Path, name: str, document: dict[str, Any]) -> list[float]:
     return [float(m["time/step_s"]) for m in history[1:]]
 
 
-def memory_spec(model: str, devices: int, steps: int) -> dict[str, Any]:
-    """Full fine-tuning, fp32, AdamW, beta 0: the weights, their gradients and AdamW's state dominate memory."""
-    return {
+def memory_spec(model: str, devices: int, parallelism: str, steps: int, lora: bool) -> dict[str, Any]:
+    """fp32, AdamW, beta 0: the weights, their gradients and AdamW's state dominate memory."""
+    document: dict[str, Any] = {
         "base_model": model,
         "train_dataset": "train.jsonl",
         "resources": {"devices": devices},
@@ -85,14 +87,17 @@ def memory_spec(model: str, devices: int, steps: int) -> dict[str, Any]:
         "hyperparameters": {
             "max_steps": steps, "num_generations": 4, "prompts_per_step": 2, "max_completion_length": 8,
             "learning_rate": 1e-5, "beta": 0.0, "seed": 0, "dtype": "float32",
-            "parallelism": "fsdp" if devices > 1 else "auto", "checkpoint_every": 10_000, "save_total_limit": 1,
+            "parallelism": parallelism, "checkpoint_every": 10_000, "save_total_limit": 1,
         },
     }
+    if lora:
+        document["lora"] = {"r": 16, "alpha": 32}
+    return document
 
 
-def run_memory_case(root: Path, name: str, document: dict[str, Any]) -> tuple[list[float], float, int]:
+def run_memory_case(root: Path, name: str, document: dict[str, Any]) -> tuple[list[float], float, int, int]:
     """Train in child processes wrapped by bench/peak_rss.py; returns every rank's peak RSS (MiB, by rank), the
-    median step time after the first, and the saved model's parameter count."""
+    median step time after the first, and the saved model's and adapter's parameter counts."""
     from safetensors import safe_open
 
     from worker.grpo.launch import launch_command
@@ -115,12 +120,15 @@ def run_memory_case(root: Path, name: str, document: dict[str, Any]) -> tuple[li
     peaks = [json.loads((results / f"rank-{r}.json").read_text())["peak_rss_mib"] for r in range(devices)]
     checkpoint = sorted(output.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))[-1]
     history = torch.load(checkpoint / "trainer_state.pt", weights_only=True)["history"]
-    numel = 0
-    for file in checkpoint.glob("model*.safetensors"):  # one file, or fsdp's shards (one per decoder layer)
-        with safe_open(str(file), "pt") as weights:
-            numel += sum(_numel(weights.get_slice(key).get_shape()) for key in weights.keys())
+    counts = {"model": 0, "adapter": 0}
+    # One file, or fsdp's shards (one per decoder layer); with LoRA the merged model and the adapter.
+    for pattern, kind in (("model*.safetensors", "model"), ("merged/model*.safetensors", "model"),
+                          ("adapter_model.safetensors", "adapter")):
+        for file in checkpoint.glob(pattern):
+            with safe_open(str(file), "pt") as weights:
+                counts[kind] += sum(_numel(weights.get_slice(key).get_shape()) for key in weights.keys())
     subprocess.run(["rm", "-rf", str(output), str(results)], check=True)  # the next round starts fresh
-    return peaks, statistics.median(float(m["time/step_s"]) for m in history[1:]), numel
+    return peaks, statistics.median(float(m["time/step_s"]) for m in history[1:]), counts["model"], counts["adapter"]
 
 
 def _numel(shape: list[int]) -> int:
@@ -133,7 +141,7 @@ def _numel(shape: list[int]) -> int:
 def memory(args: argparse.Namespace) -> None:
     peaks: dict[str, list[list[float]]] = {name: [] for name in MEMORY_CASES}
     steps: dict[str, list[float]] = {name: [] for name in MEMORY_CASES}
-    numel = 0
+    numel = adapter = 0
     with tempfile.TemporaryDirectory(prefix="bench-dist-mem-") as tmp:
         root = Path(tmp)
         (root / "train.jsonl").write_text(
@@ -143,27 +151,33 @@ def memory(args: argparse.Namespace) -> None:
             # Alternate which case runs first, so that drift in the machine's load hits both alike.
             order = list(MEMORY_CASES) if round_index % 2 == 0 else list(reversed(MEMORY_CASES))
             for name in order:
-                case_peaks, step, numel = run_memory_case(root, name, memory_spec(args.model, MEMORY_CASES[name], args.steps))
+                devices, parallelism = MEMORY_CASES[name]
+                document = memory_spec(args.model, devices, parallelism, args.steps, args.lora)
+                case_peaks, step, numel, adapter = run_memory_case(root, name, document)
                 peaks[name].append(case_peaks)
                 steps[name].append(step)
                 print(f"round {round_index + 1}: {name}: peak RSS {', '.join(f'{p:.0f}' for p in case_peaks)} MiB, "
                       f"median step {step:.2f} s", flush=True)
     weights_mib = numel * 4 / MIB  # fp32
+    trainable_mib = adapter * 4 / MIB if args.lora else weights_mib
     base = statistics.median(p[0] for p in peaks["1 process"])
     base_step = statistics.median(steps["1 process"])
-    print(f"\n{args.model}, full fine-tuning, fp32, AdamW, beta 0; W = {numel:,} parameters = {weights_mib:.0f} MiB")
-    print(f"{'case':<14} {'rank':>4} {'peak RSS MiB':>13} {'vs 1 process':>13} {'(W+G+O)/N MiB':>14} {'step s':>8} {'vs 1':>6}")
+    kind = "LoRA r 16" if args.lora else "full fine-tuning"
+    print(f"\n{args.model}, {kind}, fp32, AdamW, beta 0; W = {numel:,} parameters = {weights_mib:.0f} MiB, "
+          f"T = {trainable_mib:.0f} MiB")
+    print(f"{'case':<14} {'rank':>4} {'peak RSS MiB':>13} {'vs 1 process':>13} {'W-T+4T (/N) MiB':>16} {'step s':>8} {'vs 1':>6}")
     figures: dict[str, Any] = {}
-    for name, devices in MEMORY_CASES.items():
+    for name, (devices, parallelism) in MEMORY_CASES.items():
         step = statistics.median(steps[name])
-        theory = 4 * weights_mib / devices
+        theory = (weights_mib + 3 * trainable_mib) / (devices if parallelism == "fsdp" else 1)
         figures[name] = {"step_s": step, "theory_mib": theory, "ranks": []}
         for rank in range(devices):
             peak = statistics.median(p[rank] for p in peaks[name])
             figures[name]["ranks"].append({"peak_rss_mib": peak, "rounds": [p[rank] for p in peaks[name]]})
-            print(f"{name:<14} {rank:>4} {peak:13.0f} {peak / base:12.2f}x {theory:14.0f} {step:8.2f} {step / base_step:5.2f}x")
+            print(f"{name:<14} {rank:>4} {peak:13.0f} {peak / base:12.2f}x {theory:16.0f} {step:8.2f} {step / base_step:5.2f}x")
     if args.json:
-        args.json.write_text(json.dumps({"model": args.model, "weights_mib": weights_mib, "cases": figures}, indent=2))
+        summary = {"model": args.model, "lora": args.lora, "weights_mib": weights_mib, "trainable_mib": trainable_mib}
+        args.json.write_text(json.dumps({**summary, "cases": figures}, indent=2))
 
 
 def main() -> None:
@@ -172,7 +186,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int)
     parser.add_argument("--rounds", type=int)
     parser.add_argument("--lora", action="store_true")
-    parser.add_argument("--memory", action="store_true", help="peak RSS per rank, 1 process vs 2 FSDP ranks")
+    parser.add_argument("--memory", action="store_true", help="peak RSS per rank, 1 process vs 2 DDP / FSDP ranks")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     if args.memory:

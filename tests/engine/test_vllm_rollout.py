@@ -100,11 +100,20 @@ def test_completions_end_at_the_first_stop_token(tmp_path: Path, tiny_model_dir:
 LONG_PROMPT = "user: " + "the quick brown fox jumps over the lazy dog. " * 4 + "\nassistant: "
 
 
-@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
-def test_engine_follows_the_policy_after_an_optimizer_step(tmp_path: Path, tiny_model_dir: Path, lora: bool) -> None:
+# LoRA on every linear layer; and on the embedding too, whose adapter peft keeps apart (lora_embedding_A/B).
+LORA_TARGETS = {
+    "full": None,
+    "lora": "all-linear",
+    "lora-embedding": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "embed_tokens"],
+}
+
+
+@pytest.mark.parametrize("kind", list(LORA_TARGETS))
+def test_engine_follows_the_policy_after_an_optimizer_step(tmp_path: Path, tiny_model_dir: Path, kind: str) -> None:
     overrides: dict[str, Any] = {"use_vllm": True, "max_steps": 1, "learning_rate": 3e-2, "beta": 0.0}
+    lora = LORA_TARGETS[kind] is not None
     if lora:
-        overrides["lora"] = {"r": 4, "alpha": 8}
+        overrides["lora"] = {"r": 4, "alpha": 8, "target_modules": LORA_TARGETS[kind]}
     trainer = GRPOTrainer(
         small_config(**overrides),
         train_rows=word_rows(),
@@ -142,7 +151,7 @@ def test_engine_follows_the_policy_after_an_optimizer_step(tmp_path: Path, tiny_
     keep = sampled.completion_mask.bool()
     sampled_gap = float((sampled_by_policy - sampled.sampler_logps)[keep].abs().max())
     print(
-        f"{'lora' if lora else 'full'}: |engine - policy| before {before_gap:.2e}, after the step {after_gap:.2e}; "
+        f"{kind}: |engine - policy| before {before_gap:.2e}, after the step {after_gap:.2e}; "
         f"engine moved by {moved:.2e}; sampled after the step (cached prompt) {sampled_gap:.2e}; "
         f"sync {result.history[0]['time/weight_sync_s']:.3f} s"
     )

@@ -250,31 +250,12 @@ def _is_peft(model: Any) -> bool:
 
 @torch.no_grad()
 def save_merged(model: Any, directory: Path) -> None:
-    """Save a peft LoRA model as the plain transformers model it computes: each adapted weight
-    becomes W + (its active adapters' deltas). `model` itself is left untouched (merging in place
-    and back would round the base weights)."""
-    from peft.tuners.lora import LoraLayer  # only a LoRA save pays for peft (see _is_peft)
+    """Save a peft LoRA model as the plain transformers model it computes (W + its adapter's delta for each
+    adapted weight). `model` itself is left untouched (merging in place and back would round the base weights)."""
+    # peft (through full_weights) imports transformers: only a LoRA save pays for it (see _is_peft).
+    from worker.grpo.full_weights import merged_weights
 
-    inner = model.get_base_model()
-    # Every LoRA layer type (linear, embedding, ...) gives its delta in its base weight's shape.
-    deltas = {
-        f"{name}.weight": sum(
-            cast(Any, module).get_delta_weight(a)
-            for a in module.active_adapters
-            if a in module.lora_A or a in module.lora_embedding_A
-        )
-        for name, module in inner.named_modules()
-        if isinstance(module, LoraLayer) and not module.merged
-    }
-    # Wrapped layers keep their original weight under `base_layer`; adapter tensors are dropped.
-    state = {
-        key.replace(".base_layer.", "."): tensor
-        for key, tensor in inner.state_dict().items()
-        if ".lora_" not in key
-    }
-    for key, delta in deltas.items():
-        state[key] = (state[key] + delta).to(state[key].dtype)
-    inner.save_pretrained(directory, state_dict=state, safe_serialization=True)
+    model.get_base_model().save_pretrained(directory, state_dict=merged_weights(model), safe_serialization=True)
 
 
 def _fsync_tree(directory: Path) -> None:

@@ -73,6 +73,12 @@ def policy_weights(models: ModelBundle, *, gathered: Gathering | None = None) ->
         yield from unit.merged.items()
 
 
+def merged_weights(model: Any) -> dict[str, Tensor]:
+    """A whole (unsharded) peft LoRA model's weights as the plain model it computes holds them: each adapted
+    weight is W + its active adapter's delta, under the base model's names; `model` is left untouched."""
+    return _unit(model.get_base_model(), "", model.active_adapter, skip=set()).merged
+
+
 def _unit(scope: torch.nn.Module, prefix: str, adapter: str | None, skip: set[int]) -> UnitWeights:
     """The parameters of `scope` (named from `prefix`) outside the modules in `skip`."""
     merged: dict[str, Tensor] = {}
@@ -85,11 +91,17 @@ def _unit(scope: torch.nn.Module, prefix: str, adapter: str | None, skip: set[in
                 adapters[full] = tensor.detach()
             else:
                 merged[full.replace(".base_layer.", ".")] = tensor.detach()
-        if adapter is not None and isinstance(module, LoraLayer) and adapter in module.lora_A:
+        if adapter is not None and isinstance(module, LoraLayer) and _adapts(module, adapter):
             deltas[f"{name}.weight"] = module.get_delta_weight(adapter)  # type: ignore[operator]  # on every layer kind
     for key, delta in deltas.items():
         merged[key] = merged[key] + delta.to(merged[key].dtype)
     return UnitWeights(merged, adapters)
+
+
+def _adapts(module: LoraLayer, adapter: str) -> bool:
+    """Whether `adapter` adapts this layer: linear and convolution layers keep it in lora_A, embeddings in
+    lora_embedding_A."""
+    return adapter in module.lora_A or adapter in module.lora_embedding_A
 
 
 def _modules_outside(module: torch.nn.Module, prefix: str, skip: set[int]) -> Iterator[tuple[str, torch.nn.Module]]:
