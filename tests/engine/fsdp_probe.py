@@ -1,7 +1,8 @@
 """One rank of an fsdp job that watches its own memory (tests/engine/test_fsdp_sharding.py): `grpo train`'s
 trainer, with hooks on the policy's decoder layers that count the layers whose weights are gathered whenever
 one runs a forward (generation, log-probs with and without gradient, reference, evaluation), and a count of the
-live tensors anywhere in the process that have a decoder weight's full shape and hold data.
+live tensors anywhere in the process that have a decoder weight's full shape and hold data (between steps, in a
+training forward, and on rank 0 before each file of a consolidated checkpoint is written).
 
     python -m worker.grpo.launch ... -m tests.engine.fsdp_probe CONFIG OUTPUT RESULT_DIR
 
@@ -18,6 +19,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
+from worker.grpo import consolidated
 from worker.grpo.distributed import init_from_env, shutdown
 from worker.grpo.local import load_local_job, model_cache_dir
 from worker.grpo.module_options import decoder_layers
@@ -42,7 +44,7 @@ def full_weight_copies(shape: torch.Size) -> int:
 def main(config: Path, output: Path, results: Path) -> None:
     ranks = init_from_env()
     job = load_local_job(config, output)
-    found: dict[str, Any] = {"forwards": 0, "most_gathered": 0, "most_copies": 0, "checks": 0}
+    found: dict[str, Any] = {"forwards": 0, "most_gathered": 0, "most_copies": 0, "checks": 0, "saving_checks": 0}
     trainer = GRPOTrainer(
         job.spec.hyperparameters, base_model=job.spec.base_model, train_rows=job.train_rows,
         eval_rows=job.eval_rows, reward=build_reward_sources(job.spec.rewards), output_dir=job.output_dir,
@@ -65,6 +67,14 @@ def main(config: Path, output: Path, results: Path) -> None:
 
     for layer in layers:
         layer.register_forward_pre_hook(before_forward)
+    write_shard = consolidated.save_file
+
+    def checked_write(*args: Any, **kwargs: Any) -> None:  # rank 0 writing the consolidated checkpoint
+        found["saving_checks"] += 1
+        check_copies()
+        write_shard(*args, **kwargs)
+
+    consolidated.save_file = checked_write
     trainer.on_metrics = lambda step, metrics, samples: check_copies()  # between steps (and after evaluations)
     trainer.train()
     check_copies()

@@ -1,7 +1,8 @@
 """Under fsdp no rank ever holds the policy's weights whole: on 2 ranks (gloo, CPU) over a 6-layer model, with a
-reference model (beta > 0) and an evaluation, every forward of a decoder layer finds at most two layers
-gathered (the one running, and the next that FSDP prefetches), and no full copy of the decoder's weights lives
-anywhere in a rank's process (tests/engine/fsdp_probe.py watches from inside each rank)."""
+reference model (beta > 0), an evaluation and a checkpoint after each step, every forward of a decoder layer finds
+at most two layers gathered (the one running, and the next that FSDP prefetches), and no full copy of the
+decoder's weights lives anywhere in a rank's process, while training or while writing a consolidated checkpoint
+(tests/engine/fsdp_probe.py watches from inside each rank)."""
 
 from __future__ import annotations
 
@@ -48,3 +49,5 @@ def test_no_rank_holds_the_whole_policy_outside_one_layers_gather(tmp_path: Path
         assert 1 <= found["most_gathered"] <= 2
         assert found["checks"] >= 4
         assert found["most_copies"] < LAYERS  # a full copy of the decoder would hold LAYERS of them at least
+        if rank == 0:  # it writes the checkpoints (after each step), one shard per unit
+            assert found["saving_checks"] == 2 * (LAYERS + 1)
