@@ -11,7 +11,8 @@ The message only wakes a worker; the job row is the truth (service/execution/lea
 - `worker_max_tasks_per_child=1` with the prefork pool: every job runs in a fresh child forked from a
   parent that never imports torch, so CUDA is never initialised in a process that forks, and a job's GPU
   memory is returned to the driver when its child exits. (`--pool solo` runs jobs in the main process:
-  no fork at all; useful for debugging.)
+  no fork at all; useful for debugging.) On CPU-only workers `worker_preload_engine` imports the engine in
+  the parent instead, before any child is forked, so that jobs start without importing it each.
 - Task arguments are `[job_id]` only; results are ignored (progress is written to the database).
 - Queues `gpu` and `cpu`, and `gpu-N` / `cpu-N` for jobs needing N devices; a worker consumes the ones it
   is started with (`grpo worker --queues --devices`).
@@ -30,6 +31,7 @@ from __future__ import annotations
 from typing import Any
 
 from celery import Celery
+from celery.signals import worker_init
 from kombu import Queue
 
 from service.execution.runtime import Settings, get_settings, prepare_worker_process, queues_for_devices
@@ -73,6 +75,14 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         config["broker_url"] = settings.broker_url
         config["broker_transport_options"] = {"visibility_timeout": settings.broker_visibility_timeout}
     return config
+
+
+@worker_init.connect
+def preload_engine(**_: Any) -> None:
+    """In the worker's parent, before its pool forks: the engine imported once (settings.worker_preload_engine)."""
+    if get_settings().worker_preload_engine:
+        # Opt-in, for CPU-only workers (see the setting): every other parent must stay free of torch.
+        import worker.grpo.trainer  # noqa: F401
 
 
 def create_celery_app(settings: Settings | None = None) -> Celery:

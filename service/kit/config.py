@@ -63,6 +63,13 @@ class Settings(BaseSettings):
         description="Devices this worker has (GPUs, or CPU ranks): `grpo worker` consumes the queues of jobs needing "
         "1 to this many devices (service.kit.queue).",
     )
+    worker_preload_engine: bool = Field(
+        False,
+        description="CPU-only workers: import the training engine (torch, transformers, peft) once in the worker's "
+        "parent process, so that each job's freshly forked child starts with it instead of importing it (seconds of "
+        "CPU per job). Leave it off on GPU workers: their parent stays free of torch, so no forking process ever "
+        "holds CUDA state.",
+    )
     collective_timeout_seconds: float = Field(
         600.0, gt=0,
         description="Multi-device jobs: how long a rank waits in a collective for the others before the attempt "

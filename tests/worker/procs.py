@@ -189,13 +189,15 @@ class Stack:
         except httpx.HTTPError:
             return False
 
-    def start_worker(self, *, ready_timeout: float = 90, devices: int = 1) -> Proc:
+    def start_worker(self, *, ready_timeout: float = 90, devices: int = 1, preload_engine: bool = True) -> Proc:
+        """A `grpo worker`; by default with the engine preloaded in its parent (these are CPU-only workers): each
+        job's child then starts without importing torch and transformers again."""
         self._worker_count += 1
         name = f"worker{self._worker_count}"
         proc = spawn(
             name,
             [*GRPO, "worker", "--queues", "gpu,cpu", "--devices", str(devices), "--hostname", f"{name}@%h"],
-            self.env,
+            {**self.env, "GRPO_WORKER_PRELOAD_ENGINE": "true" if preload_engine else "false"},
             self.data_dir,
         )
         self.procs.append(proc)

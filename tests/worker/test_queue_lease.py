@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict
 from datetime import timedelta
 
@@ -237,6 +238,18 @@ def test_worker_parent_and_api_never_import_torch() -> None:
     code = "import sys, worker.tasks, cli, service.app, service.execution.reaper; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize(("preload", "loaded"), [("false", False), ("true", True)])
+def test_the_worker_parent_imports_the_engine_only_when_told_to(preload: str, loaded: bool) -> None:
+    """GRPO_WORKER_PRELOAD_ENGINE (CPU-only workers): the parent imports the engine before its pool forks."""
+    import subprocess
+    import sys
+
+    code = "import sys; from worker.celery_app import preload_engine; preload_engine(); print('torch' in sys.modules)"
+    env = {**os.environ, "GRPO_WORKER_PRELOAD_ENGINE": preload}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
+    assert out.stdout.strip() == str(loaded)
 
 
 def test_worker_process_knows_every_table() -> None:

@@ -21,7 +21,7 @@ def stack(_postgres_database: str, redis_base_url: str) -> Iterator[Stack]:
     stack = Stack(database_url=_postgres_database, broker_url=broker, data_dir=private_tmp("grpo-usage-"))
     try:
         stack.start_api()
-        stack.start_worker()
+        stack.start_worker(preload_engine=False)  # the default: each job's child imports the engine itself
         yield stack
     finally:
         stack.stop_all()
