@@ -1,8 +1,8 @@
 """Evaluations end to end through real processes: API (`grpo serve --no-worker`) -> Redis -> `grpo worker` ->
 the engine's evaluator -> PostgreSQL. The results are checked against a direct computation from the items'
-completions and the dataset's answers; a comparison of the warm model with the untrained one excludes 0, and of
-one checkpoint with itself includes it; a worker SIGKILLed mid-evaluation leaves a next attempt that continues
-after the last recorded batch, every item once.
+completions and the dataset's answers; a comparison of `builtin:tiny-instruct` with a checkpoint GRPO trained from
+it on the demo's task excludes 0, and of one checkpoint with itself includes it; a worker SIGKILLed mid-evaluation
+leaves a next attempt that continues after the last recorded batch, every item once.
 """
 
 from __future__ import annotations
@@ -12,14 +12,17 @@ from typing import Any
 
 import pytest
 
+from cli.demo import DEMO_TASK, demo_hyperparameters
 from service.evaluations.stats import pass_at_k
 from tests.worker.conftest import PROMPTS, tiny_spec
 from tests.worker.procs import ApiClient, Stack, fresh_redis_database, private_tmp, wait_for
-from worker.grpo.synthetic import held_out_items
+from worker.grpo.synthetic import held_out_items, split
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres, pytest.mark.redis]
 
-HELD_OUT = [item.row() for item in held_out_items("larger")]
+HELD_OUT = [item.row() for item in held_out_items(DEMO_TASK)]
+TRAIN = [item.row() for item in split(DEMO_TASK)[0]]
+TRAIN_STEPS = 60  # the demo trains 120; half already moves held-out accuracy far beyond noise
 
 
 @pytest.fixture(scope="module")
@@ -67,20 +70,24 @@ def compare(api: ApiClient, a: str, b: str) -> dict[str, Any]:
 
 
 class TestEvaluations:
-    def test_results_match_a_direct_computation_and_the_warm_model_beats_the_untrained_one(
-        self, stack: Stack
-    ) -> None:
+    def test_results_match_a_direct_computation_and_a_trained_checkpoint_beats_its_base(self, stack: Stack) -> None:
         api = stack.make_client()
         worker = stack.start_worker()
         try:
+            hyper = {k: v for k, v in demo_hyperparameters(TRAIN_STEPS).items() if not k.startswith(("eval", "log"))}
+            job = api.submit({
+                "base_model": "builtin:tiny-instruct", "train_dataset": api.upload_dataset(TRAIN),
+                "rewards": [{"type": "builtin", "name": "exact_match"}], "hyperparameters": hyper,
+            })
+            api.wait_status(job, {"succeeded"}, timeout=600)
             dataset = api.upload_dataset(HELD_OUT)
-            warm = evaluate(api, dataset, "builtin:tiny-instruct", samples_per_item=4, seed=3)
-            untrained = evaluate(api, dataset, "builtin:tiny", samples_per_item=4, seed=3)
-            warm_body, untrained_body = finished(api, warm, stack), finished(api, untrained, stack)
+            trained = evaluate(api, dataset, f"checkpoint:{api.checkpoints(job)[-1]['id']}", samples_per_item=4, seed=3)
+            base = evaluate(api, dataset, "builtin:tiny-instruct", samples_per_item=4, seed=3)
+            trained_body, base_body = finished(api, trained, stack), finished(api, base, stack)
         finally:
             worker.stop()
-        results = warm_body["results"]
-        scored = items(api, warm)
+        results = trained_body["results"]
+        scored = items(api, trained)
         assert [i["index"] for i in scored] == list(range(len(HELD_OUT)))
         # Exact match recomputed here from the stored completions and the dataset's answers.
         correct = [sum(c.strip() == row["answer"] for c in item["completions"]) for item, row in
@@ -90,10 +97,11 @@ class TestEvaluations:
         assert results["accuracy"] == pytest.approx(sum(correct) / (4 * len(HELD_OUT)))
         assert results["pass_at_k"] == pytest.approx(sum(pass_at_k(4, c, 4) for c in correct) / len(HELD_OUT))
         assert 0 < results["accuracy"] < 1 and results["tokens_generated"] > 0
-        comparison = compare(api, untrained, warm)
+        comparison = compare(api, base, trained)
+        print(f"base {base_body['results']['accuracy']:.2f} -> checkpoint {results['accuracy']:.2f}: {comparison}")
         assert comparison["interval"]["low"] > 0, comparison
         assert comparison["test"] == "paired_permutation" and comparison["p_value"] < 0.01
-        assert untrained_body["results"]["accuracy"] < results["accuracy"]
+        assert base_body["results"]["accuracy"] < results["accuracy"]
 
     def test_one_checkpoint_against_itself_includes_zero(self, stack: Stack) -> None:
         api = stack.make_client()
