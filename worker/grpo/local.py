@@ -150,10 +150,6 @@ class _StopFlag:
 
 def run_local(config_path: Path, output_dir: Path | None) -> int:
     """Train the job described by `config_path`; returns the process exit code."""
-    # worker.grpo.distributed imports transformers (seconds): bad input fails first, and the parent of a
-    # multi-device run launches its ranks without it.
-    from worker.grpo.distributed import Ranks
-
     in_launched_rank = "WORLD_SIZE" in os.environ
     rank = int(os.environ.get("RANK", "0"))
     console = Console(quiet=rank != 0)
@@ -168,11 +164,11 @@ def run_local(config_path: Path, output_dir: Path | None) -> int:
             console.print("[bold red]error:[/bold red] grpo train runs on one machine: set resources.nodes to 1")
             return EXIT_BAD_INPUT
         return _launch_ranks(config_path, job.output_dir, devices)
-    ranks = Ranks()
-    if in_launched_rank:
-        from worker.grpo.distributed import init_from_env  # imported here, as Ranks above
+    # worker.grpo.distributed imports transformers (seconds): bad input fails first, and the parent of a
+    # multi-device run launches its ranks without it.
+    from worker.grpo.distributed import Ranks, init_from_env
 
-        ranks = init_from_env()
+    ranks = init_from_env() if in_launched_rank else Ranks()
     try:
         return _train(job, console, ranks)
     except (CheckpointCorrupt, LocalJobError) as exc:
@@ -183,7 +179,7 @@ def run_local(config_path: Path, output_dir: Path | None) -> int:
         return EXIT_FAILED
     finally:
         if in_launched_rank:
-            from worker.grpo.distributed import shutdown  # imported here, as Ranks above
+            from worker.grpo.distributed import shutdown  # imported here, as Ranks above (transformers)
 
             shutdown()
 
