@@ -20,7 +20,9 @@ Every rank runs the same GRPOTrainer loop in lockstep. What differs from one pro
   log-probs with and without gradient, evaluation and the reference model (sharded the same way; LoRA's is
   the policy with its adapters off) all run through the sharded module, so every forward is a collective:
   every rank runs the same forwards in the same order (decoding continues until every rank's rows are
-  finished, evaluation generates on every rank). The consolidated checkpoint is gathered from the shards;
+  finished, evaluation generates on every rank). The consolidated checkpoint is written from the shards a
+  decoder layer at a time (worker.grpo.consolidated); with use_vllm each rank generates with an engine of its
+  own, fed the same way after every step (worker.grpo.vllm_rollout);
 - metrics: the step's batch is gathered so that the reported metrics are those of the global batch;
   rank 0's metrics dict is broadcast so every rank takes the same health decisions;
 - control: only rank 0 talks to the outside world (hooks, scoring the evaluation); its stop decision is
