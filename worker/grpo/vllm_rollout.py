@@ -251,5 +251,8 @@ class VLLMRollout:
         self.llm.reset_prefix_cache()
 
     def close(self) -> None:
-        """Stop the engine's core (its KV cache and weights are freed with the LLM object)."""
-        self.llm.llm_engine.engine_core.shutdown()
+        """Stop the engine's core (its KV cache and weights are freed with the LLM object). Not on several
+        devices: vLLM's shutdown tears down the distributed environment, there the job's own process group,
+        which the rank still needs (its final checkpoint is a collective); the rank's exit frees the engine."""
+        if not self.parallel.ranks.distributed:
+            self.llm.llm_engine.engine_core.shutdown()
