@@ -49,12 +49,12 @@ from worker.grpo.batch import (
 from worker.grpo.checkpoint import capture_rng_state, load_checkpoint, restore_rng_state, save_checkpoint
 from worker.grpo.data import PromptRow, PromptSampler
 from worker.grpo.distributed import SHARDED_DIR, Parallel, Ranks, group_seeds, main_first, share
-from worker.grpo.evaluation import greedy_metrics, pass_at_k
 from worker.grpo.health import Finding, HealthGuard, dominated_fraction
+from worker.grpo.held_out import HeldOutEvaluation
 from worker.grpo.loss import AdaptiveEntropy, LossSettings, grpo_loss
-from worker.grpo.modeling import ModelBundle, build_model_bundle, greedy_generate, seed_everything
+from worker.grpo.modeling import ModelBundle, build_model_bundle, seed_everything
 from worker.grpo.rewards import CompositeReward, RewardResult
-from worker.grpo.rollout import generate_rollout, render_prompt
+from worker.grpo.rollout import render_prompt
 from worker.grpo.sampling_correction import SamplingCorrection
 
 MetricsHook = Callable[[int, dict[str, float], list[dict[str, Any]]], None]
@@ -151,6 +151,7 @@ class GRPOTrainer:
             self._restore(checkpoint.trainer_state, checkpoint.path)
         # After the restore: its generation engine starts from the weights just loaded. Entered by train().
         self.backend = backend_for(self.models, self.parallel, config, self.loss_settings, self.output_dir)
+        self.held_out = HeldOutEvaluation(config, self.models, self.parallel, reward, self.backend.score)
 
     # --- the loop ----------------------------------------------------------------------------
 
@@ -460,59 +461,7 @@ class GRPOTrainer:
                 self.unhealthy = finding
 
     def _evaluate(self, step: int) -> dict[str, float]:
-        """The eval set, and the retain set (skills to keep) under eval/retain/; the same metrics on every rank.
-        Rank 0 alone scores (it talks to the reward endpoints). It alone generates too, unless the policy's
-        forwards are collectives (fsdp): then every rank generates the same completions and joins each forward."""
-        if not self.parallel.forwards_together:
-            return self.parallel.on_main(lambda: self._evaluate_sets(step, lambda compute: compute()))
-        return self._evaluate_sets(step, self.parallel.on_main)
-
-    def _evaluate_sets(self, step: int, scored: Callable[[Callable[[], dict[str, float]]], dict[str, float]]) -> dict[str, float]:
-        metrics = self._evaluate_rows(self.eval_rows, "eval/", step, scored)
-        if self.retain_rows:
-            metrics.update(self._evaluate_rows(self.retain_rows, "eval/retain/", step, scored))
-        return metrics
-
-    def _evaluate_rows(
-        self,
-        all_rows: list[PromptRow],
-        prefix: str,
-        step: int,
-        scored: Callable[[Callable[[], dict[str, float]]], dict[str, float]],
-    ) -> dict[str, float]:
-        """The first eval_samples prompts: one greedy completion each (mean reward, accuracy) and
-        G sampled ones (pass@G); see worker.grpo.evaluation for the names. `scored(compute)`: the metrics
-        `compute` scores (on rank 0, its result on every rank, when every rank generates)."""
-        rows = all_rows[: self.config.eval_samples]
-        prompts = [render_prompt(self.models.tokenizer, row.prompt) for row in rows]
-        synced = self.parallel.forwards_together
-        rollout = self.parallel.run_policy(
-            lambda: greedy_generate(self.models.policy, self.models.tokenizer, prompts, self.config, synced=synced)
-        )
-
-        def greedy() -> dict[str, float]:
-            result = self.backend.score(self.reward.score(reward_inputs(rollout, rows, prompts), step=step)).result()
-            metrics = greedy_metrics(result.total, prefix)
-            metrics.update({f"{prefix}{name}": value for name, value in result.metrics.items()})
-            return metrics
-
-        metrics = scored(greedy)
-        if f"{prefix}accuracy" in metrics:  # binary reward: how often can the model answer at all?
-            seed = (self.config.seed * 1_000_003 + step * 101 + 97) % (2**63)
-            sampled = self.parallel.run_policy(
-                lambda: generate_rollout(
-                    self.models.policy, self.models.tokenizer, prompts, self.config, generator_seed=seed,
-                    fast=self.models.fast, lockstep=self.parallel.lockstep,
-                )
-            )
-
-            def at_k() -> dict[str, float]:
-                items = reward_inputs(sampled, rows, prompts)
-                total = self.backend.score(self.reward.score(items, step=step)).result().total
-                return pass_at_k(total, sampled.group_size, prefix)
-
-            metrics.update(scored(at_k))
-        return metrics
+        return self.held_out(step, self.eval_rows, self.retain_rows)
 
     def _save(self) -> None:
         # Sharded state first (every rank writes its shards); rank 0 then writes the checkpoint around it.
