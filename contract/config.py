@@ -258,6 +258,41 @@ class GRPOConfig(BaseModel):
         3.0, gt=0, description="Upper bound C_max of the importance-sampling ratio; None = no upper bound."
     )
 
+    # --- asynchronous generation (worker.grpo.async_rollout) -----------------------------------
+    async_generation: bool = Field(
+        False,
+        description="Generate and score the next steps' batches while this step trains (TRL's AsyncGRPOTrainer): "
+        "a producer samples from its own copy of the weights (or the vLLM engine), pushed every "
+        "weight_sync_steps; stale samples are corrected by importance sampling (vllm_importance_sampling_*).",
+    )
+    max_staleness: int = Field(
+        4,
+        ge=0,
+        le=64,
+        description="Async: a batch sampled by policy version v (v optimiser steps applied) trains at step t only "
+        "if (t - 1) - v <= max_staleness; generation is held back so that none is older. 0 = synchronous.",
+    )
+    max_inflight_tasks: int | None = Field(
+        None,
+        ge=1,
+        le=INT32_MAX,
+        description="Async: completions generated ahead of the trainer (being scored or queued) at most; whole "
+        "steps' batches. None = max_staleness x prompts_per_step x num_generations (TRL's default), at least "
+        "one step's.",
+    )
+    weight_sync_steps: int = Field(
+        1, ge=1, le=64, description="Async: push the policy's weights to the sampler every N optimiser steps."
+    )
+    sync_check_every: int | None = Field(
+        10,
+        ge=1,
+        le=INT32_MAX,
+        description="Every N steps, right after a weight push, compare the sampler's log-probs of a few trained "
+        "sequences with the policy's (metric sync/logprob_gap; health finding stale_sampler above "
+        "health.sync_logprob_gap_max). Runs where another engine samples (vLLM, async); None = never.",
+    )
+    sync_check_samples: int = Field(4, ge=1, le=256, description="Sequences the weight-sync check compares.")
+
     # --- model ---------------------------------------------------------------------------------
     lora: LoraConfig | None = Field(None, description="LoRA adapters; None = full fine-tuning.")
     gradient_checkpointing: bool = Field(False, description="Trade compute for activation memory.")
@@ -324,6 +359,7 @@ class GRPOConfig(BaseModel):
             raise ValueError("beam generation ignores top_p; leave it at 1.0")
         self._check_objective()
         self._check_vllm()
+        self._check_async()
         return self
 
     def _check_objective(self) -> None:
@@ -374,6 +410,31 @@ class GRPOConfig(BaseModel):
                     f"vllm_max_model_length ({self.vllm_max_model_length}) must hold max_prompt_length + "
                     f"max_completion_length ({needed})"
                 )
+
+    def _check_async(self) -> None:
+        """Async options the producer could not honour."""
+        if not self.async_generation:
+            return
+        if self.weight_sync_steps > self.max_staleness + 1:
+            raise ValueError(
+                f"weight_sync_steps ({self.weight_sync_steps}) must be <= max_staleness + 1 "
+                f"({self.max_staleness + 1}): the sampler would never hold weights fresh enough for the next step"
+            )
+        if self.max_inflight_tasks is not None and self.max_inflight_tasks < self.completions_per_step:
+            raise ValueError(
+                f"max_inflight_tasks ({self.max_inflight_tasks}) must hold one step's completions "
+                f"(prompts_per_step x num_generations = {self.completions_per_step})"
+            )
+        if self.dynamic_sampling:
+            raise ValueError("dynamic_sampling refills a step from the current policy: not with async_generation")
+        if self.generation != "sample":
+            raise ValueError("async_generation samples completions: generation must be 'sample'")
+
+    @property
+    def steps_ahead(self) -> int:
+        """Async: whole steps' batches the producer may hold generated but not yet trained (>= 1)."""
+        tasks = self.max_inflight_tasks or max(1, self.max_staleness) * self.completions_per_step
+        return max(1, tasks // self.completions_per_step)
 
     @property
     def clip_high(self) -> float:

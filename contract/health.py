@@ -24,3 +24,5 @@ class HealthConfig(BaseModel):
                                   "between two evaluations that together fire reward_hacking.")
     forgetting_drop: float = Field(0.2, gt=0, description="Drop of the retain set's eval reward below its "
                                    "first value that fires forgetting.")
+    sync_logprob_gap_max: float = Field(0.05, gt=0, description="Mean |log-prob| gap per token between the "
+                                        "sampler and the policy above which the sampler is on stale weights.")

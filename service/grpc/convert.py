@@ -57,6 +57,7 @@ NONE_FLAGS = {
     "unlimited_prompt_length": "max_prompt_length",
     "keep_all_checkpoints": "save_total_limit",
     "vllm_importance_sampling_no_clip_max": "vllm_importance_sampling_clip_max",
+    "no_sync_check": "sync_check_every",
 }
 ALL_LINEAR = "all-linear"
 BUILTIN_REWARDS = ("boxed_answer", "exact_match", "regex_match", "length_penalty")

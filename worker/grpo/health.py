@@ -24,6 +24,9 @@ assume a reward in [0, 1], the usual case of exact-match or pass/fail rewards):
   while the held-out eval reward fell by `hacking_margin` or more.
 - ``forgetting``: the retain set's eval reward (prompts of skills to keep) dropped by `forgetting_drop`
   or more below its value at the first evaluation.
+- ``stale_sampler``: right after a weight push, the sampling engine's log-probs of trained sequences differ from
+  the policy's by more than `sync_logprob_gap_max` per token (`sync/logprob_gap`, worker.grpo.weight_sync): it
+  samples from weights the policy no longer has. Fires at the first check that shows it (no patience).
 
 Severity ``warning`` is unhealthy (`on_unhealthy: pause` stops the run); ``info`` is news only.
 """
@@ -140,6 +143,15 @@ class HealthGuard:
                      "earns reward, so there is no gradient", {"frac_zero_std_groups": zero_std,
                                                               "reward/mean": reward}),
         )
+        gap = m.get("sync/logprob_gap")
+        if gap is not None:  # only at the steps the check ran: no streak across the steps between
+            out += self._sustained(
+                "stale_sampler", step, gap > c.sync_logprob_gap_max,
+                lambda: (f"right after a weight push the sampler's log-probs differ from the policy's by {gap:.4f} "
+                         f"per token (> {c.sync_logprob_gap_max}): it samples from stale weights",
+                         {"sync/logprob_gap": gap}),
+                patience=1,
+            )
         dominated = m.get("groups/dominated_frac")
         out += self._sustained(
             "dominant_completion", step, dominated is not None and dominated >= c.dominated_groups,
@@ -150,14 +162,15 @@ class HealthGuard:
         return out
 
     def _sustained(
-        self, kind: str, step: int, condition: bool, describe: Any, *, severity: Severity = "warning"
+        self, kind: str, step: int, condition: bool, describe: Any, *, severity: Severity = "warning",
+        patience: int | None = None,
     ) -> list[Finding]:
         if not condition:
             self._streaks[kind] = 0
             self._active.discard(kind)
             return []
         self._streaks[kind] = self._streaks.get(kind, 0) + 1
-        if kind in self._active or self._streaks[kind] < self.config.patience:
+        if kind in self._active or self._streaks[kind] < (patience or self.config.patience):
             return []
         self._active.add(kind)
         message, evidence = describe()

@@ -26,8 +26,10 @@ class SamplingCorrection:
 
     @classmethod
     def from_config(cls, config: GRPOConfig) -> SamplingCorrection | None:
-        """None when completions come from the policy itself, or the correction is off."""
-        if not (config.use_vllm and config.vllm_importance_sampling_correction):
+        """None when completions come from the policy itself, or the correction is off. Asynchronous generation
+        samples from older weights than the policy's (stale batches): the same correction weighs them, the
+        trainer's log-probs now against those of the weights that sampled."""
+        if not ((config.use_vllm or config.async_generation) and config.vllm_importance_sampling_correction):
             return None
         return cls(
             config.vllm_importance_sampling_mode,

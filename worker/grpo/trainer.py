@@ -24,6 +24,7 @@ import math
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,14 @@ from torch import Tensor
 from contract.config import GRPOConfig
 from worker.grpo.advantages import decoupled_advantages, group_advantages
 from worker.grpo.allocator import keep_freed_memory, return_freed_memory
+from worker.grpo.async_rollout import (
+    EngineSampler,
+    PolicyCopy,
+    Produced,
+    RolloutProducer,
+    Sampler,
+    staleness_metrics,
+)
 from worker.grpo.backends import BackendName, backend_for, choose_backend
 from worker.grpo.batch import (
     Generated,
@@ -54,8 +63,10 @@ from worker.grpo.held_out import HeldOutEvaluation
 from worker.grpo.loss import AdaptiveEntropy, LossSettings, grpo_loss
 from worker.grpo.modeling import ModelBundle, build_model_bundle, seed_everything
 from worker.grpo.rewards import CompositeReward, RewardResult
-from worker.grpo.rollout import render_prompt
+from worker.grpo.rollout import Rollout, render_prompt
 from worker.grpo.sampling_correction import SamplingCorrection
+from worker.grpo.vllm_rollout import VLLMRollout
+from worker.grpo.weight_sync import WeightSync
 
 MetricsHook = Callable[[int, dict[str, float], list[dict[str, Any]]], None]
 CheckpointHook = Callable[[int, Path, dict[str, Any]], None]
@@ -152,13 +163,20 @@ class GRPOTrainer:
         # After the restore: its generation engine starts from the weights just loaded. Entered by train().
         self.backend = backend_for(self.models, self.parallel, config, self.loss_settings, self.output_dir)
         self.held_out = HeldOutEvaluation(config, self.models, self.parallel, reward, self.backend.score)
+        if config.async_generation and ranks.distributed:
+            raise ValueError("async_generation runs on one device")
+        # The engine that samples when it is not the policy itself (vLLM, or async generation's copy).
+        self.weight_sync = WeightSync(self._sampling_engine(), config, self.parallel, self.step)
+        self.producer: RolloutProducer | None = None  # async generation, while train() runs
+        self._cursor = self.sampler.state_dict()  # the prompt cursor after the last trained batch
+        self._produced: Produced | None = None  # this step's batch, from the async producer
 
     # --- the loop ----------------------------------------------------------------------------
 
     def train(self) -> TrainResult:
         """Run until total_steps (or should_stop()); saves a checkpoint at the end either way."""
         stopped = False
-        with self.backend:
+        with self.backend, self._producer():
             if self.step == 0 and self._evaluates():
                 # The starting point, so every later eval has something to be compared with.
                 self._report_eval(0, self._evaluate(0))
@@ -187,15 +205,20 @@ class GRPOTrainer:
         train_started = time.perf_counter()
         train_stats = self._optimise(batch)
         timings["time/train_s"] += time.perf_counter() - train_started  # after the early forward, if any
-        if self.config.use_vllm:
-            sync_started = time.perf_counter()
-            self.backend.sync_weights()  # the next rollout samples from the updated policy
-            timings["time/weight_sync_s"] = time.perf_counter() - sync_started
+        if self.weight_sync.push(step, timings) and self.producer is not None:
+            self.producer.pushed()  # the next rollouts may sample from the updated policy
+        sync_check = self.weight_sync.check(step, batch.scored.rollout)  # this rank's batch
 
         # ===== 3. metrics, samples, eval, checkpoint
         timings["time/step_s"] = time.perf_counter() - started
         batch = self.parallel.gather_batch(batch)  # the global batch: metrics as one process reports them
-        metrics = {**batch_metrics(batch), **train_stats, **timings}
+        waited = timings.pop("async/wait_s", 0.0)
+        metrics = {**batch_metrics(batch), **train_stats, **timings, **sync_check}
+        if self.producer is not None and self._produced is not None:
+            metrics["time/reward_s"] = self._produced.timings["time/reward_s"]  # scored by the producer
+            metrics.update(staleness_metrics(
+                [self._produced.version], step, self.producer, waited, timings["time/step_s"]
+            ))
         generated_tokens = sum(int(s.rollout.completion_mask.sum()) for s in batch.generated)
         metrics["tokens_per_s"] = generated_tokens / max(timings["time/step_s"], 1e-9)
         # Usage counts (metered per step by the service): completion tokens of every sampling round; prompt +
@@ -240,10 +263,9 @@ class GRPOTrainer:
         timings["time/generate_s"] = 0.0
         timings["time/reward_s"] = 0.0
         timings["time/train_s"] = 0.0
-        first = self._generate(step, 0, self.config.prompts_per_step, timings)
+        first, pending = self._next_batch(step, timings)
         if self.config.dynamic_sampling:
-            scored = self._score(first, step, timings).result()
-            generated = self._refill(scored, step, timings)
+            generated = self._refill(pending.result(), step, timings)
             final, in_loss = select_groups(
                 generated,
                 self.config.prompts_per_step,
@@ -253,7 +275,6 @@ class GRPOTrainer:
             forwards = self.backend.start_forwards(final.rollout, timings)
         else:
             # Rewards do not depend on the old/reference log-probs: compute them while scoring runs.
-            pending = self._score(first, step, timings)
             forwards = self.backend.start_forwards(first.rollout, timings)
             self.backend.forward_while_scoring(forwards, first.rollout, pending, timings)
             final = pending.result()
@@ -297,7 +318,34 @@ class GRPOTrainer:
         )
         return advantages
 
-    def _generate(self, step: int, round_index: int, num_prompts: int, timings: dict[str, float]) -> Generated:
+    def _next_batch(self, step: int, timings: dict[str, float]) -> tuple[Generated, Future[Scored]]:
+        """This step's first generation round and its rewards (a future): generated now, or taken from the
+        asynchronous producer (timings: its generation time, and the trainer's wait for it)."""
+        if self.producer is None:
+            first = self._generate(step, 0, self.config.prompts_per_step, timings)
+            return first, self._score(first, step, timings)
+        started = time.perf_counter()
+        produced = self.producer.take(step)
+        timings["async/wait_s"] = time.perf_counter() - started
+        timings["time/generate_s"] = produced.timings["time/generate_s"]
+        self._cursor, self._produced = produced.cursor, produced
+        return produced.generated, produced.scored
+
+    def _produce(self, step: int) -> Produced:
+        """The producer's work for one step: draw, generate from the engine (under its lock), start scoring."""
+        engine = self._engine()
+        timings = {"time/generate_s": 0.0, "time/reward_s": 0.0}
+        before = self.sampler.state_dict()
+        with engine.lock:
+            version = engine.version
+            generated = self._generate(step, 0, self.config.prompts_per_step, timings, engine.generate)
+        scored = self._score(generated, step, timings)
+        return Produced(step, version, generated, scored, before, self.sampler.state_dict(), timings)
+
+    def _generate(
+        self, step: int, round_index: int, num_prompts: int, timings: dict[str, float],
+        engine: Callable[[list[str], list[int]], Rollout] | None = None,
+    ) -> Generated:
         started = time.perf_counter()
         indices = self.sampler.next_indices(num_prompts)  # the global batch, the same on every rank
         mine = share(len(indices), self.parallel.ranks)  # this rank's whole groups
@@ -306,7 +354,7 @@ class GRPOTrainer:
         # A seed per (run, step, round, group position): sampling is reproducible across resumes whatever
         # ran before, and a group samples the same tokens on any number of ranks.
         seeds = [s % (2**63) for s in group_seeds(self.config.seed, step, round_index, mine)]
-        rollout = self.backend.generate(prompts, seeds)
+        rollout = (engine or self.backend.generate)(prompts, seeds)
         timings["time/generate_s"] += time.perf_counter() - started
         return Generated(rollout, rows, prompts)
 
@@ -336,6 +384,30 @@ class GRPOTrainer:
             more = self._generate(step, round_index, missing, timings)
             generated.append(self._score(more, step, timings).result())
         return generated
+
+    # --- the sampling engine, when the policy does not sample itself -----------------------------
+
+    def _sampling_engine(self) -> Sampler | None:
+        """vLLM's engine, or async generation's copy of the policy; None when the policy samples itself."""
+        rollouts = self.backend.rollouts
+        if isinstance(rollouts, VLLMRollout):
+            return EngineSampler(self.backend.generate, self.backend.sync_weights, rollouts.score, self.step)
+        return PolicyCopy(self.models, self.config, self.step) if self.config.async_generation else None
+
+    def _engine(self) -> Sampler:
+        assert self.weight_sync.engine is not None  # async generation always has one
+        return self.weight_sync.engine
+
+    def _producer(self) -> AbstractContextManager[Any]:
+        """Async generation's producer thread for one train() run; nothing otherwise."""
+        if not self.config.async_generation:
+            return nullcontext()
+        self.producer = RolloutProducer(
+            self._produce, self._engine(), first_step=self.step + 1, last_step=self.total_steps,
+            max_staleness=self.config.max_staleness, steps_ahead=self.config.steps_ahead,
+            rewind=self.sampler.load_state_dict,
+        )
+        return self.producer
 
     # --- 2. optimise ---------------------------------------------------------------------------
 
@@ -373,8 +445,8 @@ class GRPOTrainer:
             metrics["entropy_coef"] = self.entropy_control.coef  # after this step's update, as TRL logs it
         if self.config.beta == 0:
             metrics.pop("kl", None)  # no reference model: there is no KL to report
-        if self.correction is not None:
-            assert rollout.sampler_logps is not None  # another engine sampled
+        if self.correction is not None and sampled_by:  # another engine sampled
+            assert rollout.sampler_logps is not None
             metrics.update(
                 self.correction.metrics(torch.cat(sampled_by), rollout.sampler_logps, rollout.completion_mask)
             )
@@ -401,8 +473,7 @@ class GRPOTrainer:
         else:
             logps, entropy = self.backend.policy_forward(rollout, rows, batch.reference, iteration)
         is_weights, sampled_by = None, None
-        if self.correction is not None:
-            assert rollout.sampler_logps is not None
+        if self.correction is not None and rollout.sampler_logps is not None:
             # pi_old: the weights that sampled (the detached current ones on the first pass when mu = 1).
             behaviour = logps.detach() if batch.old_logps is None else batch.old_logps[rows]
             sampled_by = behaviour if iteration == 0 else None
@@ -476,7 +547,8 @@ class GRPOTrainer:
             "optimizer": optimizer_state,
             "scheduler": self.models.scheduler.state_dict(),
             "rng": capture_rng_state(),
-            "sampler": self.sampler.state_dict(),
+            "sampler": self._cursor if self.producer is not None else self.sampler.state_dict(),
+            "policy_version": self.step,  # optimiser steps in the saved weights
             "history": self.history,
             "entropy_control": self.entropy_control.state_dict(),
         }

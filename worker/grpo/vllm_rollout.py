@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from contract.config import GRPOConfig
 from worker.grpo.checkpoint import capture_rng_state, restore_rng_state
@@ -231,6 +232,32 @@ class VLLMRollout:
             group_size=group,
             sampler_logps=(sampler_logps * completion_mask).to(self.device),
         )
+
+    @torch.no_grad()
+    def score(self, rollout: Rollout, rows: slice) -> Tensor:
+        """(B, C) the engine's log-probs of `rows`' completion tokens (raw logits, as vLLM's prompt log-probs
+        are), 0 after EOS: the weight-sync check's view of the weights the engine holds."""
+        # vLLM: optional, imported by use_vllm jobs only (see _build).
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        ids, mask = rollout.input_ids[rows].cpu(), rollout.attention_mask[rows].cpu()
+        completion_mask = rollout.completion_mask[rows].cpu()
+        requests = [TokensPrompt(prompt_token_ids=seq[keep.bool()].tolist()) for seq, keep in zip(ids, mask, strict=True)]
+        params = SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
+        if self._asleep:  # right after a sync: the weights are awake, the KV cache not yet
+            self.llm.wake_up(tags=["kv_cache"])
+            self._asleep = False  # the next rollout finds it awake and puts it to sleep after
+        outputs = self.llm.generate(requests, params, use_tqdm=False)
+        logps = torch.zeros(completion_mask.shape, dtype=torch.float32)
+        for row, output in enumerate(outputs):
+            tokens, positions = output.prompt_token_ids, output.prompt_logprobs
+            count = int(completion_mask[row].sum())
+            first = len(tokens) - count  # the completion's tokens end the sequence
+            logps[row, :count] = torch.tensor(
+                [positions[p][tokens[p]].logprob for p in range(first, len(tokens))], dtype=torch.float32
+            )
+        return logps.to(self.device)
 
     # --- weight sync ---------------------------------------------------------------------------
 
