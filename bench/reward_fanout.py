@@ -18,6 +18,7 @@ import socket
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import uvicorn
@@ -32,24 +33,34 @@ LATENCY_S = 0.100
 TARGET_MS = 150.0
 
 
-async def _score(request: RewardRequest) -> list[float | None]:
-    await asyncio.sleep(LATENCY_S)  # the endpoint's own work
-    return [float(len(item.completion)) for item in request.items]
+# What the endpoint scores: the completion's length (this benchmark), or its share of the letter "a" (a reward a
+# small model learns to raise: bench/async_grpo.py).
+SCORES: dict[str, Callable[[str], float]] = {
+    "length": lambda text: float(len(text)),
+    "share_of_a": lambda text: text.count("a") / max(len(text), 1),
+}
 
 
-def _serve(secret: str, sock: socket.socket) -> None:
-    config = uvicorn.Config(
-        make_reward_app(secret, _score), log_level="warning", lifespan="off", access_log=False
-    )
+def _serve(secret: str, sock: socket.socket, latency_s: float, score: str) -> None:
+    async def scorer(request: RewardRequest) -> list[float | None]:
+        await asyncio.sleep(latency_s)  # the endpoint's own work
+        return [SCORES[score](item.completion) for item in request.items]
+
+    config = uvicorn.Config(make_reward_app(secret, scorer), log_level="warning", lifespan="off", access_log=False)
     uvicorn.Server(config).run(sockets=[sock])
 
 
-def start_server(secret: str) -> tuple[multiprocessing.Process, int]:
-    """The endpoint in its own process, as in production (no GIL shared with the client)."""
+def start_server(
+    secret: str, *, latency_s: float = LATENCY_S, score: str = "length"
+) -> tuple[multiprocessing.Process, int]:
+    """The endpoint in its own process, as in production (no GIL shared with the client), sleeping `latency_s`
+    per request."""
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    process = multiprocessing.get_context("fork").Process(target=_serve, args=(secret, sock), daemon=True)
+    process = multiprocessing.get_context("fork").Process(
+        target=_serve, args=(secret, sock, latency_s, score), daemon=True
+    )
     process.start()
     deadline = time.monotonic() + 20
     while True:  # wait until it accepts connections

@@ -249,7 +249,8 @@ class GRPOConfig(BaseModel):
         "sequence_mask",
         description="token_truncate: per-token ratio clipped to [clip_min, clip_max]; token_mask: per-token ratio, "
         "0 outside the bounds; sequence_truncate / sequence_mask: one ratio per completion (exp of the summed "
-        "log-ratio), clipped or zeroed likewise (TRL's default).",
+        "log-ratio), clipped or zeroed likewise (TRL's default; token_truncate with async_generation, where the same "
+        "correction weighs stale batches).",
     )
     vllm_importance_sampling_clip_min: float | None = Field(
         None, ge=0, description="Lower bound C_min of the importance-sampling ratio; None = no lower bound."
@@ -415,6 +416,10 @@ class GRPOConfig(BaseModel):
         """Async options the producer could not honour."""
         if not self.async_generation:
             return
+        if "vllm_importance_sampling_mode" not in self.model_fields_set:
+            # Stale batches: per-sequence ratios (products over every token) vanish or explode; per token they
+            # stay in range (worker.grpo.sampling_correction).
+            self.vllm_importance_sampling_mode = "token_truncate"
         if self.weight_sync_steps > self.max_staleness + 1:
             raise ValueError(
                 f"weight_sync_steps ({self.weight_sync_steps}) must be <= max_staleness + 1 "
@@ -427,6 +432,10 @@ class GRPOConfig(BaseModel):
             )
         if self.dynamic_sampling:
             raise ValueError("dynamic_sampling refills a step from the current policy: not with async_generation")
+        if self.loss_type == "vespo" and self.vllm_importance_sampling_correction:
+            raise ValueError(
+                "loss_type 'vespo' weights whole sequences itself: set vllm_importance_sampling_correction false"
+            )
         if self.generation != "sample":
             raise ValueError("async_generation samples completions: generation must be 'sample'")
 

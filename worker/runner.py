@@ -369,7 +369,8 @@ class JobRunner:
             self._tensorboard.write(step, metrics)
         logged = [
             SampleIn(prompt=str(s["prompt"]), completion=str(s["completion"]), reward=_finite_or_none(s.get("reward")),
-                     rewards={k: _finite_or_none(v) for k, v in dict(s.get("rewards", {})).items()})
+                     rewards={k: _finite_or_none(v) for k, v in dict(s.get("rewards", {})).items()},
+                     policy_version=s.get("policy_version"))
             for s in samples
         ]
         usage = self._meter.take(metrics) if self._meter is not None else None

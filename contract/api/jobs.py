@@ -106,6 +106,11 @@ class SampleOut(BaseModel):
     completion: str
     reward: float | None = Field(description="Weighted total reward.")
     rewards: dict[str, float | None] = Field(description="Reward per source; null where a source abstained.")
+    policy_version: int | None = Field(
+        None,
+        description="Optimiser steps in the weights that sampled it: step - 1 on-policy, older with "
+        "async_generation (null for samples logged before it was recorded).",
+    )
     created_at: datetime
 
 

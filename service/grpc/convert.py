@@ -313,6 +313,7 @@ def sample_to_proto(sample: SampleOut) -> jobs_pb2.JobSample:
         reward=sample.reward,
         rewards=_finite_values(sample.rewards),
         created_at=timestamp(sample.created_at),
+        policy_version=sample.policy_version,
     )
 
 

@@ -130,6 +130,8 @@ class JobSample(Base):
     reward: Mapped[float | None] = mapped_column(Float, nullable=True)
     # {source name: value or null when the source abstained}
     rewards: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    # Optimiser steps in the weights that sampled it (step - 1 on-policy; older with async generation).
+    policy_version: Mapped[int | None] = mapped_column(Integer, nullable=True)
     attempt: Mapped[int] = mapped_column(Integer, default=0)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
 

@@ -107,6 +107,7 @@ def record_samples(
             completion=s.completion,
             reward=s.reward,
             rewards=s.rewards,
+            policy_version=s.policy_version,
             attempt=attempt,
             created_at=now,
         )

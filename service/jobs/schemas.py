@@ -31,6 +31,7 @@ class SampleIn(BaseModel):
     completion: str
     reward: float | None = None
     rewards: dict[str, float | None] = Field(default_factory=dict)
+    policy_version: int | None = Field(None, ge=0)
 
     @field_validator("prompt", "completion")
     @classmethod
@@ -102,5 +103,6 @@ def sample_out(sample: JobSample) -> SampleOut:
         completion=sample.completion,
         reward=sample.reward,
         rewards=sample.rewards,
+        policy_version=sample.policy_version,
         created_at=sample.created_at,
     )

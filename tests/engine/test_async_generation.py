@@ -63,16 +63,21 @@ def test_no_batch_trains_staler_than_max_staleness(tmp_path: Path, tiny_model_di
     """A slow trainer (each step's report sleeps) and a fast producer: the producer runs ahead, but never by more
     than max_staleness versions, and never holds more than steps_ahead batches."""
     seen: list[dict[str, float]] = []
+    versions: dict[int, set[int]] = {}  # step -> policy versions its logged samples record
 
     def slow(step: int, metrics: dict[str, float], samples: list[dict[str, Any]]) -> None:
         seen.append(metrics)
+        versions[step] = {sample["policy_version"] for sample in samples}
         time.sleep(0.3)
 
     trainer = _train(
         tmp_path, tiny_model_dir, "run", on_metrics=slow, max_steps=7, async_generation=True, max_staleness=2,
         max_inflight_tasks=8 * 8, sync_check_every=None,  # room for 8 steps ahead: staleness is what holds it
+        log_completions_every=1,
     )
+    assert all(len(v) == 1 and 0 <= (step - 1) - min(v) <= 2 for step, v in versions.items()), versions
     staleness = [m["async/staleness_max"] for m in seen]
+    assert staleness == [float((step - 1) - min(versions[step])) for step in range(1, 8)]
     assert max(staleness) == 2, staleness  # it did run ahead, as far as allowed
     assert all(0 <= s <= 2 for s in staleness)
     assert trainer.config.steps_ahead == 8
@@ -167,3 +172,33 @@ def test_vllm_async_run_and_a_sampler_that_keeps_old_weights(
     broken = _train(tmp_path, tiny_model_dir, "broken", **common)
     assert broken.unhealthy is not None and broken.unhealthy.kind == "stale_sampler", broken.findings
     assert broken.unhealthy.step <= 4
+
+
+@pytest.mark.parametrize("backend", ["hf", "fused"])
+def test_sampled_logprobs_from_the_decoding_match_the_policy_forward(tiny_model_dir: Path, backend: str) -> None:
+    """The native sampler's log-probs (stale batches' pi_old) come from the decoding itself: they equal the
+    trainer's forward over the same tokens, after temperature and over the whole vocabulary (top-k only filters
+    what is drawn), 0 after EOS."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from worker.grpo.backends.fused import FusedPath
+    from worker.grpo.logprobs import completion_logprobs
+    from worker.grpo.rollout import generate_rollout
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    config = small_config(temperature=0.7, top_k=20, max_completion_length=12)
+    fast = FusedPath() if backend == "fused" else None
+    rollout = generate_rollout(
+        model, tokenizer, ["cat: ", "a longer prompt, dog: "], config, generator_seed=[3, 4], fast=fast,
+        with_logprobs=True,
+    )
+    assert rollout.sampler_logps is not None
+    with torch.no_grad():
+        policy, _ = completion_logprobs(
+            model, rollout.input_ids, rollout.attention_mask, rollout.completion_ids.shape[1], temperature=0.7
+        )
+    mask = rollout.completion_mask.bool()
+    assert float((policy - rollout.sampler_logps)[mask].abs().max()) < 1e-4
+    assert torch.all(rollout.sampler_logps[~mask] == 0)
+    assert float(rollout.sampler_logps[mask].abs().min()) > 0  # real log-probs, not a zero tensor

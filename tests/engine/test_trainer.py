@@ -169,7 +169,10 @@ class TestMetricsAndHooks:
             assert metrics["usage/tokens_trained"] > metrics["usage/tokens_generated"]  # prompts too
         assert seen[0][2] == [] and len(seen[1][2]) == 3
         sample = seen[1][2][0]
-        assert set(sample) == {"step", "group", "prompt", "completion", "reward", "rewards", "advantage"}
+        assert set(sample) == {
+            "step", "group", "prompt", "completion", "reward", "rewards", "advantage", "policy_version"
+        }
+        assert sample["policy_version"] == 1  # step 2, sampled by the weights of step 1's update
         for logged in seen[1][2]:  # one source: its reward, by name, is the total
             assert logged["rewards"] == {"spread": logged["reward"]}
         assert [s for s, _, _ in checkpoints] == [1, 2]

@@ -181,6 +181,7 @@ class TestSamples:
                     completion=f"c{i}",
                     reward=0.5 * i,
                     rewards={"exact_match": float(i), "remote:rf_1": None},
+                    policy_version=step - 1 - i,  # i steps stale (async generation)
                 )
                 for i in range(3)
             ]
@@ -190,6 +191,7 @@ class TestSamples:
         assert [s["prompt"] for s in body["data"]] == ["p20-0", "p20-1", "p20-2"]
         assert body["data"][1]["rewards"] == {"exact_match": 1.0, "remote:rf_1": None}
         assert body["data"][1]["reward"] == 0.5
+        assert [s["policy_version"] for s in body["data"]] == [19, 18, 17]
         everything = client.get(f"/v1/jobs/{job_id}/samples", params={"limit": 4}, headers=tenant_a).json()
         assert len(everything["data"]) == 4 and everything["has_more"] is True
 

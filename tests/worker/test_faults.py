@@ -76,11 +76,14 @@ def stack(_postgres_database: str, redis_base_url: str) -> Iterator[Stack]:
 
 
 class TestWorkerDeath:
-    def test_sigkill_after_checkpoint_resumes_on_new_worker(self, stack: Stack) -> None:
+    # Asynchronous generation too: the batches in flight die with the worker; the resumed attempt samples them
+    # again from the checkpoint's weights and prompt cursor.
+    @pytest.mark.parametrize("hyper", [{}, {"async_generation": True, "max_staleness": 2}], ids=["sync", "async"])
+    def test_sigkill_after_checkpoint_resumes_on_new_worker(self, stack: Stack, hyper: dict[str, object]) -> None:
         api = stack.make_client()
         first = stack.start_worker()
         dataset = api.upload_dataset(PROMPTS)
-        job_id = api.submit(tiny_spec(dataset, max_steps=8, checkpoint_every=2))
+        job_id = api.submit(tiny_spec(dataset, max_steps=8, checkpoint_every=2, **hyper))
         api.wait_step(job_id, 3)
         # Checkpoints register after their upload, which a fast step can outrun: kill once one is registered.
         wait_for(lambda: api.checkpoints(job_id), timeout=120, what="a registered checkpoint")

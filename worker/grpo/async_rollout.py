@@ -52,6 +52,9 @@ class Sampler(Protocol):
 
     version: int
     lock: threading.Lock
+    # Samples through the policy's own code: a batch it sampled with the trainer's current weights is on-policy
+    # exactly (no correction), as in the synchronous trainer. vLLM's kernels differ: its batches keep the correction.
+    same_code: bool
 
     def generate(self, prompts: list[str], seeds: list[int]) -> Rollout: ...
 
@@ -64,6 +67,8 @@ class PolicyCopy:
     """Native generation's sampler: a frozen copy of the policy, sampled through the same code (and fast path)
     as the synchronous trainer's, its trainable weights copied in on each push. Holds a second copy of the
     trainable weights (with LoRA, of the adapters and a second base)."""
+
+    same_code = True
 
     def __init__(self, models: ModelBundle, config: GRPOConfig, version: int) -> None:
         self.source = models.policy
@@ -83,10 +88,9 @@ class PolicyCopy:
         ]
 
     def generate(self, prompts: list[str], seeds: list[int]) -> Rollout:
-        rollout = self.rollout.generate(prompts, generator_seed=seeds)
-        # The weights that sampled: pi_old of a stale batch (the trainer no longer holds them).
-        rollout.sampler_logps = self.score(rollout, slice(None), temperature=self.config.temperature)
-        return rollout
+        # With the log-probs of the weights that sampled, from the decoding: a stale batch's pi_old (the trainer
+        # no longer holds those weights).
+        return self.rollout.generate(prompts, generator_seed=seeds, with_logprobs=True)
 
     @torch.no_grad()
     def push(self, version: int) -> None:
@@ -95,17 +99,19 @@ class PolicyCopy:
         self.version = version
 
     @torch.no_grad()
-    def score(self, rollout: Rollout, rows: slice, temperature: float = 1.0) -> Tensor:
-        """(B, C) log-probs of `rows`' completions under this copy's weights, 0 after EOS."""
+    def score(self, rollout: Rollout, rows: slice) -> Tensor:
+        """(B, C) log-probs of `rows`' completions under this copy's weights (raw logits), 0 after EOS."""
         logps, _ = completion_logprobs(
             self.model, rollout.input_ids[rows], rollout.attention_mask[rows], rollout.completion_ids.shape[1],
-            temperature=temperature, fast=self.fast,
+            temperature=1.0, fast=self.fast,
         )
         return logps * rollout.completion_mask[rows]
 
 
 class EngineSampler:
     """vLLM's engine as the asynchronous sampler: it already holds its own weights; a push is its weight sync."""
+
+    same_code = False
 
     def __init__(self, generate: Callable[[list[str], list[int]], Rollout], sync: Callable[[], None],
                  score: Callable[[Rollout, slice], Tensor], version: int) -> None:

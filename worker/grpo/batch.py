@@ -169,9 +169,9 @@ def batch_metrics(batch: StepBatch) -> dict[str, float]:
     return metrics
 
 
-def sample_records(step: int, batch: StepBatch, count: int) -> list[dict[str, Any]]:
+def sample_records(step: int, batch: StepBatch, count: int, policy_version: int) -> list[dict[str, Any]]:
     """The first `count` completions of the trained batch, for display and storage, with the reward of
-    each source by name (one source included)."""
+    each source by name (one source included) and the policy version that sampled them."""
     scored = batch.scored
     count = min(count, len(scored.rollout.completion_texts))
     group_size = scored.rollout.group_size
@@ -184,6 +184,7 @@ def sample_records(step: int, batch: StepBatch, count: int) -> list[dict[str, An
             "reward": float(scored.rewards[i]),
             "rewards": {name: values[i] for name, values in scored.per_source.items()},  # None: abstained
             "advantage": float(batch.advantages[i]),
+            "policy_version": policy_version,
         }
         for i in range(count)
     ]

@@ -181,7 +181,8 @@ class NativeRollout:
         self.lockstep = lockstep
 
     def generate(
-        self, prompts: list[str], *, generator_seed: int | list[int], side: SideThread | None = None
+        self, prompts: list[str], *, generator_seed: int | list[int], side: SideThread | None = None,
+        with_logprobs: bool = False,
     ) -> Rollout:
         """G samples of each prompt; `generator_seed`: one for the batch, or one per prompt (generate_rollout)."""
         return generate_rollout(
@@ -193,6 +194,7 @@ class NativeRollout:
             side=side,
             fast=self.fast,
             lockstep=self.lockstep,
+            with_logprobs=with_logprobs,
         )
 
     def sync_weights(self) -> None:
@@ -213,6 +215,7 @@ def generate_rollout(
     side: SideThread | None = None,
     fast: FastPath | None = None,
     lockstep: Callable[[bool], bool] | None = None,
+    with_logprobs: bool = False,
 ) -> Rollout:
     """Generate G = config.num_generations completions for each already-rendered prompt.
 
@@ -224,7 +227,8 @@ def generate_rollout(
     backend's fast path, which decodes the models it covers (else their own forward and a KV cache).
     `lockstep`: when the model's forwards are collectives (a sharded model), asked at each decoding step whether
     any rank still decodes (given whether this one does): every rank then runs the same forwards, finished rows
-    taking pad tokens, and samples what it would alone. The model is put in eval mode for generation (no dropout) and restored afterwards. All
+    taking pad tokens, and samples what it would alone. `with_logprobs` (sampling only): the rollout's
+    `sampler_logps` are the sampled tokens' log-probs from the decoding. The model is put in eval mode for generation (no dropout) and restored afterwards. All
     returned tensors live on the model's device.
     """
     eos_ids = eos_token_ids(model, tokenizer)
@@ -238,6 +242,7 @@ def generate_rollout(
         prompt_mask = prompt_mask.repeat_interleave(group, dim=0)
     was_training = model.training
     model.eval()
+    sampler_logps = None
     try:
         if config.generation == "sample":
             generator: torch.Generator | list[torch.Generator] | None = None
@@ -245,7 +250,7 @@ def generate_rollout(
                 generator = [torch.Generator(device=device).manual_seed(seed) for seed in generator_seed]
             elif generator_seed is not None:  # a private generator: the global RNG is left untouched
                 generator = torch.Generator(device=device).manual_seed(generator_seed)
-            completion_ids = sample_completions(
+            completion_ids, sampler_logps = sample_with_logprobs(
                 model,
                 prompt_ids,
                 prompt_mask,
@@ -256,6 +261,7 @@ def generate_rollout(
                 side,
                 fast=fast,
                 lockstep=lockstep,
+                with_logprobs=with_logprobs,
             )  # (N, C') with C' <= max_completion_length
         else:
             completion_ids = _beam_search(
@@ -280,6 +286,7 @@ def generate_rollout(
         is_truncated=is_truncated,
         completion_texts=list(texts),
         group_size=group,
+        sampler_logps=None if sampler_logps is None else sampler_logps * completion_mask,
     )
 
 
@@ -419,7 +426,32 @@ def sample_completions(
     fast: FastPath | None = None,
     lockstep: Callable[[bool], bool] | None = None,
 ) -> Tensor:
-    """Sample up to max_completion_length tokens per row; (B, P) left-padded prompts -> (B, C') ids.
+    """Sample up to max_completion_length tokens per row; (B, P) left-padded prompts -> (B, C') ids
+    (`sample_with_logprobs` without the log-probs)."""
+    ids, _ = sample_with_logprobs(
+        model, prompt_ids, prompt_mask, config, eos_ids, pad_id, generator, side, fast=fast, lockstep=lockstep,
+        with_logprobs=False,
+    )
+    return ids
+
+
+def sample_with_logprobs(
+    model: Any,
+    prompt_ids: Tensor,
+    prompt_mask: Tensor,
+    config: GRPOConfig,
+    eos_ids: list[int],
+    pad_id: int,
+    generator: torch.Generator | list[torch.Generator] | None,
+    side: SideThread | None = None,
+    *,
+    fast: FastPath | None = None,
+    lockstep: Callable[[bool], bool] | None = None,
+    with_logprobs: bool = True,
+) -> tuple[Tensor, Tensor | None]:
+    """Sample up to max_completion_length tokens per row; (B, P) left-padded prompts -> (B, C') ids and, when
+    `with_logprobs`, their (B, C') float32 log-probs under the sampling logits / temperature (the full vocabulary,
+    as the trainer's log-probs; 0 for pad) from the decoding itself: no second forward.
 
     Rows that have emitted an EOS get `pad_id` from then on; decoding ends once every row has
     (so C' may be shorter than max_completion_length), as generate() does. Models the `fast` path covers
@@ -439,18 +471,24 @@ def sample_completions(
     with _no_grad(lockstep):
         lanes = _lanes(model, prompt_mask, max_new, parallel=side is not None, fast=fast)
 
-    def run(lane: tuple[slice, Decoder]) -> Tensor:
+    def run(lane: tuple[slice, Decoder]) -> tuple[Tensor, Tensor | None]:
         rows, decoder = lane
-        return _sample_lane(decoder, prompt_ids[rows], draws[:, rows], config, eos_ids, pad_id, lockstep)
+        return _sample_lane(
+            decoder, prompt_ids[rows], draws[:, rows], config, eos_ids, pad_id, lockstep, with_logprobs
+        )
 
     first, *others = lanes.decoders
     beside = [side.submit(partial(run, lane)) for lane in others] if side is not None else []
     outputs = [run(first), *(future.result() for future in beside)]
-    produced = max(out.shape[1] for out in outputs)
+    produced = max(out.shape[1] for out, _ in outputs)
     if lanes.record is not None:
         lanes.record((time.perf_counter() - started) / produced)
     # A normal tensor again: inference tensors cannot be saved for backward (the embedding would).
-    return torch.cat([F.pad(out, (0, produced - out.shape[1]), value=pad_id) for out in outputs])
+    ids = torch.cat([F.pad(out, (0, produced - out.shape[1]), value=pad_id) for out, _ in outputs])
+    if not with_logprobs:
+        return ids, None
+    logps = torch.cat([F.pad(lp, (0, produced - lp.shape[1])) for _, lp in outputs if lp is not None])
+    return ids, logps.clone()
 
 
 def _no_grad(lockstep: Callable[[bool], bool] | None) -> torch.no_grad | torch.inference_mode:
@@ -467,25 +505,32 @@ def _sample_lane(
     eos_ids: list[int],
     pad_id: int,
     lockstep: Callable[[bool], bool] | None = None,
-) -> Tensor:
-    """The sampling loop over one decoder's rows: (b, P) prompts and (C, b) draws -> (b, C') ids. With
-    `lockstep` it stops only once no rank's rows run (finished rows take pad tokens meanwhile)."""
+    with_logprobs: bool = False,
+) -> tuple[Tensor, Tensor | None]:
+    """The sampling loop over one decoder's rows: (b, P) prompts and (C, b) draws -> (b, C') ids, and their
+    log-probs when `with_logprobs`. With `lockstep` it stops only once no rank's rows run (finished rows take pad
+    tokens meanwhile)."""
     max_new = config.max_completion_length
     batch, device = prompt_ids.shape[0], prompt_ids.device
     # inference_mode and the thread count are per thread: set here, where the lane runs.
     with _no_grad(lockstep), intra_op_threads(decoder.threads):
         eos = torch.tensor(eos_ids, device=device)
         out = torch.full((batch, max_new), pad_id, dtype=torch.long, device=device)
+        logps = torch.zeros((batch, max_new), dtype=torch.float32, device=device) if with_logprobs else None
         running = torch.ones(batch, dtype=torch.bool, device=device)
         logits = decoder.prefill(prompt_ids)
         produced = 0
         for index in range(max_new):
+            # Before filtering, which works in place: the trainer's log-probs span the whole vocabulary.
+            tempered = torch.log_softmax(logits.float() / config.temperature, dim=-1) if logps is not None else None
             filtered = filter_logits(
                 logits, temperature=config.temperature, top_k=config.top_k, top_p=config.top_p
             )
             tokens = sample_tokens(filtered, draws[index])  # (b,)
             tokens = torch.where(running, tokens, pad_id)
             out[:, index] = tokens
+            if logps is not None and tempered is not None:
+                logps[:, index] = torch.where(running, tempered.gather(1, tokens[:, None]).squeeze(1), 0.0)
             produced = index + 1
             running &= ~torch.isin(tokens, eos)
             decoding = bool(running.any())
@@ -494,4 +539,4 @@ def _sample_lane(
             if produced == max_new or not decoding:
                 break
             logits = decoder.step(tokens)
-    return out[:, :produced]
+    return out[:, :produced], None if logps is None else logps[:, :produced]

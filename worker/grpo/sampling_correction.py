@@ -26,9 +26,13 @@ class SamplingCorrection:
 
     @classmethod
     def from_config(cls, config: GRPOConfig) -> SamplingCorrection | None:
-        """None when completions come from the policy itself, or the correction is off. Asynchronous generation
-        samples from older weights than the policy's (stale batches): the same correction weighs them, the
-        trainer's log-probs now against those of the weights that sampled."""
+        """None when completions come from the policy itself, or the correction is off.
+
+        Asynchronous generation samples from weights older than the policy's (stale batches): the same correction
+        weighs them, as decoupled PPO does (AReaL, https://arxiv.org/abs/2505.24298): the ratio is clipped against
+        the current policy (pi_prox, the detached log-probs at mu = 1), and each token's loss is weighted by
+        pi_prox / pi_sampler, truncated. Per token: the product over a stale sequence vanishes or explodes, so
+        async_generation defaults the mode to token_truncate (contract.config)."""
         if not ((config.use_vllm or config.async_generation) and config.vllm_importance_sampling_correction):
             return None
         return cls(

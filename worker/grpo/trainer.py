@@ -245,7 +245,7 @@ class GRPOTrainer:
             metrics.update(self.evaluations[step])
         metrics = self.parallel.from_main(metrics)  # rank 0's timings: every rank decides on the same values
         samples = (
-            sample_records(step, batch, self.config.log_completions_count)
+            sample_records(step, batch, self.config.log_completions_count, self._sampled_by_version(step))
             if step % self.config.log_completions_every == 0
             else []
         )
@@ -329,6 +329,8 @@ class GRPOTrainer:
         timings["async/wait_s"] = time.perf_counter() - started
         timings["time/generate_s"] = produced.timings["time/generate_s"]
         self._cursor, self._produced = produced.cursor, produced
+        if produced.version == step - 1 and self._engine().same_code:
+            produced.generated.rollout.sampler_logps = None  # sampled by the trainer's very weights: on-policy
         return produced.generated, produced.scored
 
     def _produce(self, step: int) -> Produced:
@@ -393,6 +395,10 @@ class GRPOTrainer:
         if isinstance(rollouts, VLLMRollout):
             return EngineSampler(self.backend.generate, self.backend.sync_weights, rollouts.score, self.step)
         return PolicyCopy(self.models, self.config, self.step) if self.config.async_generation else None
+
+    def _sampled_by_version(self, step: int) -> int:
+        """Policy version of the weights that sampled step's batch: the trainer's own (step - 1), or the producer's."""
+        return step - 1 if self._produced is None else self._produced.version
 
     def _engine(self) -> Sampler:
         assert self.weight_sync.engine is not None  # async generation always has one

@@ -799,6 +799,7 @@ class JobSample(_message.Message):
     REWARD_FIELD_NUMBER: _builtins.int
     REWARDS_FIELD_NUMBER: _builtins.int
     CREATED_AT_FIELD_NUMBER: _builtins.int
+    POLICY_VERSION_FIELD_NUMBER: _builtins.int
     id: _builtins.int
     """Sample id; pass it as after_sample_id to continue from here."""
     step: _builtins.int
@@ -809,6 +810,8 @@ class JobSample(_message.Message):
     """The completion."""
     reward: _builtins.float
     """Weighted total reward; unset when no source gave a value."""
+    policy_version: _builtins.int
+    """Optimiser steps in the weights that sampled it: step - 1 on-policy, older with async_generation."""
     @_builtins.property
     def rewards(self) -> _containers.ScalarMap[_builtins.str, _builtins.float]:
         """Reward per source; sources that abstained are left out."""
@@ -827,13 +830,19 @@ class JobSample(_message.Message):
         reward: _builtins.float | None = ...,
         rewards: _abc.Mapping[_builtins.str, _builtins.float] | None = ...,
         created_at: _timestamp_pb2.Timestamp | None = ...,
+        policy_version: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_reward", b"_reward", "created_at", b"created_at", "reward", b"reward"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_policy_version", b"_policy_version", "_reward", b"_reward", "created_at", b"created_at", "policy_version", b"policy_version", "reward", b"reward"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_reward", b"_reward", "completion", b"completion", "created_at", b"created_at", "id", b"id", "prompt", b"prompt", "reward", b"reward", "rewards", b"rewards", "step", b"step"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_policy_version", b"_policy_version", "_reward", b"_reward", "completion", b"completion", "created_at", b"created_at", "id", b"id", "policy_version", b"policy_version", "prompt", b"prompt", "reward", b"reward", "rewards", b"rewards", "step", b"step"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__policy_version: _TypeAlias = _typing.Literal["policy_version"]  # noqa: Y015
+    _WhichOneofArgType__policy_version: _TypeAlias = _typing.Literal["_policy_version", b"_policy_version"]  # noqa: Y015
     _WhichOneofReturnType__reward: _TypeAlias = _typing.Literal["reward"]  # noqa: Y015
     _WhichOneofArgType__reward: _TypeAlias = _typing.Literal["_reward", b"_reward"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__policy_version) -> _WhichOneofReturnType__policy_version | None: ...
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__reward) -> _WhichOneofReturnType__reward | None: ...
 
 Global___JobSample: _TypeAlias = JobSample  # noqa: Y015
