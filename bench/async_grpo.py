@@ -15,6 +15,7 @@ separate GPUs for the server and the trainer), which has no CPU path here.
 
     .venv/bin/python bench/async_grpo.py                          # 3 seeds, 12 steps, 16 tokens, 300 ms, staleness 2
     .venv/bin/python bench/async_grpo.py --completion-length 32  # more compute per step: less to overlap
+    .venv/bin/python bench/async_grpo.py --seeds 0 --correction sequence_truncate  # per-sequence correction
     .venv/bin/python bench/async_grpo.py --seeds 0 --steps 6      # smoke run
 """
 
@@ -60,6 +61,7 @@ def child(args: argparse.Namespace) -> None:
         "lr_scheduler": "constant", "max_completion_length": args.completion_length, "checkpoint_every": 10_000,
         "seed": args.seed, "async_generation": args.mode == "async", "max_staleness": args.staleness,
         "sync_check_every": None,
+        **({"vllm_importance_sampling_mode": args.correction} if args.correction else {}),
     })
     rows = [PromptRow(f"{word}: ", {}) for word in ("cat", "dog", "sun", "map", "hat", "pen", "cup", "box")]
     ends: list[float] = []
@@ -107,6 +109,7 @@ def run_child(args: argparse.Namespace, mode: str, seed: int, url: str, secret: 
         sys.executable, __file__, "--child", "--mode", mode, "--seed", str(seed), "--url", url, "--secret", secret,
         "--steps", str(args.steps), "--staleness", str(args.staleness), "--concurrency", str(args.concurrency),
         "--completion-length", str(args.completion_length), "--tail", str(args.tail), "--cache-dir", args.cache_dir,
+        *(["--correction", args.correction] if args.correction else []),
     ]
     out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
     return dict(json.loads(out.strip().splitlines()[-1]))
@@ -122,6 +125,8 @@ def main() -> None:
     parser.add_argument("--completion-length", type=int, default=16)
     parser.add_argument("--tail", type=int, default=4, help="final reward: mean of the last N steps")
     parser.add_argument("--cache-dir", default=str(Path(tempfile.gettempdir()) / "grpo-bench-async"))
+    parser.add_argument("--correction", choices=["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"],
+                        help="vllm_importance_sampling_mode of both runs (default: each mode's own default)")
     parser.add_argument("--child", action="store_true")
     parser.add_argument("--mode", choices=["sync", "async"])
     parser.add_argument("--seed", type=int, default=0)

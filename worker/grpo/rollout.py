@@ -228,8 +228,8 @@ def generate_rollout(
     `lockstep`: when the model's forwards are collectives (a sharded model), asked at each decoding step whether
     any rank still decodes (given whether this one does): every rank then runs the same forwards, finished rows
     taking pad tokens, and samples what it would alone. `with_logprobs` (sampling only): the rollout's
-    `sampler_logps` are the sampled tokens' log-probs from the decoding. The model is put in eval mode for generation (no dropout) and restored afterwards. All
-    returned tensors live on the model's device.
+    `sampler_logps` are the sampled tokens' log-probs from the decoding. The model is put in eval mode for
+    generation (no dropout) and restored afterwards. All returned tensors live on the model's device.
     """
     eos_ids = eos_token_ids(model, tokenizer)
     group = config.num_generations
@@ -245,23 +245,9 @@ def generate_rollout(
     sampler_logps = None
     try:
         if config.generation == "sample":
-            generator: torch.Generator | list[torch.Generator] | None = None
-            if isinstance(generator_seed, list):
-                generator = [torch.Generator(device=device).manual_seed(seed) for seed in generator_seed]
-            elif generator_seed is not None:  # a private generator: the global RNG is left untouched
-                generator = torch.Generator(device=device).manual_seed(generator_seed)
             completion_ids, sampler_logps = sample_with_logprobs(
-                model,
-                prompt_ids,
-                prompt_mask,
-                config,
-                eos_ids,
-                _pad_token_id(tokenizer),
-                generator,
-                side,
-                fast=fast,
-                lockstep=lockstep,
-                with_logprobs=with_logprobs,
+                model, prompt_ids, prompt_mask, config, eos_ids, _pad_token_id(tokenizer),
+                _generators(generator_seed, device), side, fast=fast, lockstep=lockstep, with_logprobs=with_logprobs,
             )  # (N, C') with C' <= max_completion_length
         else:
             completion_ids = _beam_search(
@@ -288,6 +274,13 @@ def generate_rollout(
         group_size=group,
         sampler_logps=None if sampler_logps is None else sampler_logps * completion_mask,
     )
+
+
+def _generators(seed: int | list[int] | None, device: torch.device) -> torch.Generator | list[torch.Generator] | None:
+    """Private generators (the global RNG is left untouched): one for the batch, or one per prompt."""
+    if isinstance(seed, list):
+        return [torch.Generator(device=device).manual_seed(s) for s in seed]
+    return None if seed is None else torch.Generator(device=device).manual_seed(seed)
 
 
 def _beam_search(
