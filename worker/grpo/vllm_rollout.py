@@ -174,51 +174,21 @@ class VLLMRollout:
     ) -> Rollout:
         """G = num_generations samples of each rendered prompt, laid out as the native rollout's.
         `side` is not used: the engine schedules its own threads."""
-        # vLLM: optional, imported by use_vllm jobs only (see _build).
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
-
         config, group = self.config, self.config.num_generations
         prompt_ids, prompt_mask = tokenize_prompts(self.models.tokenizer, prompts, config.max_prompt_length)
-        requests = [
-            TokensPrompt(prompt_token_ids=ids[mask.bool()].tolist())
-            for ids, mask in zip(prompt_ids, prompt_mask, strict=True)
-        ]
+        requests = [ids[mask.bool()].tolist() for ids, mask in zip(prompt_ids, prompt_mask, strict=True)]
         # One seed per prompt: vLLM seeds each request on its own, so identical prompts with one
         # seed would get identical completions. A list gives each prompt's own seed.
         seeds = generator_seed if isinstance(generator_seed, list) else [
             generator_seed + index for index in range(len(requests))
         ]
-        params = [
-            SamplingParams(
-                n=group,
-                temperature=config.temperature,
-                top_p=config.top_p,
-                top_k=config.top_k,  # 0 = off, as ours
-                max_tokens=config.max_completion_length,
-                stop_token_ids=self.eos_ids,
-                logprobs=0,  # the sampled token's own log-prob
-                detokenize=False,
-                seed=seed % 2**31,
-            )
-            for seed in seeds
-        ]
-        if self._asleep:
-            self.llm.wake_up(tags=["kv_cache"])
-        outputs = self.llm.generate(requests, params, use_tqdm=False)
-        if self.sleep_mode:
-            self.llm.sleep(level=2)
-            self._asleep = True
-        samples = [sample for output in outputs for sample in output.outputs]  # (N,) prompt-major
-        width = max(1, max(len(sample.token_ids) for sample in samples))
+        samples = self._sample(requests, [seed % 2**31 for seed in seeds])  # (N,) prompt-major
+        width = max(1, max(len(ids) for ids, _ in samples))
         completion_ids = torch.full((len(samples), width), self.pad_id, dtype=torch.long)
         sampler_logps = torch.zeros((len(samples), width), dtype=torch.float32)
-        for row, sample in enumerate(samples):
-            ids = list(sample.token_ids)
+        for row, (ids, logps) in enumerate(samples):
             completion_ids[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-            sampler_logps[row, : len(ids)] = torch.tensor(
-                [position[token].logprob for position, token in zip(sample.logprobs, ids, strict=True)]
-            )
+            sampler_logps[row, : len(ids)] = torch.tensor(logps, dtype=torch.float32)
         completion_mask, is_truncated = completion_mask_after_eos(completion_ids, self.eos_ids)
         completion_ids = completion_ids.masked_fill(completion_mask == 0, self.pad_id)
         texts = self.models.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
@@ -233,31 +203,68 @@ class VLLMRollout:
             sampler_logps=(sampler_logps * completion_mask).to(self.device),
         )
 
-    @torch.no_grad()
-    def score(self, rollout: Rollout, rows: slice) -> Tensor:
-        """(B, C) the engine's log-probs of `rows`' completion tokens (raw logits, as vLLM's prompt log-probs
-        are), 0 after EOS: the weight-sync check's view of the weights the engine holds."""
+    def _sample(self, requests: list[list[int]], seeds: list[int]) -> list[tuple[list[int], list[float]]]:
+        """G samples of each prompt (token ids), prompt-major: each sample's token ids and their log-probs."""
         # vLLM: optional, imported by use_vllm jobs only (see _build).
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
+        config = self.config
+        params = [
+            SamplingParams(
+                n=config.num_generations,
+                temperature=config.temperature,
+                top_p=config.top_p,
+                top_k=config.top_k,  # 0 = off, as ours
+                max_tokens=config.max_completion_length,
+                stop_token_ids=self.eos_ids,
+                logprobs=0,  # the sampled token's own log-prob
+                detokenize=False,
+                seed=seed,
+            )
+            for seed in seeds
+        ]
+        if self._asleep:
+            self.llm.wake_up(tags=["kv_cache"])
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in requests], params, use_tqdm=False)
+        if self.sleep_mode:
+            self.llm.sleep(level=2)
+            self._asleep = True
+        return [
+            (list(sample.token_ids), [pos[token].logprob for pos, token in zip(sample.logprobs, sample.token_ids, strict=True)])
+            for output in outputs
+            for sample in output.outputs
+        ]
+
+    @torch.no_grad()
+    def score(self, rollout: Rollout, rows: slice) -> Tensor:
+        """(B, C) the engine's log-probs of `rows`' completion tokens (raw logits, as vLLM's prompt log-probs
+        are), 0 after EOS: the weight-sync check's view of the weights the engine holds."""
         ids, mask = rollout.input_ids[rows].cpu(), rollout.attention_mask[rows].cpu()
         completion_mask = rollout.completion_mask[rows].cpu()
-        requests = [TokensPrompt(prompt_token_ids=seq[keep.bool()].tolist()) for seq, keep in zip(ids, mask, strict=True)]
+        sequences = [seq[keep.bool()].tolist() for seq, keep in zip(ids, mask, strict=True)]
+        logps = torch.zeros(completion_mask.shape, dtype=torch.float32)
+        for row, (tokens, positions) in enumerate(zip(sequences, self._prompt_logprobs(sequences), strict=True)):
+            count = int(completion_mask[row].sum())
+            first = len(tokens) - count  # the completion's tokens end the sequence
+            logps[row, :count] = torch.tensor(positions[first:], dtype=torch.float32)
+        return logps.to(self.device)
+
+    def _prompt_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
+        """Each sequence's log-prob of every token after the first (position 0: 0.0), a prefill."""
+        # vLLM: optional, imported by use_vllm jobs only (see _build).
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
         if self._asleep:  # right after a sync: the weights are awake, the KV cache not yet
             self.llm.wake_up(tags=["kv_cache"])
             self._asleep = False  # the next rollout finds it awake and puts it to sleep after
-        outputs = self.llm.generate(requests, params, use_tqdm=False)
-        logps = torch.zeros(completion_mask.shape, dtype=torch.float32)
-        for row, output in enumerate(outputs):
-            tokens, positions = output.prompt_token_ids, output.prompt_logprobs
-            count = int(completion_mask[row].sum())
-            first = len(tokens) - count  # the completion's tokens end the sequence
-            logps[row, :count] = torch.tensor(
-                [positions[p][tokens[p]].logprob for p in range(first, len(tokens))], dtype=torch.float32
-            )
-        return logps.to(self.device)
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in sequences], params, use_tqdm=False)
+        return [
+            [0.0] + [output.prompt_logprobs[p][token].logprob for p, token in enumerate(ids) if p > 0]
+            for ids, output in zip(sequences, outputs, strict=True)
+        ]
 
     # --- weight sync ---------------------------------------------------------------------------
 

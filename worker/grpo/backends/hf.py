@@ -30,6 +30,7 @@ from worker.grpo.loss import LossSettings
 from worker.grpo.modeling import ModelBundle, iter_chunks
 from worker.grpo.rollout import NativeRollout, Rollout
 from worker.grpo.vllm_rollout import VLLMRollout
+from worker.grpo.vllm_server import VLLMServerRollout
 
 T = TypeVar("T")
 EarlyForward = tuple[slice, tuple[Tensor, Tensor | None]]  # (rows, (log-probs, entropy)) of the first mini-batch
@@ -61,8 +62,9 @@ class ModuleBackend:
         self.loss_settings = loss_settings
         self.lanes = StepLanes(models.policy.device, side=self.uses_side_lane)
         # Built from the weights already loaded (a checkpoint's when resuming); closed with the backend.
+        engine = VLLMServerRollout if config.vllm_mode == "server" else VLLMRollout
         self.rollouts: NativeRollout | VLLMRollout = (
-            VLLMRollout(models, config, output_dir, parallel)
+            engine(models, config, output_dir, parallel)
             if config.use_vllm
             else NativeRollout(models.policy, models.tokenizer, config, fast=models.fast, lockstep=parallel.lockstep)
         )
