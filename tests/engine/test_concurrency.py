@@ -150,7 +150,7 @@ def test_measured_decode_layouts_sample_the_same_tokens_and_follow_the_timings(
     def sample() -> torch.Tensor:
         used.clear()
         generator = torch.Generator().manual_seed(5)
-        return rollout.sample_completions(model, ids, mask, config, eos, 0, generator, side, fast=FusedPath(chooser))
+        return rollout.sample_completions(model, ids, mask, config, eos, 0, generator, side, fast=FusedPath(chooser))[0]
 
     tokens = [sample() for _ in range(4)]  # warm-up, then each of the three layouts once
     assert all(torch.equal(tokens[0], other) for other in tokens[1:])
@@ -183,7 +183,7 @@ def test_two_decode_lanes_sample_the_tokens_one_lane_samples(
 
     def sample(lane: SideThread | None) -> torch.Tensor:
         generator = torch.Generator().manual_seed(11)
-        return rollout.sample_completions(model, ids, mask, config, eos, 0, generator, lane, fast=FusedPath())
+        return rollout.sample_completions(model, ids, mask, config, eos, 0, generator, lane, fast=FusedPath())[0]
 
     one = sample(None)
     assert lanes == ["MainThread"]

@@ -149,7 +149,7 @@ def test_fast_and_generic_decoders_sample_the_same_tokens(model: PreTrainedModel
 
     def sample(fast: FusedPath | None) -> torch.Tensor:
         generator = torch.Generator().manual_seed(7)
-        return rollout.sample_completions(model, ids[:, :P], mask[:, :P], config, [2], 0, generator, fast=fast)
+        return rollout.sample_completions(model, ids[:, :P], mask[:, :P], config, [2], 0, generator, fast=fast)[0]
 
     fast, generic = sample(FusedPath()), sample(None)
     assert torch.equal(fast, generic)

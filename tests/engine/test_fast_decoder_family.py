@@ -451,7 +451,7 @@ def test_an_uncovered_model_decodes_like_generate() -> None:
     config = GRPOConfig.model_validate(
         {"max_steps": 1, "num_generations": 2, "max_completion_length": 8, "top_k": 1}
     )
-    ours = rollout.sample_completions(
+    ours, _ = rollout.sample_completions(
         model, prompt, prompt_mask, config, [2], 0, torch.Generator().manual_seed(1), fast=FusedPath()
     )
     with torch.no_grad():

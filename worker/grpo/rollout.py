@@ -245,7 +245,7 @@ def generate_rollout(
     sampler_logps = None
     try:
         if config.generation == "sample":
-            completion_ids, sampler_logps = sample_with_logprobs(
+            completion_ids, sampler_logps = sample_completions(
                 model, prompt_ids, prompt_mask, config, eos_ids, _pad_token_id(tokenizer),
                 _generators(generator_seed, device), side, fast=fast, lockstep=lockstep, with_logprobs=with_logprobs,
             )  # (N, C') with C' <= max_completion_length
@@ -418,29 +418,7 @@ def sample_completions(
     *,
     fast: FastPath | None = None,
     lockstep: Callable[[bool], bool] | None = None,
-) -> Tensor:
-    """Sample up to max_completion_length tokens per row; (B, P) left-padded prompts -> (B, C') ids
-    (`sample_with_logprobs` without the log-probs)."""
-    ids, _ = sample_with_logprobs(
-        model, prompt_ids, prompt_mask, config, eos_ids, pad_id, generator, side, fast=fast, lockstep=lockstep,
-        with_logprobs=False,
-    )
-    return ids
-
-
-def sample_with_logprobs(
-    model: Any,
-    prompt_ids: Tensor,
-    prompt_mask: Tensor,
-    config: GRPOConfig,
-    eos_ids: list[int],
-    pad_id: int,
-    generator: torch.Generator | list[torch.Generator] | None,
-    side: SideThread | None = None,
-    *,
-    fast: FastPath | None = None,
-    lockstep: Callable[[bool], bool] | None = None,
-    with_logprobs: bool = True,
+    with_logprobs: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """Sample up to max_completion_length tokens per row; (B, P) left-padded prompts -> (B, C') ids and, when
     `with_logprobs`, their (B, C') float32 log-probs under the sampling logits / temperature (the full vocabulary,
