@@ -264,13 +264,14 @@ class RolloutProducer:
                 self._cond.notify_all()
 
 
-def staleness_metrics(versions: list[int], step: int, producer: RolloutProducer, waited_s: float,
+def staleness_metrics(version: int, step: int, producer: RolloutProducer, waited_s: float,
                       step_s: float) -> dict[str, float]:
-    """async/*: the step's staleness (versions of its batches), drops so far, queue depth, busy fractions."""
-    staleness = [(step - 1) - v for v in versions]
+    """async/*: the staleness of the step's batch (sampled by `version`; mean and max over its samples, which
+    share it: TRL's names), drops so far, queue depth, busy fractions."""
+    staleness = float((step - 1) - version)
     return {
-        "async/staleness_mean": sum(staleness) / len(staleness),
-        "async/staleness_max": float(max(staleness)),
+        "async/staleness_mean": staleness,
+        "async/staleness_max": staleness,
         "async/dropped": float(producer.dropped),
         "async/queue_depth": float(producer.queued()),
         "async/producer_busy": min(1.0, producer.take_busy() / max(step_s, 1e-9)),

@@ -7,6 +7,11 @@ One step (https://arxiv.org/abs/2402.03300, algorithm 1; TRL's GRPOTrainer for t
     over mini-batches (gradient accumulation, clip, AdamW + scheduler step per pass) -> metrics
     -> periodic eval, sample logging and checkpoint.
 
+With async_generation the first phase is a producer thread's (`worker.grpo.async_rollout`): it samples and
+scores the next steps' batches from its own engine while this step trains, and the trainer takes them in step
+order, never staler than max_staleness; weights reach that engine, and are checked there, through
+`worker.grpo.weight_sync`.
+
 A "step" is one generation batch. With num_iterations = mu > 1 it makes mu optimiser updates
 (each pass over the batch is one update, as in PPO); with mu = 1 (the default) one update, the
 old log-probs are the detached current ones and no extra forward pass runs (as in TRL).
@@ -216,9 +221,9 @@ class GRPOTrainer:
         metrics = {**batch_metrics(batch), **train_stats, **timings, **sync_check}
         if self.producer is not None and self._produced is not None:
             metrics["time/reward_s"] = self._produced.timings["time/reward_s"]  # scored by the producer
-            metrics.update(staleness_metrics(
-                [self._produced.version], step, self.producer, waited, timings["time/step_s"]
-            ))
+            metrics.update(
+                staleness_metrics(self._produced.version, step, self.producer, waited, timings["time/step_s"])
+            )
         generated_tokens = sum(int(s.rollout.completion_mask.sum()) for s in batch.generated)
         metrics["tokens_per_s"] = generated_tokens / max(timings["time/step_s"], 1e-9)
         # Usage counts (metered per step by the service): completion tokens of every sampling round; prompt +
