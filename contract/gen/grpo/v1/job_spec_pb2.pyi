@@ -110,7 +110,7 @@ class _VllmModeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_VllmMode.Val
     """vLLM's server as a child process on loopback, weights pushed through the job's disk."""
 
 class VllmMode(_VllmMode, metaclass=_VllmModeEnumTypeWrapper):
-    """How the vLLM importance-sampling weight is applied (GRPOConfig.vllm_importance_sampling_mode)."""
+    """Where the vLLM engine runs (GRPOConfig.vllm_mode)."""
 
 VLLM_MODE_UNSPECIFIED: VllmMode.ValueType  # 0
 """Server default ("colocate")."""
@@ -137,7 +137,8 @@ class _VllmImportanceSamplingModeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWra
     VLLM_IMPORTANCE_SAMPLING_MODE_SEQUENCE_MASK: _VllmImportanceSamplingMode.ValueType  # 4
     """One ratio per completion, 0 outside [clip_min, clip_max]."""
 
-class VllmImportanceSamplingMode(_VllmImportanceSamplingMode, metaclass=_VllmImportanceSamplingModeEnumTypeWrapper): ...
+class VllmImportanceSamplingMode(_VllmImportanceSamplingMode, metaclass=_VllmImportanceSamplingModeEnumTypeWrapper):
+    """How the vLLM importance-sampling weight is applied (GRPOConfig.vllm_importance_sampling_mode)."""
 
 VLLM_IMPORTANCE_SAMPLING_MODE_UNSPECIFIED: VllmImportanceSamplingMode.ValueType  # 0
 """Server default ("sequence_mask")."""
