@@ -118,6 +118,35 @@ def test_a_stale_batch_is_dropped_and_regenerated() -> None:
     assert made[:2] == [(6, 0), (6, 5)]
 
 
+def test_the_last_batch_dropped_is_made_again() -> None:
+    """A drop can send the producer back after it made the run's last batch: it must still be there to make it."""
+
+    class Engine:
+        version = 3
+        lock = threading.Lock()
+
+    made: list[int] = []
+
+    def make(step: int) -> Produced:
+        made.append(step)
+        done: Future[Scored] = Future()
+        generated = Generated(rollout=None, rows=[], prompts=[])  # type: ignore[arg-type]
+        version = 0 if len(made) == 1 else Engine.version  # the first one lies: staleness 3 at step 4
+        return Produced(step, version, generated, done, {}, {})
+
+    producer = RolloutProducer(
+        make, Engine(), first_step=4, last_step=4, max_staleness=1, steps_ahead=2, rewind=lambda _: None
+    )
+    taken: list[Produced] = []
+    with producer:
+        time.sleep(0.5)  # the producer has made the last batch and has room for more: it is past the last step
+        taker = threading.Thread(target=lambda: taken.append(producer.take(4)), daemon=True)
+        taker.start()
+        taker.join(timeout=10)
+    assert taken and taken[0].version == 3, "the trainer waited for a batch the producer never made again"
+    assert made == [4, 4] and producer.dropped == 1
+
+
 def test_the_sync_check_catches_a_sampler_on_stale_weights(
     tmp_path: Path, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -143,10 +143,6 @@ class Produced:
     timings: dict[str, float] = field(default_factory=dict)  # time/generate_s, time/reward_s (filled when scored)
 
 
-class StaleBatch(RuntimeError):
-    """A batch older than max_staleness reached the trainer (dropped and regenerated)."""
-
-
 class RolloutProducer:
     """The producer thread and its bounded queue; see the module docstring for the rules."""
 
@@ -199,7 +195,8 @@ class RolloutProducer:
         while True:
             with self._cond:
                 self._cond.wait_for(lambda: bool(self._queue) or self._error is not None)
-                if self._error is not None:
+                if not self._queue:  # batches made before the producer failed are still trained
+                    assert self._error is not None
                     raise self._error
                 item = self._queue.popleft()
                 self._cond.notify_all()
@@ -225,6 +222,7 @@ class RolloutProducer:
             return busy
 
     def _drop_and_regenerate(self, item: Produced) -> None:
+        """Throw `item` and every batch after it away, and make them again from `item`'s prompts on."""
         with self._cond:
             self.dropped += 1 + len(self._queue)
             self._queue.clear()
@@ -236,15 +234,17 @@ class RolloutProducer:
     # --- the producer's side ---------------------------------------------------------------------
 
     def _ready(self, step: int) -> bool:
+        """Whether to make `step`'s batch now: there is room ahead and the sampler is fresh enough for it. Past the
+        last step the thread waits too (a drop may still send it back) until close() stops it."""
         fresh = (step - 1) - self.sampler.version <= self._max_staleness
-        return self._stopped or (len(self._queue) < self._ahead and fresh)
+        return self._stopped or (step <= self._last and len(self._queue) < self._ahead and fresh)
 
     def _run(self) -> None:
         try:
             while True:
                 with self._cond:
                     self._cond.wait_for(lambda: self._ready(self._next))
-                    if self._stopped or self._next > self._last:
+                    if self._stopped:
                         return
                     if self._rewind_to is not None:
                         self._rewind(self._rewind_to)
