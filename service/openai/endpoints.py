@@ -35,11 +35,13 @@ from service.openai.grading import grading_pool
 from service.openai.mapping import (
     JobCreate,
     checkpoint_object,
+    dataset_id,
     event_object,
     file_object,
     job_object,
     to_job_spec,
 )
+from service.openai.mapping import file_id as file_id_of
 from service.storage import get_storage
 from service.tenants.auth import CurrentTenant
 
@@ -99,18 +101,18 @@ def list_files(
 
 @router.get("/files/{file_id}", summary="Get a file")
 def get_file(file_id: PathId, session: SessionDep, tenant: CurrentTenant) -> dict[str, Any]:
-    return file_object(datasets.get_dataset(session, tenant.tenant_id, file_id))
+    return file_object(datasets.get_dataset(session, tenant.tenant_id, dataset_id(file_id)))
 
 
 @router.delete("/files/{file_id}", summary="Delete a file (refused while an unfinished job uses it)")
 def delete_file(file_id: PathId, session: SessionDep, tenant: CurrentTenant) -> dict[str, Any]:
-    datasets.delete_dataset(session, tenant.tenant_id, file_id, in_use=jobs.dataset_in_use)
-    return {"object": "file", "id": file_id, "deleted": True}
+    datasets.delete_dataset(session, tenant.tenant_id, dataset_id(file_id), in_use=jobs.dataset_in_use)
+    return {"object": "file", "id": file_id_of(dataset_id(file_id)), "deleted": True}
 
 
 @router.get("/files/{file_id}/content", summary="The file's bytes, as uploaded")
 def file_content(file_id: PathId, session: SessionDep, tenant: CurrentTenant) -> StreamingResponse:
-    row = datasets.get_dataset(session, tenant.tenant_id, file_id)
+    row = datasets.get_dataset(session, tenant.tenant_id, dataset_id(file_id))
     handle = get_storage().open(row.storage_key)
 
     def chunks() -> Iterator[bytes]:

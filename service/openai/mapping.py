@@ -30,6 +30,20 @@ DEFAULT_GENERATIONS = 8
 HYPER = "method.reinforcement.hyperparameters"
 GRADER = "method.reinforcement.grader"
 Auto = Literal["auto"]
+# OpenAI's file ids begin with "file-" and client code checks the prefix. A file here is one of our datasets:
+# "file-<body>" names the dataset "ds_<body>" (one ULID body, so either id finds the same rows).
+FILE_PREFIX = "file-"
+DATASET_PREFIX = "ds_"
+
+
+def file_id(dataset_id: str) -> str:
+    """The OpenAI file id of a dataset id; any other dataset reference (a name) is shown as it is."""
+    return FILE_PREFIX + dataset_id.removeprefix(DATASET_PREFIX) if dataset_id.startswith(DATASET_PREFIX) else dataset_id
+
+
+def dataset_id(file_id: str) -> str:
+    """The dataset a file id names; our own ids and dataset names are accepted as they are."""
+    return DATASET_PREFIX + file_id.removeprefix(FILE_PREFIX) if file_id.startswith(FILE_PREFIX) else file_id
 
 
 class Hyperparameters(BaseModel):
@@ -123,8 +137,8 @@ def to_job_spec(body: JobCreate) -> JobSpec:
     values = {
         "name": body.suffix,
         "base_model": body.model,
-        "train_dataset": body.training_file,
-        "eval_dataset": body.validation_file,
+        "train_dataset": dataset_id(body.training_file),
+        "eval_dataset": dataset_id(body.validation_file) if body.validation_file is not None else None,
         "rewards": [{"type": "grader", "grader": grader_dump(grader)}],
         "hyperparameters": config,
         "metadata": body.metadata or {},
@@ -178,8 +192,8 @@ def job_object(job: JobOut, fine_tuned_model: str | None, organization_id: str) 
         "fine_tuned_model": fine_tuned_model,
         "organization_id": organization_id,
         "status": _STATUS.get(job.status.value, job.status.value),
-        "training_file": job.train_dataset,
-        "validation_file": job.eval_dataset,
+        "training_file": file_id(job.train_dataset),
+        "validation_file": file_id(job.eval_dataset) if job.eval_dataset is not None else None,
         "result_files": [],
         "trained_tokens": None,
         "estimated_finish": None,
@@ -229,7 +243,7 @@ def checkpoint_object(checkpoint: Any) -> dict[str, Any]:
 def file_object(dataset: Any) -> dict[str, Any]:
     return {
         "object": "file",
-        "id": dataset.id,
+        "id": file_id(dataset.id),
         "bytes": dataset.bytes,
         "created_at": unix(dataset.created_at),
         "filename": dataset.name,

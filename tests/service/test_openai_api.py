@@ -54,6 +54,10 @@ class TestFiles:
         file = upload(client, tenant_a)
         assert file["object"] == "file" and file["purpose"] == "fine-tune" and file["status"] == "processed"
         assert file["filename"] == "rft.jsonl" and file["bytes"] > 0
+        # OpenAI's prefix (client code checks it); the body is the dataset's, so both ids name the same rows.
+        assert file["id"].startswith("file-")
+        dataset_id = "ds_" + file["id"].removeprefix("file-")
+        assert client.get(f"{BASE}/files/{dataset_id}", headers=tenant_a).json() == file
         listed = client.get(f"{BASE}/files", headers=tenant_a).json()
         assert listed["object"] == "list" and [f["id"] for f in listed["data"]] == [file["id"]]
         assert listed["has_more"] is False
@@ -61,8 +65,8 @@ class TestFiles:
         content = client.get(f"{BASE}/files/{file['id']}/content", headers=tenant_a)
         assert [json.loads(line) for line in content.content.splitlines()] == ROWS
         # The same file is one of our datasets, its rows read as prompts.
-        dataset = client.get(f"/v1/datasets/{file['id']}", headers=tenant_a).json()
-        assert dataset["num_rows"] == len(ROWS)
+        dataset = client.get(f"/v1/datasets/{dataset_id}", headers=tenant_a).json()
+        assert dataset["num_rows"] == len(ROWS) and dataset["id"] == dataset_id
         deleted = client.delete(f"{BASE}/files/{file['id']}", headers=tenant_a).json()
         assert deleted == {"object": "file", "id": file["id"], "deleted": True}
         assert_openai_error(client.get(f"{BASE}/files/{file['id']}", headers=tenant_a), 404, None)
@@ -97,7 +101,9 @@ class TestCreateJob:
         job = response.json()
         assert job["object"] == "fine_tuning.job" and job["status"] == "queued" and job["seed"] == 7
         assert job["method"]["reinforcement"]["grader"]["graders"]["exact"]["operation"] == "eq"
+        assert job["training_file"] == file["id"]
         ours = client.get(f"/v1/jobs/{job['id']}", headers=tenant_a).json()
+        assert ours["spec"]["train_dataset"] == "ds_" + file["id"].removeprefix("file-")
         hyper = ours["spec"]["hyperparameters"]
         assert (hyper["num_epochs"], hyper["prompts_per_step"], hyper["num_generations"]) == (2, 2, 4)
         assert hyper["learning_rate"] == pytest.approx(3e-6) and hyper["seed"] == 7

@@ -60,7 +60,7 @@ def test_openai_sdk_runs_a_reinforcement_job(tmp_path: Path, processes: Processe
     # --- files
     body = "".join(json.dumps(row) + "\n" for row in ROWS).encode()
     file = client.files.create(file=("repeat.jsonl", body), purpose="fine-tune")
-    assert file.status == "processed" and file.bytes == len(body)
+    assert file.status == "processed" and file.bytes == len(body) and file.id.startswith("file-")
     assert [f.id for f in client.files.list()] == [file.id]
     assert client.files.content(file.id).content == body
 
@@ -84,6 +84,7 @@ def test_openai_sdk_runs_a_reinforcement_job(tmp_path: Path, processes: Processe
     other = client.fine_tuning.jobs.create(model="builtin:tiny-instruct", training_file=file.id,
                                            method=method)  # type: ignore[arg-type]
     assert job.status == "queued" and job.method is not None and job.method.type == "reinforcement"
+    assert job.training_file == file.id
     assert client.fine_tuning.jobs.pause(other.id).status == "paused"
     assert client.fine_tuning.jobs.resume(other.id).status == "queued"
     assert client.fine_tuning.jobs.cancel(other.id).status == "cancelled"
