@@ -11,6 +11,7 @@ from cli import (
     checkpoints,
     datasets,
     demo,
+    environments,
     evals,
     jobs,
     keys,
@@ -28,6 +29,7 @@ app.add_typer(admin.app, name="admin")
 admin.app.command("set-budget")(usage.set_budget)
 app.add_typer(datasets.app, name="datasets")
 app.add_typer(rewards.app, name="rewards")
+app.add_typer(environments.app, name="envs")
 app.add_typer(jobs.app, name="jobs")
 app.add_typer(checkpoints.app, name="checkpoints")
 app.add_typer(evals.app, name="evals")

@@ -25,6 +25,7 @@ from client.sdk import JobProgress, checkpoint_file_targets
 from contract.api.api_keys import ApiKeyList, ApiKeyWithSecret
 from contract.api.checkpoints import CheckpointList, CheckpointOut
 from contract.api.datasets import DatasetList, DatasetOut
+from contract.api.environments import EnvironmentList, EnvironmentOut, EnvironmentWithSecret
 from contract.api.evaluations import ComparisonOut, EvaluationItemList, EvaluationList, EvaluationOut
 from contract.api.jobs import EventList, EventOut, JobList, JobOut, MetricsOut, SampleList
 from contract.api.quotas import QuotaLimits, QuotasOut
@@ -107,6 +108,24 @@ class AsyncGRPOClient:
 
     async def delete_dataset(self, dataset_id: str) -> None:
         await self._run(calls.delete_dataset(dataset_id))
+
+    async def register_environment(self, name: str, url: str, **options: Any) -> EnvironmentWithSecret:
+        return await self._run(calls.register_environment(name, url, **options))
+
+    async def list_environments(self, limit: int = 20, after: str | None = None) -> EnvironmentList:
+        return await self._run(calls.list_environments(limit, after))
+
+    async def get_environment(self, environment_id: str) -> EnvironmentOut:
+        return await self._run(calls.get_environment(environment_id))
+
+    async def check_environment(self, environment_id: str) -> EnvironmentOut:
+        return await self._run(calls.check_environment(environment_id))
+
+    async def delete_environment(self, environment_id: str) -> None:
+        await self._run(calls.delete_environment(environment_id))
+
+    async def rotate_environment_secret(self, environment_id: str) -> EnvironmentWithSecret:
+        return await self._run(calls.rotate_environment_secret(environment_id))
 
     async def register_reward_function(self, name: str, url: str, **options: Any) -> RewardFunctionWithSecret:
         return await self._run(calls.register_reward_function(name, url, **options))

@@ -14,6 +14,7 @@ from pydantic import BaseModel
 from contract.api.api_keys import ApiKeyList, ApiKeyWithSecret
 from contract.api.checkpoints import CheckpointList, CheckpointOut
 from contract.api.datasets import DatasetList, DatasetOut
+from contract.api.environments import EnvironmentList, EnvironmentOut, EnvironmentWithSecret
 from contract.api.evaluations import ComparisonOut, EvaluationItemList, EvaluationList, EvaluationOut
 from contract.api.jobs import EventList, JobList, JobOut, MetricsOut, SampleList
 from contract.api.quotas import QuotaLimits, QuotasOut
@@ -100,6 +101,33 @@ class calls:  # noqa: N801 - a namespace of request builders, one per endpoint
         return Call(
             "POST", f"/v1/reward-functions/{reward_function_id}/test", RewardTestResult, json={"items": items}
         )
+
+    @staticmethod
+    def register_environment(name: str, url: str, **options: Any) -> Call[EnvironmentWithSecret]:
+        """`options`: max_concurrency, step_timeout_s, episode_timeout_s, max_attempts, backoff_s,
+        breaker_threshold, headers (POST /v1/environments); unset ones take the server's defaults."""
+        body = query_params(name=name, url=url, **options)
+        return Call("POST", "/v1/environments", EnvironmentWithSecret, json=body)
+
+    @staticmethod
+    def list_environments(limit: int = 20, after: str | None = None) -> Call[EnvironmentList]:
+        return Call("GET", "/v1/environments", EnvironmentList, query_params(limit=limit, after=after), idempotent=True)
+
+    @staticmethod
+    def get_environment(environment_id: str) -> Call[EnvironmentOut]:
+        return Call("GET", f"/v1/environments/{environment_id}", EnvironmentOut, idempotent=True)
+
+    @staticmethod
+    def check_environment(environment_id: str) -> Call[EnvironmentOut]:
+        return Call("POST", f"/v1/environments/{environment_id}/check", EnvironmentOut, idempotent=True)
+
+    @staticmethod
+    def delete_environment(environment_id: str) -> Call[BaseModel]:
+        return Call("DELETE", f"/v1/environments/{environment_id}", None)
+
+    @staticmethod
+    def rotate_environment_secret(environment_id: str) -> Call[EnvironmentWithSecret]:
+        return Call("POST", f"/v1/environments/{environment_id}/rotate-secret", EnvironmentWithSecret)
 
     @staticmethod
     def create_job(spec: JobSpec | dict[str, Any], idempotency_key: str | None = None) -> Call[JobOut]:

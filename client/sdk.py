@@ -39,6 +39,7 @@ from client.http import (
 from contract.api.api_keys import ApiKeyList, ApiKeyWithSecret
 from contract.api.checkpoints import CheckpointList, CheckpointOut
 from contract.api.datasets import DatasetList, DatasetOut
+from contract.api.environments import EnvironmentList, EnvironmentOut, EnvironmentWithSecret
 from contract.api.evaluations import ComparisonOut, EvaluationItemList, EvaluationList, EvaluationOut
 from contract.api.jobs import EventList, EventOut, JobList, JobOut, MetricsOut, SampleList
 from contract.api.quotas import QuotaLimits, QuotasOut
@@ -193,6 +194,25 @@ class GRPOClient:
 
     def delete_dataset(self, dataset_id: str) -> None:
         self._run(calls.delete_dataset(dataset_id))
+
+    # --- environments
+    def register_environment(self, name: str, url: str, **options: Any) -> EnvironmentWithSecret:
+        return self._run(calls.register_environment(name, url, **options))
+
+    def list_environments(self, limit: int = 20, after: str | None = None) -> EnvironmentList:
+        return self._run(calls.list_environments(limit, after))
+
+    def get_environment(self, environment_id: str) -> EnvironmentOut:
+        return self._run(calls.get_environment(environment_id))
+
+    def check_environment(self, environment_id: str) -> EnvironmentOut:
+        return self._run(calls.check_environment(environment_id))
+
+    def delete_environment(self, environment_id: str) -> None:
+        self._run(calls.delete_environment(environment_id))
+
+    def rotate_environment_secret(self, environment_id: str) -> EnvironmentWithSecret:
+        return self._run(calls.rotate_environment_secret(environment_id))
 
     # --- reward functions
     def register_reward_function(self, name: str, url: str, **options: Any) -> RewardFunctionWithSecret:

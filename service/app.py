@@ -17,6 +17,7 @@ from starlette.routing import Match
 from service.admin.endpoints import router as admin_router
 from service.checkpoints.endpoints import router as checkpoints_router
 from service.datasets.endpoints import router as datasets_router
+from service.environments.endpoints import router as environments_router
 from service.evaluations.endpoints import router as evaluations_router
 from service.jobs.endpoints import router as jobs_router
 from service.jobs.service import dataset_in_use
@@ -148,6 +149,7 @@ def create_app() -> FastAPI:
     app.include_router(ops_router)
     app.include_router(datasets_router, prefix="/v1")
     app.include_router(rewards_router, prefix="/v1")
+    app.include_router(environments_router, prefix="/v1")
     app.include_router(checkpoints_router, prefix="/v1")
     app.include_router(evaluations_router, prefix="/v1")
     app.include_router(webhooks_router, prefix="/v1")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from service.checkpoints import models as checkpoints_models
 from service.datasets import models as datasets_models
+from service.environments import models as environments_models
 from service.evaluations import models as evaluations_models
 from service.jobs import models as jobs_models
 from service.kit.db import Base
@@ -17,6 +18,7 @@ __all__ = [
     "Base",
     "checkpoints_models",
     "datasets_models",
+    "environments_models",
     "evaluations_models",
     "jobs_models",
     "quotas_models",

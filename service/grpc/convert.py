@@ -25,6 +25,7 @@ from pydantic import ValidationError
 
 from contract.api.checkpoints import CheckpointOut
 from contract.api.datasets import DatasetOut
+from contract.api.environments import EnvironmentOut
 from contract.api.evaluations import (
     ComparisonOut,
     EvaluationItemOut,
@@ -39,6 +40,7 @@ from contract.gen.grpo.v1 import (
     checkpoints_pb2,
     common_pb2,
     datasets_pb2,
+    environments_pb2,
     evaluations_pb2,
     job_spec_pb2,
     jobs_pb2,
@@ -46,6 +48,7 @@ from contract.gen.grpo.v1 import (
     reward_pb2,
 )
 from contract.spec import JobSpec
+from service.environments.schemas import EnvironmentCreate
 from service.grpc.errors import from_validation_error
 from service.jobs.states import JobStatus
 from service.kit.errors import ValidationFailed
@@ -481,6 +484,33 @@ def reward_function_to_proto(row: RewardFunctionOut) -> reward_functions_pb2.Rew
         breaker_threshold=row.breaker_threshold,
         step_deadline_s=row.step_deadline_s,
         max_abstain_fraction=row.max_abstain_fraction,
+    )
+
+
+def environment_create_from_proto(message: environments_pb2.RegisterEnvironmentRequest) -> EnvironmentCreate:
+    """The REST create body from the request (only the fields the client set); errors name the field."""
+    try:
+        return EnvironmentCreate.model_validate(_set_fields(message))
+    except ValidationError as exc:
+        raise from_validation_error(exc) from exc
+
+
+def _struct(value: dict[str, Any]) -> struct_pb2.Struct:
+    message = struct_pb2.Struct()
+    message.update(value)
+    return message
+
+
+def environment_to_proto(row: EnvironmentOut) -> environments_pb2.Environment:
+    return environments_pb2.Environment(
+        id=row.id, name=row.name, url=row.url, max_concurrency=row.max_concurrency,
+        step_timeout_s=row.step_timeout_s, episode_timeout_s=row.episode_timeout_s, max_attempts=row.max_attempts,
+        backoff_s=row.backoff_s, breaker_threshold=row.breaker_threshold, headers=row.headers,
+        health_status=row.health.status, health_latency_ms=row.health.latency_ms,
+        checked_at=timestamp(row.health.checked_at), action_schema=_struct(row.schemas.action),
+        observation_schema=_struct(row.schemas.observation), state_schema=_struct(row.schemas.state),
+        created_at=timestamp(row.created_at), updated_at=timestamp(row.updated_at),
+        previous_secret_expires_at=timestamp(row.previous_secret_expires_at),
     )
 
 

@@ -56,6 +56,14 @@ _SERVICES: dict[str, dict[str, Scope]] = {
         "RotateRewardFunctionSecret": "write",
         "TestRewardFunction": "write",  # calls the user's endpoint
     },
+    "grpo.v1.EnvironmentService": {
+        "RegisterEnvironment": "write",
+        "GetEnvironment": "read",
+        "ListEnvironments": "read",
+        "CheckEnvironment": "write",  # POST /v1/environments/{id}/check: calls the user's server
+        "DeleteEnvironment": "write",
+        "RotateEnvironmentSecret": "write",
+    },
     "grpo.v1.QuotaService": {
         "GetTenantQuotas": "admin",
         "SetTenantQuotas": "admin",

@@ -40,7 +40,9 @@ class Settings(BaseSettings):
         "may send, never below 5 MiB (upload chunks are up to 4 MiB).",
     )
     allow_private_reward_urls: bool | None = Field(
-        None, description="Allow loopback/private reward URLs. None = allowed in development, refused in production."
+        None,
+        description="Allow loopback/private reward, webhook and environment URLs. None = allowed in development, "
+        "refused in production.",
     )
     model_local_roots: list[str] | None = Field(
         None,

@@ -42,7 +42,27 @@ RESERVED_HEADER_PREFIXES = ("webhook-", "proxy-", "x-forwarded-")
 REDACTED = "<redacted>"
 MAX_HEADERS = 32
 _TOKEN = re.compile(r"^[!#$%&'*+\-.^_`|~0-9A-Za-z]{1,128}$")  # RFC 9110 field-name
-_NAME = r"^[A-Za-z0-9][A-Za-z0-9_.\- ]{0,127}$"
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.\- ]{0,127}$"
+
+
+def check_headers(headers: dict[str, str]) -> dict[str, str]:
+    """Extra headers a user may have sent to their endpoint (reward functions, environments): valid names,
+    none reserved or repeated, values bounded. ValueError naming the header otherwise."""
+    if len(headers) > MAX_HEADERS:
+        raise ValueError(f"at most {MAX_HEADERS} headers")
+    seen: set[str] = set()
+    for name, value in headers.items():
+        lowered = name.lower()
+        if not _TOKEN.match(name):
+            raise ValueError(f"header name {name!r} is not a valid HTTP field name")
+        if lowered in RESERVED_HEADERS or lowered.startswith(RESERVED_HEADER_PREFIXES):
+            raise ValueError(f"header {name!r} is reserved (set by the worker or the HTTP client)")
+        if lowered in seen:
+            raise ValueError(f"header {name!r} is given twice (names are case-insensitive)")
+        seen.add(lowered)
+        if len(value) > 4096:
+            raise ValueError(f"header {name!r} value is longer than 4096")
+    return headers
 
 
 class RewardFunctionCreate(BaseModel):
@@ -62,7 +82,7 @@ class RewardFunctionCreate(BaseModel):
         },
     )
 
-    name: str = Field(pattern=_NAME, description="Display name (letters, digits, space, '_', '.', '-').")
+    name: str = Field(pattern=NAME_PATTERN, description="Display name (letters, digits, space, '_', '.', '-').")
     url: str = Field(
         min_length=1,
         max_length=2048,
@@ -105,21 +125,7 @@ class RewardFunctionCreate(BaseModel):
     @field_validator("headers")
     @classmethod
     def _check_headers(cls, headers: dict[str, str]) -> dict[str, str]:
-        if len(headers) > MAX_HEADERS:
-            raise ValueError(f"at most {MAX_HEADERS} headers")
-        seen: set[str] = set()
-        for name, value in headers.items():
-            lowered = name.lower()
-            if not _TOKEN.match(name):
-                raise ValueError(f"header name {name!r} is not a valid HTTP field name")
-            if lowered in RESERVED_HEADERS or lowered.startswith(RESERVED_HEADER_PREFIXES):
-                raise ValueError(f"header {name!r} is reserved (set by the worker or the HTTP client)")
-            if lowered in seen:
-                raise ValueError(f"header {name!r} is given twice (names are case-insensitive)")
-            seen.add(lowered)
-            if len(value) > 4096:
-                raise ValueError(f"header {name!r} value is longer than 4096")
-        return headers
+        return check_headers(headers)
 
     @model_validator(mode="after")
     def _grpc_headers_are_metadata(self) -> RewardFunctionCreate:

@@ -12,7 +12,7 @@ import base64
 import secrets
 from collections.abc import Coroutine, Sequence
 from datetime import datetime, timedelta
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from sqlalchemy.orm import Session
 
@@ -137,14 +137,29 @@ def rotate_secret(session: Session, tenant_id: str, rf_id: str) -> RewardFunctio
     row = repository.get(session, tenant_id, rf_id, for_update=True)
     if row is None:
         raise NotFound("reward function", rf_id)
+    replace_secret(row)
+    session.flush()
+    return row
+
+
+class SignedEndpoint(Protocol):
+    """A registered endpoint the worker signs its requests to (reward functions, environments)."""
+
+    signing_secret: str
+    previous_signing_secret: str | None
+    previous_secret_expires_at: datetime | None
+    updated_at: datetime
+
+
+def replace_secret(row: SignedEndpoint) -> None:
+    """A new signing secret; the replaced one keeps signing until the overlap ends, and a rotation within the
+    overlap drops the older secret at once."""
     now = utcnow()
     until = rotation_overlap_end(now)
     row.previous_signing_secret = row.signing_secret if until is not None else None
     row.previous_secret_expires_at = until
     row.signing_secret = new_signing_secret()
     row.updated_at = now
-    session.flush()
-    return row
 
 
 def get_for_job(session: Session, rf_id: str) -> RewardFunction:

@@ -17,6 +17,7 @@ from contract.gen.grpo.v1 import (
     api_keys_pb2,
     checkpoints_pb2,
     datasets_pb2,
+    environments_pb2,
     evaluations_pb2,
     jobs_pb2,
     quotas_pb2,
@@ -26,11 +27,13 @@ from contract.gen.grpo.v1 import (
 from service.admin import endpoints as quotas_rest
 from service.checkpoints import endpoints as checkpoints_rest
 from service.datasets import endpoints as datasets_rest
+from service.environments import endpoints as environments_rest
 from service.evaluations import endpoints as evaluations_rest
 from service.grpc import watch
 from service.grpc.servicers import api_keys as api_keys_grpc
 from service.grpc.servicers import checkpoints as checkpoints_grpc
 from service.grpc.servicers import datasets as datasets_grpc
+from service.grpc.servicers import environments as environments_grpc
 from service.grpc.servicers import evaluations as evaluations_grpc
 from service.grpc.servicers import jobs as jobs_grpc
 from service.grpc.servicers import quotas as quotas_grpc
@@ -70,6 +73,12 @@ OPERATIONS: list[tuple[str, ModuleType, str, tuple[ModuleType, ...], str]] = [
     ("GET /v1/checkpoints/{checkpoint_id}", checkpoints_rest, "CheckpointService.GetCheckpoint", (checkpoints_grpc,), "service.get_checkpoint"),
     # Per-file Range download over REST; DownloadCheckpoint streams every (or the chosen) files with offsets.
     ("GET /v1/checkpoints/{checkpoint_id}/files/{path}", checkpoints_rest, "CheckpointService.DownloadCheckpoint", (checkpoints_grpc,), "service.manifest_entry"),
+    ("POST /v1/environments", environments_rest, "EnvironmentService.RegisterEnvironment", (environments_grpc,), "service.create_environment"),
+    ("GET /v1/environments", environments_rest, "EnvironmentService.ListEnvironments", (environments_grpc,), "service.list_environments"),
+    ("GET /v1/environments/{environment_id}", environments_rest, "EnvironmentService.GetEnvironment", (environments_grpc,), "service.get_environment"),
+    ("POST /v1/environments/{environment_id}/check", environments_rest, "EnvironmentService.CheckEnvironment", (environments_grpc,), "service.check_environment"),
+    ("DELETE /v1/environments/{environment_id}", environments_rest, "EnvironmentService.DeleteEnvironment", (environments_grpc,), "service.delete_environment"),
+    ("POST /v1/environments/{environment_id}/rotate-secret", environments_rest, "EnvironmentService.RotateEnvironmentSecret", (environments_grpc,), "service.rotate_secret"),
     ("POST /v1/evaluations", evaluations_rest, "EvaluationService.CreateEvaluation", (evaluations_grpc,), "service.create_evaluation"),
     ("GET /v1/evaluations", evaluations_rest, "EvaluationService.ListEvaluations", (evaluations_grpc,), "service.list_evaluations"),
     ("GET /v1/evaluations/{evaluation_id}", evaluations_rest, "EvaluationService.GetEvaluation", (evaluations_grpc,), "service.get_evaluation"),
@@ -112,6 +121,7 @@ SERVICES = [
         (evaluations_pb2.DESCRIPTOR, "EvaluationService"),
         (checkpoints_pb2.DESCRIPTOR, "CheckpointService"),
         (reward_functions_pb2.DESCRIPTOR, "RewardFunctionService"),
+        (environments_pb2.DESCRIPTOR, "EnvironmentService"),
         (api_keys_pb2.DESCRIPTOR, "ApiKeyService"),
         (quotas_pb2.DESCRIPTOR, "QuotaService"),
         (usage_pb2.DESCRIPTOR, "UsageService"),

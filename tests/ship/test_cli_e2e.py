@@ -73,6 +73,10 @@ def test_cli_upload_register_create_watch_download(tmp_path: Path, processes: Pr
 
     # --- a live `grpo serve` (REST + gRPC + embedded worker on SQLite and the embedded broker)
     serve = processes.start("serve", [*GRPO, "serve", "--worker", "--migrate"], env)
+    # The example OpenEnv environment, its own process, starting while the service does.
+    env_port = free_port()
+    calculator = processes.start("calculator", [PYTHON, "-m", "uvicorn", "examples.environments.calculator:app",
+                                                "--host", "127.0.0.1", "--port", str(env_port)], env)
     wait_http_ok(f"{api_url}/readyz", serve, timeout=60)
     created = run_cli(env, "admin", "create-tenant", "ship-e2e")
     assert created.returncode == 0, describe(created)
@@ -100,6 +104,15 @@ def test_cli_upload_register_create_watch_download(tmp_path: Path, processes: Pr
     )
     wait_http_ok(f"http://127.0.0.1:{reward_port}/healthz", server, timeout=30)
     stages["upload + register + reward server"] = time.monotonic() - started
+
+    # --- an environment: registered (its /health and /schema read by the service), listed, checked again
+    wait_http_ok(f"http://127.0.0.1:{env_port}/health", calculator, timeout=60)
+    environment = cli_json(cli_env, "envs", "register", "calculator", f"http://127.0.0.1:{env_port}")
+    assert isinstance(environment, dict) and environment["health"]["status"] == "healthy", environment
+    assert environment["signing_secret"].startswith("whsec_") and "tool_name" in str(environment["schemas"])
+    checked = cli_json(cli_env, "envs", "check", environment["id"])
+    assert isinstance(checked, dict) and checked["health"]["checked_at"] >= environment["health"]["checked_at"]
+    stages["environment"] = time.monotonic() - started
 
     # --- create -> watch (exit code is the job's outcome: 0 = succeeded)
     spec = write_spec(tmp_path / "spec.yaml", dataset["id"], reward["id"])

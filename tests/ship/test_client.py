@@ -37,6 +37,7 @@ from service.kit.config import get_settings
 from service.kit.errors import Unauthenticated
 from tests.service.factories import create_tenant
 from tests.ship.conftest import free_port
+from tests.worker.reward_servers import serving
 
 PLACEHOLDER = re.compile(r"\{[^}]*\}")
 JOB_ACTIONS = ("cancel", "pause", "resume")
@@ -241,6 +242,22 @@ def test_sync_client_against_live_server(live_api: LiveAPI, tmp_path: Path) -> N
         assert fetched.max_batch_size == 8 and "signing_secret" not in fetched.model_dump()
         rotated = client.rotate_reward_secret(reward.id)
         assert rotated.id == reward.id and rotated.signing_secret != reward.signing_secret
+
+        # environments: register an OpenEnv server (read now), check it again, rotate, delete
+        # OpenEnv and its app: only this test needs them.
+        from examples.environments.calculator import app as calculator
+
+        with serving(calculator) as env_url:
+            env = client.register_environment("calculator", env_url, max_concurrency=2)
+            assert env.signing_secret.startswith("whsec_") and env.health.status == "healthy"
+            assert "tool_name" in env.schemas.action["properties"] and env.max_concurrency == 2
+            assert client.check_environment(env.id).health.checked_at >= env.health.checked_at
+            assert [e.id for e in client.list_environments().data] == [env.id]
+            assert client.rotate_environment_secret(env.id).signing_secret != env.signing_secret
+            client.delete_environment(env.id)
+            with pytest.raises(APIError) as missing:
+                client.get_environment(env.id)
+            assert missing.value.status == 404
 
         # jobs: the first create's answer is lost; the retry carries the same auto key and gets the same job
         job = client.create_job(job_spec(dataset.id))

@@ -15,6 +15,8 @@ from contract.gen.grpo.v1 import (
     checkpoints_pb2_grpc,
     datasets_pb2,
     datasets_pb2_grpc,
+    environments_pb2,
+    environments_pb2_grpc,
     evaluations_pb2,
     evaluations_pb2_grpc,
     jobs_pb2,
@@ -29,6 +31,7 @@ from contract.gen.grpo.v1 import (
 from service.grpc.servicers.api_keys import ApiKeyServicer
 from service.grpc.servicers.checkpoints import CheckpointServicer
 from service.grpc.servicers.datasets import DatasetServicer
+from service.grpc.servicers.environments import EnvironmentServicer
 from service.grpc.servicers.evaluations import EvaluationServicer
 from service.grpc.servicers.jobs import JobServicer
 from service.grpc.servicers.quotas import QuotaServicer
@@ -46,6 +49,7 @@ def register_all(server: grpc.aio.Server, reads: Reads = THREADED_READS) -> tupl
     evaluations_pb2_grpc.add_EvaluationServiceServicer_to_server(EvaluationServicer(), server)
     checkpoints_pb2_grpc.add_CheckpointServiceServicer_to_server(CheckpointServicer(), server)
     reward_functions_pb2_grpc.add_RewardFunctionServiceServicer_to_server(RewardFunctionServicer(), server)
+    environments_pb2_grpc.add_EnvironmentServiceServicer_to_server(EnvironmentServicer(), server)
     api_keys_pb2_grpc.add_ApiKeyServiceServicer_to_server(ApiKeyServicer(), server)
     quotas_pb2_grpc.add_QuotaServiceServicer_to_server(QuotaServicer(), server)
     usage_pb2_grpc.add_UsageServiceServicer_to_server(UsageServicer(), server)
@@ -56,6 +60,7 @@ def register_all(server: grpc.aio.Server, reads: Reads = THREADED_READS) -> tupl
         jobs_pb2.DESCRIPTOR.services_by_name["JobService"].full_name,
         evaluations_pb2.DESCRIPTOR.services_by_name["EvaluationService"].full_name,
         reward_functions_pb2.DESCRIPTOR.services_by_name["RewardFunctionService"].full_name,
+        environments_pb2.DESCRIPTOR.services_by_name["EnvironmentService"].full_name,
         quotas_pb2.DESCRIPTOR.services_by_name["QuotaService"].full_name,
         usage_pb2.DESCRIPTOR.services_by_name["UsageService"].full_name,
     )
