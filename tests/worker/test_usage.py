@@ -6,6 +6,7 @@ of a CPU job is within 2x of what it used."""
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
@@ -62,20 +63,28 @@ def _get(client: TestClient, tenant: TenantHeaders, path: str, **params: str) ->
 
 
 @pytest.fixture
-def one_thread() -> Iterator[None]:
-    """One torch thread: a CPU job's CPU-seconds then measure its work, not OpenMP spinning on a loaded machine."""
-    import torch
+def job_process() -> Iterator[None]:
+    """This test process as a job's own would be, so that its CPU-seconds measure the jobs' work: one torch thread
+    (not OpenMP spinning on a loaded machine), and the objects every earlier test of this pytest worker left behind
+    frozen out of the garbage collector (a fresh job process has none; their full collections, at random steps,
+    were billed to whichever job ran then)."""
+    import torch  # only this fixture of the module touches torch directly
 
     previous = torch.get_num_threads()
     torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+        torch.set_num_threads(previous)
 
 
 class TestUsage:
     def test_usage_is_the_sum_of_step_records_and_of_reported_completion_lengths(
         self, settings: Settings, tenant_a: TenantHeaders, tenant_b: TenantHeaders, client: TestClient,
-        one_thread: None,
+        job_process: None,
     ) -> None:
         # In production each job runs in a fresh process and pays torch's first-step warm-up, which its
         # calibration then includes. Here every job shares this process: warm it up with another tenant's job
