@@ -12,9 +12,11 @@ LOWEST_PINS := transformers==5.0.0 huggingface_hub==1.33.0 tokenizers==0.22.2
 LOWEST_STAMP := $(LOWEST)/.installed
 export PYTHONUNBUFFERED := 1
 # pytest-xdist workers: one per core, at most 8 (each has its own PostgreSQL database, Redis brokers and ports).
-# Whole files go to a worker (`--dist loadfile`): module-scoped stacks and models are built once.
+# Whole files go to a worker (`--dist loadfile`): module-scoped stacks and models are built once. They go in
+# collection order, files with a slow test first (tests/conftest.py); xdist's own reorder (most tests first) would
+# leave the longest single tests to the end, one worker running them while the other idles.
 PYTEST_WORKERS ?= $(shell n=$$(nproc); echo $$(( n < 8 ? n : 8 )))
-XDIST := -n $(PYTEST_WORKERS) --dist loadfile
+XDIST := -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 .PHONY: install test lint typecheck pytest test-lowest demo proto bench gpu-wheels clean
 
