@@ -126,33 +126,44 @@ class Episode:
         self.attempts = 1
 
     async def send(self, message: Mapping[str, Any]) -> Observation:
-        """Send one message and read its answer, within the step and episode timeouts."""
+        """Send one message and read its observation, within the step and episode timeouts."""
+        return _observation(self.config.environment_id, await self._exchange(message))
+
+    async def _exchange(self, message: Mapping[str, Any]) -> str | bytes:
         left = self._deadline - time.monotonic()
         if left <= 0:
             raise EpisodeFailed(f"{self.config.environment_id}: episode_timeout_s "
                                 f"({self.config.episode_timeout_s:g} s) passed")
         timeout = min(self.config.step_timeout_s, left)
+        too_big = f"{self.config.environment_id}: an answer larger than {self.config.max_message_bytes} bytes"
         try:
             async with asyncio.timeout(timeout):
                 try:
                     await self._connection.send(json.dumps(message))
                 except ConnectionClosed:
                     pass  # its answer may be queued already (CAPACITY_REACHED comes before the close): read it
-                raw = await self._connection.recv()
+                return await self._connection.recv()
         except TimeoutError as exc:
             raise EpisodeFailed(f"{self.config.environment_id}: no answer within {timeout:.3g} s") from exc
         except PayloadTooBig as exc:
-            raise EpisodeFailed(f"{self.config.environment_id}: an answer larger than "
-                                f"{self.config.max_message_bytes} bytes") from exc
+            raise EpisodeFailed(too_big) from exc
         except ConnectionClosed as exc:
             if 1009 in (getattr(exc.rcvd, "code", None), getattr(exc.sent, "code", None)):  # message too big
-                raise EpisodeFailed(f"{self.config.environment_id}: an answer larger than "
-                                    f"{self.config.max_message_bytes} bytes") from exc
+                raise EpisodeFailed(too_big) from exc
             raise EpisodeFailed(f"{self.config.environment_id}: the server closed the episode ({exc})") from exc
-        return _observation(self.config.environment_id, raw)
 
     async def step(self, action: Mapping[str, Any]) -> Observation:
         return await self.send({"type": "step", "data": dict(action)})
+
+    async def state(self) -> dict[str, Any]:
+        """The environment's state (OpenEnv's `state` message): works before any reset."""
+        raw = await self._exchange({"type": "state"})
+        message = _json(self.config.environment_id, raw)
+        if message.get("type") != "state" or not isinstance(message.get("data"), dict):
+            _raise_error(self.config.environment_id, message)
+            raise EpisodeFailed(f"{self.config.environment_id}: an answer of type {message.get('type')!r}, "
+                                "not 'state'")
+        return dict(message["data"])
 
     async def close(self) -> None:
         """Tell the server the episode is over (best effort) and close the connection."""
@@ -164,24 +175,36 @@ class Episode:
             self._connection.transport.abort()
 
 
-def _observation(environment_id: str, raw: str | bytes) -> Observation:
-    """The observation of one answer; an error answer raises (EnvironmentBusy for CAPACITY_REACHED)."""
+def _json(environment_id: str, raw: str | bytes) -> dict[str, Any]:
     try:
         message = json.loads(raw)
     except ValueError as exc:
         raise EpisodeFailed(f"{environment_id}: an answer that is not JSON") from exc
-    kind = message.get("type") if isinstance(message, dict) else None
-    data = message.get("data") if isinstance(message, dict) else None
-    if kind == "error":
-        code = data.get("code") if isinstance(data, dict) else None
-        text = str(data.get("message", ""))[:500] if isinstance(data, dict) else ""
-        if code == CAPACITY_REACHED:
-            raise EnvironmentBusy(f"{environment_id}: at capacity ({text})")
-        raise EpisodeFailed(f"{environment_id}: the environment answered {code or 'an error'}: {text}")
-    if kind != "observation":
-        raise EpisodeFailed(f"{environment_id}: an answer of type {kind!r}, not 'observation'")
+    if not isinstance(message, dict):
+        raise EpisodeFailed(f"{environment_id}: an answer that is not a JSON object")
+    return message
+
+
+def _raise_error(environment_id: str, message: dict[str, Any]) -> None:
+    """Raise for an error answer (EnvironmentBusy for CAPACITY_REACHED); return for any other."""
+    if message.get("type") != "error":
+        return
+    data = message.get("data")
+    code = data.get("code") if isinstance(data, dict) else None
+    text = str(data.get("message", ""))[:500] if isinstance(data, dict) else ""
+    if code == CAPACITY_REACHED:
+        raise EnvironmentBusy(f"{environment_id}: at capacity ({text})")
+    raise EpisodeFailed(f"{environment_id}: the environment answered {code or 'an error'}: {text}")
+
+
+def _observation(environment_id: str, raw: str | bytes) -> Observation:
+    """The observation of one answer; an error answer raises (EnvironmentBusy for CAPACITY_REACHED)."""
+    message = _json(environment_id, raw)
+    _raise_error(environment_id, message)
+    if message.get("type") != "observation":
+        raise EpisodeFailed(f"{environment_id}: an answer of type {message.get('type')!r}, not 'observation'")
     try:
-        return Observation.model_validate(data)
+        return Observation.model_validate(message.get("data"))
     except ValidationError as exc:
         error = exc.errors()[0]
         where = ".".join(str(part) for part in error["loc"]) or "data"
@@ -219,19 +242,23 @@ def _handshake_failure(environment_id: str, exc: Exception) -> EpisodeError:
     return EpisodeFailed(f"{environment_id}: the handshake answered HTTP {code}{where}")
 
 
+def _retrying(config: EnvironmentConfig) -> AsyncRetrying:
+    """Opening is retried while the server is busy or down: `max_attempts`, full-jitter backoff."""
+    return AsyncRetrying(
+        stop=stop_after_attempt(config.max_attempts),
+        wait=wait_random_exponential(multiplier=config.backoff_s, max=config.backoff_max_s),
+        retry=retry_if_exception_type((EnvironmentBusy, EnvironmentDown)),
+        reraise=True,
+    )
+
+
 async def open_episode(
     config: EnvironmentConfig, row: Mapping[str, Any], *, resolver: Resolver | None = None
 ) -> tuple[Episode, Observation]:
     """Connect and reset with `row`'s fields; retried while the server is busy or down (`max_attempts`, backoff).
     Raises EnvironmentBusy / EnvironmentDown once attempts run out, EpisodeFailed, or UrlRejected."""
     deadline = time.monotonic() + config.episode_timeout_s
-    retrying = AsyncRetrying(
-        stop=stop_after_attempt(config.max_attempts),
-        wait=wait_random_exponential(multiplier=config.backoff_s, max=config.backoff_max_s),
-        retry=retry_if_exception_type((EnvironmentBusy, EnvironmentDown)),
-        reraise=True,
-    )
-    async for attempt in retrying:
+    async for attempt in _retrying(config):
         with attempt:
             episode = Episode(config, await _connect(config, resolver), deadline)
             episode.attempts = attempt.retry_state.attempt_number
@@ -241,4 +268,18 @@ async def open_episode(
                 await episode.close()
                 raise
             return episode, first
+    raise AssertionError("unreachable: tenacity reraises the last failure")
+
+
+async def check_session(config: EnvironmentConfig, *, resolver: Resolver | None = None) -> dict[str, Any]:
+    """Open a session the way an episode is opened and ask for its state (no reset: no row is needed); returns
+    the state. The same failures as `open_episode`."""
+    deadline = time.monotonic() + config.episode_timeout_s
+    async for attempt in _retrying(config):
+        with attempt:
+            session = Episode(config, await _connect(config, resolver), deadline)
+            try:
+                return await session.state()
+            finally:
+                await session.close()
     raise AssertionError("unreachable: tenacity reraises the last failure")

@@ -12,6 +12,10 @@ class EnvironmentHealth(BaseModel):
     status: str = Field(description="What `/health` answered at the last check ('healthy' when registered).")
     checked_at: datetime
     latency_ms: float = Field(description="Wall time of the last check's `/health` and `/schema` reads.")
+    session_status: Literal["ok", "at_capacity"] = Field(
+        description="A session opened over `WS /ws` as an episode is, asked for its state: 'ok', or 'at_capacity' "
+        "when the server answered CAPACITY_REACHED (it speaks the protocol; every session was taken)."
+    )
 
 
 class EnvironmentSchemas(BaseModel):

@@ -35,6 +35,7 @@ def upgrade() -> None:
         sa.Column("schemas", sa.JSON(), nullable=False),
         sa.Column("health_status", sa.String(length=32), nullable=False),
         sa.Column("health_latency_ms", sa.Float(), nullable=False),
+        sa.Column("session_status", sa.String(length=32), nullable=False),
         sa.Column("checked_at", sa.DateTime(timezone=True), nullable=False),
         sa.Column("signing_secret", sa.String(length=128), nullable=False),
         sa.Column("previous_signing_secret", sa.String(length=128), nullable=True),

@@ -35,6 +35,7 @@ class Environment(Base):
     schemas: Mapped[dict[str, Any]] = mapped_column(JSON)
     health_status: Mapped[str] = mapped_column(String(32))
     health_latency_ms: Mapped[float] = mapped_column(Float)
+    session_status: Mapped[str] = mapped_column(String(32))
     checked_at: Mapped[datetime] = mapped_column(UTCDateTime())
     signing_secret: Mapped[str] = mapped_column(String(128))
     previous_signing_secret: Mapped[str | None] = mapped_column(String(128), nullable=True)

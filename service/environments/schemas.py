@@ -90,7 +90,7 @@ def environment_out(row: Environment) -> EnvironmentOut:
         breaker_threshold=row.breaker_threshold,
         headers=redact_headers(dict(row.headers)),
         health=EnvironmentHealth(status=row.health_status, checked_at=row.checked_at,
-                                 latency_ms=row.health_latency_ms),
+                                 latency_ms=row.health_latency_ms, session_status=row.session_status),
         schemas=EnvironmentSchemas.model_validate(row.schemas),
         created_at=row.created_at,
         updated_at=row.updated_at,

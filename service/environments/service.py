@@ -9,12 +9,20 @@ as OpenEnv does, so a job never starts against a URL that was wrong from the beg
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
 
 import grpc
 from sqlalchemy.orm import Session
 
 from outbound.openenv_probe import EnvironmentInvalid, EnvironmentUnavailable, ProbeResult, probe
-from outbound.signing import SigningKeys
+from outbound.openenv_session import (
+    EnvironmentBusy,
+    EnvironmentConfig,
+    EnvironmentDown,
+    EpisodeFailed,
+    check_session,
+)
 from outbound.urlpolicy import UrlRejected
 from service.environments import repository
 from service.environments.models import Environment
@@ -53,24 +61,52 @@ class EnvironmentNotOpenEnv(DomainError):
     grpc_status = grpc.StatusCode.FAILED_PRECONDITION
 
 
-def _probe(url: str, keys: SigningKeys, headers: dict[str, str], timeout_s: float) -> ProbeResult:
-    """Read the server's health and schemas; each failure a DomainError naming the `url` field."""
-    details = {"field": "url", "url": url}
+@dataclass(frozen=True)
+class Check:
+    """What one check read: `/health` and `/schema`, then a session over `WS /ws`."""
+
+    probe: ProbeResult
+    session_status: str
+
+
+def _session_config(env_id: str, url: str, keys: tuple[str, str | None, datetime | None], headers: dict[str, str],
+                    step_timeout_s: float) -> EnvironmentConfig:
+    # One attempt and a short episode: a check must not hold the API request for a job's patience.
+    secret, previous, until = keys
+    return EnvironmentConfig(
+        environment_id=env_id, url=url, secret=secret, previous_secret=previous, previous_secret_until=until,
+        headers=headers, step_timeout_s=min(step_timeout_s, CHECK_TIMEOUT_S), episode_timeout_s=CHECK_TIMEOUT_S,
+        max_attempts=1, allow_private=bool(get_settings().allow_private_reward_urls),
+    )
+
+
+def _check(config: EnvironmentConfig) -> Check:
+    """Read the server's health and schemas, then open a session and ask its state; each failure a DomainError
+    naming the `url` field. A session refused for capacity passes: the server spoke the protocol."""
+    details = {"field": "url", "url": config.url}
+    timeout = min(config.step_timeout_s, CHECK_TIMEOUT_S)
     try:
-        return run_blocking(probe(url, keys=keys, headers=headers, timeout_s=min(timeout_s, CHECK_TIMEOUT_S),
-                                  allow_private=bool(get_settings().allow_private_reward_urls)))
+        result = run_blocking(probe(config.url, keys=config.keys(), headers=dict(config.headers), timeout_s=timeout,
+                                    allow_private=config.allow_private))
+        try:
+            run_blocking(check_session(config))
+            session = "ok"
+        except EnvironmentBusy:
+            session = "at_capacity"
     except UrlRejected as exc:
         raise UrlNotAllowed(exc.message, details={**details, **(exc.details or {})}) from exc
-    except EnvironmentUnavailable as exc:
+    except (EnvironmentUnavailable, EnvironmentDown) as exc:
         raise EnvironmentUnreachable(f"url: environment server did not answer: {exc}", details=details) from exc
-    except EnvironmentInvalid as exc:
+    except (EnvironmentInvalid, EpisodeFailed) as exc:
         raise EnvironmentNotOpenEnv(f"url: not an OpenEnv server: {exc}", details=details) from exc
+    return Check(result, session)
 
 
-def _record(row: Environment, result: ProbeResult) -> None:
-    row.schemas = result.schemas.model_dump()
-    row.health_status = result.status
-    row.health_latency_ms = result.latency_ms
+def _record(row: Environment, check: Check) -> None:
+    row.schemas = check.probe.schemas.model_dump()
+    row.health_status = check.probe.status
+    row.health_latency_ms = check.probe.latency_ms
+    row.session_status = check.session_status
     row.checked_at = utcnow()
 
 
@@ -79,17 +115,17 @@ def create_environment(session: Session, tenant_id: str, spec: EnvironmentCreate
     before any SQL, so no transaction is open while it answers. Raises UrlNotAllowed, EnvironmentUnreachable,
     EnvironmentNotOpenEnv."""
     url = check_registration_url(spec.url, allow_private=bool(get_settings().allow_private_reward_urls))
-    secret = new_signing_secret()
-    result = _probe(url, SigningKeys.load(secret), dict(spec.headers), spec.step_timeout_s)
+    secret, env_id = new_signing_secret(), new_id("env")
+    check = _check(_session_config(env_id, url, (secret, None, None), dict(spec.headers), spec.step_timeout_s))
     now = utcnow()
     row = Environment(
-        id=new_id("env"), tenant_id=tenant_id, name=spec.name, url=url,
+        id=env_id, tenant_id=tenant_id, name=spec.name, url=url,
         max_concurrency=spec.max_concurrency, step_timeout_s=spec.step_timeout_s,
         episode_timeout_s=spec.episode_timeout_s, max_attempts=spec.max_attempts, backoff_s=spec.backoff_s,
         breaker_threshold=spec.breaker_threshold, headers=dict(spec.headers), signing_secret=secret,
         created_at=now, updated_at=now,
     )
-    _record(row, result)
+    _record(row, check)
     repository.add(session, row)
     return row
 
@@ -112,10 +148,10 @@ def list_environments(
 def check_environment(session: Session, tenant_id: str, env_id: str) -> Environment:
     """Read `/health` and `/schema` again and record them; a failure changes nothing and names the url."""
     row = get_environment(session, tenant_id, env_id)
-    keys = SigningKeys.load(row.signing_secret, previous_secret_in_overlap(
-        row.previous_signing_secret, row.previous_secret_expires_at, utcnow()), row.previous_secret_expires_at)
-    result = _probe(row.url, keys, {str(k): str(v) for k, v in row.headers.items()}, row.step_timeout_s)
-    _record(row, result)
+    previous = previous_secret_in_overlap(row.previous_signing_secret, row.previous_secret_expires_at, utcnow())
+    keys = (row.signing_secret, previous, row.previous_secret_expires_at if previous is not None else None)
+    headers = {str(k): str(v) for k, v in row.headers.items()}
+    _record(row, _check(_session_config(row.id, row.url, keys, headers, row.step_timeout_s)))
     row.updated_at = utcnow()
     session.flush()
     return row

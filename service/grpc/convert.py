@@ -507,6 +507,7 @@ def environment_to_proto(row: EnvironmentOut) -> environments_pb2.Environment:
         step_timeout_s=row.step_timeout_s, episode_timeout_s=row.episode_timeout_s, max_attempts=row.max_attempts,
         backoff_s=row.backoff_s, breaker_threshold=row.breaker_threshold, headers=row.headers,
         health_status=row.health.status, health_latency_ms=row.health.latency_ms,
+        session_status=row.health.session_status,
         checked_at=timestamp(row.health.checked_at), action_schema=_struct(row.schemas.action),
         observation_schema=_struct(row.schemas.observation), state_schema=_struct(row.schemas.state),
         created_at=timestamp(row.created_at), updated_at=timestamp(row.updated_at),

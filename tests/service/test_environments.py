@@ -5,8 +5,11 @@ environment is the same 404 as a random id."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import threading
 from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import UTC, datetime
 from typing import Any
 
@@ -20,6 +23,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, RedirectRespons
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from outbound.openenv_session import EnvironmentConfig, open_episode
 from service.environments.models import Environment
 from service.kit.config import Settings
 from service.kit.db import session_scope
@@ -28,6 +32,7 @@ from tests.worker.procs import free_port
 from tests.worker.reward_servers import serving
 
 BASE = "/v1/environments"
+CALCULATOR_SESSIONS = 8  # examples/environments/calculator.py's default capacity
 
 
 class Recorder:
@@ -38,7 +43,7 @@ class Recorder:
         self.requests: list[tuple[str, dict[str, str]]] = []
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http":
+        if scope["type"] in ("http", "websocket"):
             headers = {k.decode().lower(): v.decode() for k, v in scope["headers"]}
             self.requests.append((scope["path"], headers))
         await self.app(scope, receive, send)
@@ -66,6 +71,8 @@ async def _misbehaving(request: Request) -> Response:
         return JSONResponse({"status": "unhealthy"})
     if page == "health":
         return JSONResponse({"status": "healthy"})
+    if kind == "nows":  # the HTTP side of OpenEnv, no WebSocket
+        return JSONResponse({"action": {"type": "object"}, "observation": {"type": "object"}, "state": {}})
     if kind == "big":
         return JSONResponse({"action": {"x": "y" * (2 << 20)}, "observation": {}})
     return JSONResponse({"action": {"type": "object"}})  # "noschema": no observation schema
@@ -105,11 +112,13 @@ class TestRegister:
         body = response.json()
         assert body["id"].startswith("env_") and body["url"].rstrip("/") == url and body["max_concurrency"] == 4
         assert body["health"]["status"] == "healthy" and body["health"]["latency_ms"] > 0
+        assert body["health"]["session_status"] == "ok"
         # The calculator's own action schema, as OpenEnv published it: MCP tool calls.
         assert body["schemas"]["action"]["properties"]["tool_name"]["type"] == "string"
         assert "observation" in body["schemas"] and body["headers"] == {"Authorization": "<redacted>"}
-        # Both reads carried the user's header and a Standard Webhooks signature made with the new secret.
-        assert [path for path, _ in recorder.requests] == ["/health", "/schema"]
+        # Both reads and the session's handshake carried the user's header and a Standard Webhooks signature made
+        # with the new secret.
+        assert [path for path, _ in recorder.requests] == ["/health", "/schema", "/ws"]
         for _, headers in recorder.requests:
             assert headers["authorization"] == "Bearer t"
             assert signed_by(body["signing_secret"], headers)
@@ -127,6 +136,7 @@ class TestRegister:
             ("html", 422, "environment_invalid_response", "not JSON"),
             ("noschema", 422, "environment_invalid_response", "observation"),
             ("big", 422, "environment_invalid_response", "larger than"),
+            ("nows", 422, "environment_invalid_response", "handshake answered HTTP 403"),
         ],
     )
     def test_a_server_that_is_down_or_not_openenv_is_refused_naming_the_url(
@@ -177,7 +187,39 @@ class TestRegister:
         assert recorder.requests == [] and _rows() == 0
 
 
+@contextmanager
+def every_session_taken(url: str) -> Iterator[None]:
+    """Hold as many episodes on the calculator as it allows (a thread with its own event loop)."""
+    opened, release = threading.Event(), threading.Event()
+
+    async def hold() -> None:
+        config = EnvironmentConfig(environment_id="holder", url=url, secret="whsec_" + "A" * 32, allow_private=True)
+        episodes = [(await open_episode(config, {"answer": "1"}))[0] for _ in range(CALCULATOR_SESSIONS)]
+        opened.set()
+        await asyncio.to_thread(release.wait)
+        for episode in episodes:
+            await episode.close()
+
+    thread = threading.Thread(target=asyncio.run, args=(hold(),), daemon=True)
+    thread.start()
+    assert opened.wait(30)
+    try:
+        yield
+    finally:
+        release.set()
+        thread.join(30)
+
+
 class TestCheckRotateDelete:
+    def test_a_server_at_capacity_registers_as_such(
+        self, client: TestClient, tenant_a: TenantHeaders, calculator: tuple[str, Recorder]
+    ) -> None:
+        with every_session_taken(calculator[0]):
+            body = create(client, tenant_a, calculator[0]).json()
+        assert body["health"]["session_status"] == "at_capacity"
+        checked = client.post(f"{BASE}/{body['id']}/check", headers=tenant_a).json()
+        assert checked["health"]["session_status"] == "ok"
+
     def test_check_reads_again_and_a_failed_check_changes_nothing(
         self, client: TestClient, tenant_a: TenantHeaders, calculator: tuple[str, Recorder]
     ) -> None:

@@ -26,7 +26,7 @@ from google.protobuf import struct_pb2 as google_dot_protobuf_dot_struct__pb2
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1agrpo/v1/environments.proto\x12\x07grpo.v1\x1a\x1cgoogle/protobuf/struct.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\xbe\x05\n\x0b\x45nvironment\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0b\n\x03url\x18\x03 \x01(\t\x12\x17\n\x0fmax_concurrency\x18\x04 \x01(\x05\x12\x16\n\x0estep_timeout_s\x18\x05 \x01(\x01\x12\x19\n\x11\x65pisode_timeout_s\x18\x06 \x01(\x01\x12\x14\n\x0cmax_attempts\x18\x07 \x01(\x05\x12\x11\n\tbackoff_s\x18\x08 \x01(\x01\x12\x19\n\x11\x62reaker_threshold\x18\t \x01(\x05\x12\x32\n\x07headers\x18\n \x03(\x0b\x32!.grpo.v1.Environment.HeadersEntry\x12\x15\n\rhealth_status\x18\x0b \x01(\t\x12\x19\n\x11health_latency_ms\x18\x0c \x01(\x01\x12.\n\nchecked_at\x18\r \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12.\n\raction_schema\x18\x0e \x01(\x0b\x32\x17.google.protobuf.Struct\x12\x33\n\x12observation_schema\x18\x0f \x01(\x0b\x32\x17.google.protobuf.Struct\x12-\n\x0cstate_schema\x18\x10 \x01(\x0b\x32\x17.google.protobuf.Struct\x12.\n\ncreated_at\x18\x11 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12.\n\nupdated_at\x18\x12 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12>\n\x1aprevious_secret_expires_at\x18\x13 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x1a.\n\x0cHeadersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xca\x03\n\x1aRegisterEnvironmentRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0b\n\x03url\x18\x02 \x01(\t\x12\x1c\n\x0fmax_concurrency\x18\x03 \x01(\x05H\x00\x88\x01\x01\x12\x1b\n\x0estep_timeout_s\x18\x04 \x01(\x01H\x01\x88\x01\x01\x12\x1e\n\x11\x65pisode_timeout_s\x18\x05 \x01(\x01H\x02\x88\x01\x01\x12\x19\n\x0cmax_attempts\x18\x06 \x01(\x05H\x03\x88\x01\x01\x12\x16\n\tbackoff_s\x18\x07 \x01(\x01H\x04\x88\x01\x01\x12\x1e\n\x11\x62reaker_threshold\x18\x08 \x01(\x05H\x05\x88\x01\x01\x12\x41\n\x07headers\x18\t \x03(\x0b\x32\x30.grpo.v1.RegisterEnvironmentRequest.HeadersEntry\x1a.\n\x0cHeadersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x12\n\x10_max_concurrencyB\x11\n\x0f_step_timeout_sB\x14\n\x12_episode_timeout_sB\x0f\n\r_max_attemptsB\x0c\n\n_backoff_sB\x14\n\x12_breaker_threshold\"`\n\x1bRegisterEnvironmentResponse\x12)\n\x0b\x65nvironment\x18\x01 \x01(\x0b\x32\x14.grpo.v1.Environment\x12\x16\n\x0esigning_secret\x18\x02 \x01(\t\"/\n\x15GetEnvironmentRequest\x12\x16\n\x0e\x65nvironment_id\x18\x01 \x01(\t\"C\n\x16GetEnvironmentResponse\x12)\n\x0b\x65nvironment\x18\x01 \x01(\x0b\x32\x14.grpo.v1.Environment\"@\n\x17ListEnvironmentsRequest\x12\x11\n\tpage_size\x18\x01 \x01(\x05\x12\x12\n\npage_token\x18\x02 \x01(\t\"_\n\x18ListEnvironmentsResponse\x12*\n\x0c\x65nvironments\x18\x01 \x03(\x0b\x32\x14.grpo.v1.Environment\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"1\n\x17\x43heckEnvironmentRequest\x12\x16\n\x0e\x65nvironment_id\x18\x01 \x01(\t\"E\n\x18\x43heckEnvironmentResponse\x12)\n\x0b\x65nvironment\x18\x01 \x01(\x0b\x32\x14.grpo.v1.Environment\"2\n\x18\x44\x65leteEnvironmentRequest\x12\x16\n\x0e\x65nvironment_id\x18\x01 \x01(\t\"\x1b\n\x19\x44\x65leteEnvironmentResponse\"8\n\x1eRotateEnvironmentSecretRequest\x12\x16\n\x0e\x65nvironment_id\x18\x01 \x01(\t\"d\n\x1fRotateEnvironmentSecretResponse\x12)\n\x0b\x65nvironment\x18\x01 \x01(\x0b\x32\x14.grpo.v1.Environment\x12\x16\n\x0esigning_secret\x18\x02 \x01(\t2\xc5\x04\n\x12\x45nvironmentService\x12`\n\x13RegisterEnvironment\x12#.grpo.v1.RegisterEnvironmentRequest\x1a$.grpo.v1.RegisterEnvironmentResponse\x12Q\n\x0eGetEnvironment\x12\x1e.grpo.v1.GetEnvironmentRequest\x1a\x1f.grpo.v1.GetEnvironmentResponse\x12W\n\x10ListEnvironments\x12 .grpo.v1.ListEnvironmentsRequest\x1a!.grpo.v1.ListEnvironmentsResponse\x12W\n\x10\x43heckEnvironment\x12 .grpo.v1.CheckEnvironmentRequest\x1a!.grpo.v1.CheckEnvironmentResponse\x12Z\n\x11\x44\x65leteEnvironment\x12!.grpo.v1.DeleteEnvironmentRequest\x1a\".grpo.v1.DeleteEnvironmentResponse\x12l\n\x17RotateEnvironmentSecret\x12\'.grpo.v1.RotateEnvironmentSecretRequest\x1a(.grpo.v1.RotateEnvironmentSecretResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1agrpo/v1/environments.proto\x12\x07grpo.v1\x1a\x1cgoogle/protobuf/struct.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\xd6\x05\n\x0b\x45nvironment\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0b\n\x03url\x18\x03 \x01(\t\x12\x17\n\x0fmax_concurrency\x18\x04 \x01(\x05\x12\x16\n\x0estep_timeout_s\x18\x05 \x01(\x01\x12\x19\n\x11\x65pisode_timeout_s\x18\x06 \x01(\x01\x12\x14\n\x0cmax_attempts\x18\x07 \x01(\x05\x12\x11\n\tbackoff_s\x18\x08 \x01(\x01\x12\x19\n\x11\x62reaker_threshold\x18\t \x01(\x05\x12\x32\n\x07headers\x18\n \x03(\x0b\x32!.grpo.v1.Environment.HeadersEntry\x12\x15\n\rhealth_status\x18\x0b \x01(\t\x12\x19\n\x11health_latency_ms\x18\x0c \x01(\x01\x12.\n\nchecked_at\x18\r \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12.\n\raction_schema\x18\x0e \x01(\x0b\x32\x17.google.protobuf.Struct\x12\x33\n\x12observation_schema\x18\x0f \x01(\x0b\x32\x17.google.protobuf.Struct\x12-\n\x0cstate_schema\x18\x10 \x01(\x0b\x32\x17.google.protobuf.Struct\x12.\n\ncreated_at\x18\x11 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12.\n\nupdated_at\x18\x12 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12>\n\x1aprevious_secret_expires_at\x18\x13 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x16\n\x0esession_status\x18\x14 \x01(\t\x1a.\n\x0cHeadersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xca\x03\n\x1aRegisterEnvironmentRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0b\n\x03url\x18\x02 \x01(\t\x12\x1c\n\x0fmax_concurrency\x18\x03 \x01(\x05H\x00\x88\x01\x01\x12\x1b\n\x0estep_timeout_s\x18\x04 \x01(\x01H\x01\x88\x01\x01\x12\x1e\n\x11\x65pisode_timeout_s\x18\x05 \x01(\x01H\x02\x88\x01\x01\x12\x19\n\x0cmax_attempts\x18\x06 \x01(\x05H\x03\x88\x01\x01\x12\x16\n\tbackoff_s\x18\x07 \x01(\x01H\x04\x88\x01\x01\x12\x1e\n\x11\x62reaker_threshold\x18\x08 \x01(\x05H\x05\x88\x01\x01\x12\x41\n\x07headers\x18\t \x03(\x0b\x32\x30.grpo.v1.RegisterEnvironmentRequest.HeadersEntry\x1a.\n\x0cHeadersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x12\n\x10_max_concurrencyB\x11\n\x0f_step_timeout_sB\x14\n\x12_episode_timeout_sB\x0f\n\r_max_attemptsB\x0c\n\n_backoff_sB\x14\n\x12_breaker_threshold\"`\n\x1bRegisterEnvironmentResponse\x12)\n\x0b\x65nvironment\x18\x01 \x01(\x0b\x32\x14.grpo.v1.Environment\x12\x16\n\x0esigning_secret\x18\x02 \x01(\t\"/\n\x15GetEnvironmentRequest\x12\x16\n\x0e\x65nvironment_id\x18\x01 \x01(\t\"C\n\x16GetEnvironmentResponse\x12)\n\x0b\x65nvironment\x18\x01 \x01(\x0b\x32\x14.grpo.v1.Environment\"@\n\x17ListEnvironmentsRequest\x12\x11\n\tpage_size\x18\x01 \x01(\x05\x12\x12\n\npage_token\x18\x02 \x01(\t\"_\n\x18ListEnvironmentsResponse\x12*\n\x0c\x65nvironments\x18\x01 \x03(\x0b\x32\x14.grpo.v1.Environment\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"1\n\x17\x43heckEnvironmentRequest\x12\x16\n\x0e\x65nvironment_id\x18\x01 \x01(\t\"E\n\x18\x43heckEnvironmentResponse\x12)\n\x0b\x65nvironment\x18\x01 \x01(\x0b\x32\x14.grpo.v1.Environment\"2\n\x18\x44\x65leteEnvironmentRequest\x12\x16\n\x0e\x65nvironment_id\x18\x01 \x01(\t\"\x1b\n\x19\x44\x65leteEnvironmentResponse\"8\n\x1eRotateEnvironmentSecretRequest\x12\x16\n\x0e\x65nvironment_id\x18\x01 \x01(\t\"d\n\x1fRotateEnvironmentSecretResponse\x12)\n\x0b\x65nvironment\x18\x01 \x01(\x0b\x32\x14.grpo.v1.Environment\x12\x16\n\x0esigning_secret\x18\x02 \x01(\t2\xc5\x04\n\x12\x45nvironmentService\x12`\n\x13RegisterEnvironment\x12#.grpo.v1.RegisterEnvironmentRequest\x1a$.grpo.v1.RegisterEnvironmentResponse\x12Q\n\x0eGetEnvironment\x12\x1e.grpo.v1.GetEnvironmentRequest\x1a\x1f.grpo.v1.GetEnvironmentResponse\x12W\n\x10ListEnvironments\x12 .grpo.v1.ListEnvironmentsRequest\x1a!.grpo.v1.ListEnvironmentsResponse\x12W\n\x10\x43heckEnvironment\x12 .grpo.v1.CheckEnvironmentRequest\x1a!.grpo.v1.CheckEnvironmentResponse\x12Z\n\x11\x44\x65leteEnvironment\x12!.grpo.v1.DeleteEnvironmentRequest\x1a\".grpo.v1.DeleteEnvironmentResponse\x12l\n\x17RotateEnvironmentSecret\x12\'.grpo.v1.RotateEnvironmentSecretRequest\x1a(.grpo.v1.RotateEnvironmentSecretResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,35 +38,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_REGISTERENVIRONMENTREQUEST_HEADERSENTRY']._loaded_options = None
   _globals['_REGISTERENVIRONMENTREQUEST_HEADERSENTRY']._serialized_options = b'8\001'
   _globals['_ENVIRONMENT']._serialized_start=103
-  _globals['_ENVIRONMENT']._serialized_end=805
-  _globals['_ENVIRONMENT_HEADERSENTRY']._serialized_start=759
-  _globals['_ENVIRONMENT_HEADERSENTRY']._serialized_end=805
-  _globals['_REGISTERENVIRONMENTREQUEST']._serialized_start=808
-  _globals['_REGISTERENVIRONMENTREQUEST']._serialized_end=1266
-  _globals['_REGISTERENVIRONMENTREQUEST_HEADERSENTRY']._serialized_start=759
-  _globals['_REGISTERENVIRONMENTREQUEST_HEADERSENTRY']._serialized_end=805
-  _globals['_REGISTERENVIRONMENTRESPONSE']._serialized_start=1268
-  _globals['_REGISTERENVIRONMENTRESPONSE']._serialized_end=1364
-  _globals['_GETENVIRONMENTREQUEST']._serialized_start=1366
-  _globals['_GETENVIRONMENTREQUEST']._serialized_end=1413
-  _globals['_GETENVIRONMENTRESPONSE']._serialized_start=1415
-  _globals['_GETENVIRONMENTRESPONSE']._serialized_end=1482
-  _globals['_LISTENVIRONMENTSREQUEST']._serialized_start=1484
-  _globals['_LISTENVIRONMENTSREQUEST']._serialized_end=1548
-  _globals['_LISTENVIRONMENTSRESPONSE']._serialized_start=1550
-  _globals['_LISTENVIRONMENTSRESPONSE']._serialized_end=1645
-  _globals['_CHECKENVIRONMENTREQUEST']._serialized_start=1647
-  _globals['_CHECKENVIRONMENTREQUEST']._serialized_end=1696
-  _globals['_CHECKENVIRONMENTRESPONSE']._serialized_start=1698
-  _globals['_CHECKENVIRONMENTRESPONSE']._serialized_end=1767
-  _globals['_DELETEENVIRONMENTREQUEST']._serialized_start=1769
-  _globals['_DELETEENVIRONMENTREQUEST']._serialized_end=1819
-  _globals['_DELETEENVIRONMENTRESPONSE']._serialized_start=1821
-  _globals['_DELETEENVIRONMENTRESPONSE']._serialized_end=1848
-  _globals['_ROTATEENVIRONMENTSECRETREQUEST']._serialized_start=1850
-  _globals['_ROTATEENVIRONMENTSECRETREQUEST']._serialized_end=1906
-  _globals['_ROTATEENVIRONMENTSECRETRESPONSE']._serialized_start=1908
-  _globals['_ROTATEENVIRONMENTSECRETRESPONSE']._serialized_end=2008
-  _globals['_ENVIRONMENTSERVICE']._serialized_start=2011
-  _globals['_ENVIRONMENTSERVICE']._serialized_end=2592
+  _globals['_ENVIRONMENT']._serialized_end=829
+  _globals['_ENVIRONMENT_HEADERSENTRY']._serialized_start=783
+  _globals['_ENVIRONMENT_HEADERSENTRY']._serialized_end=829
+  _globals['_REGISTERENVIRONMENTREQUEST']._serialized_start=832
+  _globals['_REGISTERENVIRONMENTREQUEST']._serialized_end=1290
+  _globals['_REGISTERENVIRONMENTREQUEST_HEADERSENTRY']._serialized_start=783
+  _globals['_REGISTERENVIRONMENTREQUEST_HEADERSENTRY']._serialized_end=829
+  _globals['_REGISTERENVIRONMENTRESPONSE']._serialized_start=1292
+  _globals['_REGISTERENVIRONMENTRESPONSE']._serialized_end=1388
+  _globals['_GETENVIRONMENTREQUEST']._serialized_start=1390
+  _globals['_GETENVIRONMENTREQUEST']._serialized_end=1437
+  _globals['_GETENVIRONMENTRESPONSE']._serialized_start=1439
+  _globals['_GETENVIRONMENTRESPONSE']._serialized_end=1506
+  _globals['_LISTENVIRONMENTSREQUEST']._serialized_start=1508
+  _globals['_LISTENVIRONMENTSREQUEST']._serialized_end=1572
+  _globals['_LISTENVIRONMENTSRESPONSE']._serialized_start=1574
+  _globals['_LISTENVIRONMENTSRESPONSE']._serialized_end=1669
+  _globals['_CHECKENVIRONMENTREQUEST']._serialized_start=1671
+  _globals['_CHECKENVIRONMENTREQUEST']._serialized_end=1720
+  _globals['_CHECKENVIRONMENTRESPONSE']._serialized_start=1722
+  _globals['_CHECKENVIRONMENTRESPONSE']._serialized_end=1791
+  _globals['_DELETEENVIRONMENTREQUEST']._serialized_start=1793
+  _globals['_DELETEENVIRONMENTREQUEST']._serialized_end=1843
+  _globals['_DELETEENVIRONMENTRESPONSE']._serialized_start=1845
+  _globals['_DELETEENVIRONMENTRESPONSE']._serialized_end=1872
+  _globals['_ROTATEENVIRONMENTSECRETREQUEST']._serialized_start=1874
+  _globals['_ROTATEENVIRONMENTSECRETREQUEST']._serialized_end=1930
+  _globals['_ROTATEENVIRONMENTSECRETRESPONSE']._serialized_start=1932
+  _globals['_ROTATEENVIRONMENTSECRETRESPONSE']._serialized_end=2032
+  _globals['_ENVIRONMENTSERVICE']._serialized_start=2035
+  _globals['_ENVIRONMENTSERVICE']._serialized_end=2616
 # @@protoc_insertion_point(module_scope)

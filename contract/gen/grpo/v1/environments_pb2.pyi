@@ -67,6 +67,7 @@ class Environment(_message.Message):
     CREATED_AT_FIELD_NUMBER: _builtins.int
     UPDATED_AT_FIELD_NUMBER: _builtins.int
     PREVIOUS_SECRET_EXPIRES_AT_FIELD_NUMBER: _builtins.int
+    SESSION_STATUS_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     """Environment id ("env_...")."""
     name: _builtins.str
@@ -89,6 +90,8 @@ class Environment(_message.Message):
     """What /health answered at the last check ("healthy" when registered)."""
     health_latency_ms: _builtins.float
     """Wall time of the last check's reads, in milliseconds."""
+    session_status: _builtins.str
+    """A session opened over WS /ws at the last check: "ok", or "at_capacity" (CAPACITY_REACHED answered)."""
     @_builtins.property
     def headers(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
         """Extra headers of every request and handshake; every value reads as "<redacted>"."""
@@ -143,10 +146,11 @@ class Environment(_message.Message):
         created_at: _timestamp_pb2.Timestamp | None = ...,
         updated_at: _timestamp_pb2.Timestamp | None = ...,
         previous_secret_expires_at: _timestamp_pb2.Timestamp | None = ...,
+        session_status: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["action_schema", b"action_schema", "checked_at", b"checked_at", "created_at", b"created_at", "observation_schema", b"observation_schema", "previous_secret_expires_at", b"previous_secret_expires_at", "state_schema", b"state_schema", "updated_at", b"updated_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["action_schema", b"action_schema", "backoff_s", b"backoff_s", "breaker_threshold", b"breaker_threshold", "checked_at", b"checked_at", "created_at", b"created_at", "episode_timeout_s", b"episode_timeout_s", "headers", b"headers", "health_latency_ms", b"health_latency_ms", "health_status", b"health_status", "id", b"id", "max_attempts", b"max_attempts", "max_concurrency", b"max_concurrency", "name", b"name", "observation_schema", b"observation_schema", "previous_secret_expires_at", b"previous_secret_expires_at", "state_schema", b"state_schema", "step_timeout_s", b"step_timeout_s", "updated_at", b"updated_at", "url", b"url"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["action_schema", b"action_schema", "backoff_s", b"backoff_s", "breaker_threshold", b"breaker_threshold", "checked_at", b"checked_at", "created_at", b"created_at", "episode_timeout_s", b"episode_timeout_s", "headers", b"headers", "health_latency_ms", b"health_latency_ms", "health_status", b"health_status", "id", b"id", "max_attempts", b"max_attempts", "max_concurrency", b"max_concurrency", "name", b"name", "observation_schema", b"observation_schema", "previous_secret_expires_at", b"previous_secret_expires_at", "session_status", b"session_status", "state_schema", b"state_schema", "step_timeout_s", b"step_timeout_s", "updated_at", b"updated_at", "url", b"url"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
