@@ -1,4 +1,5 @@
-"""`grpo envs register|list|get|check|rotate-secret|delete`: user-hosted OpenEnv environment servers."""
+"""`grpo envs register|list|get|check|rotate-secret|delete`: user-hosted OpenEnv environment servers; `grpo envs
+serve`: host a Python environment class as one."""
 
 from __future__ import annotations
 
@@ -63,3 +64,24 @@ def delete(environment_id: str) -> None:
     with api_client() as client:
         client.delete_environment(environment_id)
     typer.echo(f"deleted {environment_id}")
+
+
+@app.command()
+def serve(
+    target: str = typer.Argument(..., help="module:Class, a TRL-style environment class (cli/env_host.py)."),
+    host: str = typer.Option("127.0.0.1", help="Address to listen on (loopback unless you say otherwise)."),
+    port: int = typer.Option(8010, help="Port to listen on."),
+    max_sessions: int = typer.Option(8, min=1, help="Episodes served at once (OpenEnv's max_concurrent_envs)."),
+) -> None:
+    """Serve an environment class over OpenEnv's protocol: its public methods are tools, one instance a session."""
+    # OpenEnv and uvicorn are the `env` extra's: imported when the command runs, not with the CLI.
+    import uvicorn
+
+    from cli.env_host import hosted_app
+
+    try:
+        app_ = hosted_app(target, max_sessions)
+    except (ValueError, ImportError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    uvicorn.run(app_, host=host, port=port)
