@@ -35,7 +35,7 @@ from typing import Any
 
 import httpx
 
-from tests.worker.reward_servers import RewardServer
+from tests.worker.reward_servers import RewardServer, start_uvicorn, stop_uvicorn
 
 SOCKET_DIR = os.environ.get("GRPO_TEST_POSTGRES_SOCKET_DIR", "/var/run/postgresql")
 SEED = 20261125
@@ -88,9 +88,10 @@ def serve(url: str) -> tuple[str, Any, threading.Thread]:
     return f"http://127.0.0.1:{sock.getsockname()[1]}", server, thread
 
 
-def seed(base_url: str, reward_server: RewardServer) -> tuple[str, dict[str, str]]:
+def seed(base_url: str, reward_server: RewardServer, environment_url: str) -> tuple[str, dict[str, str]]:
     """One tenant and one resource of each kind; returns the tenant's API key and the ids. The reward function
-    is `reward_server`, which is given its signing secret."""
+    is `reward_server`, which is given its signing secret; the environment is the OpenEnv server at
+    `environment_url`."""
     from service.execution import reporting
     from service.execution.lease import claim_job
     from service.jobs import progress
@@ -114,6 +115,7 @@ def seed(base_url: str, reward_server: RewardServer) -> tuple[str, dict[str, str
         reward = created(client.post("/v1/reward-functions", json={"name": "judge", "url": reward_server.url}))
         reward_server.secret = reward["signing_secret"]
         webhook = created(client.post("/v1/webhooks", json={"url": "http://127.0.0.1:9/hook"}))
+        environment = created(client.post("/v1/environments", json={"name": "calc", "url": environment_url}))
         spec = {
             "base_model": "builtin:tiny",
             "train_dataset": dataset["id"],
@@ -139,6 +141,7 @@ def seed(base_url: str, reward_server: RewardServer) -> tuple[str, dict[str, str
         "dataset_id": dataset["id"],
         "reward_function_id": reward["id"],
         "webhook_id": webhook["id"],
+        "environment_id": environment["id"],
         "checkpoint_id": checkpoint_id,
         "path": "adapter_config.json",
     }
@@ -194,8 +197,12 @@ def main() -> int:
     upgrade_head(url)
     base_url, server, thread = serve(url)
     reward_server = RewardServer(secret="").start()
+    # The example OpenEnv environment, so that the environment routes are fuzzed on a registered one too.
+    from examples.environments.calculator import app as calculator
+
+    env_server, env_thread, env_port = start_uvicorn(calculator)
     try:
-        key, ids = seed(base_url, reward_server)
+        key, ids = seed(base_url, reward_server, f"http://127.0.0.1:{env_port}")
         config_path = workdir / "schemathesis.toml"
         config_path.write_text(config(ids, args.max_examples))
         report = workdir / "report.json"
@@ -217,6 +224,7 @@ def main() -> int:
         seconds = time.monotonic() - started
     finally:
         reward_server.stop()
+        stop_uvicorn(env_server, env_thread)
         server.should_exit = True
         thread.join(timeout=30)
     print(json.dumps({"status": status, "seconds": round(seconds, 1), **summary(report)}))
