@@ -10,6 +10,10 @@ BENCH_STAMP := $(VENV)/.installed-bench
 LOWEST := .venv-lowest
 LOWEST_PINS := transformers==5.0.0 huggingface_hub==1.33.0 tokenizers==0.22.2
 LOWEST_STAMP := $(LOWEST)/.installed
+# OpenEnv (the `env` extra) in a venv of its own: it needs mcp<2, the vLLM CPU build mcp>=2. The tests run their
+# OpenEnv servers with it (tests/openenv_servers.py), as users host theirs apart from the trainer.
+OPENENV := .venv-openenv
+OPENENV_STAMP := $(OPENENV)/.installed
 export PYTHONUNBUFFERED := 1
 # pytest-xdist workers: one per core, at most 8 (each has its own PostgreSQL database, Redis brokers and ports).
 # Whole files go to a worker (`--dist loadfile`): module-scoped stacks and models are built once. They go in
@@ -18,7 +22,7 @@ export PYTHONUNBUFFERED := 1
 PYTEST_WORKERS ?= $(shell n=$$(nproc); echo $$(( n < 8 ? n : 8 )))
 XDIST := -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
-.PHONY: install test lint typecheck pytest test-lowest demo proto bench gpu-wheels clean
+.PHONY: install openenv test lint typecheck pytest test-lowest demo proto bench gpu-wheels clean
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -43,6 +47,14 @@ $(BENCH_STAMP): $(STAMP)
 
 install: $(STAMP)
 
+$(OPENENV_STAMP): pyproject.toml
+	@test -x $(OPENENV)/bin/python || $(PYTHON) -m venv $(OPENENV)
+	$(OPENENV)/bin/python -m pip install -q --upgrade pip
+	$(OPENENV)/bin/python -m pip install -q -e '.[env]'
+	touch $@
+
+openenv: $(OPENENV_STAMP)
+
 lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/lint-imports
@@ -50,7 +62,7 @@ lint: install
 typecheck: install
 	$(VENV)/bin/mypy service worker contract outbound cli client
 
-pytest: install
+pytest: install $(OPENENV_STAMP)
 	$(VENV)/bin/pytest -q -ra $(XDIST) $(PYTEST_ARGS)
 
 $(LOWEST_STAMP): Makefile
@@ -93,4 +105,4 @@ gpu-wheels:
 	@du -sh $(GPU_WHEELS)
 
 clean:
-	rm -rf $(VENV) $(LOWEST) grpo-data demo-out .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) $(LOWEST) $(OPENENV) grpo-data demo-out .mypy_cache .ruff_cache .pytest_cache

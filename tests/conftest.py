@@ -54,3 +54,12 @@ def _webhook_outbox() -> None:
     from service.webhooks import outbox
 
     outbox.register()
+
+
+@pytest.fixture(scope="session")
+def calculator_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The example OpenEnv calculator (8 sessions), one process per pytest worker (tests/openenv_servers.py)."""
+    from tests.openenv_servers import calculator  # only the environment tests start it
+
+    with calculator(tmp_path_factory.mktemp("calculator")) as url:
+        yield url

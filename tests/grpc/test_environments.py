@@ -4,7 +4,6 @@ gets NOT_FOUND."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import grpc
@@ -17,18 +16,9 @@ from contract.gen.grpo.v1 import environments_pb2_grpc
 from tests.grpc.helpers import bearer, error_code, error_field
 from tests.service.factories import TenantHeaders
 from tests.worker.procs import free_port
-from tests.worker.reward_servers import serving
 
 if TYPE_CHECKING:  # the async stub exists in the typing stubs only
     Stub = environments_pb2_grpc.EnvironmentServiceAsyncStub
-
-
-@pytest.fixture(scope="module")
-def calculator_url() -> Iterator[str]:
-    from examples.environments.calculator import app  # OpenEnv and its app: only the tests that serve it
-
-    with serving(app) as url:
-        yield url
 
 
 @pytest.fixture

@@ -35,7 +35,8 @@ from typing import Any
 
 import httpx
 
-from tests.worker.reward_servers import RewardServer, start_uvicorn, stop_uvicorn
+from tests.openenv_servers import calculator
+from tests.worker.reward_servers import RewardServer
 
 SOCKET_DIR = os.environ.get("GRPO_TEST_POSTGRES_SOCKET_DIR", "/var/run/postgresql")
 SEED = 20261125
@@ -175,6 +176,29 @@ def config(ids: dict[str, str], max_examples: int) -> str:
     return "\n".join(lines) + "\n"
 
 
+def fuzz(base_url: str, key: str, ids: dict[str, str], workdir: Path, max_examples: int) -> tuple[int, float, Path]:
+    """Run schemathesis over the live app; its exit status, how long it took, and where its JSON report is."""
+    config_path = workdir / "schemathesis.toml"
+    config_path.write_text(config(ids, max_examples))
+    report = workdir / "report.json"
+    started = time.monotonic()
+    command = [
+        str(Path(sys.executable).with_name("schemathesis")),
+        "--config-file", str(config_path),
+        "run", f"{base_url}/openapi.json",
+        "--header", f"Authorization: Bearer {key}",
+        "--phases", "examples,coverage,fuzzing",
+        "--checks", "all",
+        "--exclude-checks", "positive_data_acceptance,negative_data_rejection",
+        "--continue-on-failure",
+        "--workers", "1",
+        "--report", "json", "--report-json-path", str(report),
+    ]
+    # cwd: schemathesis keeps a cache directory in the working directory.
+    status = subprocess.run(command, check=False, cwd=workdir).returncode
+    return status, time.monotonic() - started, report
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--database", required=True, help="an existing, empty PostgreSQL database")
@@ -197,34 +221,14 @@ def main() -> int:
     upgrade_head(url)
     base_url, server, thread = serve(url)
     reward_server = RewardServer(secret="").start()
-    # The example OpenEnv environment, so that the environment routes are fuzzed on a registered one too.
-    from examples.environments.calculator import app as calculator
-
-    env_server, env_thread, env_port = start_uvicorn(calculator)
     try:
-        key, ids = seed(base_url, reward_server, f"http://127.0.0.1:{env_port}")
-        config_path = workdir / "schemathesis.toml"
-        config_path.write_text(config(ids, args.max_examples))
-        report = workdir / "report.json"
-        started = time.monotonic()
-        command = [
-            str(Path(sys.executable).with_name("schemathesis")),
-            "--config-file", str(config_path),
-            "run", f"{base_url}/openapi.json",
-            "--header", f"Authorization: Bearer {key}",
-            "--phases", "examples,coverage,fuzzing",
-            "--checks", "all",
-            "--exclude-checks", "positive_data_acceptance,negative_data_rejection",
-            "--continue-on-failure",
-            "--workers", "1",
-            "--report", "json", "--report-json-path", str(report),
-        ]
-        # cwd: schemathesis keeps a cache directory in the working directory.
-        status = subprocess.run(command, check=False, cwd=workdir).returncode
-        seconds = time.monotonic() - started
+        # The example OpenEnv environment (its own process, in this network namespace too), so that the
+        # environment routes are fuzzed on a registered one.
+        with calculator(workdir) as environment_url:
+            key, ids = seed(base_url, reward_server, environment_url)
+            status, seconds, report = fuzz(base_url, key, ids, workdir, args.max_examples)
     finally:
         reward_server.stop()
-        stop_uvicorn(env_server, env_thread)
         server.should_exit = True
         thread.join(timeout=30)
     print(json.dumps({"status": status, "seconds": round(seconds, 1), **summary(report)}))

@@ -1,7 +1,7 @@
 """Environment registry API against real servers on loopback: the example OpenEnv calculator (OpenEnv's own
-`create_app`) is read at registration (signed `/health` and `/schema`), servers that are down or are not OpenEnv
-are refused with the field named and nothing stored, secrets are shown once and rotate, and another tenant's
-environment is the same 404 as a random id."""
+`create_app`, its own process) is read at registration (`/health`, `/schema`, a session's state), every request a
+check makes is signed, servers that are down or are not OpenEnv are refused with the field named and nothing
+stored, secrets are shown once and rotate, and another tenant's environment is the same 404 as a random id."""
 
 from __future__ import annotations
 
@@ -20,8 +20,9 @@ from standardwebhooks import Webhook
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, RedirectResponse, Response
-from starlette.routing import Route
+from starlette.routing import Route, WebSocketRoute
 from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.websockets import WebSocket
 
 from outbound.openenv_session import EnvironmentConfig, open_episode
 from service.environments.models import Environment
@@ -49,12 +50,26 @@ class Recorder:
         await self.app(scope, receive, send)
 
 
-@pytest.fixture(scope="module")
-def calculator() -> Iterator[tuple[str, Recorder]]:
-    """The example environment (examples/environments/calculator.py) served on loopback."""
-    from examples.environments.calculator import app  # OpenEnv and its app: only the tests that serve it
+async def _state_only(websocket: WebSocket) -> None:
+    """OpenEnv's WebSocket, as far as a check uses it: a session that answers `state`."""
+    await websocket.accept()
+    while (await websocket.receive_json()).get("type") != "close":
+        await websocket.send_json({"type": "state", "data": {"episode_id": None, "step_count": 0}})
 
-    recorder = Recorder(app)
+
+PROTOCOL = Starlette(routes=[
+    Route("/health", lambda request: JSONResponse({"status": "healthy"})),
+    Route("/schema", lambda request: JSONResponse({"action": {"type": "object"}, "observation": {"type": "object"},
+                                                   "state": {"type": "object"}})),
+    WebSocketRoute("/ws", _state_only),
+])
+
+
+@pytest.fixture(scope="module")
+def recording() -> Iterator[tuple[str, Recorder]]:
+    """The protocol's endpoints a check reads, in this process, keeping every request's headers (signatures).
+    What OpenEnv itself serves is checked on the example calculator (`calculator_url`, its own process)."""
+    recorder = Recorder(PROTOCOL)
     with serving(recorder) as url:
         yield url, recorder
 
@@ -102,11 +117,10 @@ def _rows() -> int:
 
 
 class TestRegister:
-    def test_reads_health_and_schemas_signed_and_shows_the_secret_once(
-        self, client: TestClient, tenant_a: TenantHeaders, calculator: tuple[str, Recorder]
+    def test_reads_what_openenv_publishes_and_shows_the_secret_once(
+        self, client: TestClient, tenant_a: TenantHeaders, calculator_url: str
     ) -> None:
-        url, recorder = calculator
-        recorder.requests.clear()
+        url = calculator_url
         response = create(client, tenant_a, url)
         assert response.status_code == 201, response.text
         body = response.json()
@@ -116,16 +130,22 @@ class TestRegister:
         # The calculator's own action schema, as OpenEnv published it: MCP tool calls.
         assert body["schemas"]["action"]["properties"]["tool_name"]["type"] == "string"
         assert "observation" in body["schemas"] and body["headers"] == {"Authorization": "<redacted>"}
-        # Both reads and the session's handshake carried the user's header and a Standard Webhooks signature made
-        # with the new secret.
-        assert [path for path, _ in recorder.requests] == ["/health", "/schema", "/ws"]
-        for _, headers in recorder.requests:
-            assert headers["authorization"] == "Bearer t"
-            assert signed_by(body["signing_secret"], headers)
+        assert body["signing_secret"].startswith("whsec_")
         read = client.get(f"{BASE}/{body['id']}", headers=tenant_a).json()
         assert "signing_secret" not in read and read["schemas"] == body["schemas"]
         listed = client.get(BASE, headers=tenant_a).json()
         assert [e["id"] for e in listed["data"]] == [body["id"]] and "signing_secret" not in listed["data"][0]
+
+    def test_every_read_and_the_handshake_are_signed_with_the_users_headers(
+        self, client: TestClient, tenant_a: TenantHeaders, recording: tuple[str, Recorder]
+    ) -> None:
+        url, recorder = recording
+        recorder.requests.clear()
+        body = create(client, tenant_a, url).json()
+        assert [path for path, _ in recorder.requests] == ["/health", "/schema", "/ws"]
+        for _, headers in recorder.requests:
+            assert headers["authorization"] == "Bearer t"
+            assert signed_by(body["signing_secret"], headers)
 
     @pytest.mark.parametrize(
         ("kind", "status", "code", "says"),
@@ -176,9 +196,9 @@ class TestRegister:
 
     def test_production_refuses_loopback_before_connecting(
         self, client: TestClient, tenant_a: TenantHeaders, settings: Settings, monkeypatch: pytest.MonkeyPatch,
-        calculator: tuple[str, Recorder],
+        recording: tuple[str, Recorder],
     ) -> None:
-        url, recorder = calculator
+        url, recorder = recording
         recorder.requests.clear()
         monkeypatch.setattr(settings, "allow_private_reward_urls", False)
         for refused in (url, url.replace("http://", "https://")):
@@ -212,18 +232,18 @@ def every_session_taken(url: str) -> Iterator[None]:
 
 class TestCheckRotateDelete:
     def test_a_server_at_capacity_registers_as_such(
-        self, client: TestClient, tenant_a: TenantHeaders, calculator: tuple[str, Recorder]
+        self, client: TestClient, tenant_a: TenantHeaders, calculator_url: str
     ) -> None:
-        with every_session_taken(calculator[0]):
-            body = create(client, tenant_a, calculator[0]).json()
+        with every_session_taken(calculator_url):
+            body = create(client, tenant_a, calculator_url).json()
         assert body["health"]["session_status"] == "at_capacity"
         checked = client.post(f"{BASE}/{body['id']}/check", headers=tenant_a).json()
         assert checked["health"]["session_status"] == "ok"
 
     def test_check_reads_again_and_a_failed_check_changes_nothing(
-        self, client: TestClient, tenant_a: TenantHeaders, calculator: tuple[str, Recorder]
+        self, client: TestClient, tenant_a: TenantHeaders, recording: tuple[str, Recorder]
     ) -> None:
-        url, recorder = calculator
+        url, recorder = recording
         created = create(client, tenant_a, url).json()
         checked = client.post(f"{BASE}/{created['id']}/check", headers=tenant_a)
         assert checked.status_code == 200, checked.text
@@ -239,9 +259,9 @@ class TestCheckRotateDelete:
         assert after["health"] == checked.json()["health"]
 
     def test_rotate_signs_with_both_secrets_during_the_overlap(
-        self, client: TestClient, tenant_a: TenantHeaders, calculator: tuple[str, Recorder]
+        self, client: TestClient, tenant_a: TenantHeaders, recording: tuple[str, Recorder]
     ) -> None:
-        url, recorder = calculator
+        url, recorder = recording
         created = create(client, tenant_a, url).json()
         rotated = client.post(f"{BASE}/{created['id']}/rotate-secret", headers=tenant_a).json()
         assert rotated["signing_secret"] != created["signing_secret"]
@@ -252,9 +272,9 @@ class TestCheckRotateDelete:
         assert not signed_by("whsec_" + "A" * 32, headers)  # and not by any secret
 
     def test_delete_hides_it_and_another_tenants_is_the_same_404_as_a_random_id(
-        self, client: TestClient, tenant_a: TenantHeaders, tenant_b: TenantHeaders, calculator: tuple[str, Recorder]
+        self, client: TestClient, tenant_a: TenantHeaders, tenant_b: TenantHeaders, recording: tuple[str, Recorder]
     ) -> None:
-        env_id = create(client, tenant_a, calculator[0]).json()["id"]
+        env_id = create(client, tenant_a, recording[0]).json()["id"]
         random_id = "env_01J00000000000000000000000"
         for method, suffix in (("GET", ""), ("DELETE", ""), ("POST", "/rotate-secret"), ("POST", "/check")):
             theirs = client.request(method, f"{BASE}/{env_id}{suffix}", headers=tenant_b)

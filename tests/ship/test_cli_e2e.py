@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.openenv_servers import CALCULATOR, openenv_python
 from tests.ship.conftest import (
     GRPO,
     PYTHON,
@@ -75,8 +76,8 @@ def test_cli_upload_register_create_watch_download(tmp_path: Path, processes: Pr
     serve = processes.start("serve", [*GRPO, "serve", "--worker", "--migrate"], env)
     # The example OpenEnv environment, its own process, starting while the service does.
     env_port = free_port()
-    calculator = processes.start("calculator", [PYTHON, "-m", "uvicorn", "examples.environments.calculator:app",
-                                                "--host", "127.0.0.1", "--port", str(env_port)], env)
+    calculator = processes.start("calculator", [openenv_python(), "-m", "uvicorn", CALCULATOR, "--host", "127.0.0.1",
+                                                "--port", str(env_port)], env)
     wait_http_ok(f"{api_url}/readyz", serve, timeout=60)
     created = run_cli(env, "admin", "create-tenant", "ship-e2e")
     assert created.returncode == 0, describe(created)

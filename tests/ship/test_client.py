@@ -37,7 +37,6 @@ from service.kit.config import get_settings
 from service.kit.errors import Unauthenticated
 from tests.service.factories import create_tenant
 from tests.ship.conftest import free_port
-from tests.worker.reward_servers import serving
 
 PLACEHOLDER = re.compile(r"\{[^}]*\}")
 JOB_ACTIONS = ("cancel", "pause", "resume")
@@ -226,7 +225,7 @@ def write_rows(path: Path) -> Path:
 
 
 @pytest.mark.timeout(120)
-def test_sync_client_against_live_server(live_api: LiveAPI, tmp_path: Path) -> None:
+def test_sync_client_against_live_server(live_api: LiveAPI, tmp_path: Path, calculator_url: str) -> None:
     transport = LoseFirstAnswer()
     with GRPOClient(live_api.url, live_api.api_key, transport=transport) as client:
         # datasets: upload, get, list
@@ -244,20 +243,16 @@ def test_sync_client_against_live_server(live_api: LiveAPI, tmp_path: Path) -> N
         assert rotated.id == reward.id and rotated.signing_secret != reward.signing_secret
 
         # environments: register an OpenEnv server (read now), check it again, rotate, delete
-        # OpenEnv and its app: only this test needs them.
-        from examples.environments.calculator import app as calculator
-
-        with serving(calculator) as env_url:
-            env = client.register_environment("calculator", env_url, max_concurrency=2)
-            assert env.signing_secret.startswith("whsec_") and env.health.status == "healthy"
-            assert "tool_name" in env.schemas.action["properties"] and env.max_concurrency == 2
-            assert client.check_environment(env.id).health.checked_at >= env.health.checked_at
-            assert [e.id for e in client.list_environments().data] == [env.id]
-            assert client.rotate_environment_secret(env.id).signing_secret != env.signing_secret
-            client.delete_environment(env.id)
-            with pytest.raises(APIError) as missing:
-                client.get_environment(env.id)
-            assert missing.value.status == 404
+        env = client.register_environment("calculator", calculator_url, max_concurrency=2)
+        assert env.signing_secret.startswith("whsec_") and env.health.status == "healthy"
+        assert "tool_name" in env.schemas.action["properties"] and env.max_concurrency == 2
+        assert client.check_environment(env.id).health.checked_at >= env.health.checked_at
+        assert [e.id for e in client.list_environments().data] == [env.id]
+        assert client.rotate_environment_secret(env.id).signing_secret != env.signing_secret
+        client.delete_environment(env.id)
+        with pytest.raises(APIError) as missing:
+            client.get_environment(env.id)
+        assert missing.value.status == 404
 
         # jobs: the first create's answer is lost; the retry carries the same auto key and gets the same job
         job = client.create_job(job_spec(dataset.id))

@@ -1,24 +1,28 @@
 """`grpo envs serve module:Class` hosts a TRL-style environment class over OpenEnv's protocol, as its own process on
-loopback: its public methods are tools with their schemas, one instance per session (two episodes at once keep
-their own rows), `get_reward` comes with every tool result; a class OpenEnv cannot host is refused with the reason."""
+loopback (in the OpenEnv venv, tests/openenv_servers.py): its public methods are tools with their schemas (not
+reset, get_reward or private helpers), one instance per session (two episodes at once keep their own rows),
+`get_reward` comes with every tool result; a class OpenEnv cannot host is refused with the reason."""
 
 from __future__ import annotations
 
 import asyncio
 import subprocess
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from cli.env_host import tool_names
-from examples.environments.lookup import CapitalLookup
 from outbound.openenv_session import EnvironmentConfig, open_episode
-from tests.ship.conftest import GRPO, Processes, clean_env, free_port, wait_http_ok
+from tests.openenv_servers import openenv_python
+from tests.ship.conftest import Processes, clean_env, free_port, wait_http_ok
+from tests.worker.procs import REPO
 
 pytestmark = pytest.mark.slow
 TARGET = "examples.environments.lookup:CapitalLookup"
+
+
+def grpo() -> list[str]:
+    return [openenv_python(), "-m", "cli"]
 
 
 def _config(url: str) -> EnvironmentConfig:
@@ -38,7 +42,7 @@ async def _episode(url: str, country: str, capital: str, answer: str) -> list[An
 
 def test_serves_a_class_as_an_openenv_server(processes: Processes) -> None:
     port = free_port()
-    server = processes.start("envs-serve", [*GRPO, "envs", "serve", TARGET, "--port", str(port)], clean_env())
+    server = processes.start("envs-serve", [*grpo(), "envs", "serve", TARGET, "--port", str(port)], clean_env())
     url = f"http://127.0.0.1:{port}"
     wait_http_ok(f"{url}/health", server, timeout=60)
     assert httpx.get(f"{url}/schema").json()["action"]["properties"]["tool_name"]["type"] == "string"
@@ -59,28 +63,16 @@ def test_serves_a_class_as_an_openenv_server(processes: Processes) -> None:
     assert wrong[0].observation["metadata"]["text"] == "What is the capital of Peru?" and wrong[3].reward == 0.0
 
 
-def test_a_target_that_is_not_a_class_exits_with_the_reason(tmp_path: Path) -> None:
-    done = subprocess.run([*GRPO, "envs", "serve", "examples.environments.lookup:Nothing"], env=clean_env(),
-                          capture_output=True, text=True, timeout=120, check=False)
-    assert done.returncode == 2 and "has no class Nothing" in done.stderr, done.stderr
-
-
-class Steps:
-    def reset(self, **row: Any) -> None: ...
-    def step(self) -> str:
-        return ""
-
-
-class NoReset:
-    def look(self) -> str:
-        return ""
-
-
-@pytest.mark.parametrize(("cls", "says"), [(Steps, "['step']"), (NoReset, "no reset")])
-def test_classes_openenv_cannot_host_are_refused(cls: type, says: str) -> None:
-    with pytest.raises(ValueError, match=says):
-        tool_names(cls)
-
-
-def test_tools_are_the_public_methods_but_the_episodes_own() -> None:
-    assert tool_names(CapitalLookup) == ["answer", "lookup"]  # not reset, get_reward, nor private helpers
+@pytest.mark.parametrize(
+    ("target", "says"),
+    [
+        ("examples.environments.lookup:Nothing", "has no class Nothing"),
+        ("tests.ship.env_classes:Steps", "methods named ['step'] cannot be tools"),
+        ("tests.ship.env_classes:NoReset", "no reset(self, **row) method"),
+        ("no_colon", "expected module:Class"),
+    ],
+)
+def test_what_cannot_be_served_exits_with_the_reason(target: str, says: str) -> None:
+    done = subprocess.run([*grpo(), "envs", "serve", target], env=clean_env(), cwd=REPO, capture_output=True,
+                          text=True, timeout=120, check=False)
+    assert done.returncode == 2 and says in done.stderr, done.stderr

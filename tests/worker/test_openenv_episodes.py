@@ -7,13 +7,10 @@ signed; the URL policy refuses loopback before any connection in production."""
 from __future__ import annotations
 
 import asyncio
-import os
-import sys
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from typing import Any
 
-import httpx
 import pytest
 from standardwebhooks import Webhook
 from starlette.applications import Starlette
@@ -30,7 +27,8 @@ from outbound.openenv_session import (
     open_episode,
 )
 from outbound.urlpolicy import UrlRejected
-from tests.worker.procs import free_port, spawn, wait_for
+from tests.openenv_servers import calculator as one_calculator
+from tests.worker.procs import free_port
 from tests.worker.reward_servers import serving
 
 SECRET = "whsec_" + "A" * 32
@@ -46,23 +44,8 @@ def config(url: str, **fields: Any) -> EnvironmentConfig:
 @pytest.fixture(scope="module")
 def calculator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """examples/environments/calculator.py in its own process, one session at a time."""
-    port = free_port()
-    proc = spawn("calculator", [sys.executable, "-m", "uvicorn", "examples.environments.calculator:app",
-                                "--host", "127.0.0.1", "--port", str(port)],
-                 {**os.environ, "CALCULATOR_MAX_SESSIONS": "1"}, tmp_path_factory.mktemp("calculator"))
-    url = f"http://127.0.0.1:{port}"
-
-    def healthy() -> bool:
-        try:
-            return httpx.get(f"{url}/health", timeout=2).status_code == 200
-        except httpx.TransportError:
-            return proc.popen.poll() is not None  # exited: stop waiting, the assertion below says so
-    try:
-        wait_for(healthy, timeout=60, what="the calculator environment")
-        assert proc.popen.poll() is None, proc.log()
+    with one_calculator(tmp_path_factory.mktemp("calculator"), sessions=1) as url:
         yield url
-    finally:
-        proc.stop()
 
 
 def run(coroutine: Any) -> Any:
