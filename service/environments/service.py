@@ -1,5 +1,5 @@
-"""The environment registry: register (after reading the server's `/health` and `/schema`), read, check again,
-delete, rotate the signing secret.
+"""The environment registry: register (after reading the server's `/health` and `/schema` and opening a session
+over its `WS /ws`), read, check again, delete, rotate the signing secret.
 
 The URL policy, secrets and their rotation are the reward functions' (service.rewards.service): an environment is
 one more user endpoint the worker calls, signed the same way. Registration refuses a server that does not answer
@@ -111,9 +111,9 @@ def _record(row: Environment, check: Check) -> None:
 
 
 def create_environment(session: Session, tenant_id: str, spec: EnvironmentCreate) -> Environment:
-    """Register a server: URL policy, then its `/health` and `/schema` are read (signed with the new secret)
-    before any SQL, so no transaction is open while it answers. Raises UrlNotAllowed, EnvironmentUnreachable,
-    EnvironmentNotOpenEnv."""
+    """Register a server: URL policy, then the check (`/health`, `/schema`, a session's state; signed with the new
+    secret) before any SQL, so no transaction is open while it answers. Raises UrlNotAllowed,
+    EnvironmentUnreachable, EnvironmentNotOpenEnv."""
     url = check_registration_url(spec.url, allow_private=bool(get_settings().allow_private_reward_urls))
     secret, env_id = new_signing_secret(), new_id("env")
     check = _check(_session_config(env_id, url, (secret, None, None), dict(spec.headers), spec.step_timeout_s))
