@@ -133,6 +133,9 @@ async def _misbehaving(websocket: WebSocket) -> None:
         "bad-reward": '{"type": "observation", "data": {"observation": {}, "reward": "lots", "done": false}}',
         "no-observation": '{"type": "observation", "data": {"reward": 1.0}}',
     }
+    if kind == "hangup":  # the environment process dies mid-episode: the connection drops without an answer
+        await websocket.close(code=1011)
+        return
     answer = answers[kind]
     if answer is None:
         await asyncio.sleep(30)
@@ -160,6 +163,7 @@ def impostor() -> Iterator[str]:
     ("kind", "says"),
     [
         ("silent", "no answer within"),
+        ("hangup", "the server closed the episode"),
         ("text", "not JSON"),
         ("big", "larger than 2048 bytes"),
         ("error", "EXECUTION_ERROR: reset failed: no such task"),
