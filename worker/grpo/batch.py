@@ -134,9 +134,9 @@ def select_groups(
 
 
 def loss_mask_for(rollout: Rollout, in_loss: Tensor, *, mask_truncated: bool) -> Tensor:
-    """(N, C) tokens that count in the loss: the completion mask, minus truncated completions when
+    """(N, C) tokens that count in the loss: the tokens the policy sampled, minus truncated completions when
     `mask_truncated` (DAPO's overlong filtering), minus groups excluded by dynamic sampling (`in_loss`, per group)."""
-    mask = rollout.completion_mask.clone()  # (N, C)
+    mask = rollout.policy_mask.clone()  # (N, C): the environment's tokens (multi-turn) never count
     if mask_truncated:
         mask = mask * (~rollout.is_truncated).unsqueeze(1).to(mask.dtype)
     keep = in_loss.repeat_interleave(rollout.group_size).to(mask.device)  # (N,)

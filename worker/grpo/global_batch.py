@@ -35,7 +35,8 @@ def _plain_scored(scored: Scored) -> dict[str, Any]:
         "prompt_ids": rollout.prompt_ids.cpu(), "prompt_mask": rollout.prompt_mask.cpu(),
         "completion_ids": rollout.completion_ids.cpu(), "completion_mask": rollout.completion_mask.cpu(),
         "is_truncated": rollout.is_truncated.cpu(), "completion_texts": list(rollout.completion_texts),
-        "group_size": rollout.group_size,
+        "group_size": rollout.group_size, "tool_mask": None if rollout.tool_mask is None else rollout.tool_mask.cpu(),
+        "episodes": rollout.episodes,
         "rows": [{"prompt": row.prompt, "extras": row.extras} for row in scored.rows],
         "prompts": list(scored.prompts), "rewards": scored.rewards.cpu(), "per_source": dict(scored.per_source),
         "group_std": scored.group_std.cpu(),
@@ -52,7 +53,8 @@ def _batch_from_plain(plain: dict[str, Any]) -> StepBatch:
 def _scored_from_plain(plain: dict[str, Any]) -> Scored:
     rollout = Rollout(
         plain["prompt_ids"], plain["prompt_mask"], plain["completion_ids"], plain["completion_mask"],
-        plain["is_truncated"], plain["completion_texts"], plain["group_size"],
+        plain["is_truncated"], plain["completion_texts"], plain["group_size"], tool_mask=plain["tool_mask"],
+        episodes=plain["episodes"],
     )
     rows = [PromptRow(prompt=row["prompt"], extras=row["extras"]) for row in plain["rows"]]
     return Scored(rollout, rows, plain["prompts"], plain["rewards"], plain["per_source"], plain["group_std"])

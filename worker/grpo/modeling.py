@@ -230,6 +230,11 @@ def merge_groups(parts: list[tuple[Rollout, int]], pad_id: int) -> Rollout:
         sampler_logps=(
             None if parts[0][0].sampler_logps is None else gather("sampler_logps", completion_width, 0, False)
         ),
+        tool_mask=None if parts[0][0].tool_mask is None else gather("tool_mask", completion_width, 0, False),
+        episodes=(
+            None if parts[0][0].episodes is None
+            else [e for r, g in parts for e in (r.episodes or [])[_group_rows(r, g)]]
+        ),
     )
 
 

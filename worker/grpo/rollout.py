@@ -56,6 +56,27 @@ class Rollout:
     # (N, C) float32 log-probs of the sampled tokens under the engine that sampled them (0 after EOS),
     # when that engine is not the policy itself (vLLM); None for the native rollout.
     sampler_logps: Tensor | None = None
+    # Multi-turn rollouts (worker.grpo.multi_turn): (N, C) int64, 1 where the policy sampled the token, 0 where
+    # the environment's tool results put it; such tokens stay in the attention but out of the loss and the KL.
+    tool_mask: Tensor | None = None
+    # Multi-turn rollouts: each row's episode (turns, error, environment reward), as stored with samples.
+    episodes: list[dict[str, Any]] | None = None
+
+    @property
+    def policy_mask(self) -> Tensor:
+        """(N, C) the tokens the policy sampled: the completion mask without the environment's tokens."""
+        return self.completion_mask if self.tool_mask is None else self.completion_mask * self.tool_mask
+
+    def to(self, device: torch.device) -> Rollout:
+        """This rollout with its tensors on `device`."""
+        def move(tensor: Tensor | None) -> Tensor | None:
+            return None if tensor is None else tensor.to(device)
+
+        return Rollout(
+            self.prompt_ids.to(device), self.prompt_mask.to(device), self.completion_ids.to(device),
+            self.completion_mask.to(device), self.is_truncated.to(device), self.completion_texts, self.group_size,
+            move(self.sampler_logps), move(self.tool_mask), self.episodes,
+        )
 
     @property
     def input_ids(self) -> Tensor:
@@ -197,6 +218,14 @@ class NativeRollout:
             with_logprobs=with_logprobs,
         )
 
+    def continue_sequences(
+        self, sequences: list[list[int]], budgets: list[int], seeds: list[int]
+    ) -> list[tuple[list[int], list[float] | None]]:
+        """One continuation of each token sequence (multi-turn rollouts): see `sample_continuations`."""
+        return sample_continuations(
+            self.model, self.tokenizer, sequences, budgets, seeds, self.config, fast=self.fast, lockstep=self.lockstep
+        )
+
     def sync_weights(self) -> None:
         """Nothing to do: the policy samples with its own weights."""
 
@@ -274,6 +303,52 @@ def generate_rollout(
         group_size=group,
         sampler_logps=None if sampler_logps is None else sampler_logps * completion_mask,
     )
+
+
+@torch.no_grad()
+def sample_continuations(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    sequences: list[list[int]],
+    budgets: list[int],
+    seeds: list[int],
+    config: GRPOConfig,
+    *,
+    fast: FastPath | None = None,
+    lockstep: Callable[[bool], bool] | None = None,
+) -> list[tuple[list[int], list[float] | None]]:
+    """Sample one continuation of each token sequence, row i at most `budgets[i]` tokens with its own seed: the
+    sampled ids (its EOS included when reached). The policy samples itself, so no log-probs are returned.
+
+    The sequences are left-padded into one batch and decoded by the same loop as a rollout (`sample_completions`,
+    temperature, top-k and top-p from `config`)."""
+    if not sequences:
+        return []
+    eos_ids = eos_token_ids(model, tokenizer)
+    pad_id = _pad_token_id(tokenizer)
+    device = model.device
+    width = max(len(ids) for ids in sequences)
+    prompt_ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    prompt_mask = torch.zeros((len(sequences), width), dtype=torch.long)
+    for row, ids in enumerate(sequences):
+        prompt_ids[row, width - len(ids):] = torch.tensor(ids, dtype=torch.long)
+        prompt_mask[row, width - len(ids):] = 1
+    longest = config.model_copy(update={"max_completion_length": max(budgets)})
+    was_training = model.training
+    model.eval()
+    try:
+        out, _ = sample_completions(
+            model, prompt_ids.to(device), prompt_mask.to(device), longest, eos_ids, pad_id,
+            [torch.Generator(device=device).manual_seed(seed) for seed in seeds], fast=fast, lockstep=lockstep,
+        )
+    finally:
+        model.train(was_training)
+    results: list[tuple[list[int], list[float] | None]] = []
+    for row, budget in zip(out.tolist(), budgets, strict=True):
+        row = row[:budget]
+        end = next((i for i, token in enumerate(row) if token in eos_ids), None)
+        results.append((row if end is None else row[: end + 1], None))
+    return results
 
 
 def _generators(seed: int | list[int] | None, device: torch.device) -> torch.Generator | list[torch.Generator] | None:

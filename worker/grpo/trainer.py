@@ -224,7 +224,7 @@ class GRPOTrainer:
             metrics.update(
                 staleness_metrics(self._produced.version, step, self.producer, waited, timings["time/step_s"])
             )
-        generated_tokens = sum(int(s.rollout.completion_mask.sum()) for s in batch.generated)
+        generated_tokens = sum(int(s.rollout.policy_mask.sum()) for s in batch.generated)
         metrics["tokens_per_s"] = generated_tokens / max(timings["time/step_s"], 1e-9)
         # Usage counts (metered per step by the service): completion tokens of every sampling round; prompt +
         # completion tokens (no padding) through the policy's forward and backward, once per pass; completions
@@ -459,9 +459,9 @@ class GRPOTrainer:
         if self.correction is not None and sampled_by:  # another engine sampled
             assert rollout.sampler_logps is not None
             metrics.update(
-                self.correction.metrics(torch.cat(sampled_by), rollout.sampler_logps, rollout.completion_mask)
+                self.correction.metrics(torch.cat(sampled_by), rollout.sampler_logps, rollout.policy_mask)
             )
-        entropy_sum, entropy_tokens = self.parallel.sum([sum(entropy_sums), float(rollout.completion_mask.sum())])
+        entropy_sum, entropy_tokens = self.parallel.sum([sum(entropy_sums), float(rollout.policy_mask.sum())])
         metrics.update(
             loss=sum(losses) / len(losses),
             grad_norm=sum(grad_norms) / len(grad_norms),
@@ -489,7 +489,7 @@ class GRPOTrainer:
             behaviour = logps.detach() if batch.old_logps is None else batch.old_logps[rows]
             sampled_by = behaviour if iteration == 0 else None
             is_weights = self.correction.weights(
-                behaviour, rollout.sampler_logps[rows], rollout.completion_mask[rows]
+                behaviour, rollout.sampler_logps[rows], rollout.policy_mask[rows]
             )  # (B, C), or (B, 1) per sequence
         scaled, stats = grpo_loss(
             logps,
@@ -508,7 +508,7 @@ class GRPOTrainer:
         self.backend.backward(scaled, halves)
         entropy_sum = None
         if entropy is not None and iteration == 0:  # the entropy metric: the policy before this step's updates
-            mask = rollout.completion_mask[rows]
+            mask = rollout.policy_mask[rows]
             entropy_sum = float((entropy.detach() * mask).sum())
         return MiniBatchResult(float(scaled.detach()), stats, entropy_sum, sampled_by)
 

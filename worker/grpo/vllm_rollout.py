@@ -203,8 +203,19 @@ class VLLMRollout:
             sampler_logps=(sampler_logps * completion_mask).to(self.device),
         )
 
-    def _sample(self, requests: list[list[int]], seeds: list[int]) -> list[tuple[list[int], list[float]]]:
-        """G samples of each prompt (token ids), prompt-major: each sample's token ids and their log-probs."""
+    def continue_sequences(
+        self, sequences: list[list[int]], budgets: list[int], seeds: list[int]
+    ) -> list[tuple[list[int], list[float] | None]]:
+        """One continuation of each token sequence (multi-turn rollouts), row i at most `budgets[i]` tokens with
+        its own seed: the sampled ids (EOS included when reached) and their log-probs under the engine."""
+        samples = self._sample(sequences, [seed % 2**31 for seed in seeds], n=1, max_tokens=budgets)
+        return [(ids, logps) for ids, logps in samples]
+
+    def _sample(
+        self, requests: list[list[int]], seeds: list[int], *, n: int | None = None, max_tokens: list[int] | None = None
+    ) -> list[tuple[list[int], list[float]]]:
+        """G samples (or `n`) of each prompt (token ids), prompt-major: each sample's token ids and their log-probs;
+        `max_tokens`: each request's own budget (else max_completion_length)."""
         # vLLM: optional, imported by use_vllm jobs only (see _build).
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
@@ -212,17 +223,17 @@ class VLLMRollout:
         config = self.config
         params = [
             SamplingParams(
-                n=config.num_generations,
+                n=config.num_generations if n is None else n,
                 temperature=config.temperature,
                 top_p=config.top_p,
                 top_k=config.top_k,  # 0 = off, as ours
-                max_tokens=config.max_completion_length,
+                max_tokens=config.max_completion_length if max_tokens is None else max_tokens[index],
                 stop_token_ids=self.eos_ids,
                 logprobs=0,  # the sampled token's own log-prob
                 detokenize=False,
                 seed=seed,
             )
-            for seed in seeds
+            for index, seed in enumerate(seeds)
         ]
         if self._asleep:
             self.llm.wake_up(tags=["kv_cache"])

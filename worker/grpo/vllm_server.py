@@ -117,20 +117,23 @@ class VLLMServerRollout(VLLMRollout):
 
     # --- sampling and scoring -----------------------------------------------------------------
 
-    def _sample(self, requests: list[list[int]], seeds: list[int]) -> list[tuple[list[int], list[float]]]:
+    def _sample(
+        self, requests: list[list[int]], seeds: list[int], *, n: int | None = None, max_tokens: list[int] | None = None
+    ) -> list[tuple[list[int], list[float]]]:
         config = self.config
+        budgets = max_tokens or [config.max_completion_length] * len(requests)
 
-        def one(ids: list[int], seed: int) -> list[tuple[list[int], list[float]]]:
+        def one(ids: list[int], seed: int, budget: int) -> list[tuple[list[int], list[float]]]:
             body = {
-                "model": "policy", "prompt": ids, "n": config.num_generations, "temperature": config.temperature,
-                "top_p": config.top_p, "top_k": config.top_k, "max_tokens": config.max_completion_length,
+                "model": "policy", "prompt": ids, "n": config.num_generations if n is None else n,
+                "temperature": config.temperature, "top_p": config.top_p, "top_k": config.top_k, "max_tokens": budget,
                 "stop_token_ids": self.eos_ids, "logprobs": 0, "seed": seed, "return_token_ids": True,
             }
             choices = sorted(self._post("/v1/completions", body)["choices"], key=lambda c: c["index"])
             return [(list(c["token_ids"]), list(c["logprobs"]["token_logprobs"])) for c in choices]
 
         with ThreadPoolExecutor(max(1, min(32, len(requests)))) as pool:  # the server batches them
-            groups = list(pool.map(one, requests, seeds))
+            groups = list(pool.map(one, requests, seeds, budgets))
         return [sample for group in groups for sample in group]
 
     def _prompt_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:

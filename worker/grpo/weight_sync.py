@@ -61,7 +61,7 @@ class WeightSync:
                 rollout.input_ids[rows], rollout.attention_mask[rows], rollout.completion_ids.shape[1],
                 temperature=1.0,
             )
-        total, count = self.parallel.sum(list(logprob_gap(policy, sampler, rollout.completion_mask[rows])))
+        total, count = self.parallel.sum(list(logprob_gap(policy, sampler, rollout.policy_mask[rows])))
         return {"sync/logprob_gap": total / max(count, 1.0)}
 
 

@@ -92,6 +92,16 @@ class ModuleBackend:
             lambda: self.rollouts.generate(prompts, generator_seed=seeds, side=self.lanes.side)
         )
 
+    def continue_sequences(
+        self, sequences: list[list[int]], budgets: list[int], seeds: list[int]
+    ) -> list[tuple[list[int], list[float] | None]]:
+        """One continuation of each token sequence, seeded per row (multi-turn rollouts' turns), from the engine
+        that samples: vLLM (with its log-probs) or the policy."""
+        if isinstance(self.rollouts, VLLMRollout):
+            return self.rollouts.continue_sequences(sequences, budgets, seeds)
+        rollouts = self.rollouts
+        return self.parallel.run_policy(lambda: rollouts.continue_sequences(sequences, budgets, seeds))
+
     def score(self, coro: Coroutine[Any, Any, T]) -> Future[T]:
         """Run a reward coroutine on the reward loop while torch works here."""
         return self.lanes.score(coro)
