@@ -12,7 +12,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, Ti
 
 from cli.output import JsonOpt, api_client, console, emit
 from client.sdk import GRPOClient
-from contract.api.jobs import EventOut, JobOut
+from contract.api.jobs import EventOut, JobOut, SampleOut
 
 app = typer.Typer(help="Training jobs.", no_args_is_help=True)
 COLUMNS = ["id", "name", "status", "base_model", "progress", "attempt", "error", "created_at", "finished_at"]
@@ -213,9 +213,37 @@ def metrics(
 
 @app.command()
 def samples(job_id: str, step: int | None = None, as_json: JsonOpt = False) -> None:
-    """Show logged sample completions with their rewards."""
+    """Show logged sample completions with their rewards; a multi-turn sample as its conversation."""
     with api_client() as client:
-        emit(client.list_job_samples(job_id, step).data, SAMPLE_COLUMNS, as_json=as_json)
+        data = client.list_job_samples(job_id, step).data
+    single = [s for s in data if s.episode is None]
+    if as_json or single:
+        emit(data if as_json else single, SAMPLE_COLUMNS, as_json=as_json)
+    if not as_json:
+        for sample in data:
+            if sample.episode is not None:
+                print_episode(sample)
+
+
+def print_episode(sample: SampleOut) -> None:
+    """A multi-turn sample as a readable conversation: the prompt, each turn, the rewards."""
+    assert sample.episode is not None
+    episode = sample.episode
+    console.print(f"[bold]step {sample.step}[/bold]  reward {sample.reward}  {sample.rewards}")
+    console.print(f"[dim]prompt[/dim] {sample.prompt}", markup=False)
+    for turn in episode.turns:
+        if turn.role == "assistant":
+            console.print("[cyan]policy[/cyan]", end=" ")
+            console.print(turn.text, markup=False)
+            for call in turn.tool_calls:
+                console.print(f"  -> {call.name}({json.dumps(call.arguments)})", markup=False)
+        else:
+            reward = "" if turn.reward is None else f"  (reward {turn.reward:g})"
+            masked = "" if turn.tokens else "  [not appended]"
+            console.print(f"[magenta]{turn.name}[/magenta]", end=" ")
+            console.print(f"{turn.text}{reward}{masked}", markup=False)
+    outcome = f"failed: {episode.error}" if episode.error else f"environment reward {episode.reward}"
+    console.print(f"[dim]{outcome} ({episode.reward_mode})[/dim]\n")
 
 
 @app.command()

@@ -20,6 +20,10 @@ class RewardInput:
     extras: dict[str, Any] = field(default_factory=dict)  # the dataset row's other columns
     group_id: int = 0  # index of the prompt within the step; completions of a group share it
     index: int = 0  # position of the completion within the step's batch
+    # Multi-turn jobs: the episode's turns (role, text, tool calls and results; see worker.grpo.multi_turn) and
+    # the environment's reward for it (None: the episode failed). `completion` is then the whole trajectory's text.
+    turns: list[dict[str, Any]] | None = None
+    environment_reward: float | None = None
 
 
 class RewardError(Exception):

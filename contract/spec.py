@@ -17,6 +17,7 @@ Torch-free on purpose: the service validates submitted specs with these models.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
 import re2
@@ -238,7 +239,43 @@ RewardSpec = Annotated[
 ]
 
 
-def reward_function_refs(rewards: list[RewardSpec]) -> list[tuple[str, str]]:
+class EnvironmentRewardSpec(BaseModel):
+    """The job's environment's own rewards (its step rewards, summed or the final one: `environment.reward`).
+    An episode that failed abstains; one that ended without a reward earned 0."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    type: Literal["environment"] = "environment"
+    weight: float = Field(1.0, allow_inf_nan=False)
+
+    @property
+    def source_name(self) -> str:
+        return "environment"
+
+
+# A job's reward sources: those of an evaluation, and the environment's own when the job has one.
+JobRewardSpec = Annotated[
+    BuiltinRewardSpec | RemoteRewardSpec | ModelRewardSpec | GraderRewardSpec | EnvironmentRewardSpec,
+    Field(discriminator="type"),
+]
+
+
+class JobEnvironment(BaseModel):
+    """A multi-turn job's environment (docs/environments.md): a registered OpenEnv server. Per group member one
+    episode, reset with the training row's fields; the policy calls its tools for up to `max_turns` turns."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    environment_id: Text = Field(min_length=1, max_length=64, description="Id of a registered environment (env_...).")
+    max_turns: int = Field(4, ge=1, le=64, description="Most policy turns per episode (the last one's calls not run).")
+    reward: Literal["sum", "final"] = Field(
+        "sum", description="The environment reward source: the episode's step rewards summed, or the last one."
+    )
+    max_sessions: int | None = Field(
+        None, ge=1, le=1024, description="Most episodes this job opens at once; default and ceiling the "
+        "environment's max_concurrency (its timeouts and retries are the registration's)."
+    )
+
+
+def reward_function_refs(rewards: Sequence[JobRewardSpec]) -> list[tuple[str, str]]:
     """(field, reward function id) of every registered endpoint the rewards call: remote sources and the
     chat endpoints of score_model graders."""
     refs: list[tuple[str, str]] = []
@@ -260,7 +297,7 @@ def check_builtin_model(value: str) -> str:
     return value
 
 
-def check_reward_sources(rewards: list[RewardSpec]) -> None:
+def check_reward_sources(rewards: Sequence[JobRewardSpec]) -> None:
     """Each source once: their values are reported (and weighted) by name."""
     names = [r.source_name for r in rewards]
     duplicates = sorted({n for n in names if names.count(n) > 1})
@@ -371,8 +408,11 @@ class JobSpec(BaseModel):
         description="Prompts of skills to keep, evaluated with the eval set (eval/retain/*); a drop fires the "
         "health guard's forgetting detector.",
     )
-    rewards: list[RewardSpec] = Field(min_length=1, max_length=16)
+    rewards: list[JobRewardSpec] = Field(min_length=1, max_length=16)
     hyperparameters: GRPOConfig
+    environment: JobEnvironment | None = Field(
+        None, description="A multi-turn job's environment: the policy calls its tools over several turns."
+    )
     resources: Resources = Field(default_factory=Resources, description="Devices and nodes for this job.")
     lora: LoraConfig | None = Field(None, description="Shorthand for hyperparameters.lora.")
     priority: int = Field(
@@ -404,7 +444,25 @@ class JobSpec(BaseModel):
             self.hyperparameters.lora = self.lora
         check_reward_sources(self.rewards)
         self._check_devices()
+        self._check_environment()
         return self
+
+    def _check_environment(self) -> None:
+        """A multi-turn job samples turn by turn from one engine, on one device."""
+        wants_reward = any(isinstance(r, EnvironmentRewardSpec) for r in self.rewards)
+        if self.environment is None:
+            if wants_reward:
+                raise ValueError("a reward of type 'environment' needs the job's environment")
+            return
+        config = self.hyperparameters
+        if self.resources.devices > 1:
+            raise ValueError("a job with an environment runs on one device (resources.devices 1)")
+        if config.generation != "sample" or config.async_generation:
+            raise ValueError("a job with an environment samples turn by turn: generation 'sample', "
+                             "async_generation off")
+        plan = self.eval_checkpoints
+        if plan is not None and plan.rewards is None and wants_reward:
+            raise ValueError("eval_checkpoints.rewards: evaluations score single turns; name their rewards")
 
     def _check_devices(self) -> None:
         """Every rank trains an equal share of whole groups, so each runs the same forward passes."""

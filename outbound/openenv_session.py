@@ -88,6 +88,18 @@ class EnvironmentDown(EpisodeError):
     code = "environment_unavailable"
 
 
+class EnvironmentOutage(Exception):
+    """Not one episode of a batch could be opened because the server stayed busy or down: the job pauses
+    (`environment_unavailable`), as it does for a reward endpoint that stays down."""
+
+    code = "environment_unavailable"
+
+    def __init__(self, environment_id: str, reason: str) -> None:
+        super().__init__(f"environment {environment_id}: {reason}")
+        self.environment_id = environment_id
+        self.reason = reason
+
+
 class EpisodeFailed(EpisodeError):
     """The episode itself went wrong (an error message, a bad or late answer, a refused handshake)."""
 

@@ -20,6 +20,9 @@ stops without writing anything more. How the outcome maps to states:
   unanswered by the step deadline) -> event `reward_endpoint_unavailable`, `paused`; a flaky endpoint whose
   few unanswered completions abstain is only reported (event `reward_degraded`);
   `POST /v1/jobs/{id}/resume` re-enqueues it and it resumes from its last checkpoint;
+- `EnvironmentOutage` (not one episode of a step could open: the environment stayed busy or down) -> event
+  `environment_unavailable`, `paused`, resumable the same way; episodes that fail one by one only count in
+  `env/errors`; a model whose chat template has no tool format -> `environment_tool_format`;
 - `RewardError` -> `failed` with the error's code (`reward_endpoint_invalid_response`, ...) and message;
   a registered reward URL this worker's policy refuses fails it as `reward_endpoint_url_rejected`;
 - a dataset that no longer parses -> `failed` (`dataset_invalid`); a `checkpoint:<id>` model that is
@@ -56,6 +59,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from contract.reward_types import RewardError, RewardUnavailable
+from outbound.openenv_session import EnvironmentOutage
+from outbound.urlpolicy import UrlRejected
 from service.execution import inputs as port
 from service.execution import reporting
 from service.execution.lease import (
@@ -72,8 +77,10 @@ from service.execution.reporting import Exhausted, JobStatus, SampleIn
 from service.execution.runtime import Settings, Storage, get_settings, get_storage, job_context
 from worker import metrics as worker_metrics
 from worker.checkpoint_upload import upload_checkpoint
+from worker.environment_setup import URL_REJECTED, environment_for
 from worker.evaluation_run import run_evaluation
 from worker.failures import JobFailure, training_error_message
+from worker.grpo.tool_calls import NoToolFormat
 from worker.job_inputs import RANK_INPUTS_FILE, InputFetcher, RankInputs, Rows
 from worker.model_sources import ModelUnavailable
 from worker.ranks import run_on_ranks
@@ -209,6 +216,11 @@ class JobRunner:
             worker_metrics.reward_error(exc.source, exc.code)
             reporting.record_event(claim, "reward_endpoint_unavailable", str(exc), {"source": exc.source})
             return reporting.finish(claim, JobStatus.paused, reason=f"reward endpoint unavailable: {exc.reason}")
+        except EnvironmentOutage as exc:
+            reporting.record_event(claim, exc.code, str(exc), {"environment_id": exc.environment_id})
+            return reporting.finish(claim, JobStatus.paused, reason=f"environment unavailable: {exc.reason}")
+        except UrlRejected as exc:  # the environment's host resolved to an address the policy refuses
+            return self._fail(claim, URL_REJECTED, f"environment: {exc.message}")
         except RewardError as exc:
             worker_metrics.reward_error(exc.source, exc.code)
             return self._fail(claim, exc.code, str(exc))
@@ -327,6 +339,7 @@ class JobRunner:
         from worker.grpo.trainer import GRPOTrainer
 
         train_rows, eval_rows, retain_rows = rows
+        environment = environment_for(inputs.spec, inputs.environment, self.settings)
         try:
             return GRPOTrainer(
                 inputs.spec.hyperparameters,
@@ -347,7 +360,10 @@ class JobRunner:
                 device=device,
                 checkpoint_metadata={"job_id": self.job_id, "attempt": claim.attempt},
                 ranks=self.ranks,
+                environment=environment,
             )
+        except NoToolFormat as exc:
+            raise JobFailure("environment_tool_format", f"base_model: {exc}") from exc
         except Exception as exc:
             # from_pretrained's errors describe the worker's filesystem: the tenant gets a code and the reason's
             # class (unknown architecture, corrupt safetensors, GGUF without gguf), the log the rest.
@@ -370,7 +386,7 @@ class JobRunner:
         logged = [
             SampleIn(prompt=str(s["prompt"]), completion=str(s["completion"]), reward=_finite_or_none(s.get("reward")),
                      rewards={k: _finite_or_none(v) for k, v in dict(s.get("rewards", {})).items()},
-                     policy_version=s.get("policy_version"))
+                     policy_version=s.get("policy_version"), episode=s.get("episode"))
             for s in samples
         ]
         usage = self._meter.take(metrics) if self._meter is not None else None

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from datetime import datetime
 from enum import StrEnum
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
 
+from contract.fields import storable_text
 from contract.spec import JobSpec
 
 
@@ -99,6 +101,48 @@ class MetricsOut(BaseModel):
     next_since_step: int | None = Field(description="Pass as `since_step` to continue when has_more.")
 
 
+class ToolCallOut(BaseModel):
+    name: str
+    arguments: dict[str, Any] = Field(default_factory=dict)
+
+
+class TurnOut(BaseModel):
+    """One turn of a multi-turn sample: the policy's (`assistant`) or a tool result (`tool`)."""
+
+    role: Literal["assistant", "tool"]
+    text: str = Field(description="What the policy wrote, or the tool's result as the policy read it.")
+    tokens: int = Field(0, ge=0, description="Tokens in the trajectory (a turn's tool results share one suffix).")
+    masked: bool = Field(description="True for the environment's tokens: out of the loss and the KL.")
+    tool_calls: list[ToolCallOut] = Field(default_factory=list, description="The calls parsed from a policy turn.")
+    name: str | None = Field(None, description="The tool a result comes from.")
+    error: str | None = Field(None, description="The tool's own error (the policy read it).")
+    reward: float | None = Field(None, description="The environment's reward for this step, when it gave one.")
+
+    @field_validator("text")
+    @classmethod
+    def _storable(cls, value: str) -> str:
+        return storable_text(value)
+
+    @field_validator("reward")
+    @classmethod
+    def _finite(cls, value: float | None) -> float | None:
+        return None if value is None or not math.isfinite(value) else value
+
+
+class EpisodeOut(BaseModel):
+    """A multi-turn sample's episode: its turns in order, its failure, the environment's reward for it."""
+
+    turns: list[TurnOut]
+    error: str | None = Field(None, description="Why the episode failed (it then has no environment reward).")
+    reward: float | None = Field(None, description="The environment's reward (its step rewards summed, or the last).")
+    reward_mode: Literal["sum", "final"] = "sum"
+
+    @field_validator("reward")
+    @classmethod
+    def _finite(cls, value: float | None) -> float | None:
+        return None if value is None or not math.isfinite(value) else value
+
+
 class SampleOut(BaseModel):
     id: int
     step: int
@@ -110,6 +154,9 @@ class SampleOut(BaseModel):
         None,
         description="Optimiser steps in the weights that sampled it: step - 1 on-policy, older with "
         "async_generation (null for samples logged before it was recorded).",
+    )
+    episode: EpisodeOut | None = Field(
+        None, description="Multi-turn jobs: the episode's turns; `completion` is then the whole trajectory's text."
     )
     created_at: datetime
 

@@ -137,6 +137,11 @@ def get_environment(session: Session, tenant_id: str, env_id: str) -> Environmen
     return row
 
 
+def is_live(session: Session, tenant_id: str, env_id: str) -> bool:
+    """Whether `env_id` is the tenant's and not deleted (what a job may name)."""
+    return repository.get(session, tenant_id, env_id) is not None
+
+
 def list_environments(
     session: Session, tenant_id: str, *, limit: int, after: str | None
 ) -> tuple[Sequence[Environment], bool]:

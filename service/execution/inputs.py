@@ -1,8 +1,8 @@
 """What an attempt reads once, after its claim: the job's spec and placement, the storage keys of its datasets,
-its reward endpoints with their secrets, and the checkpoints it starts from (its own, or a tenant's checkpoint
+its reward endpoints and environment with their secrets, and the checkpoints it starts from (its own, or a tenant's checkpoint
 named as a model). Returned as plain values, detached from any session, so the worker never holds an ORM row.
 
-A dataset or reward function deleted since submission ends the attempt with `InputMissing` (the job fails with
+A dataset, reward function or environment deleted since submission ends the attempt with `InputMissing` (the job fails with
 its code); the model-source rules the worker applies again before loading are the service's own
 (service.jobs.model_sources).
 """
@@ -20,6 +20,8 @@ from contract.spec import JobSpec, Resources, reward_function_refs
 from service.checkpoints import repository as checkpoints_repository
 from service.checkpoints.models import Checkpoint
 from service.checkpoints.retention import delete_unrecorded
+from service.environments import repository as environments_repository
+from service.environments.models import Environment
 from service.evaluations import repository as evaluations_repository
 from service.evaluations.service import EVALUATION
 from service.execution.lease import Claim, LeaseLost, rewind_to
@@ -94,6 +96,9 @@ class JobInputs:
     eval_dataset_key: str | None
     retain_dataset_key: str | None
     reward_endpoints: dict[str, dict[str, Any]]
+    # A multi-turn job's environment, as `outbound.openenv_session.EnvironmentConfig` takes it (the worker adds
+    # its URL policy), with `max_sessions`: the job's cap within the environment's own.
+    environment: dict[str, Any] | None = None
     # Set when the job runs an evaluation (its spec is then the job view of it: EvaluationSpec.as_job_spec).
     evaluation: EvaluationSpec | None = None
 
@@ -128,6 +133,13 @@ def load_inputs(claim: Claim) -> JobInputs:
         job_id, tenant_id, queue = job.id, job.tenant_id, str(job.queue)
         evaluation = _evaluation_spec(session, job)
         endpoints = {rf_id: _endpoint_fields(row, job_id) for rf_id, row in functions.items()}
+        environment = None
+        if spec.environment is not None:
+            row = environments_repository.get(session, job.tenant_id, spec.environment.environment_id)
+            if row is None:
+                raise InputMissing("environment_missing",
+                                   f"environment {spec.environment.environment_id!r} no longer exists")
+            environment = _environment_fields(row, spec.environment.max_sessions)
     for field in ("train_dataset", "eval_dataset", "retain_dataset"):
         dataset_id = getattr(spec, field)
         if dataset_id is not None and dataset_id not in datasets:
@@ -141,6 +153,7 @@ def load_inputs(claim: Claim) -> JobInputs:
         eval_dataset_key=datasets[spec.eval_dataset] if spec.eval_dataset else None,
         retain_dataset_key=datasets[spec.retain_dataset] if spec.retain_dataset else None,
         reward_endpoints=endpoints,
+        environment=environment,
         evaluation=evaluation,
     )
 
@@ -152,6 +165,20 @@ def _evaluation_spec(session: Session, job: Job) -> EvaluationSpec | None:
     if evaluation is None:  # cannot happen: the evaluation is deleted with its job
         raise LeaseLost(job.id, job.attempt)
     return EvaluationSpec.model_validate(evaluation.spec)
+
+
+def _environment_fields(row: Environment, max_sessions: int | None) -> dict[str, Any]:
+    return {
+        "environment_id": row.id, "url": row.url, "secret": row.signing_secret,
+        "previous_secret": previous_secret_in_overlap(
+            row.previous_signing_secret, row.previous_secret_expires_at, utcnow()
+        ),
+        "previous_secret_until": row.previous_secret_expires_at,
+        "headers": {str(k): str(v) for k, v in row.headers.items()},
+        "step_timeout_s": row.step_timeout_s, "episode_timeout_s": row.episode_timeout_s,
+        "max_attempts": row.max_attempts, "backoff_s": row.backoff_s,
+        "max_sessions": min(row.max_concurrency, max_sessions or row.max_concurrency),
+    }
 
 
 def _endpoint_fields(row: RewardFunction, job_id: str) -> dict[str, Any]:

@@ -33,7 +33,7 @@ from contract.api.evaluations import (
     EvaluationResults,
     Interval,
 )
-from contract.api.jobs import EventOut, JobOut, SampleOut
+from contract.api.jobs import EpisodeOut, EventOut, JobOut, SampleOut
 from contract.api.rewards import RewardFunctionOut, RewardTestResult
 from contract.evaluation import EvaluationSpec
 from contract.gen.grpo.v1 import (
@@ -234,7 +234,9 @@ def _rewards_out(rewards: Any, dumped: list[dict[str, Any]]) -> None:
         elif reward["type"] == "grader":
             out.grader.json = json.dumps(reward["grader"], ensure_ascii=False)
         else:
-            _fill(getattr(out, reward["type"]), {k: v for k, v in reward.items() if k not in ("type", "weight")})
+            source = getattr(out, reward["type"])
+            source.SetInParent()  # a source without fields (environment) is set by being present
+            _fill(source, {k: v for k, v in reward.items() if k not in ("type", "weight")})
 
 
 def _lora_out(message: job_spec_pb2.LoraConfig, values: dict[str, Any]) -> None:
@@ -317,7 +319,20 @@ def sample_to_proto(sample: SampleOut) -> jobs_pb2.JobSample:
         rewards=_finite_values(sample.rewards),
         created_at=timestamp(sample.created_at),
         policy_version=sample.policy_version,
+        episode=None if sample.episode is None else _episode_out(sample.episode),
     )
+
+
+def _episode_out(episode: EpisodeOut) -> jobs_pb2.Episode:
+    turns = [
+        jobs_pb2.Turn(
+            role=turn.role, text=turn.text, tokens=turn.tokens, masked=turn.masked, name=turn.name,
+            error=turn.error, reward=turn.reward,
+            tool_calls=[jobs_pb2.ToolCall(name=c.name, arguments_json=json.dumps(c.arguments)) for c in turn.tool_calls],
+        )
+        for turn in episode.turns
+    ]
+    return jobs_pb2.Episode(turns=turns, error=episode.error, reward=episode.reward, reward_mode=episode.reward_mode)
 
 
 def metrics_by_step(series: Mapping[str, tuple[list[int], list[float]]]) -> list[jobs_pb2.StepMetrics]:

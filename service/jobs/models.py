@@ -132,6 +132,8 @@ class JobSample(Base):
     rewards: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
     # Optimiser steps in the weights that sampled it (step - 1 on-policy; older with async generation).
     policy_version: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    # Multi-turn jobs: the episode (contract.api.jobs.EpisodeOut as JSON); null for single turns.
+    episode: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
     attempt: Mapped[int] = mapped_column(Integer, default=0)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
 

@@ -108,6 +108,7 @@ def record_samples(
             reward=s.reward,
             rewards=s.rewards,
             policy_version=s.policy_version,
+            episode=None if s.episode is None else s.episode.model_dump(),
             attempt=attempt,
             created_at=now,
         )

@@ -7,7 +7,8 @@ One pass down, each reference resolved once by the domain that owns it:
    models by field);
 2. datasets (service.datasets.service): the tenant's and not deleted; the steps num_epochs makes fit the jobs'
    step counter; every row has the fields a grader reads as ``{{item.*}}``;
-3. reward functions (service.rewards.service): the tenant's and not deleted;
+3. reward functions (service.rewards.service) and the environment (service.environments.service): the tenant's
+   and not deleted;
 4. models (service.jobs.model_sources): accepted sources, and a `checkpoint:<id>` one of the tenant's
    checkpoints (service.checkpoints.repository).
 
@@ -29,6 +30,7 @@ from contract.spec import GraderRewardSpec, JobSpec, ModelRewardSpec, reward_fun
 from service.checkpoints import repository as checkpoints_repository
 from service.datasets import service as datasets
 from service.datasets.models import Dataset
+from service.environments import service as environments
 from service.jobs import model_sources
 from service.jobs.model_sources import ModelSourceKind, ModelSourcePolicy, ModelSourceRefused
 from service.kit.config import get_settings
@@ -93,6 +95,7 @@ def check_references(
     found = datasets.live_datasets(session, tenant_id, list(named.datasets.values()))
     errors = _dataset_errors(spec, named, found)
     errors += _reward_function_errors(session, tenant_id, named)
+    errors += _environment_errors(session, tenant_id, spec)
     errors += _grader_field_errors(named, found)
     errors += _model_errors(session, tenant_id, named)
     for error in errors:
@@ -128,6 +131,15 @@ def _reward_function_errors(session: Session, tenant_id: str, named: Named) -> l
         for field, rf_id in named.reward_functions
         if rf_id not in found
     ]
+
+
+def _environment_errors(session: Session, tenant_id: str, spec: JobSpec) -> list[Error]:
+    if spec.environment is None:
+        return []
+    env_id = spec.environment.environment_id
+    if environments.is_live(session, tenant_id, env_id):
+        return []
+    return [_missing("environment.environment_id", f"environment {env_id!r} not found")]
 
 
 def _grader_field_errors(named: Named, found: dict[str, Dataset]) -> list[Error]:

@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from sqlalchemy import Row
 
 from contract.api.jobs import (
+    EpisodeOut,
     EventOut,
     JobError,
     JobOut,
@@ -32,6 +33,7 @@ class SampleIn(BaseModel):
     reward: float | None = None
     rewards: dict[str, float | None] = Field(default_factory=dict)
     policy_version: int | None = Field(None, ge=0)
+    episode: EpisodeOut | None = None
 
     @field_validator("prompt", "completion")
     @classmethod
@@ -104,5 +106,6 @@ def sample_out(sample: JobSample) -> SampleOut:
         reward=sample.reward,
         rewards=sample.rewards,
         policy_version=sample.policy_version,
+        episode=None if sample.episode is None else EpisodeOut.model_validate(sample.episode),
         created_at=sample.created_at,
     )

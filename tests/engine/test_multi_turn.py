@@ -19,11 +19,11 @@ import pytest
 import torch
 
 from contract.config import GRPOConfig
-from outbound.openenv_session import EnvironmentConfig
+from outbound.openenv_session import EnvironmentConfig, EnvironmentOutage
 from worker.grpo.batch import loss_mask_for
 from worker.grpo.data import PromptRow
-from worker.grpo.environment import LocalEnvironment, OpenEnvEnvironment
-from worker.grpo.multi_turn import EnvironmentUnavailable, MultiTurnRollout, MultiTurnSettings
+from worker.grpo.environment import LocalEnvironment, MultiTurnSettings, OpenEnvEnvironment
+from worker.grpo.multi_turn import MultiTurnRollout
 from worker.grpo.pretrained import build_smollm2
 from worker.grpo.tiny import build_tokenizer
 from worker.grpo.tool_calls import HERMES_LINES_TEMPLATE, NoToolFormat, ToolCall, parse_turn, tool_format
@@ -144,10 +144,8 @@ def rollout_of(loop: Loop, environment: Any, turns: list[str], *, max_turns: int
     tokenizer = tokenizer or tiny_tools_tokenizer()
     config = GRPOConfig(num_generations=group, max_completion_length=budget, prompts_per_step=1, max_steps=1)
     sample = scripted(tokenizer, turns, tokenizer.eos_token_id)
-    engine = MultiTurnRollout(
-        tokenizer, config, environment, MultiTurnSettings(max_turns=max_turns), sample, loop.run,
-        [tokenizer.eos_token_id],
-    )
+    environment.settings = MultiTurnSettings(max_turns=max_turns)
+    engine = MultiTurnRollout(tokenizer, config, environment, sample, loop.run, [tokenizer.eos_token_id])
     rollout, _ = engine.generate(ROWS, [7])
     return rollout, sample
 
@@ -248,8 +246,7 @@ def test_sampled_ids_are_kept_where_decode_then_encode_would_change_them(loop: L
         return [(next(calls), None) for _ in sequences]
 
     config = GRPOConfig(num_generations=2, max_completion_length=200, prompts_per_step=1, max_steps=1)
-    engine = MultiTurnRollout(tokenizer, config, LocalEnvironment(Adder), MultiTurnSettings(), sample, loop.run,
-                              [tokenizer.eos_token_id])
+    engine = MultiTurnRollout(tokenizer, config, LocalEnvironment(Adder), sample, loop.run, [tokenizer.eos_token_id])
     rollout, _ = engine.generate(ROWS, [1])
     ids = rollout.completion_ids[0].tolist()
     sampled = [t for t, m in zip(ids, rollout.tool_mask[0].tolist(), strict=True) if m == 1]
@@ -273,12 +270,12 @@ def test_the_calculator_over_openenv_runs_each_member_in_its_own_episode(loop: L
         assert episode["reward"] == 1.0 and episode["error"] is None
 
 
-def test_a_server_that_is_down_for_the_whole_wave_is_environment_unavailable(loop: Loop) -> None:
+def test_a_server_that_is_down_for_the_whole_wave_is_an_outage(loop: Loop) -> None:
     from tests.worker.procs import free_port
 
     config = EnvironmentConfig(environment_id="env_gone", url=f"http://127.0.0.1:{free_port()}", secret="whsec_" + "A" * 32,
                                allow_private=True, max_attempts=2, backoff_s=0.01, backoff_max_s=0.02)
-    with pytest.raises(EnvironmentUnavailable, match="env_gone"):
+    with pytest.raises(EnvironmentOutage, match="env_gone"):
         rollout_of(loop, OpenEnvEnvironment(config, max_sessions=4), [CALL])
 
 

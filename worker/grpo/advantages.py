@@ -6,10 +6,14 @@ https://arxiv.org/abs/2402.03300 (DeepSeekMath, section 4.1.2).
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
 import torch
 from torch import Tensor
 
-from contract.config import AdvantageStd, ScaleRewards
+from contract.config import AdvantageStd, GRPOConfig, ScaleRewards
 
 
 def _nan_std(values: Tensor, mean: Tensor, count: Tensor, std: AdvantageStd) -> Tensor:
@@ -143,3 +147,30 @@ def decoupled_advantages(
     advantages = torch.where(scorable, (summed - mean) / (batch_std + eps), torch.zeros_like(summed))
     out_dtype = rewards_per_source.dtype if rewards_per_source.is_floating_point() else torch.float32
     return advantages.to(out_dtype)
+
+
+def step_advantages(
+    rewards: Tensor,
+    per_source: Mapping[str, list[float | None]],
+    sources: Sequence[tuple[Any, float]],
+    in_loss: Tensor,
+    config: GRPOConfig,
+) -> Tensor:
+    """(N,) group-relative advantages of a step's scored completions, one reward or several (`sources`: the
+    composite's (source, weight) pairs, in `per_source`'s names); groups outside the loss (in_loss
+    (num_groups,) false: dynamic sampling's fillers) get 0 and stay out of the batch-wide statistics."""
+    if config.multi_objective_aggregation == "normalize_then_sum":
+        values = torch.tensor(
+            [[math.nan if v is None else v for v in per_source[source.name]] for source, _ in sources],
+            dtype=torch.float32,
+        ).T  # (N, F)
+        weights = torch.tensor([weight for _, weight in sources], dtype=torch.float32)  # (F,)
+        return decoupled_advantages(
+            values, weights, config.num_generations, std=config.advantage_std, eps=config.advantage_eps,
+            in_batch=in_loss,
+        )
+    advantages, _ = group_advantages(
+        rewards, config.num_generations, scale=config.scale_rewards, std=config.advantage_std,
+        eps=config.advantage_eps, in_batch=in_loss,
+    )
+    return advantages

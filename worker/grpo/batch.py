@@ -94,6 +94,7 @@ def reward_inputs(rollout: Rollout, rows: list[PromptRow], prompts: list[str]) -
     group_size = rollout.group_size
     lengths = rollout.completion_lengths.tolist()
     ids = rollout.completion_ids.tolist()
+    episodes = rollout.episodes
     return [
         RewardInput(
             prompt=prompts[i // group_size],
@@ -102,6 +103,8 @@ def reward_inputs(rollout: Rollout, rows: list[PromptRow], prompts: list[str]) -
             extras=dict(rows[i // group_size].extras),
             group_id=i // group_size,
             index=i,
+            turns=None if episodes is None else episodes[i]["turns"],
+            environment_reward=None if episodes is None else episodes[i]["reward"],
         )
         for i in range(len(rollout.completion_texts))
     ]
@@ -169,6 +172,23 @@ def batch_metrics(batch: StepBatch) -> dict[str, float]:
     return metrics
 
 
+def episode_metrics(batch: StepBatch) -> dict[str, float]:
+    """Multi-turn steps: episodes of every completion generated this step (env/*); nothing for single turns."""
+    episodes = [e for s in batch.generated for e in (s.rollout.episodes or [])]
+    if not episodes:
+        return {}
+    turns = [t for e in episodes for t in e["turns"]]
+    rewards = [e["reward"] for e in episodes if e["reward"] is not None]
+    return {
+        "env/episodes": float(len(episodes)),
+        "env/errors": float(sum(e["error"] is not None for e in episodes)),
+        "env/turns_mean": sum(t["role"] == "assistant" for t in turns) / len(episodes),
+        "env/tool_calls": float(sum(t["role"] == "tool" for t in turns)),
+        "env/tool_errors": float(sum(t["role"] == "tool" and t["error"] is not None for t in turns)),
+        "env/reward_mean": sum(rewards) / len(rewards) if rewards else math.nan,
+    }
+
+
 def sample_records(step: int, batch: StepBatch, count: int, policy_version: int) -> list[dict[str, Any]]:
     """The first `count` completions of the trained batch, for display and storage, with the reward of
     each source by name (one source included) and the policy version that sampled them."""
@@ -185,6 +205,7 @@ def sample_records(step: int, batch: StepBatch, count: int, policy_version: int)
             "rewards": {name: values[i] for name, values in scored.per_source.items()},  # None: abstained
             "advantage": float(batch.advantages[i]),
             "policy_version": policy_version,
+            **({} if scored.rollout.episodes is None else {"episode": scored.rollout.episodes[i]}),
         }
         for i in range(count)
     ]

@@ -19,7 +19,7 @@ import json
 import typing
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 from outbound.openenv_session import (
     EnvironmentBusy,
@@ -33,9 +33,20 @@ from outbound.openenv_session import (
 from worker.grpo.tool_calls import ToolCall
 
 __all__ = [
-    "EnvironmentBusy", "EnvironmentDown", "EpisodeError", "EpisodeFailed", "LocalEnvironment", "OpenEnvEnvironment",
-    "ToolEnvironment", "ToolResult", "ToolSession",
+    "EnvironmentBusy", "EnvironmentDown", "EpisodeError", "EpisodeFailed", "LocalEnvironment", "MultiTurnSettings",
+    "OpenEnvEnvironment", "RewardMode", "ToolEnvironment", "ToolResult", "ToolSession",
 ]
+
+RewardMode = Literal["sum", "final"]
+
+
+@dataclass(frozen=True)
+class MultiTurnSettings:
+    """A multi-turn job's turn settings: most policy turns per episode; the environment reward's mode."""
+
+    max_turns: int = 4
+    reward_mode: RewardMode = "sum"
+
 
 MAX_TOOL_TEXT_CHARS = 8192  # a tool result longer than this reaches the policy cut, saying so
 
@@ -65,6 +76,7 @@ class ToolSession(Protocol):
 class ToolEnvironment(Protocol):
     name: str
     max_sessions: int  # episodes open at once
+    settings: MultiTurnSettings  # the job's turns and reward mode
 
     async def open(self, row: Mapping[str, Any]) -> ToolSession: ...
 
@@ -136,10 +148,13 @@ def _result_text(result: object) -> str:
 class OpenEnvEnvironment:
     """A registered OpenEnv server; at most `max_sessions` episodes open at once (its capacity and the job's)."""
 
-    def __init__(self, config: EnvironmentConfig, max_sessions: int) -> None:
+    def __init__(
+        self, config: EnvironmentConfig, max_sessions: int, settings: MultiTurnSettings = MultiTurnSettings()
+    ) -> None:
         self.config = config
         self.name = config.environment_id
         self.max_sessions = max_sessions
+        self.settings = settings
 
     async def open(self, row: Mapping[str, Any]) -> ToolSession:
         episode, _ = await open_episode(self.config, row)
@@ -212,11 +227,12 @@ class _LocalSession:
 class LocalEnvironment:
     """`cls()` per episode, in this process."""
 
-    def __init__(self, cls: type, max_sessions: int = 64) -> None:
+    def __init__(self, cls: type, max_sessions: int = 64, settings: MultiTurnSettings = MultiTurnSettings()) -> None:
         self.cls = cls
         self.names = public_tools(cls)
         self.name = cls.__name__
         self.max_sessions = max_sessions
+        self.settings = settings
 
     async def open(self, row: Mapping[str, Any]) -> ToolSession:
         target = self.cls()

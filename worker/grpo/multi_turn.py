@@ -15,7 +15,7 @@ close, so a server with fewer sessions than the batch has members is never waite
 
 Failures: a member whose episode fails (the server errors, times out, answers garbage) keeps what it sampled, gets
 no environment reward and is counted in `env/errors`; when not one member of a wave can open an episode because the
-server is busy or down, the step raises `EnvironmentUnavailable` (the job pauses, as for reward endpoints).
+server is busy or down, the step raises `EnvironmentOutage` (the job pauses, as for reward endpoints).
 """
 
 from __future__ import annotations
@@ -24,22 +24,26 @@ import asyncio
 from collections.abc import Callable, Coroutine, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Literal, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import torch
 from transformers import PreTrainedTokenizerBase
 
 from contract.config import GRPOConfig
+from outbound.openenv_session import EnvironmentOutage
 from worker.grpo.data import PromptRow
 from worker.grpo.environment import (
     EnvironmentBusy,
     EnvironmentDown,
     EpisodeError,
+    MultiTurnSettings,
+    RewardMode,
     ToolEnvironment,
     ToolResult,
     ToolSession,
 )
-from worker.grpo.rollout import Rollout, tokenize_prompts
+from worker.grpo.modeling import ModelBundle
+from worker.grpo.rollout import Rollout, eos_token_ids, tokenize_prompts
 from worker.grpo.tool_calls import ParsedTurn, ToolCall, ToolFormat, parse_turn, tool_format
 
 T = TypeVar("T")
@@ -48,13 +52,6 @@ T = TypeVar("T")
 Continue = Callable[[list[list[int]], list[int], list[int]], list[tuple[list[int], list[float] | None]]]
 # Runs a coroutine on the backend's event loop (the reward loop), from the trainer's thread
 RunAsync = Callable[[Coroutine[Any, Any, Any]], "Future[Any]"]
-RewardMode = Literal["sum", "final"]
-
-
-class EnvironmentUnavailable(RuntimeError):
-    """No member of a wave could open an episode: the environment is down or full for the whole step."""
-
-    code = "environment_unavailable"
 
 
 @dataclass
@@ -79,21 +76,39 @@ class _Member:
         return {"turns": self.turns, "error": self.error, "reward": self.env_reward, "reward_mode": reward_mode}
 
 
-@dataclass(frozen=True)
-class MultiTurnSettings:
-    max_turns: int = 4
-    reward_mode: RewardMode = "sum"
+class SamplingBackend(Protocol):
+    """What a multi-turn rollout asks of the trainer's backend."""
+
+    def continue_sequences(
+        self, sequences: list[list[int]], budgets: list[int], seeds: list[int]
+    ) -> list[tuple[list[int], list[float] | None]]: ...
+
+    def score(self, coro: Coroutine[Any, Any, T]) -> Future[T]: ...
 
 
 class MultiTurnRollout:
     """Multi-turn rollouts of already-drawn rows: `generate(rows, seeds)` gives the step's Rollout."""
+
+    @classmethod
+    def on(
+        cls, backend: SamplingBackend, models: ModelBundle, config: GRPOConfig, environment: ToolEnvironment, *,
+        distributed: bool,
+    ) -> MultiTurnRollout:
+        """Episodes on `environment`, sampled through `backend`; NoToolFormat when the tokenizer has none."""
+        if distributed or config.async_generation or config.generation != "sample":
+            raise ValueError("multi-turn rollouts sample turn by turn on one device: generation 'sample', "
+                             "no async_generation")
+        return cls(
+            models.tokenizer, config, environment, backend.continue_sequences,
+            backend.score, eos_token_ids(models.policy, models.tokenizer), device=models.policy.device,
+            with_logprobs=config.use_vllm,
+        )
 
     def __init__(
         self,
         tokenizer: PreTrainedTokenizerBase,
         config: GRPOConfig,
         environment: ToolEnvironment,
-        settings: MultiTurnSettings,
         sample: Continue,
         run: RunAsync,
         eos_ids: Sequence[int],
@@ -103,7 +118,8 @@ class MultiTurnRollout:
     ) -> None:
         """`sample` continues sequences through the backend; `run` runs the environment's coroutines on the
         backend's event loop; `with_logprobs`: another engine samples (vLLM), so its log-probs are kept."""
-        self.tokenizer, self.config, self.environment, self.settings = tokenizer, config, environment, settings
+        self.tokenizer, self.config, self.environment = tokenizer, config, environment
+        self.settings: MultiTurnSettings = environment.settings
         self.sample, self.run, self.eos_ids = sample, run, list(eos_ids)
         self.device, self.with_logprobs = torch.device(device), with_logprobs
         self.format: ToolFormat = tool_format(tokenizer.chat_template)  # NoToolFormat: the job fails at start
@@ -150,7 +166,7 @@ class MultiTurnRollout:
         if all(session is None for session, _, _ in opened):
             unavailable = [exc for _, _, exc in opened if isinstance(exc, EnvironmentBusy | EnvironmentDown)]
             if len(unavailable) == len(opened):
-                raise EnvironmentUnavailable(f"environment {self.environment.name}: {unavailable[0]}")
+                raise EnvironmentOutage(self.environment.name, str(unavailable[0]))
         if self._tools is None:
             first = next((s for s, _, _ in opened if s is not None), None)
             if first is not None:

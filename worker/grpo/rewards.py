@@ -24,13 +24,14 @@ from contract.reward_types import RewardError, RewardInput, RewardSource, Reward
 from contract.spec import (
     BoxedAnswerParams,
     BuiltinRewardSpec,
+    EnvironmentRewardSpec,
     ExactMatchParams,
     GraderRewardSpec,
+    JobRewardSpec,
     LengthPenaltyParams,
     ModelRewardSpec,
     RegexMatchParams,
     RemoteRewardSpec,
-    RewardSpec,
     compile_user_pattern,
 )
 from outbound.graders import ChatFactory, GraderSource
@@ -292,6 +293,15 @@ def _length_penalty_source(name: str, params: LengthPenaltyParams) -> FunctionSo
     return FunctionSource(name, score)
 
 
+class EnvironmentReward:
+    """The environment's reward of each episode (multi-turn jobs): computed during the rollout, read here."""
+
+    name = "environment"
+
+    async def __call__(self, items: Sequence[RewardInput], *, step: int) -> list[float | None]:
+        return [item.environment_reward for item in items]
+
+
 def build_builtin_source(spec: BuiltinRewardSpec) -> FunctionSource:
     """The source for one built-in spec (its params were validated by the spec already)."""
     name = spec.source_name
@@ -312,7 +322,7 @@ def build_builtin_source(spec: BuiltinRewardSpec) -> FunctionSource:
 
 
 def build_reward_sources(
-    specs: Sequence[RewardSpec],
+    specs: Sequence[JobRewardSpec],
     *,
     remote: Callable[[RemoteRewardSpec], RewardSource] | None = None,
     device: str = "cpu",
@@ -345,6 +355,8 @@ def build_reward_sources(
             source = remote(spec)
         elif isinstance(spec, GraderRewardSpec):
             source = GraderSource(spec.source_name, spec.parsed, chat=chat, limits=grader_limits)
+        elif isinstance(spec, EnvironmentRewardSpec):
+            source = EnvironmentReward()
         else:  # pragma: no cover - the discriminated union admits nothing else
             raise TypeError(f"unknown reward spec {spec!r}")
         sources.append((source, spec.weight))

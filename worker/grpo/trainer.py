@@ -38,7 +38,7 @@ import torch
 from torch import Tensor
 
 from contract.config import GRPOConfig
-from worker.grpo.advantages import decoupled_advantages, group_advantages
+from worker.grpo.advantages import group_advantages, step_advantages
 from worker.grpo.allocator import keep_freed_memory, return_freed_memory
 from worker.grpo.async_rollout import (
     EngineSampler,
@@ -55,6 +55,7 @@ from worker.grpo.batch import (
     Scored,
     StepBatch,
     batch_metrics,
+    episode_metrics,
     loss_mask_for,
     reward_inputs,
     sample_records,
@@ -63,10 +64,12 @@ from worker.grpo.batch import (
 from worker.grpo.checkpoint import capture_rng_state, load_checkpoint, restore_rng_state, save_checkpoint
 from worker.grpo.data import PromptRow, PromptSampler
 from worker.grpo.distributed import SHARDED_DIR, Parallel, Ranks, group_seeds, main_first, share
+from worker.grpo.environment import ToolEnvironment
 from worker.grpo.health import Finding, HealthGuard, dominated_fraction
 from worker.grpo.held_out import HeldOutEvaluation
 from worker.grpo.loss import AdaptiveEntropy, LossSettings, grpo_loss
 from worker.grpo.modeling import ModelBundle, build_model_bundle, seed_everything
+from worker.grpo.multi_turn import MultiTurnRollout
 from worker.grpo.rewards import CompositeReward, RewardResult
 from worker.grpo.rollout import Rollout, render_prompt
 from worker.grpo.sampling_correction import SamplingCorrection
@@ -115,6 +118,7 @@ class GRPOTrainer:
         checkpoint_metadata: dict[str, Any] | None = None,
         ranks: Ranks | None = None,
         backend: BackendName = "auto",
+        environment: ToolEnvironment | None = None,
     ) -> None:
         if not train_rows:
             raise ValueError("train_rows is empty")
@@ -136,10 +140,7 @@ class GRPOTrainer:
         seed_everything(config.seed)
         ranks = ranks or Ranks()
         sharded = ranks.distributed and config.resolved_parallelism() == "fsdp"
-        if sharded:
-            return_freed_memory()  # each rank's memory is its shards and one gathered layer (allocator.py)
-        else:
-            keep_freed_memory()  # each step reuses the last one's pages (no page faults per tensor)
+        (return_freed_memory if sharded else keep_freed_memory)()  # allocator.py: shards, or pages reused
         checkpoint = load_checkpoint(resume_from) if resume_from is not None else None
         cache_dir = model_cache_dir or self.output_dir / "models"
         with main_first(ranks):  # rank 0 fills the shared model cache
@@ -168,6 +169,8 @@ class GRPOTrainer:
         # After the restore: its generation engine starts from the weights just loaded. Entered by train().
         self.backend = backend_for(self.models, self.parallel, config, self.loss_settings, self.output_dir)
         self.held_out = HeldOutEvaluation(config, self.models, self.parallel, reward, self.backend.score)
+        self.multi_turn = None if environment is None else MultiTurnRollout.on(  # episodes, not single turns
+            self.backend, self.models, config, environment, distributed=ranks.distributed)
         if config.async_generation and ranks.distributed:
             raise ValueError("async_generation runs on one device")
         # The engine that samples when it is not the policy itself (vLLM, or async generation's copy).
@@ -218,7 +221,7 @@ class GRPOTrainer:
         timings["time/step_s"] = time.perf_counter() - started
         batch = self.parallel.gather_batch(batch)  # the global batch: metrics as one process reports them
         waited = timings.pop("async/wait_s", 0.0)
-        metrics = {**batch_metrics(batch), **train_stats, **timings, **sync_check}
+        metrics = {**batch_metrics(batch), **episode_metrics(batch), **train_stats, **timings, **sync_check}
         if self.producer is not None and self._produced is not None:
             metrics["time/reward_s"] = self._produced.timings["time/reward_s"]  # scored by the producer
             metrics.update(
@@ -284,7 +287,7 @@ class GRPOTrainer:
             self.backend.forward_while_scoring(forwards, first.rollout, pending, timings)
             final = pending.result()
             generated, in_loss = [final], torch.ones(len(final.rows), dtype=torch.bool)
-        advantages = self._advantages(final, in_loss)  # (N,), 0 outside the loss
+        advantages = step_advantages(final.rewards, final.per_source, self.reward.sources, in_loss, self.config)
         loss_mask = loss_mask_for(
             final.rollout, in_loss, mask_truncated=self.config.mask_truncated_completions
         )
@@ -293,35 +296,6 @@ class GRPOTrainer:
             final, advantages, loss_mask, forwards.old_logps, forwards.reference, generated, forwards.early,
             forwards.halves,
         )
-
-    def _advantages(self, scored: Scored, in_loss: Tensor) -> Tensor:
-        """(N,) group-relative advantages of the scored completions, one reward or several; groups
-        outside the loss (in_loss (num_groups,) false: dynamic sampling's fillers) get 0 and stay
-        out of the batch-wide statistics."""
-        config = self.config
-        if config.multi_objective_aggregation == "normalize_then_sum":
-            per_source = torch.tensor(
-                [[math.nan if v is None else v for v in scored.per_source[name]] for name in self.reward.names],
-                dtype=torch.float32,
-            ).T  # (N, F)
-            weights = torch.tensor([weight for _, weight in self.reward.sources], dtype=torch.float32)  # (F,)
-            return decoupled_advantages(
-                per_source,
-                weights,
-                config.num_generations,
-                std=config.advantage_std,
-                eps=config.advantage_eps,
-                in_batch=in_loss,
-            )
-        advantages, _ = group_advantages(
-            scored.rewards,
-            config.num_generations,
-            scale=config.scale_rewards,
-            std=config.advantage_std,
-            eps=config.advantage_eps,
-            in_batch=in_loss,
-        )
-        return advantages
 
     def _next_batch(self, step: int, timings: dict[str, float]) -> tuple[Generated, Future[Scored]]:
         """This step's first generation round and its rewards (a future): generated now, or taken from the
@@ -357,11 +331,14 @@ class GRPOTrainer:
         indices = self.sampler.next_indices(num_prompts)  # the global batch, the same on every rank
         mine = share(len(indices), self.parallel.ranks)  # this rank's whole groups
         rows = [self.train_rows[indices[i]] for i in mine]
-        prompts = [render_prompt(self.models.tokenizer, row.prompt) for row in rows]
         # A seed per (run, step, round, group position): sampling is reproducible across resumes whatever
         # ran before, and a group samples the same tokens on any number of ranks.
         seeds = [s % (2**63) for s in group_seeds(self.config.seed, step, round_index, mine)]
-        rollout = (engine or self.backend.generate)(prompts, seeds)
+        if self.multi_turn is not None:
+            rollout, prompts = self.multi_turn.generate(rows, seeds)
+        else:
+            prompts = [render_prompt(self.models.tokenizer, row.prompt) for row in rows]
+            rollout = (engine or self.backend.generate)(prompts, seeds)
         timings["time/generate_s"] += time.perf_counter() - started
         return Generated(rollout, rows, prompts)
 

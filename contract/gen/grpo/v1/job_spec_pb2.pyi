@@ -1431,6 +1431,7 @@ class RewardSpec(_message.Message):
     REMOTE_FIELD_NUMBER: _builtins.int
     MODEL_FIELD_NUMBER: _builtins.int
     GRADER_FIELD_NUMBER: _builtins.int
+    ENVIRONMENT_FIELD_NUMBER: _builtins.int
     weight: _builtins.float
     """Weight of this source in the summed reward (default 1.0)."""
     @_builtins.property
@@ -1461,6 +1462,10 @@ class RewardSpec(_message.Message):
     def grader(self) -> Global___GraderReward:
         """An OpenAI grader (string_check, text_similarity, score_model, multi)."""
 
+    @_builtins.property
+    def environment(self) -> Global___EnvironmentReward:
+        """The job's environment's own rewards (jobs with an environment only)."""
+
     def __init__(
         self,
         *,
@@ -1472,14 +1477,15 @@ class RewardSpec(_message.Message):
         remote: Global___RemoteReward | None = ...,
         model: Global___ModelReward | None = ...,
         grader: Global___GraderReward | None = ...,
+        environment: Global___EnvironmentReward | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_weight", b"_weight", "boxed_answer", b"boxed_answer", "exact_match", b"exact_match", "grader", b"grader", "length_penalty", b"length_penalty", "model", b"model", "regex_match", b"regex_match", "remote", b"remote", "source", b"source", "weight", b"weight"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_weight", b"_weight", "boxed_answer", b"boxed_answer", "environment", b"environment", "exact_match", b"exact_match", "grader", b"grader", "length_penalty", b"length_penalty", "model", b"model", "regex_match", b"regex_match", "remote", b"remote", "source", b"source", "weight", b"weight"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_weight", b"_weight", "boxed_answer", b"boxed_answer", "exact_match", b"exact_match", "grader", b"grader", "length_penalty", b"length_penalty", "model", b"model", "regex_match", b"regex_match", "remote", b"remote", "source", b"source", "weight", b"weight"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_weight", b"_weight", "boxed_answer", b"boxed_answer", "environment", b"environment", "exact_match", b"exact_match", "grader", b"grader", "length_penalty", b"length_penalty", "model", b"model", "regex_match", b"regex_match", "remote", b"remote", "source", b"source", "weight", b"weight"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__weight: _TypeAlias = _typing.Literal["weight"]  # noqa: Y015
     _WhichOneofArgType__weight: _TypeAlias = _typing.Literal["_weight", b"_weight"]  # noqa: Y015
-    _WhichOneofReturnType_source: _TypeAlias = _typing.Literal["boxed_answer", "exact_match", "regex_match", "length_penalty", "remote", "model", "grader"]  # noqa: Y015
+    _WhichOneofReturnType_source: _TypeAlias = _typing.Literal["boxed_answer", "exact_match", "regex_match", "length_penalty", "remote", "model", "grader", "environment"]  # noqa: Y015
     _WhichOneofArgType_source: _TypeAlias = _typing.Literal["source", b"source"]  # noqa: Y015
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__weight) -> _WhichOneofReturnType__weight | None: ...
@@ -1487,6 +1493,68 @@ class RewardSpec(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType_source) -> _WhichOneofReturnType_source | None: ...
 
 Global___RewardSpec: _TypeAlias = RewardSpec  # noqa: Y015
+
+@_typing.final
+class EnvironmentReward(_message.Message):
+    """The rewards of the job's environment: its step rewards, summed or the last one (JobEnvironment.reward)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___EnvironmentReward: _TypeAlias = EnvironmentReward  # noqa: Y015
+
+@_typing.final
+class JobEnvironment(_message.Message):
+    """A multi-turn job's environment: a registered OpenEnv server (docs/environments.md)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ENVIRONMENT_ID_FIELD_NUMBER: _builtins.int
+    MAX_TURNS_FIELD_NUMBER: _builtins.int
+    REWARD_FIELD_NUMBER: _builtins.int
+    MAX_SESSIONS_FIELD_NUMBER: _builtins.int
+    environment_id: _builtins.str
+    """Id of a registered environment ("env_...")."""
+    max_turns: _builtins.int
+    """Most policy turns per episode (1 to 64, default 4)."""
+    reward: _builtins.str
+    """The environment reward source: "sum" of the step rewards (default) or the "final" one."""
+    max_sessions: _builtins.int
+    """Most episodes open at once (default and ceiling: the environment's max_concurrency)."""
+    def __init__(
+        self,
+        *,
+        environment_id: _builtins.str = ...,
+        max_turns: _builtins.int | None = ...,
+        reward: _builtins.str | None = ...,
+        max_sessions: _builtins.int | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_max_sessions", b"_max_sessions", "_max_turns", b"_max_turns", "_reward", b"_reward", "max_sessions", b"max_sessions", "max_turns", b"max_turns", "reward", b"reward"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_sessions", b"_max_sessions", "_max_turns", b"_max_turns", "_reward", b"_reward", "environment_id", b"environment_id", "max_sessions", b"max_sessions", "max_turns", b"max_turns", "reward", b"reward"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__max_sessions: _TypeAlias = _typing.Literal["max_sessions"]  # noqa: Y015
+    _WhichOneofArgType__max_sessions: _TypeAlias = _typing.Literal["_max_sessions", b"_max_sessions"]  # noqa: Y015
+    _WhichOneofReturnType__max_turns: _TypeAlias = _typing.Literal["max_turns"]  # noqa: Y015
+    _WhichOneofArgType__max_turns: _TypeAlias = _typing.Literal["_max_turns", b"_max_turns"]  # noqa: Y015
+    _WhichOneofReturnType__reward: _TypeAlias = _typing.Literal["reward"]  # noqa: Y015
+    _WhichOneofArgType__reward: _TypeAlias = _typing.Literal["_reward", b"_reward"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__max_sessions) -> _WhichOneofReturnType__max_sessions | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__max_turns) -> _WhichOneofReturnType__max_turns | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__reward) -> _WhichOneofReturnType__reward | None: ...
+
+Global___JobEnvironment: _TypeAlias = JobEnvironment  # noqa: Y015
 
 @_typing.final
 class GraderReward(_message.Message):
@@ -1551,6 +1619,7 @@ class JobSpec(_message.Message):
     RESOURCES_FIELD_NUMBER: _builtins.int
     BUDGET_FIELD_NUMBER: _builtins.int
     EVAL_CHECKPOINTS_FIELD_NUMBER: _builtins.int
+    ENVIRONMENT_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """Optional human-readable name ([A-Za-z0-9][A-Za-z0-9_.-]{0,63})."""
     base_model: _builtins.str
@@ -1593,6 +1662,10 @@ class JobSpec(_message.Message):
     def eval_checkpoints(self) -> Global___CheckpointEvaluations:
         """Evaluate every checkpoint the job saves on a dataset: an evaluation each (docs/evaluations.md)."""
 
+    @_builtins.property
+    def environment(self) -> Global___JobEnvironment:
+        """A multi-turn job's environment: the policy calls its tools over several turns."""
+
     def __init__(
         self,
         *,
@@ -1609,10 +1682,11 @@ class JobSpec(_message.Message):
         resources: Global___Resources | None = ...,
         budget: Global___JobBudget | None = ...,
         eval_checkpoints: Global___CheckpointEvaluations | None = ...,
+        environment: Global___JobEnvironment | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_eval_dataset", b"_eval_dataset", "_name", b"_name", "_priority", b"_priority", "_retain_dataset", b"_retain_dataset", "budget", b"budget", "eval_checkpoints", b"eval_checkpoints", "eval_dataset", b"eval_dataset", "hyperparameters", b"hyperparameters", "lora", b"lora", "name", b"name", "priority", b"priority", "resources", b"resources", "retain_dataset", b"retain_dataset"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_eval_dataset", b"_eval_dataset", "_name", b"_name", "_priority", b"_priority", "_retain_dataset", b"_retain_dataset", "budget", b"budget", "environment", b"environment", "eval_checkpoints", b"eval_checkpoints", "eval_dataset", b"eval_dataset", "hyperparameters", b"hyperparameters", "lora", b"lora", "name", b"name", "priority", b"priority", "resources", b"resources", "retain_dataset", b"retain_dataset"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_eval_dataset", b"_eval_dataset", "_name", b"_name", "_priority", b"_priority", "_retain_dataset", b"_retain_dataset", "base_model", b"base_model", "budget", b"budget", "eval_checkpoints", b"eval_checkpoints", "eval_dataset", b"eval_dataset", "hyperparameters", b"hyperparameters", "lora", b"lora", "metadata", b"metadata", "name", b"name", "priority", b"priority", "resources", b"resources", "retain_dataset", b"retain_dataset", "rewards", b"rewards", "train_dataset", b"train_dataset"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_eval_dataset", b"_eval_dataset", "_name", b"_name", "_priority", b"_priority", "_retain_dataset", b"_retain_dataset", "base_model", b"base_model", "budget", b"budget", "environment", b"environment", "eval_checkpoints", b"eval_checkpoints", "eval_dataset", b"eval_dataset", "hyperparameters", b"hyperparameters", "lora", b"lora", "metadata", b"metadata", "name", b"name", "priority", b"priority", "resources", b"resources", "retain_dataset", b"retain_dataset", "rewards", b"rewards", "train_dataset", b"train_dataset"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__eval_dataset: _TypeAlias = _typing.Literal["eval_dataset"]  # noqa: Y015
     _WhichOneofArgType__eval_dataset: _TypeAlias = _typing.Literal["_eval_dataset", b"_eval_dataset"]  # noqa: Y015

@@ -800,6 +800,7 @@ class JobSample(_message.Message):
     REWARDS_FIELD_NUMBER: _builtins.int
     CREATED_AT_FIELD_NUMBER: _builtins.int
     POLICY_VERSION_FIELD_NUMBER: _builtins.int
+    EPISODE_FIELD_NUMBER: _builtins.int
     id: _builtins.int
     """Sample id; pass it as after_sample_id to continue from here."""
     step: _builtins.int
@@ -820,6 +821,10 @@ class JobSample(_message.Message):
     def created_at(self) -> _timestamp_pb2.Timestamp:
         """When it was logged."""
 
+    @_builtins.property
+    def episode(self) -> Global___Episode:
+        """Multi-turn jobs: the episode's turns; completion is then the whole trajectory's text."""
+
     def __init__(
         self,
         *,
@@ -831,10 +836,11 @@ class JobSample(_message.Message):
         rewards: _abc.Mapping[_builtins.str, _builtins.float] | None = ...,
         created_at: _timestamp_pb2.Timestamp | None = ...,
         policy_version: _builtins.int | None = ...,
+        episode: Global___Episode | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_policy_version", b"_policy_version", "_reward", b"_reward", "created_at", b"created_at", "policy_version", b"policy_version", "reward", b"reward"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_policy_version", b"_policy_version", "_reward", b"_reward", "created_at", b"created_at", "episode", b"episode", "policy_version", b"policy_version", "reward", b"reward"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_policy_version", b"_policy_version", "_reward", b"_reward", "completion", b"completion", "created_at", b"created_at", "id", b"id", "policy_version", b"policy_version", "prompt", b"prompt", "reward", b"reward", "rewards", b"rewards", "step", b"step"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_policy_version", b"_policy_version", "_reward", b"_reward", "completion", b"completion", "created_at", b"created_at", "episode", b"episode", "id", b"id", "policy_version", b"policy_version", "prompt", b"prompt", "reward", b"reward", "rewards", b"rewards", "step", b"step"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__policy_version: _TypeAlias = _typing.Literal["policy_version"]  # noqa: Y015
     _WhichOneofArgType__policy_version: _TypeAlias = _typing.Literal["_policy_version", b"_policy_version"]  # noqa: Y015
@@ -846,6 +852,138 @@ class JobSample(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__reward) -> _WhichOneofReturnType__reward | None: ...
 
 Global___JobSample: _TypeAlias = JobSample  # noqa: Y015
+
+@_typing.final
+class Episode(_message.Message):
+    """A multi-turn sample's episode."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TURNS_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    REWARD_FIELD_NUMBER: _builtins.int
+    REWARD_MODE_FIELD_NUMBER: _builtins.int
+    error: _builtins.str
+    """Why the episode failed (it then has no environment reward)."""
+    reward: _builtins.float
+    """The environment's reward for the episode."""
+    reward_mode: _builtins.str
+    """"sum" or "final": how the reward was taken from the step rewards."""
+    @_builtins.property
+    def turns(self) -> _containers.RepeatedCompositeFieldContainer[Global___Turn]:
+        """The turns in order: the policy's and the tool results."""
+
+    def __init__(
+        self,
+        *,
+        turns: _abc.Iterable[Global___Turn] | None = ...,
+        error: _builtins.str | None = ...,
+        reward: _builtins.float | None = ...,
+        reward_mode: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_error", b"_error", "_reward", b"_reward", "error", b"error", "reward", b"reward"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_error", b"_error", "_reward", b"_reward", "error", b"error", "reward", b"reward", "reward_mode", b"reward_mode", "turns", b"turns"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__error: _TypeAlias = _typing.Literal["error"]  # noqa: Y015
+    _WhichOneofArgType__error: _TypeAlias = _typing.Literal["_error", b"_error"]  # noqa: Y015
+    _WhichOneofReturnType__reward: _TypeAlias = _typing.Literal["reward"]  # noqa: Y015
+    _WhichOneofArgType__reward: _TypeAlias = _typing.Literal["_reward", b"_reward"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__error) -> _WhichOneofReturnType__error | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__reward) -> _WhichOneofReturnType__reward | None: ...
+
+Global___Episode: _TypeAlias = Episode  # noqa: Y015
+
+@_typing.final
+class Turn(_message.Message):
+    """One turn of an episode."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ROLE_FIELD_NUMBER: _builtins.int
+    TEXT_FIELD_NUMBER: _builtins.int
+    TOKENS_FIELD_NUMBER: _builtins.int
+    MASKED_FIELD_NUMBER: _builtins.int
+    TOOL_CALLS_FIELD_NUMBER: _builtins.int
+    NAME_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    REWARD_FIELD_NUMBER: _builtins.int
+    role: _builtins.str
+    """"assistant" (the policy) or "tool" (a tool result)."""
+    text: _builtins.str
+    """What the policy wrote, or the tool's result as the policy read it."""
+    tokens: _builtins.int
+    """Tokens in the trajectory."""
+    masked: _builtins.bool
+    """True for the environment's tokens: out of the loss and the KL."""
+    name: _builtins.str
+    """The tool a result comes from."""
+    error: _builtins.str
+    """The tool's own error."""
+    reward: _builtins.float
+    """The environment's reward for this step."""
+    @_builtins.property
+    def tool_calls(self) -> _containers.RepeatedCompositeFieldContainer[Global___ToolCall]:
+        """The calls parsed from a policy turn."""
+
+    def __init__(
+        self,
+        *,
+        role: _builtins.str = ...,
+        text: _builtins.str = ...,
+        tokens: _builtins.int = ...,
+        masked: _builtins.bool = ...,
+        tool_calls: _abc.Iterable[Global___ToolCall] | None = ...,
+        name: _builtins.str | None = ...,
+        error: _builtins.str | None = ...,
+        reward: _builtins.float | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_error", b"_error", "_name", b"_name", "_reward", b"_reward", "error", b"error", "name", b"name", "reward", b"reward"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_error", b"_error", "_name", b"_name", "_reward", b"_reward", "error", b"error", "masked", b"masked", "name", b"name", "reward", b"reward", "role", b"role", "text", b"text", "tokens", b"tokens", "tool_calls", b"tool_calls"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__error: _TypeAlias = _typing.Literal["error"]  # noqa: Y015
+    _WhichOneofArgType__error: _TypeAlias = _typing.Literal["_error", b"_error"]  # noqa: Y015
+    _WhichOneofReturnType__name: _TypeAlias = _typing.Literal["name"]  # noqa: Y015
+    _WhichOneofArgType__name: _TypeAlias = _typing.Literal["_name", b"_name"]  # noqa: Y015
+    _WhichOneofReturnType__reward: _TypeAlias = _typing.Literal["reward"]  # noqa: Y015
+    _WhichOneofArgType__reward: _TypeAlias = _typing.Literal["_reward", b"_reward"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__error) -> _WhichOneofReturnType__error | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__name) -> _WhichOneofReturnType__name | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__reward) -> _WhichOneofReturnType__reward | None: ...
+
+Global___Turn: _TypeAlias = Turn  # noqa: Y015
+
+@_typing.final
+class ToolCall(_message.Message):
+    """A tool call the policy wrote."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    ARGUMENTS_JSON_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """The tool's name."""
+    arguments_json: _builtins.str
+    """Its arguments, a JSON object as text."""
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        arguments_json: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["arguments_json", b"arguments_json", "name", b"name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ToolCall: _TypeAlias = ToolCall  # noqa: Y015
 
 @_typing.final
 class ListJobSamplesRequest(_message.Message):
