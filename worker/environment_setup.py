@@ -12,15 +12,22 @@ from typing import Any
 from contract.spec import JobSpec
 from outbound.openenv_session import EnvironmentConfig
 from outbound.urlpolicy import UrlRejected, check_url_syntax
+from service.execution import reporting
+from service.execution.lease import Claim
 from service.execution.runtime import Settings
 from worker.failures import JobFailure
 from worker.grpo.environment import MultiTurnSettings, OpenEnvEnvironment
 
 URL_REJECTED = "environment_url_rejected"
+EPISODE_FAILED = "environment_episode_failed"
+MAX_LISTED = 5  # reasons listed in one event
 
 
-def environment_for(spec: JobSpec, fields: dict[str, Any] | None, settings: Settings) -> OpenEnvEnvironment | None:
-    """The job's environment with its turn settings; None for a single-turn job."""
+def environment_for(
+    spec: JobSpec, fields: dict[str, Any] | None, settings: Settings, claim: Claim
+) -> OpenEnvEnvironment | None:
+    """The job's environment with its turn settings, reporting failed episodes as job events; None for a
+    single-turn job."""
     if spec.environment is None or fields is None:
         return None
     allow_private = bool(settings.allow_private_reward_urls)
@@ -32,4 +39,10 @@ def environment_for(spec: JobSpec, fields: dict[str, Any] | None, settings: Sett
     values = {k: v for k, v in fields.items() if k != "max_sessions"}
     config = EnvironmentConfig.model_validate({**values, "allow_private": allow_private})
     turns = MultiTurnSettings(max_turns=spec.environment.max_turns, reward_mode=spec.environment.reward)
-    return OpenEnvEnvironment(config, int(fields["max_sessions"]), turns)
+    return OpenEnvEnvironment(config, int(fields["max_sessions"]), turns, report=lambda errors: _failed(claim, errors))
+
+
+def _failed(claim: Claim, errors: list[str]) -> None:
+    """One event per batch with failed episodes: how many, and the first reasons (each already names why)."""
+    message = f"{len(errors)} episode(s) failed: {errors[0]}"
+    reporting.record_event(claim, EPISODE_FAILED, message, {"count": len(errors), "errors": errors[:MAX_LISTED]})

@@ -339,7 +339,7 @@ class JobRunner:
         from worker.grpo.trainer import GRPOTrainer
 
         train_rows, eval_rows, retain_rows = rows
-        environment = environment_for(inputs.spec, inputs.environment, self.settings)
+        environment = environment_for(inputs.spec, inputs.environment, self.settings, claim)
         try:
             return GRPOTrainer(
                 inputs.spec.hyperparameters,

@@ -2,7 +2,7 @@
 
 Each episode starts from one training row (`reset(question=..., answer=...)`); the policy calls the `add` and
 `multiply` tools as often as it likes and ends the episode with `submit(answer)`, which is rewarded 1.0 when the
-answer equals the row's and 0.0 otherwise. Tool calls themselves earn nothing.
+answer equals the row's (as numbers when both are) and 0.0 otherwise. Tool calls themselves earn nothing.
 
 Serve it (OpenEnv's own FastAPI app; `/health`, `/schema`, `/metadata` and the stateful `WS /ws`):
 
@@ -24,6 +24,14 @@ from openenv.core.env_server.mcp_types import CallToolAction, CallToolObservatio
 from openenv.core.env_server.types import Action, Observation, State
 
 SUBMIT = "submit"
+
+
+def same_answer(submitted: str, expected: str) -> bool:
+    """Equal as numbers when both are ("56.0" is 56), else as text."""
+    try:
+        return float(submitted) == float(expected)
+    except ValueError:
+        return submitted == expected
 
 
 class CalculatorEnvironment(MCPEnvironment):
@@ -70,7 +78,7 @@ class CalculatorEnvironment(MCPEnvironment):
         if isinstance(action, CallToolAction) and action.tool_name == SUBMIT:
             submitted = str(action.arguments.get("answer", "")).strip()
             observation.done = True
-            observation.reward = 1.0 if self._answer is not None and submitted == self._answer else 0.0
+            observation.reward = 1.0 if self._answer is not None and same_answer(submitted, self._answer) else 0.0
         return observation
 
     def _step_impl(self, action: Action, timeout_s: float | None = None, **kwargs: Any) -> Observation:

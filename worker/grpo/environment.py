@@ -77,6 +77,7 @@ class ToolEnvironment(Protocol):
     name: str
     max_sessions: int  # episodes open at once
     settings: MultiTurnSettings  # the job's turns and reward mode
+    report: Callable[[list[str]], None] | None  # told each batch's failed episodes (the job's events)
 
     async def open(self, row: Mapping[str, Any]) -> ToolSession: ...
 
@@ -149,12 +150,14 @@ class OpenEnvEnvironment:
     """A registered OpenEnv server; at most `max_sessions` episodes open at once (its capacity and the job's)."""
 
     def __init__(
-        self, config: EnvironmentConfig, max_sessions: int, settings: MultiTurnSettings = MultiTurnSettings()
+        self, config: EnvironmentConfig, max_sessions: int, settings: MultiTurnSettings = MultiTurnSettings(),
+        report: Callable[[list[str]], None] | None = None,
     ) -> None:
         self.config = config
         self.name = config.environment_id
         self.max_sessions = max_sessions
         self.settings = settings
+        self.report = report
 
     async def open(self, row: Mapping[str, Any]) -> ToolSession:
         episode, _ = await open_episode(self.config, row)
@@ -233,6 +236,7 @@ class LocalEnvironment:
         self.name = cls.__name__
         self.max_sessions = max_sessions
         self.settings = settings
+        self.report: Callable[[list[str]], None] | None = None  # failures show in the metrics (env/errors)
 
     async def open(self, row: Mapping[str, Any]) -> ToolSession:
         target = self.cls()

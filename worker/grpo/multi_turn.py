@@ -145,6 +145,9 @@ class MultiTurnRollout:
             self._finish(wave_members)
             members.extend(wave_members)
         assert prompts is not None  # rows is not empty
+        failed = [m.error for m in members if m.error is not None]
+        if failed and self.environment.report is not None:
+            self.environment.report(failed)
         return self._rollout(members, prompts), prompts
 
     # --- episodes ---------------------------------------------------------------------------------

@@ -33,6 +33,7 @@ from transformers import (
 TinyPreset = Literal["tiny", "small", "medium"]
 
 INSTRUCT_PRESET = "tiny-instruct"  # the tiny preset after offline supervised training (worker.grpo.warm)
+TOOLS_PRESET = "tiny-tools"  # the tiny preset warm-started on two-turn tool conversations (worker.grpo.warm_tools)
 PRETRAINED_PRESET = "smollm2-135m-instruct"  # SmolLM2-135M-Instruct, offline (worker.grpo.pretrained)
 
 PAD, BOS, EOS, UNK = "<pad>", "<s>", "</s>", "<unk>"

@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -81,6 +82,18 @@ def build_instruct_model(cache_dir: Path, recipe: WarmRecipe = DEFAULT_RECIPE) -
 def train_instruct_model(recipe: WarmRecipe, tokenizer: PreTrainedTokenizerFast) -> LlamaForCausalLM:
     """Supervised next-token training of a fresh tiny model; the global RNGs are left untouched."""
     items = train_items(recipe.tasks)
+    return fit(recipe, tokenizer, lambda rng: supervised_batch(tokenizer, [rng.choice(items) for _ in range(
+        recipe.batch_size)]))
+
+
+Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def fit(
+    recipe: WarmRecipe, tokenizer: PreTrainedTokenizerFast, next_batch: Callable[[random.Random], Batch]
+) -> LlamaForCausalLM:
+    """`recipe.steps` of supervised next-token training of a fresh model of `recipe.preset` on the (ids, mask,
+    labels) batches `next_batch` draws with the recipe's seeded data RNG; the global RNGs are left untouched."""
     data_rng = random.Random(recipe.seed)
     with torch.random.fork_rng(devices=[]), intra_op_threads(1):
         torch.manual_seed(recipe.seed)
@@ -98,8 +111,7 @@ def train_instruct_model(recipe: WarmRecipe, tokenizer: PreTrainedTokenizerFast)
         )
         model.train()
         for _ in range(recipe.steps):
-            batch = [data_rng.choice(items) for _ in range(recipe.batch_size)]
-            input_ids, attention_mask, labels = supervised_batch(tokenizer, batch)
+            input_ids, attention_mask, labels = next_batch(data_rng)
             loss = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.max_grad_norm)

@@ -1623,7 +1623,7 @@ class JobSpec(_message.Message):
     name: _builtins.str
     """Optional human-readable name ([A-Za-z0-9][A-Za-z0-9_.-]{0,63})."""
     base_model: _builtins.str
-    """"builtin:tiny|small|medium|tiny-instruct|smollm2-135m-instruct", "checkpoint:<id>" (yours), an allowed
+    """"builtin:tiny|small|medium|tiny-instruct|tiny-tools|smollm2-135m-instruct", "checkpoint:<id>" (yours), an allowed
     Hugging Face id, or a local path under the service's model roots.
     """
     train_dataset: _builtins.str
