@@ -12,10 +12,6 @@ One instance per WebSocket session. The server is OpenEnv's own (`create_app`), 
 
 from __future__ import annotations
 
-import importlib
-import inspect
-import os
-import sys
 import uuid
 from typing import Any
 
@@ -26,26 +22,12 @@ from openenv.core.env_server.mcp_environment import MCPEnvironment
 from openenv.core.env_server.mcp_types import CallToolAction, CallToolObservation
 from openenv.core.env_server.types import Action, Observation, State
 
-# Not tools: the episode's own methods, and the names OpenEnv reserves for its messages.
-NOT_TOOLS = frozenset({"reset", "get_reward", "close"})
-RESERVED = frozenset({"step", "state"})
-
-
-def tool_names(cls: type) -> list[str]:
-    """The public methods of `cls` that are tools; ValueError for one that OpenEnv reserves."""
-    names = [name for name, member in inspect.getmembers(cls, callable)
-             if not name.startswith("_") and name not in NOT_TOOLS]
-    reserved = sorted(RESERVED.intersection(names))
-    if reserved:
-        raise ValueError(f"{cls.__name__}: methods named {reserved} cannot be tools (OpenEnv reserves the names)")
-    if not callable(getattr(cls, "reset", None)):
-        raise ValueError(f"{cls.__name__}: no reset(self, **row) method")
-    return names
+from contract.environment_factory import load_class, public_tools
 
 
 def hosted(cls: type) -> type[MCPEnvironment]:
     """An OpenEnv environment whose sessions each wrap a new `cls()`."""
-    names = tool_names(cls)
+    names = public_tools(cls)
 
     class Hosted(MCPEnvironment):
         SUPPORTS_CONCURRENT_SESSIONS = True
@@ -84,19 +66,6 @@ def hosted(cls: type) -> type[MCPEnvironment]:
 
     Hosted.__name__ = Hosted.__qualname__ = f"Hosted{cls.__name__}"
     return Hosted
-
-
-def load_class(target: str) -> type:
-    """`module:Class`, the module found from the working directory first (as uvicorn does)."""
-    module_name, _, class_name = target.partition(":")
-    if not module_name or not class_name:
-        raise ValueError(f"{target!r}: expected module:Class")
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
-    cls = getattr(importlib.import_module(module_name), class_name, None)
-    if not isinstance(cls, type):
-        raise ValueError(f"{target!r}: {module_name} has no class {class_name}")
-    return cls
 
 
 def hosted_app(target: str, max_sessions: int) -> FastAPI:

@@ -266,7 +266,10 @@ class JobEnvironment(BaseModel):
     episode, reset with the training row's fields; the policy calls its tools for up to `max_turns` turns."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
-    environment_id: Text = Field(min_length=1, max_length=64, description="Id of a registered environment (env_...).")
+    environment_id: Text = Field(
+        min_length=1, max_length=256, description="Id of a registered environment (env_...); for `grpo train`, a "
+        "Python class `module:Class` with TRL's environment_factory contract, run in the trainer's process."
+    )
     max_turns: int = Field(4, ge=1, le=64, description="Most policy turns per episode (the last one's calls not run).")
     reward: Literal["sum", "final"] = Field(
         "sum", description="The environment reward source: the episode's step rewards summed, or the last one."

@@ -102,6 +102,7 @@ class RemoteRewardSource(HttpEndpointSource):
                     completion=p.item.completion,
                     metadata=p.item.extras,
                     group_id=p.item.group_id,
+                    turns=p.item.turns,
                 )
                 for p in batch
             ],

@@ -85,6 +85,7 @@ def encode_score_request(config: RemoteRewardConfig, batch: Sequence[Pending], s
                 extras_json={k: json.dumps(v, ensure_ascii=False, default=str) for k, v in p.item.extras.items()},
                 group_id=p.item.group_id,
                 index=p.index,
+                turns_json=None if p.item.turns is None else json.dumps(p.item.turns, ensure_ascii=False),
             )
             for p in batch
         ],

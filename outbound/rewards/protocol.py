@@ -1,6 +1,7 @@
 """The wire protocol users implement: request and response models, encoding and strict response parsing.
 
-Request:  ``{"job_id", "step", "items": [{"id", "prompt", "completion", "metadata", "group_id"}]}``
+Request:  ``{"job_id", "step", "items": [{"id", "prompt", "completion", "metadata", "group_id", "turns"?}]}``
+(``turns``: multi-turn jobs only, the episode's turns)
 Response: ``{"rewards": [number | null, ...]}`` of the same length as ``items`` (null = abstain).
 """
 
@@ -25,6 +26,9 @@ class RewardItem(BaseModel):
     completion: str
     metadata: dict[str, Any] = Field(default_factory=dict, description="The dataset row's other columns.")
     group_id: int = Field(0, ge=0, description="Completions of the same prompt share a group id.")
+    turns: list[dict[str, Any]] | None = Field(
+        None, description="Multi-turn jobs: the episode's turns (docs/environments.md); left out for single turns."
+    )
 
 
 class RewardRequest(BaseModel):
@@ -44,8 +48,13 @@ class RewardResponse(BaseModel):
 
 
 def encode_request(request: RewardRequest) -> bytes:
-    """Compact UTF-8 JSON; these exact bytes are signed and sent."""
-    return json.dumps(request.model_dump(mode="json"), ensure_ascii=False, separators=(",", ":")).encode()
+    """Compact UTF-8 JSON; these exact bytes are signed and sent. `turns` is left out of single-turn items, whose
+    body is as it always was."""
+    body = request.model_dump(mode="json")
+    for item in body["items"]:
+        if item["turns"] is None:
+            del item["turns"]
+    return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
 
 
 def encode_response(rewards: list[float | None]) -> bytes:

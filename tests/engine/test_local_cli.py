@@ -11,8 +11,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.engine.trainer_helpers import shared_model_cache
 from worker.grpo.checkpoint import latest_checkpoint, load_checkpoint, verify_manifest
-from worker.grpo.local import EXIT_BAD_INPUT, load_local_job, run_local
+from worker.grpo.local import EXIT_BAD_INPUT, EXIT_OK, load_local_job, run_local
+from worker.grpo.tool_tasks import split
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 GRPO = Path(sys.executable).parent / "grpo"  # the console script of the same virtualenv
@@ -106,3 +108,41 @@ def test_example_tiny_yaml_trains_and_reward_rises(tmp_path: Path) -> None:
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
     print(json.dumps({"first5": first, "last5": last}))
     assert last > first + 0.3, rewards
+
+
+TOOLS_SPEC = """
+base_model: builtin:tiny-tools
+train_dataset: train.jsonl
+environment: {environment_id: "examples.environments.arithmetic:Arithmetic", max_turns: 3}
+rewards: [{type: environment}]
+hyperparameters: {max_steps: 1, num_generations: 2, prompts_per_step: 2, max_completion_length: 160,
+                  log_completions_every: 1, log_completions_count: 4}
+"""
+
+
+@pytest.mark.slow
+def test_a_local_environment_class_runs_the_multi_turn_loop(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(REPO_ROOT)  # examples.environments.arithmetic is found from the working directory
+    monkeypatch.setenv("GRPO_MODEL_CACHE_DIR", str(shared_model_cache()))
+    rows = [json.dumps(item.row()) for item in split()[0][:2]]
+    assert run_local(_job(tmp_path, TOOLS_SPEC, rows), tmp_path / "out") == EXIT_OK
+    assert (tmp_path / "out" / "checkpoint-1").is_dir()
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (("examples.environments.arithmetic:Arithmetic", "examples.environments.arithmetic:Nope"),
+         "environment.environment_id: 'examples.environments.arithmetic:Nope': examples.environments.arithmetic has "
+         "no class Nope"),
+        (("builtin:tiny-tools", "builtin:tiny"), "no tool-call format"),
+    ],
+)
+def test_a_bad_local_environment_or_a_model_without_tools_exits_2(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], change: tuple[str, str],
+    message: str,
+) -> None:
+    monkeypatch.chdir(REPO_ROOT)
+    spec = TOOLS_SPEC.replace(*change)
+    assert run_local(_job(tmp_path, spec, [json.dumps(split()[0][0].row())]), tmp_path / "out") == EXIT_BAD_INPUT
+    assert message in capsys.readouterr().out.replace("\n", "")

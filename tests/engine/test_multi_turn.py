@@ -8,7 +8,6 @@ tokenizers and real environments: a Python class in process, and the example cal
 from __future__ import annotations
 
 import asyncio
-import os
 import threading
 from collections.abc import Coroutine, Iterator
 from concurrent.futures import Future
@@ -20,6 +19,7 @@ import torch
 
 from contract.config import GRPOConfig
 from outbound.openenv_session import EnvironmentConfig, EnvironmentOutage
+from tests.engine.trainer_helpers import shared_model_cache
 from worker.grpo.batch import loss_mask_for
 from worker.grpo.data import PromptRow
 from worker.grpo.environment import LocalEnvironment, MultiTurnSettings, OpenEnvEnvironment
@@ -219,8 +219,7 @@ def test_rows_go_to_reset_and_a_failing_reset_fails_only_that_member(loop: Loop)
 def smollm2_tokenizer() -> Any:
     from transformers import AutoTokenizer
 
-    cache = Path(os.environ.get("GRPO_TEST_MODEL_CACHE", Path.home() / ".cache" / "grpo" / "models"))
-    tokenizer = AutoTokenizer.from_pretrained(build_smollm2(cache))
+    tokenizer = AutoTokenizer.from_pretrained(build_smollm2(shared_model_cache()))
     # SmolLM2's own template renders no tools; ChatML with Hermes calls, as Qwen2.5's does.
     tokenizer.chat_template = (
         "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + (m['content'] or '') }}"

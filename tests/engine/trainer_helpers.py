@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -53,3 +54,9 @@ def spread_reward() -> CompositeReward:
 
 def trainer_kwargs(tmp_path: Path, models_dir: Path) -> dict[str, Any]:
     return {"base_model": "builtin:tiny", "output_dir": tmp_path / "run", "model_cache_dir": models_dir}
+
+
+def shared_model_cache() -> Path:
+    """Where the tests keep the builtin models they build (once, then reused): $GRPO_TEST_MODEL_CACHE, else the
+    user's cache."""
+    return Path(os.environ.get("GRPO_TEST_MODEL_CACHE", Path.home() / ".cache" / "grpo" / "models"))

@@ -8,23 +8,19 @@ stands for an environment that is down for a whole step.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.engine.trainer_helpers import shared_model_cache
 from tests.openenv_servers import calculator
 from tests.worker.procs import ApiClient, Stack, fresh_redis_database, private_tmp
 from worker.grpo.tool_tasks import split
 from worker.grpo.warm_tools import build_tools_model
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres, pytest.mark.redis]
-
-
-def shared_model_cache() -> Path:
-    return Path(os.environ.get("GRPO_TEST_MODEL_CACHE", Path.home() / ".cache" / "grpo" / "models"))
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from contract.gen.grpo.v1 import reward_pb2
 from contract.reward_types import RewardError, RewardInput
 from outbound.rewards import (
     RemoteRewardConfig,
@@ -30,7 +31,9 @@ from outbound.rewards.batching import make_batches
 from outbound.rewards.breaker import CircuitBreaker
 from outbound.rewards.cache import RewardCache, cache_key
 from outbound.rewards.endpoint import parse_retry_after
-from outbound.rewards.source import DegradedEvent
+from outbound.rewards.grpc_source import encode_score_request
+from outbound.rewards.protocol import encode_request
+from outbound.rewards.source import DegradedEvent, Pending
 from worker.reward_server import RewardRequest
 
 from .reward_servers import Fault, RewardServer, closed_port, new_secret, running
@@ -513,3 +516,20 @@ class TestCacheUnits:
         assert cache_key("ab", "c", {}) != cache_key("a", "bc", {})
         assert cache_key("p", "c", {"answer": 1}) != cache_key("p", "c", {"answer": 2})
         assert cache_key("p", "c", {"x": 1, "y": 2}) == cache_key("p", "c", {"y": 2, "x": 1})
+
+
+def test_multi_turn_items_carry_their_turns_and_single_turn_bodies_stay_as_they_were() -> None:
+    turns = [{"role": "assistant", "text": "<tool_call>...</tool_call>", "tool_calls": [{"name": "add"}]},
+             {"role": "tool", "name": "add", "text": "5"}]
+    multi = RewardItem(id="0", prompt="p", completion="c", turns=turns)
+    single = RewardItem(id="1", prompt="p", completion="c")
+    body = json.loads(encode_request(RewardRequest(job_id="job_1", step=1, items=[multi, single])))
+    assert body["items"][0]["turns"] == turns and "turns" not in body["items"][1]
+    assert RewardRequest.model_validate(body).items[0].turns == turns  # what a user's server parses
+
+    config = RemoteRewardConfig(reward_function_id="rf_1", url="grpc://127.0.0.1:9", secret=new_secret(),
+                                job_id="job_1", allow_private=True)
+    pending = [Pending(b"k", 0, RewardInput(prompt="p", completion="c", completion_ids=[1], turns=turns)),
+               Pending(b"l", 1, RewardInput(prompt="p", completion="c", completion_ids=[1]))]
+    items = reward_pb2.ScoreRequest.FromString(encode_score_request(config, pending, 1)).items
+    assert json.loads(items[0].turns_json) == turns and not items[1].HasField("turns_json")

@@ -21,6 +21,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
+from contract.environment_factory import public_tools
 from outbound.openenv_session import (
     EnvironmentBusy,
     EnvironmentConfig,
@@ -169,17 +170,6 @@ class OpenEnvEnvironment:
 
 
 # --- a Python class in this process (TRL's environment_factory contract) --------------------------------------
-
-
-NOT_TOOLS = frozenset({"reset", "get_reward", "close"})
-
-
-def public_tools(cls: type) -> list[str]:
-    """The public methods of `cls` that are tools (all but reset, get_reward, close)."""
-    if not callable(getattr(cls, "reset", None)):
-        raise ValueError(f"{cls.__name__}: no reset(self, **row) method")
-    return sorted(name for name, member in inspect.getmembers(cls, callable)
-                  if not name.startswith("_") and name not in NOT_TOOLS)
 
 
 def _schema(method: Callable[..., Any]) -> dict[str, Any]:

@@ -41,11 +41,14 @@ from rich.progress import (
 )
 from rich.table import Table
 
+from contract.environment_factory import load_class
 from contract.reward_types import RewardError
 from contract.spec import JobSpec
 from worker.grpo.checkpoint import CheckpointCorrupt, latest_checkpoint
 from worker.grpo.data import DatasetError, PromptRow, load_jsonl
+from worker.grpo.environment import LocalEnvironment, MultiTurnSettings
 from worker.grpo.launch import launch_command
+from worker.grpo.tool_calls import NoToolFormat
 
 if TYPE_CHECKING:
     from worker.grpo.distributed import Ranks
@@ -171,7 +174,7 @@ def run_local(config_path: Path, output_dir: Path | None) -> int:
     ranks = init_from_env() if in_launched_rank else Ranks()
     try:
         return _train(job, console, ranks)
-    except (CheckpointCorrupt, LocalJobError) as exc:
+    except (CheckpointCorrupt, LocalJobError, NoToolFormat) as exc:
         console.print(f"[bold red]error:[/bold red] {exc}", highlight=False)
         return EXIT_BAD_INPUT
     except RewardError as exc:
@@ -219,6 +222,7 @@ def _train(job: LocalJob, console: Console, ranks: Ranks) -> int:
     transformers.utils.logging.disable_progress_bar()
     transformers.utils.logging.set_verbosity_error()
     reward = build_reward_sources(job.spec.rewards)  # no remote client locally: remote specs are refused
+    environment = local_environment(job.spec)
     config = job.spec.hyperparameters
     resume = latest_checkpoint(job.output_dir)
     if resume is not None:
@@ -259,6 +263,7 @@ def _train(job: LocalJob, console: Console, ranks: Ranks) -> int:
                 checkpoint_metadata={"job_name": job.spec.name or ""},
                 ranks=ranks,
                 device=device_for(ranks),
+                environment=environment,
             )
             progress.update(task, completed=trainer.step)
             if ranks.distributed:
@@ -270,6 +275,19 @@ def _train(job: LocalJob, console: Console, ranks: Ranks) -> int:
         console.print(_summary(result.history, result.step, time.perf_counter() - started))
     console.print(f"checkpoint: {result.last_checkpoint}", highlight=False, soft_wrap=True)
     return EXIT_INTERRUPTED if result.stopped else EXIT_OK
+
+
+def local_environment(spec: JobSpec) -> LocalEnvironment | None:
+    """A multi-turn job's environment locally: `environment_id` names a Python class `module:Class` with TRL's
+    environment_factory contract (`reset(**row)`, public methods as tools, optional `get_reward()`)."""
+    if spec.environment is None:
+        return None
+    settings = MultiTurnSettings(max_turns=spec.environment.max_turns, reward_mode=spec.environment.reward)
+    try:
+        cls = load_class(spec.environment.environment_id)
+        return LocalEnvironment(cls, spec.environment.max_sessions or 64, settings)
+    except (ImportError, ValueError) as exc:
+        raise LocalJobError(f"environment.environment_id: {exc}") from exc
 
 
 def _summary(history: list[dict[str, float]], step: int, seconds: float) -> Table:

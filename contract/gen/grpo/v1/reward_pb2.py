@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14grpo/v1/reward.proto\x12\x07grpo.v1\"\xd4\x01\n\tScoreItem\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x12\n\ncompletion\x18\x02 \x01(\t\x12\x16\n\x0e\x63ompletion_ids\x18\x03 \x03(\x03\x12\x37\n\x0b\x65xtras_json\x18\x04 \x03(\x0b\x32\".grpo.v1.ScoreItem.ExtrasJsonEntry\x12\x10\n\x08group_id\x18\x05 \x01(\x05\x12\r\n\x05index\x18\x06 \x01(\x05\x1a\x31\n\x0f\x45xtrasJsonEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"k\n\x0cScoreRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x1a\n\x12reward_function_id\x18\x03 \x01(\t\x12!\n\x05items\x18\x04 \x03(\x0b\x32\x12.grpo.v1.ScoreItem\"&\n\x06Reward\x12\x12\n\x05value\x18\x01 \x01(\x01H\x00\x88\x01\x01\x42\x08\n\x06_value\"1\n\rScoreResponse\x12 \n\x07rewards\x18\x01 \x03(\x0b\x32\x0f.grpo.v1.Reward2G\n\rRewardService\x12\x36\n\x05Score\x12\x15.grpo.v1.ScoreRequest\x1a\x16.grpo.v1.ScoreResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14grpo/v1/reward.proto\x12\x07grpo.v1\"\xfc\x01\n\tScoreItem\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x12\n\ncompletion\x18\x02 \x01(\t\x12\x16\n\x0e\x63ompletion_ids\x18\x03 \x03(\x03\x12\x37\n\x0b\x65xtras_json\x18\x04 \x03(\x0b\x32\".grpo.v1.ScoreItem.ExtrasJsonEntry\x12\x10\n\x08group_id\x18\x05 \x01(\x05\x12\r\n\x05index\x18\x06 \x01(\x05\x12\x17\n\nturns_json\x18\x07 \x01(\tH\x00\x88\x01\x01\x1a\x31\n\x0f\x45xtrasJsonEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\r\n\x0b_turns_json\"k\n\x0cScoreRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x1a\n\x12reward_function_id\x18\x03 \x01(\t\x12!\n\x05items\x18\x04 \x03(\x0b\x32\x12.grpo.v1.ScoreItem\"&\n\x06Reward\x12\x12\n\x05value\x18\x01 \x01(\x01H\x00\x88\x01\x01\x42\x08\n\x06_value\"1\n\rScoreResponse\x12 \n\x07rewards\x18\x01 \x03(\x0b\x32\x0f.grpo.v1.Reward2G\n\rRewardService\x12\x36\n\x05Score\x12\x15.grpo.v1.ScoreRequest\x1a\x16.grpo.v1.ScoreResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,15 +34,15 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SCOREITEM_EXTRASJSONENTRY']._loaded_options = None
   _globals['_SCOREITEM_EXTRASJSONENTRY']._serialized_options = b'8\001'
   _globals['_SCOREITEM']._serialized_start=34
-  _globals['_SCOREITEM']._serialized_end=246
-  _globals['_SCOREITEM_EXTRASJSONENTRY']._serialized_start=197
-  _globals['_SCOREITEM_EXTRASJSONENTRY']._serialized_end=246
-  _globals['_SCOREREQUEST']._serialized_start=248
-  _globals['_SCOREREQUEST']._serialized_end=355
-  _globals['_REWARD']._serialized_start=357
-  _globals['_REWARD']._serialized_end=395
-  _globals['_SCORERESPONSE']._serialized_start=397
-  _globals['_SCORERESPONSE']._serialized_end=446
-  _globals['_REWARDSERVICE']._serialized_start=448
-  _globals['_REWARDSERVICE']._serialized_end=519
+  _globals['_SCOREITEM']._serialized_end=286
+  _globals['_SCOREITEM_EXTRASJSONENTRY']._serialized_start=222
+  _globals['_SCOREITEM_EXTRASJSONENTRY']._serialized_end=271
+  _globals['_SCOREREQUEST']._serialized_start=288
+  _globals['_SCOREREQUEST']._serialized_end=395
+  _globals['_REWARD']._serialized_start=397
+  _globals['_REWARD']._serialized_end=435
+  _globals['_SCORERESPONSE']._serialized_start=437
+  _globals['_SCORERESPONSE']._serialized_end=486
+  _globals['_REWARDSERVICE']._serialized_start=488
+  _globals['_REWARDSERVICE']._serialized_end=559
 # @@protoc_insertion_point(module_scope)

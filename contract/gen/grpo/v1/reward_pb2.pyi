@@ -60,6 +60,7 @@ class ScoreItem(_message.Message):
     EXTRAS_JSON_FIELD_NUMBER: _builtins.int
     GROUP_ID_FIELD_NUMBER: _builtins.int
     INDEX_FIELD_NUMBER: _builtins.int
+    TURNS_JSON_FIELD_NUMBER: _builtins.int
     prompt: _builtins.str
     """The prompt as rendered for the model (chat template applied)."""
     completion: _builtins.str
@@ -68,6 +69,10 @@ class ScoreItem(_message.Message):
     """Index of the prompt within the step; completions of a group share it."""
     index: _builtins.int
     """Position of the completion within the step's batch."""
+    turns_json: _builtins.str
+    """Multi-turn jobs: the episode's turns as a JSON array (docs/environments.md); completion is then the whole
+    trajectory's text. Unset for single-turn jobs.
+    """
     @_builtins.property
     def completion_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """The sampled token ids."""
@@ -85,12 +90,15 @@ class ScoreItem(_message.Message):
         extras_json: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
         group_id: _builtins.int = ...,
         index: _builtins.int = ...,
+        turns_json: _builtins.str | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_turns_json", b"_turns_json", "turns_json", b"turns_json"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["completion", b"completion", "completion_ids", b"completion_ids", "extras_json", b"extras_json", "group_id", b"group_id", "index", b"index", "prompt", b"prompt"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_turns_json", b"_turns_json", "completion", b"completion", "completion_ids", b"completion_ids", "extras_json", b"extras_json", "group_id", b"group_id", "index", b"index", "prompt", b"prompt", "turns_json", b"turns_json"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__turns_json: _TypeAlias = _typing.Literal["turns_json"]  # noqa: Y015
+    _WhichOneofArgType__turns_json: _TypeAlias = _typing.Literal["_turns_json", b"_turns_json"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__turns_json) -> _WhichOneofReturnType__turns_json | None: ...
 
 Global___ScoreItem: _TypeAlias = ScoreItem  # noqa: Y015
 
