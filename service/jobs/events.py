@@ -11,6 +11,7 @@ from service.usage.budget import BUDGET_EXHAUSTED
 
 STATUS_EVENT = "status"  # every transition (service.jobs.states.transition)
 METRICS_EVENT = "metrics"  # a step's metrics (service.jobs.progress.record_metrics)
+SAMPLES_EVENT = "samples"  # a step's logged samples with their episodes, multi-turn jobs (service.jobs.progress)
 CHECKPOINT_EVENT = "checkpoint"  # a registered checkpoint (service.jobs.progress.record_checkpoint)
 HEALTH_EVENT = "health"  # a training-health finding (worker.grpo.health, written by the worker)
 # A budget paused the job (service.jobs.service.pause_if_exhausted, service.execution.reporting); also the error code, so

@@ -24,9 +24,9 @@ from service.checkpoints import retention
 from service.checkpoints import service as checkpoints
 from service.checkpoints.models import Checkpoint
 from service.jobs import repository
-from service.jobs.events import CHECKPOINT_EVENT, EVAL_PREFIX, METRICS_EVENT, STATUS_EVENT
+from service.jobs.events import CHECKPOINT_EVENT, EVAL_PREFIX, METRICS_EVENT, SAMPLES_EVENT, STATUS_EVENT
 from service.jobs.models import Job, JobEvent, JobSample
-from service.jobs.schemas import SampleIn
+from service.jobs.schemas import SampleIn, sample_out
 from service.jobs.states import WORKER_OWNED, JobStatus, flush_job, transition
 from service.kit.db import utcnow
 from service.kit.errors import Conflict, NotFound, ValidationFailed
@@ -96,10 +96,12 @@ def record_metrics(
 def record_samples(
     session: Session, job_id: str, attempt: int, step: int, samples: Sequence[SampleIn]
 ) -> int:
-    """Log completions of `step` with their total and per-source rewards. Returns how many."""
+    """Log completions of `step` with their total and per-source rewards. Returns how many. Samples with an
+    episode (multi-turn jobs) are also announced by a `samples` event, so the job's stream (SSE, WatchJob) carries
+    the trajectories as they are logged."""
     job = load_owned_job(session, job_id, attempt)
     now = utcnow()
-    session.add_all(
+    rows = [
         JobSample(
             job_id=job.id,
             step=step,
@@ -113,8 +115,13 @@ def record_samples(
             created_at=now,
         )
         for s in samples
-    )
+    ]
+    session.add_all(rows)
     session.flush()
+    episodes = [sample_out(row).model_dump(mode="json") for row in rows if row.episode is not None]
+    if episodes:
+        _append(session, job, SAMPLES_EVENT, f"step {step}: {len(episodes)} episode(s)",
+                {"step": step, "samples": episodes})
     return len(samples)
 
 

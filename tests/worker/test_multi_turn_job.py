@@ -8,6 +8,7 @@ stands for an environment that is down for a whole step.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -77,10 +78,29 @@ def test_a_job_on_the_calculator_trains_on_multi_turn_episodes(stack: Stack, cal
     called = [t for episode in turns for t in episode if t["role"] == "tool" and t["name"] != "unparsed"]
     assert called and all(t["masked"] for episode in turns for t in episode if t["role"] == "tool")
     assert all(s["rewards"]["environment"] in (0.0, 1.0) for s in samples)  # the calculator's submit reward
+    # The job's SSE stream carries each step's samples with their episodes (a finished job's stream ends).
+    streamed = sse_events(api, job_id, "samples")
+    assert [e["step"] for e in streamed] == [1, 2]
+    assert [s["episode"] for e in streamed for s in e["samples"]] == [s["episode"] for s in
+                                                                       sorted(samples, key=lambda s: s["id"])]
     metrics = api.http.get(f"/v1/jobs/{job_id}/metrics").json()["series"]
     assert metrics["env/episodes"]["values"] == [4.0, 4.0]
     assert metrics["env/errors"]["values"] == [0.0, 0.0]
     assert metrics["env/tool_calls"]["values"][0] >= 1
+
+
+def sse_events(api: ApiClient, job_id: str, kind: str) -> list[dict[str, Any]]:
+    """The data of every `kind` message of the job's SSE stream."""
+    found: list[dict[str, Any]] = []
+    with api.http.stream("GET", f"/v1/jobs/{job_id}/stream", timeout=60) as response:
+        assert response.status_code == 200
+        event = None
+        for line in response.iter_lines():
+            if line.startswith("event: "):
+                event = line.removeprefix("event: ")
+            elif line.startswith("data: ") and event == kind:
+                found.append(json.loads(line.removeprefix("data: "))["data"])
+    return found
 
 
 def test_an_environment_down_for_the_whole_step_pauses_the_job(stack: Stack, tmp_path: Path) -> None:
