@@ -153,7 +153,8 @@ class MultiTurnRollout:
     # --- episodes ---------------------------------------------------------------------------------
 
     def _open(self, rows: list[PromptRow], wave: list[int]) -> list[tuple[ToolSession | None, str | None]]:
-        """Open the wave's episodes (reset with each row's fields); then read the tools once per run."""
+        """Open the wave's episodes (reset with each row's fields); then read the tools once per run (a run whose
+        first waves cannot tell them renders its prompts without tools until one can)."""
         group = self.config.num_generations
 
         async def one(index: int) -> tuple[ToolSession | None, str | None, BaseException | None]:
@@ -170,11 +171,16 @@ class MultiTurnRollout:
             unavailable = [exc for _, _, exc in opened if isinstance(exc, EnvironmentBusy | EnvironmentDown)]
             if len(unavailable) == len(opened):
                 raise EnvironmentOutage(self.environment.name, str(unavailable[0]))
-        if self._tools is None:
-            first = next((s for s, _, _ in opened if s is not None), None)
-            if first is not None:
-                self._tools = list(self.run(self.environment.tools(first)).result())
-        return [(session, error) for session, error, _ in opened]
+        results = [(session, error) for session, error, _ in opened]
+        for index, (session, _) in enumerate(results):
+            if self._tools is not None or session is None:
+                continue
+            try:  # an episode that cannot list its tools fails alone; the next open one is asked
+                self._tools = list(self.run(self.environment.tools(session)).result())
+            except EpisodeError as exc:
+                self.run(session.close()).result()
+                results[index] = (None, str(exc))
+        return results
 
     def _render(self, row: PromptRow) -> str:
         messages = row.prompt if isinstance(row.prompt, list) else [{"role": "user", "content": row.prompt}]
