@@ -13,6 +13,8 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from contract.spec import JobSpec
+from service.environments.schemas import EnvironmentCreate
+from service.environments.service import create_environment
 from service.jobs import service as jobs_service
 from service.jobs.models import Job
 from service.kit.config import Settings, get_settings
@@ -64,3 +66,26 @@ def test_stored_loopback_url_fails_the_job_as_url_rejected(
         assert f"remote:{rf.id}" in job.error_message
     with pytest.raises(BlockingIOError):
         listener.accept()  # nothing connected
+
+
+def test_stored_loopback_environment_fails_the_job_as_environment_url_rejected(
+    settings: Settings,
+    make_tenant: Callable[[str], TenantHeaders],
+    monkeypatch: pytest.MonkeyPatch,
+    calculator_url: str,
+) -> None:
+    tenant = make_tenant("acme")
+    with session_scope() as session:  # development: a loopback environment may be registered
+        environment = create_environment(session, tenant.tenant_id, EnvironmentCreate(name="calc", url=calculator_url))
+        spec = tiny_spec(insert_dataset(session, tenant.tenant_id))
+        spec["rewards"] = [{"type": "environment"}]
+        spec["environment"] = {"environment_id": environment.id}
+        job_id = jobs_service.create_job(session, tenant.tenant_id, JobSpec.model_validate(spec), RecordingQueue()).id
+
+    monkeypatch.setenv("GRPO_ALLOW_PRIVATE_REWARD_URLS", "false")  # the worker's policy: production's
+    get_settings.cache_clear()
+    assert JobRunner(job_id, worker_id="w1").run() == "failed"
+    with session_scope() as session:
+        job = session.get(Job, job_id)
+        assert job is not None and job.error_code == "environment_url_rejected"
+        assert job.error_message is not None and environment.id in job.error_message
