@@ -111,10 +111,15 @@ def tokenize_prompts(
     for index, ids in enumerate(encoded):
         if not ids:
             raise ValueError(f"prompt {index} tokenises to nothing")
-    width = max(len(ids) for ids in encoded)
-    input_ids = torch.full((len(encoded), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(encoded), width), dtype=torch.long)
-    for row, ids in enumerate(encoded):
+    return left_padded(encoded, pad_id)
+
+
+def left_padded(sequences: list[list[int]], pad_id: int) -> tuple[Tensor, Tensor]:
+    """Token sequences as one (B, P) batch padded on the left with `pad_id`, and its (B, P) mask."""
+    width = max(len(ids) for ids in sequences)
+    input_ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(sequences), width), dtype=torch.long)
+    for row, ids in enumerate(sequences):
         input_ids[row, width - len(ids) :] = torch.tensor(ids, dtype=torch.long)
         mask[row, width - len(ids) :] = 1
     return input_ids, mask
@@ -327,12 +332,7 @@ def sample_continuations(
     eos_ids = eos_token_ids(model, tokenizer)
     pad_id = _pad_token_id(tokenizer)
     device = model.device
-    width = max(len(ids) for ids in sequences)
-    prompt_ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
-    prompt_mask = torch.zeros((len(sequences), width), dtype=torch.long)
-    for row, ids in enumerate(sequences):
-        prompt_ids[row, width - len(ids):] = torch.tensor(ids, dtype=torch.long)
-        prompt_mask[row, width - len(ids):] = 1
+    prompt_ids, prompt_mask = left_padded(sequences, pad_id)
     longest = config.model_copy(update={"max_completion_length": max(budgets)})
     was_training = model.training
     model.eval()

@@ -70,20 +70,24 @@ def instruct_dir(cache_dir: Path, recipe: WarmRecipe = DEFAULT_RECIPE) -> Path:
 
 def build_instruct_model(cache_dir: Path, recipe: WarmRecipe = DEFAULT_RECIPE) -> Path:
     """The warm model of `recipe` under `cache_dir`, trained now if not cached (a short run on one CPU core)."""
-    out_dir = instruct_dir(cache_dir, recipe)
+    items = train_items(recipe.tasks)
+    tokenizer = build_tokenizer()
+    return build_warm_model(
+        instruct_dir(cache_dir, recipe), recipe, tokenizer,
+        lambda rng: supervised_batch(tokenizer, [rng.choice(items) for _ in range(recipe.batch_size)]),
+    )
+
+
+def build_warm_model(
+    out_dir: Path, recipe: WarmRecipe, tokenizer: PreTrainedTokenizerFast, next_batch: Callable[[random.Random], Batch]
+) -> Path:
+    """`out_dir`, trained now by `fit` on `next_batch`'s batches if it does not hold the model yet; the recipe is
+    written beside the weights."""
     if is_complete_model(out_dir):
         return out_dir
-    tokenizer = build_tokenizer()
-    model = train_instruct_model(recipe, tokenizer)
+    model = fit(recipe, tokenizer, next_batch)
     recipe_json = json.dumps(asdict(recipe), indent=2, sort_keys=True) + "\n"
     return save_model_atomically(model, tokenizer, out_dir, extra={"recipe.json": recipe_json})
-
-
-def train_instruct_model(recipe: WarmRecipe, tokenizer: PreTrainedTokenizerFast) -> LlamaForCausalLM:
-    """Supervised next-token training of a fresh tiny model; the global RNGs are left untouched."""
-    items = train_items(recipe.tasks)
-    return fit(recipe, tokenizer, lambda rng: supervised_batch(tokenizer, [rng.choice(items) for _ in range(
-        recipe.batch_size)]))
 
 
 Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor]

@@ -10,19 +10,17 @@ Cached under `<cache>/tiny-tools-<recipe hash>`, like the instruct model.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerFast
 
-from worker.grpo.tiny import TOOLS_PRESET, build_tokenizer, is_complete_model, save_model_atomically
+from worker.grpo.tiny import TOOLS_PRESET, build_tokenizer
 from worker.grpo.tool_calls import HERMES_LINES_TEMPLATE
 from worker.grpo.tool_tasks import ToolItem, split, tool_schemas
-from worker.grpo.warm import WarmRecipe, fit
+from worker.grpo.warm import WarmRecipe, build_warm_model
 
 TOOLS_RECIPE = WarmRecipe(tasks=(), steps=160, batch_size=32, data_version=101)
 
@@ -33,22 +31,14 @@ def tools_tokenizer() -> PreTrainedTokenizerFast:
     return tokenizer
 
 
-def tools_dir(cache_dir: Path, recipe: WarmRecipe = TOOLS_RECIPE) -> Path:
-    return Path(cache_dir) / f"{TOOLS_PRESET}-{recipe.digest()}"
-
-
 def build_tools_model(cache_dir: Path, recipe: WarmRecipe = TOOLS_RECIPE) -> Path:
     """The warm tool model of `recipe` under `cache_dir`, trained now if not cached."""
-    out_dir = tools_dir(cache_dir, recipe)
-    if is_complete_model(out_dir):
-        return out_dir
     tokenizer = tools_tokenizer()
     train, _ = split()
-    model: LlamaForCausalLM = fit(
-        recipe, tokenizer, lambda rng: conversation_batch(tokenizer, [rng.choice(train) for _ in range(recipe.batch_size)])
+    return build_warm_model(
+        Path(cache_dir) / f"{TOOLS_PRESET}-{recipe.digest()}", recipe, tokenizer,
+        lambda rng: conversation_batch(tokenizer, [rng.choice(train) for _ in range(recipe.batch_size)]),
     )
-    recipe_json = json.dumps(asdict(recipe), indent=2, sort_keys=True) + "\n"
-    return save_model_atomically(model, tokenizer, out_dir, extra={"recipe.json": recipe_json})
 
 
 def conversation(tokenizer: PreTrainedTokenizerFast, item: ToolItem) -> tuple[list[int], list[int]]:
