@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from contract.config import GRPOConfig
-from outbound.openenv_session import EnvironmentConfig, EnvironmentOutage
+from outbound.openenv_session import EnvironmentConfig, EnvironmentOutage, EpisodeFailed
 from tests.engine.trainer_helpers import shared_model_cache
 from worker.grpo.batch import loss_mask_for
 from worker.grpo.data import PromptRow
@@ -303,3 +303,30 @@ def test_native_continuations_stop_at_eos_and_at_each_budget(tiny_model_dir: Pat
     assert len(first[0][0]) <= 5 and len(first[1][0]) <= 9
     alone = sample_continuations(model, tokenizer, sequences[1:], [9], [2], config)
     assert alone[0] == first[1]  # a row samples the same whatever else is in the batch
+
+
+class FailingCalls(LocalEnvironment):
+    """Tool errors of the local kind are messages; this one lets EpisodeFailed through, as the OpenEnv session does."""
+
+    async def open(self, row: Any) -> Any:
+        session = await super().open(row)
+        call = session.call
+
+        async def breaking(tool_call: ToolCall) -> Any:
+            if tool_call.name == "add":
+                raise EpisodeFailed("env_calc: an answer larger than 1048576 bytes")
+            return await call(tool_call)
+
+        session.call = breaking
+        return session
+
+
+def test_an_episode_that_breaks_mid_way_loses_its_reward_and_is_reported(loop: Loop) -> None:
+    reported: list[list[str]] = []
+    environment = FailingCalls(Adder)
+    environment.report = reported.append
+    rollout, _ = rollout_of(loop, environment, [CALL, SUBMIT])
+    assert [e["error"] for e in rollout.episodes] == ["env_calc: an answer larger than 1048576 bytes"] * 2
+    assert [e["reward"] for e in rollout.episodes] == [None, None]  # the environment source abstains
+    assert reported == [["env_calc: an answer larger than 1048576 bytes"] * 2]  # one report per batch
+    assert int(rollout.tool_mask.sum()) == int(rollout.completion_mask.sum())  # only the sampled turn is kept
