@@ -25,8 +25,12 @@ from worker.grpo.data import PromptRow
 from worker.grpo.environment import LocalEnvironment, MultiTurnSettings, OpenEnvEnvironment
 from worker.grpo.multi_turn import MultiTurnRollout
 from worker.grpo.pretrained import build_smollm2
+from worker.grpo.rewards import CompositeReward, EnvironmentReward
 from worker.grpo.tiny import build_tokenizer
 from worker.grpo.tool_calls import HERMES_LINES_TEMPLATE, NoToolFormat, ToolCall, parse_turn, tool_format
+from worker.grpo.tool_tasks import split
+from worker.grpo.trainer import GRPOTrainer
+from worker.grpo.warm_tools import build_tools_model
 
 # --- parsing ----------------------------------------------------------------------------------------------------
 
@@ -330,3 +334,20 @@ def test_an_episode_that_breaks_mid_way_loses_its_reward_and_is_reported(loop: L
     assert [e["reward"] for e in rollout.episodes] == [None, None]  # the environment source abstains
     assert reported == [["env_calc: an answer larger than 1048576 bytes"] * 2]  # one report per batch
     assert int(rollout.tool_mask.sum()) == int(rollout.completion_mask.sum())  # only the sampled turn is kept
+
+
+def test_a_trainer_with_an_environment_trains_on_episodes_and_evaluates_episodes(tmp_path: Path) -> None:
+    train, held_out = split()
+    to_row = lambda item: PromptRow(item.row()["prompt"], {"answer": item.answer})  # noqa: E731
+    config = GRPOConfig(num_generations=2, prompts_per_step=2, max_steps=1, max_completion_length=160, eval_every=1,
+                        eval_samples=3, checkpoint_every=100, log_completions_every=1, log_completions_count=4)
+    trainer = GRPOTrainer(
+        config, base_model=str(build_tools_model(shared_model_cache())), train_rows=[to_row(i) for i in train[:4]],
+        eval_rows=[to_row(i) for i in held_out[:3]], reward=CompositeReward([(EnvironmentReward(), 1.0)]),
+        output_dir=tmp_path, environment=LocalEnvironment(Adder),
+    )
+    result = trainer.train()
+    step = result.history[0]
+    assert step["env/episodes"] == 4.0 and step["env/errors"] == 0.0
+    for evaluation in result.evaluations.values():  # before training and after step 1: episodes, not completions
+        assert set(evaluation) == {"eval/reward/mean", "eval/accuracy", "eval/pass@2"}

@@ -9,7 +9,9 @@ Pure functions over reward values (no torch). Names, all under ``eval/``:
   (G = num_generations, binary rewards only): how often the model *can* answer, which RL sharpens
   into answering greedily.
 
-The retain set (prompts of skills the user wants kept) gets the same names under ``eval/retain/``.
+The retain set (prompts of skills the user wants kept) gets the same names under ``eval/retain/``. Multi-turn
+jobs compute them over G sampled episodes per prompt instead (worker.grpo.held_out): mean and accuracy over
+every episode, pass@G over each prompt's.
 """
 
 from __future__ import annotations

@@ -13,6 +13,7 @@ from worker.grpo.data import PromptRow
 from worker.grpo.distributed import Parallel
 from worker.grpo.evaluation import greedy_metrics, pass_at_k
 from worker.grpo.modeling import ModelBundle, greedy_generate
+from worker.grpo.multi_turn import MultiTurnRollout
 from worker.grpo.rewards import CompositeReward
 from worker.grpo.rollout import generate_rollout, render_prompt
 
@@ -30,8 +31,10 @@ class HeldOutEvaluation:
         parallel: Parallel,
         reward: CompositeReward,
         score: Callable[[Coroutine[Any, Any, Any]], Future[Any]],
+        episodes: MultiTurnRollout | None = None,
     ) -> None:
         self.config, self.models, self.parallel, self.reward, self.score = config, models, parallel, reward, score
+        self.episodes = episodes  # multi-turn jobs: G episodes per prompt instead of single completions
 
     def __call__(self, step: int, eval_rows: list[PromptRow], retain_rows: list[PromptRow]) -> dict[str, float]:
         """The eval set, and the retain set (skills to keep) under eval/retain/; the same metrics on every rank.
@@ -54,6 +57,8 @@ class HeldOutEvaluation:
         G sampled ones (pass@G); see worker.grpo.evaluation for the names. `scored(compute)`: the metrics
         `compute` scores (on rank 0, its result on every rank, when every rank generates)."""
         rows = all_rows[: self.config.eval_samples]
+        if self.episodes is not None:
+            return scored(lambda: self._episode_metrics(rows, prefix, step))
         prompts = [render_prompt(self.models.tokenizer, row.prompt) for row in rows]
         synced = self.parallel.forwards_together
         rollout = self.parallel.run_policy(
@@ -83,3 +88,12 @@ class HeldOutEvaluation:
 
             metrics.update(scored(at_k))
         return metrics
+
+    def _episode_metrics(self, rows: list[PromptRow], prefix: str, step: int) -> dict[str, float]:
+        """Multi-turn jobs: the same names over G sampled episodes per prompt (one device only): mean reward and
+        accuracy over every episode, pass@G over each prompt's."""
+        assert self.episodes is not None
+        seed = (self.config.seed * 1_000_003 + step * 101 + 89) % (2**63)
+        rollout, prompts = self.episodes.generate(rows, [(seed + i * 7_919) % (2**63) for i in range(len(rows))])
+        total = self.score(self.reward.score(reward_inputs(rollout, rows, prompts), step=step)).result().total
+        return {**greedy_metrics(total, prefix), **pass_at_k(total, rollout.group_size, prefix)}

@@ -168,9 +168,9 @@ class GRPOTrainer:
             self._restore(checkpoint.trainer_state, checkpoint.path)
         # After the restore: its generation engine starts from the weights just loaded. Entered by train().
         self.backend = backend_for(self.models, self.parallel, config, self.loss_settings, self.output_dir)
-        self.held_out = HeldOutEvaluation(config, self.models, self.parallel, reward, self.backend.score)
         self.multi_turn = None if environment is None else MultiTurnRollout.on(  # episodes, not single turns
             self.backend, self.models, config, environment, distributed=ranks.distributed)
+        self.held_out = HeldOutEvaluation(config, self.models, self.parallel, reward, self.backend.score, self.multi_turn)
         if config.async_generation and ranks.distributed:
             raise ValueError("async_generation runs on one device")
         # The engine that samples when it is not the policy itself (vLLM, or async generation's copy).
