@@ -37,9 +37,10 @@ class ToolItem:
         return {"prompt": [{"role": "user", "content": self.question}], "question": self.question,
                 "answer": self.answer}
 
-    def calls(self) -> tuple[str, str, str]:
-        """The turns that solve it: the multiply call, the tool's result as the calculator writes it, the submit."""
-        result = str(float(self.a * self.b))
+    def calls(self, value: float | None = None) -> tuple[str, str, str]:
+        """The turns that solve it: the multiply call, the tool's result as the calculator writes it (`value`, by
+        default the product), the submit of that result."""
+        result = str(float(self.a * self.b) if value is None else value)
         multiply = {"name": "multiply", "arguments": {"a": self.a, "b": self.b}}
         submit = {"name": "submit", "arguments": {"answer": result}}
         return (f"<tool_call>{json.dumps(multiply)}</tool_call>", result, f"<tool_call>{json.dumps(submit)}</tool_call>")

@@ -10,6 +10,7 @@ Cached under `<cache>/tiny-tools-<recipe hash>`, like the instruct model.
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -37,13 +38,16 @@ def build_tools_model(cache_dir: Path, recipe: WarmRecipe = TOOLS_RECIPE) -> Pat
     train, _ = split()
     return build_warm_model(
         Path(cache_dir) / f"{TOOLS_PRESET}-{recipe.digest()}", recipe, tokenizer,
-        lambda rng: conversation_batch(tokenizer, [rng.choice(train) for _ in range(recipe.batch_size)]),
+        lambda rng: conversation_batch(tokenizer, [rng.choice(train) for _ in range(recipe.batch_size)], rng),
     )
 
 
-def conversation(tokenizer: PreTrainedTokenizerFast, item: ToolItem) -> tuple[list[int], list[int]]:
-    """The solved conversation's ids and a 0/1 label mask: 1 on the policy's two turns (their EOS included)."""
-    multiply, result, submit = item.calls()
+def conversation(
+    tokenizer: PreTrainedTokenizerFast, item: ToolItem, value: float | None = None
+) -> tuple[list[int], list[int]]:
+    """The solved conversation's ids and a 0/1 label mask: 1 on the policy's two turns (their EOS included).
+    `value`: what the tool answers in it (default the product)."""
+    multiply, result, submit = item.calls(value)
     tools: list[dict[Any, Any] | Callable[..., Any]] = list(tool_schemas())
     prompt = str(tokenizer.apply_chat_template(
         [{"role": "user", "content": item.question}], tools=tools, tokenize=False, add_generation_prompt=True))
@@ -61,10 +65,13 @@ def conversation(tokenizer: PreTrainedTokenizerFast, item: ToolItem) -> tuple[li
 
 
 def conversation_batch(
-    tokenizer: PreTrainedTokenizerFast, batch: list[ToolItem]
+    tokenizer: PreTrainedTokenizerFast, batch: list[ToolItem], rng: random.Random | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Right-padded (ids, mask, labels), each (B, T); labels are -100 outside the policy's turns."""
-    rows = [conversation(tokenizer, item) for item in batch]
+    """Right-padded (ids, mask, labels), each (B, T); labels are -100 outside the policy's turns. With `rng` the
+    tool answers a random number instead of the product: the answer is then only in the tool's message, so the
+    model learns to copy it from there rather than recall a product from the question (which fails on every
+    question it has not seen)."""
+    rows = [conversation(tokenizer, item, None if rng is None else float(rng.randint(0, 999))) for item in batch]
     width = max(len(ids) for ids, _ in rows)
     input_ids = torch.full((len(rows), width), int(tokenizer.pad_token_id), dtype=torch.long)
     attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
