@@ -14,6 +14,7 @@ Pydantic-only and torch-free: the engine's JobSpec and the service's schemas bot
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Annotated, Any
 
@@ -40,6 +41,11 @@ def text_problem(value: str) -> str | None:
     if _SURROGATE.search(value):
         return "contains an unpaired surrogate (U+D800 to U+DFFF): not valid Unicode text"
     return None
+
+
+def finite_or_none(value: float | None) -> float | None:
+    """JSON has no NaN/inf: a non-finite number is stored as "no value"."""
+    return None if value is None or not math.isfinite(value) else value
 
 
 def storable_text(value: str) -> str:

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import math
 from datetime import datetime
 from enum import StrEnum
 from typing import Any, Literal
 
 from pydantic import BaseModel, Field, field_validator
 
-from contract.fields import storable_text
+from contract.fields import finite_or_none, storable_text
 from contract.spec import JobSpec
 
 
@@ -126,7 +125,7 @@ class TurnOut(BaseModel):
     @field_validator("reward")
     @classmethod
     def _finite(cls, value: float | None) -> float | None:
-        return None if value is None or not math.isfinite(value) else value
+        return finite_or_none(value)
 
 
 class EpisodeOut(BaseModel):
@@ -140,7 +139,7 @@ class EpisodeOut(BaseModel):
     @field_validator("reward")
     @classmethod
     def _finite(cls, value: float | None) -> float | None:
-        return None if value is None or not math.isfinite(value) else value
+        return finite_or_none(value)
 
 
 class SampleOut(BaseModel):

@@ -4,7 +4,6 @@ A job's input is contract.spec.JobSpec, shared with the engine."""
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -19,7 +18,7 @@ from contract.api.jobs import (
     Progress,
     SampleOut,
 )
-from contract.fields import storable_text
+from contract.fields import finite_or_none, storable_text
 from contract.spec import JobSpec
 from service.jobs.models import Job, JobEvent, JobSample
 
@@ -46,12 +45,12 @@ class SampleIn(BaseModel):
     @classmethod
     def _finite(cls, value: float | None) -> float | None:
         # JSON has no NaN/inf: a non-finite reward is logged as "no value".
-        return None if value is None or not math.isfinite(value) else value
+        return finite_or_none(value)
 
     @field_validator("rewards")
     @classmethod
     def _finite_each(cls, values: dict[str, float | None]) -> dict[str, float | None]:
-        return {k: None if v is None or not math.isfinite(v) else v for k, v in values.items()}
+        return {k: finite_or_none(v) for k, v in values.items()}
 
 
 def job_out(job: Job | Row[Any]) -> JobOut:
