@@ -1,140 +1,118 @@
-"""Multi-turn learning benchmark: held-out success of two-turn tool episodes before and after GRPO.
+"""Multi-turn learning on a real model: held-out success of tool episodes before and after GRPO.
 
-The task (worker.grpo.tool_tasks): "a*b=?", which the tiny model cannot compute; an episode succeeds when the
-policy calls `multiply` with the question's numbers, reads the result and `submit`s it (the calculator's
-`get_reward`, examples/environments/arithmetic.py, run in process as `grpo train` runs a local class). The
-model starts from `builtin:tiny-tools` (or a warm model of another recipe: `--warm-steps`), trains with the job
-engine's multi-turn rollouts for `--steps` steps, and is measured on the held-out third of the questions, which
-neither its supervised warm-up nor RL saw: each question sampled `--samples` times at temperature 1, success =
-mean environment reward.
+Runs examples/smollm2_tools as a user would: generates its data (make_data.py: "a*b=?" questions, two worked
+examples in each prompt), then `grpo train --config job.yaml` in a child process, timed:
+SmolLM2-135M-Instruct (real weights, LoRA) calls the calculator's `multiply`, reads the result and `submit`s it;
+the calculator class (examples/environments/arithmetic.py, run in process) rewards 1 when the submitted answer is
+the product. Held-out success is the trainer's own evaluation of a multi-turn job (worker.grpo.held_out): G sampled
+episodes (temperature 1) per held-out question, at step 0 and at the last step; the success figure is the share of
+episodes that succeed (`eval/reward/mean`), pass@G the share of questions with at least one (read from the run's
+console lines `step N eval ...`).
 
-    PYTHONPATH=. python bench/multi_turn.py                    # 3 seeds, 40 steps
-    PYTHONPATH=. python bench/multi_turn.py --seeds 0 --steps 10
+    .venv/bin/python bench/multi_turn.py                        # the example as it is (~20 min on 2 cores)
+    .venv/bin/python bench/multi_turn.py --seed 1 --max-steps 4 # another seed, a quicker check
 
-Each seed runs in its own child process (one torch thread).
+`builtin:smollm2-135m-instruct` is converted once into --model-cache (default: the test suite's,
+~/.cache/grpo/models) before the clock starts. Prints one JSON line last.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
-import statistics
+import os
+import re
+import shutil
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-from collections.abc import Coroutine
-from concurrent.futures import Future
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 REPO = Path(__file__).resolve().parents[1]
-STEPS = 40
-SEEDS = (0, 1, 2)
-SAMPLES = 4
+EXAMPLE = REPO / "examples" / "smollm2_tools"
+sys.path[:0] = [str(REPO), str(EXAMPLE)]
+
+import make_data  # noqa: E402  (examples/smollm2_tools/make_data.py)
+
+GRPO = Path(sys.executable).parent / "grpo"  # the console script of this virtualenv
 
 
-def _episodes_success(models: Any, config: Any, rows: list[Any], samples: int, seed: int) -> float:
-    """Mean environment reward of `samples` sampled episodes per held-out row."""
-    from examples.environments.arithmetic import Arithmetic
-    from worker.grpo.environment import LocalEnvironment, MultiTurnSettings
-    from worker.grpo.multi_turn import MultiTurnRollout
-    from worker.grpo.rollout import eos_token_ids, sample_continuations
-
-    loop = asyncio.new_event_loop()
-    threading.Thread(target=loop.run_forever, daemon=True).start()
-
-    def run(coro: Coroutine[Any, Any, Any]) -> Future[Any]:
-        return asyncio.run_coroutine_threadsafe(coro, loop)
-
-    measure = config.model_copy(update={"num_generations": samples})
-    environment = LocalEnvironment(Arithmetic, settings=MultiTurnSettings(max_turns=3))
-    engine = MultiTurnRollout(
-        models.tokenizer, measure, environment,
-        lambda s, b, seeds: sample_continuations(models.policy, models.tokenizer, s, b, seeds, measure), run,
-        eos_token_ids(models.policy, models.tokenizer),
-    )
-    try:
-        rollout, _ = engine.generate(rows, [seed * 100_003 + i for i in range(len(rows))])
-    finally:
-        loop.call_soon_threadsafe(loop.stop)
-    assert rollout.episodes is not None
-    return statistics.fmean(e["reward"] or 0.0 for e in rollout.episodes)
-
-
-def child(seed: int, steps: int, samples: int, warm_steps: int | None) -> dict[str, float]:
-    """One seed: warm model, success before, GRPO steps, success after."""
-    import torch
-
-    from contract.config import GRPOConfig
-    from examples.environments.arithmetic import Arithmetic
-    from worker.grpo.data import PromptRow
-    from worker.grpo.environment import LocalEnvironment, MultiTurnSettings
-    from worker.grpo.rewards import CompositeReward, EnvironmentReward
-    from worker.grpo.tool_tasks import split
-    from worker.grpo.trainer import GRPOTrainer
-    from worker.grpo.warm_tools import TOOLS_RECIPE, build_tools_model
-
-    torch.set_num_threads(1)
-    cache = Path.home() / ".cache" / "grpo" / "models"
-    recipe = TOOLS_RECIPE if warm_steps is None else replace(TOOLS_RECIPE, steps=warm_steps)
-    model_dir = build_tools_model(cache, recipe)
-    train, held_out = split()
-    to_row = lambda item: PromptRow(item.row()["prompt"], {"question": item.question, "answer": item.answer})  # noqa: E731
-    config = GRPOConfig(
-        num_generations=8, prompts_per_step=8, max_steps=max(steps, 1), learning_rate=1e-3, lr_scheduler="constant",
-        beta=0.0, loss_type="dapo", max_completion_length=160, temperature=1.0, checkpoint_every=10_000,
-        log_completions_every=10_000, seed=seed,
-    )
-    with tempfile.TemporaryDirectory() as out:
-        trainer = GRPOTrainer(
-            config, base_model=str(model_dir), train_rows=[to_row(i) for i in train],
-            reward=CompositeReward([(EnvironmentReward(), 1.0)]), output_dir=Path(out),
-            environment=LocalEnvironment(Arithmetic, settings=MultiTurnSettings(max_turns=3)),
-        )
-        held = [to_row(i) for i in held_out]
-        before = _episodes_success(trainer.models, config, held, samples, seed)
-        started = time.perf_counter()
-        result = trainer.train() if steps else None
-        seconds = time.perf_counter() - started
-        after = _episodes_success(trainer.models, config, held, samples, seed)
-    history = result.history if result is not None else []
-    return {
-        "seed": seed, "before": before, "after": after, "seconds": seconds,
-        "train_reward_first": history[0]["reward/mean"] if history else float("nan"),
-        "train_reward_last": history[-1]["reward/mean"] if history else float("nan"),
-    }
+def prepare_job(work: Path, overrides: dict[str, Any]) -> Path:
+    """The example's job.yaml and freshly generated data in `work`, with hyperparameter overrides."""
+    make_data.main(work / "data")  # where job.yaml names them
+    spec = yaml.safe_load((EXAMPLE / "job.yaml").read_text(encoding="utf-8"))
+    spec.pop("output_dir", None)
+    spec["hyperparameters"].update(overrides)
+    path = work / "job.yaml"
+    path.write_text(yaml.safe_dump(spec, sort_keys=False), encoding="utf-8")
+    return path
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--seeds", type=int, nargs="+", default=list(SEEDS))
-    parser.add_argument("--steps", type=int, default=STEPS)
-    parser.add_argument("--samples", type=int, default=SAMPLES)
-    parser.add_argument("--warm-steps", type=int, default=None, help="Another warm recipe's step count.")
-    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--max-steps", type=int, help="override the example's max_steps (and eval_every)")
+    parser.add_argument("--seed", type=int, help="override the example's seed (sampling, data order, LoRA init)")
+    parser.add_argument("--workdir", type=Path, help="keep the data, checkpoints and log here (default: a temp dir)")
+    parser.add_argument("--model-cache", type=Path, default=Path.home() / ".cache" / "grpo" / "models")
     args = parser.parse_args()
-    if args.child:
-        print(json.dumps(child(args.seeds[0], args.steps, args.samples, args.warm_steps)))
-        return
-    rows = []
-    for seed in args.seeds:
-        command = [sys.executable, __file__, "--child", "--seeds", str(seed), "--steps", str(args.steps),
-                   "--samples", str(args.samples)]
-        if args.warm_steps is not None:
-            command += ["--warm-steps", str(args.warm_steps)]
-        done = subprocess.run(command, capture_output=True, text=True, check=True, cwd=REPO,
-                              env={"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
-        rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
-        print(rows[-1], flush=True)
-    print(f"\nheld-out success ({len(args.seeds)} seeds, {args.steps} steps, {args.samples} samples per question):")
-    print(f"  before {statistics.fmean(r['before'] for r in rows):.1%}  after {statistics.fmean(r['after'] for r in rows):.1%}")
-    print(f"  train reward first step {statistics.fmean(r['train_reward_first'] for r in rows):.2f}, "
-          f"last {statistics.fmean(r['train_reward_last'] for r in rows):.2f}; "
-          f"{statistics.fmean(r['seconds'] for r in rows):.0f} s per run")
+
+    from worker.grpo.checkpoint import latest_checkpoint, load_checkpoint
+    from worker.grpo.pretrained import build_smollm2
+
+    work = args.workdir or Path(tempfile.mkdtemp(prefix="smollm2-tools-"))
+    if work.exists():
+        shutil.rmtree(work)
+    work.mkdir(parents=True)
+    overrides: dict[str, Any] = {} if args.seed is None else {"seed": args.seed}
+    if args.max_steps is not None:
+        overrides |= {"max_steps": args.max_steps, "eval_every": args.max_steps}
+    config = prepare_job(work, overrides)
+    base = build_smollm2(args.model_cache)
+
+    started = time.perf_counter()
+    with open(work / "train.log", "w", encoding="utf-8") as log:
+        subprocess.run(
+            [str(GRPO), "train", "--config", str(config), "--output-dir", str(work / "out")],
+            stdout=log, stderr=subprocess.STDOUT, check=True, cwd=EXAMPLE,  # the environment class's module path
+            env={**os.environ, "COLUMNS": "120", "PYTHONPATH": str(REPO),
+                 "GRPO_MODEL_CACHE_DIR": str(base.parent)},  # the folder built above
+        )
+    train_s = time.perf_counter() - started
+    checkpoint = latest_checkpoint(work / "out")
+    assert checkpoint is not None
+    history = [m for m in load_checkpoint(checkpoint).trainer_state["history"] if "reward/mean" in m]
+    evals = evaluations((work / "train.log").read_text(encoding="utf-8"))
+    hyper = yaml.safe_load(config.read_text(encoding="utf-8"))["hyperparameters"]
+    pass_g = f"pass@{hyper['num_generations']}"
+    (first_step, first), (last_step, last) = evals[0], evals[-1]
+    result = {
+        "before": first["reward/mean"], "after": last["reward/mean"], "eval_steps": [first_step, last_step],
+        f"{pass_g}_before": first.get(pass_g), f"{pass_g}_after": last.get(pass_g),
+        "train_s": train_s, "steps": len(history),
+        "first3_reward": _mean([m["reward/mean"] for m in history[:3]]),
+        "last3_reward": _mean([m["reward/mean"] for m in history[-3:]]),
+        "hyperparameters": hyper, "workdir": str(work),
+    }
+    print(f"held-out success {result['before']:.1%} -> {result['after']:.1%} in {train_s / 60:.1f} min of "
+          f"`grpo train` ({result['steps']} steps)")
+    print(json.dumps(result))
+
+
+def evaluations(log: str) -> list[tuple[int, dict[str, float]]]:
+    """The held-out evaluations `grpo train` printed (`step N eval name value  name value ...`), in order."""
+    found = []
+    for match in re.finditer(r"^step (\d+) eval (.+)$", log, flags=re.MULTILINE):
+        pairs = match.group(2).split()
+        found.append((int(match.group(1)), {k: float(v) for k, v in zip(pairs[::2], pairs[1::2], strict=True)}))
+    return found
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else float("nan")
 
 
 if __name__ == "__main__":
