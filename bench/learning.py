@@ -196,9 +196,9 @@ def run_trl(model_dir: Path, task: str, seed: int, steps: int, work: Path) -> li
 
 def smollm2_rows(task: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """(train rows, held-out rows) of a SmolLM2 task: chat messages as `prompt`, the number as `answer`."""
-    sys.path.insert(0, str(REPO / "examples" / "smollm2_sums"))
-    import make_data
+    import example_job  # bench/, beside this file
 
+    make_data = example_job.load_make_data(REPO / "examples" / "smollm2_sums")
     train, held_out = make_data.generate(operator=SMOLLM2_TASKS[task])
     return train, held_out
 

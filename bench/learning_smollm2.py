@@ -19,10 +19,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -31,23 +29,17 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "smollm2_sums"
-sys.path[:0] = [str(REPO), str(REPO / "bench"), str(EXAMPLE)]
+sys.path[:0] = [str(REPO), str(REPO / "bench")]
 
-import make_data  # noqa: E402  (examples/smollm2_sums/make_data.py)
+import example_job  # noqa: E402
 from learning import exact_match_accuracy  # noqa: E402
 
-GRPO = Path(sys.executable).parent / "grpo"  # the console script of this virtualenv
+make_data = example_job.load_make_data(EXAMPLE)
 
 
 def prepare_job(work: Path, overrides: dict[str, Any]) -> Path:
     """The example's job.yaml and freshly generated data in `work`, with hyperparameter overrides."""
-    make_data.main(work / "data")  # where job.yaml names them
-    spec = yaml.safe_load((EXAMPLE / "job.yaml").read_text(encoding="utf-8"))
-    spec.pop("output_dir", None)
-    spec["hyperparameters"].update(overrides)
-    path = work / "job.yaml"
-    path.write_text(yaml.safe_dump(spec, sort_keys=False), encoding="utf-8")
-    return path
+    return example_job.prepare_job(EXAMPLE, work, overrides, make_data.main)
 
 
 def held_out(model_dir: Path, data: Path) -> float:
@@ -78,14 +70,8 @@ def main() -> None:
     from worker.grpo.pretrained import build_smollm2
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
-    work = args.workdir or Path(tempfile.mkdtemp(prefix="smollm2-sums-"))
-    if work.exists():
-        shutil.rmtree(work)
-    work.mkdir(parents=True)
-    overrides: dict[str, Any] = {} if args.seed is None else {"seed": args.seed}
-    if args.max_steps is not None:
-        overrides |= {"max_steps": args.max_steps, "eval_every": args.max_steps}
-    config = prepare_job(work, overrides)
+    work = example_job.run_folder(args.workdir, "smollm2-sums-")
+    config = prepare_job(work, example_job.run_overrides(args.seed, args.max_steps))
     output = work / "out"
     started = time.perf_counter()
     base = build_smollm2(args.model_cache)
@@ -96,7 +82,7 @@ def main() -> None:
     started = time.perf_counter()
     with open(work / "train.log", "w", encoding="utf-8") as log:
         subprocess.run(
-            [str(GRPO), "train", "--config", str(config), "--output-dir", str(output)],
+            [str(example_job.GRPO), "train", "--config", str(config), "--output-dir", str(output)],
             stdout=log, stderr=subprocess.STDOUT, check=True,
             env={**os.environ, "COLUMNS": "120", "GRPO_MODEL_CACHE_DIR": str(base.parent)},  # the folder built above
         )

@@ -22,10 +22,8 @@ import argparse
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -34,22 +32,16 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "smollm2_tools"
-sys.path[:0] = [str(REPO), str(EXAMPLE)]
+sys.path[:0] = [str(REPO), str(REPO / "bench")]
 
-import make_data  # noqa: E402  (examples/smollm2_tools/make_data.py)
+import example_job  # noqa: E402
 
-GRPO = Path(sys.executable).parent / "grpo"  # the console script of this virtualenv
+make_data = example_job.load_make_data(EXAMPLE)
 
 
 def prepare_job(work: Path, overrides: dict[str, Any]) -> Path:
     """The example's job.yaml and freshly generated data in `work`, with hyperparameter overrides."""
-    make_data.main(work / "data")  # where job.yaml names them
-    spec = yaml.safe_load((EXAMPLE / "job.yaml").read_text(encoding="utf-8"))
-    spec.pop("output_dir", None)
-    spec["hyperparameters"].update(overrides)
-    path = work / "job.yaml"
-    path.write_text(yaml.safe_dump(spec, sort_keys=False), encoding="utf-8")
-    return path
+    return example_job.prepare_job(EXAMPLE, work, overrides, make_data.main)
 
 
 def main() -> None:
@@ -63,20 +55,14 @@ def main() -> None:
     from worker.grpo.checkpoint import latest_checkpoint, load_checkpoint
     from worker.grpo.pretrained import build_smollm2
 
-    work = args.workdir or Path(tempfile.mkdtemp(prefix="smollm2-tools-"))
-    if work.exists():
-        shutil.rmtree(work)
-    work.mkdir(parents=True)
-    overrides: dict[str, Any] = {} if args.seed is None else {"seed": args.seed}
-    if args.max_steps is not None:
-        overrides |= {"max_steps": args.max_steps, "eval_every": args.max_steps}
-    config = prepare_job(work, overrides)
+    work = example_job.run_folder(args.workdir, "smollm2-tools-")
+    config = prepare_job(work, example_job.run_overrides(args.seed, args.max_steps))
     base = build_smollm2(args.model_cache)
 
     started = time.perf_counter()
     with open(work / "train.log", "w", encoding="utf-8") as log:
         subprocess.run(
-            [str(GRPO), "train", "--config", str(config), "--output-dir", str(work / "out")],
+            [str(example_job.GRPO), "train", "--config", str(config), "--output-dir", str(work / "out")],
             stdout=log, stderr=subprocess.STDOUT, check=True, cwd=EXAMPLE,  # the environment class's module path
             env={**os.environ, "COLUMNS": "120", "PYTHONPATH": str(REPO),
                  "GRPO_MODEL_CACHE_DIR": str(base.parent)},  # the folder built above

@@ -25,7 +25,8 @@ BENCH = Path(__file__).resolve().parents[2] / "bench"
 sys.path.insert(0, str(BENCH))
 
 import learning_smollm2  # noqa: E402
-import make_data  # noqa: E402  (examples/smollm2_sums/make_data.py, on the path through learning_smollm2)
+
+make_data = learning_smollm2.make_data  # examples/smollm2_sums/make_data.py
 
 from worker.grpo.checkpoint import MERGED_DIR, latest_checkpoint, load_checkpoint, verify_manifest  # noqa: E402
 from worker.grpo.pretrained import build_smollm2  # noqa: E402

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import sys
+import runpy
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -89,12 +89,8 @@ def test_with_tools_it_lists_schemas_and_speaks_hermes(tokenizer: PreTrainedToke
 
 
 def test_a_structured_call_renders_as_the_examples_worked_turns(tokenizer: PreTrainedTokenizerBase) -> None:
-    sys.path.insert(0, str(REPO / "examples" / "smollm2_tools"))
-    try:
-        import make_data  # noqa: PLC0415  (the example's script, on its own folder's path)
-    finally:
-        sys.path.pop(0)
-    worked = make_data.worked_example(7, 2)[:3]  # user, the multiply call as text, the result
+    make_data = runpy.run_path(str(REPO / "examples" / "smollm2_tools" / "make_data.py"))  # the example's script
+    worked = make_data["worked_example"](7, 2)[:3]  # user, the multiply call as text, the result
     structured = [worked[0], {"role": "assistant", "content": "", "tool_calls": [
         ToolCall("multiply", {"a": 7, "b": 2}).as_message_call()]}, worked[2]]
     assert tokenizer.apply_chat_template(worked, tokenize=False) == tokenizer.apply_chat_template(
