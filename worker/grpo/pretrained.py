@@ -16,8 +16,8 @@ SmolLM2's own chat template renders no tools, so a multi-turn job could not list
 builtin folder gets `SMOLLM2_TOOLS_TEMPLATE` instead: ChatML that renders exactly what SmolLM2's does for every
 conversation without tools (checked at conversion against the GGUF's own template), and with tools lists their
 schemas in the system turn and writes calls in the Hermes format (`<tool_call>{json}</tool_call>`), tool results
-as `tool` turns. SmolLM2-135M was not trained on tool calls: it follows the format from a worked example in the
-prompt (examples/smollm2_tools), which is what the multi-turn learning benchmark starts from.
+as `tool` turns. SmolLM2-135M was not trained on tool calls: it follows the format from worked examples in the
+prompt (two; examples/smollm2_tools), which is what the multi-turn learning benchmark starts from.
 """
 
 from __future__ import annotations
