@@ -9,7 +9,7 @@ episodes (temperature 1) per held-out question, at step 0 and at the last step; 
 episodes that succeed (`eval/reward/mean`), pass@G the share of questions with at least one (read from the run's
 console lines `step N eval ...`).
 
-    .venv/bin/python bench/multi_turn.py                        # the example as it is (~20 min on 2 cores)
+    .venv/bin/python bench/multi_turn.py                        # the example as it is (figures: bench/README.md)
     .venv/bin/python bench/multi_turn.py --seed 1 --max-steps 4 # another seed, a quicker check
 
 `builtin:smollm2-135m-instruct` is converted once into --model-cache (default: the test suite's,
