@@ -5,7 +5,7 @@ import warnings
 
 from contract.gen.grpo.v1 import checkpoints_pb2 as grpo_dot_v1_dot_checkpoints__pb2
 
-GRPC_GENERATED_VERSION = '1.85.1'
+GRPC_GENERATED_VERSION = '1.85.4'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 
