@@ -14,6 +14,11 @@ LOWEST_STAMP := $(LOWEST)/.installed
 # OpenEnv servers with it (tests/openenv_servers.py), as users host theirs apart from the trainer.
 OPENENV := .venv-openenv
 OPENENV_STAMP := $(OPENENV)/.installed
+# The official tinker SDK in a venv of its own, nothing of ours in it: tests/ship/test_tinker_client.py runs its
+# scripts there against a live server, as a user's machine would.
+TINKER := .venv-tinker
+TINKER_STAMP := $(TINKER)/.installed
+TINKER_PIN := tinker==0.38.0
 export PYTHONUNBUFFERED := 1
 # pytest-xdist workers: one per core, at most 8 (each has its own PostgreSQL database, Redis brokers and ports).
 # Whole files go to a worker (`--dist loadfile`): module-scoped stacks and models are built once. They go in
@@ -22,7 +27,7 @@ export PYTHONUNBUFFERED := 1
 PYTEST_WORKERS ?= $(shell n=$$(nproc); echo $$(( n < 8 ? n : 8 )))
 XDIST := -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
-.PHONY: install openenv test lint typecheck pytest test-lowest demo proto bench gpu-wheels clean
+.PHONY: install openenv tinker-sdk test lint typecheck pytest test-lowest demo proto bench gpu-wheels clean
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -55,6 +60,14 @@ $(OPENENV_STAMP): pyproject.toml
 
 openenv: $(OPENENV_STAMP)
 
+$(TINKER_STAMP): Makefile
+	@test -x $(TINKER)/bin/python || $(PYTHON) -m venv $(TINKER)
+	$(TINKER)/bin/python -m pip install -q --upgrade pip
+	$(TINKER)/bin/python -m pip install -q $(TINKER_PIN)
+	touch $@
+
+tinker-sdk: $(TINKER_STAMP)
+
 lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/lint-imports
@@ -62,7 +75,7 @@ lint: install
 typecheck: install
 	$(VENV)/bin/mypy service worker contract outbound cli client
 
-pytest: install $(OPENENV_STAMP)
+pytest: install $(OPENENV_STAMP) $(TINKER_STAMP)
 	$(VENV)/bin/pytest -q -ra $(XDIST) $(PYTEST_ARGS)
 
 $(LOWEST_STAMP): Makefile
@@ -105,4 +118,4 @@ gpu-wheels:
 	@du -sh $(GPU_WHEELS)
 
 clean:
-	rm -rf $(VENV) $(LOWEST) $(OPENENV) grpo-data demo-out .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) $(LOWEST) $(OPENENV) $(TINKER) grpo-data demo-out .mypy_cache .ruff_cache .pytest_cache

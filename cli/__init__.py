@@ -16,6 +16,7 @@ from cli import (
     jobs,
     keys,
     migrate,
+    primitives_worker,
     rewards,
     serve,
     train,
@@ -39,6 +40,7 @@ app.command("train")(train.train)
 app.command("migrate")(migrate.migrate)
 app.command("serve")(serve.serve)
 app.command("worker")(worker.worker)
+app.command("primitives-worker")(primitives_worker.primitives_worker)
 app.command("demo")(demo.demo)
 app.command("usage")(usage.usage)
 

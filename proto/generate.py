@@ -1,4 +1,4 @@
-"""Generate the Python gRPC code for `proto/grpo/v1/*.proto` (run by `make proto`).
+"""Generate the Python gRPC code for `proto/grpo/v1/*.proto` and the Tinker messages (run by `make proto`).
 
 Output: `contract/gen/grpo/v1/{name}_pb2.py, {name}_pb2_grpc.py, {name}_pb2.pyi, {name}_pb2_grpc.pyi`
 (protoc's Python and gRPC plugins from grpcio-tools, `.pyi` stubs from mypy-protobuf), committed to git.
@@ -26,6 +26,8 @@ from grpc_tools import protoc
 REPO = Path(__file__).resolve().parent.parent
 PROTO_ROOT = REPO / "proto"
 PROTO_PACKAGE_DIR = PROTO_ROOT / "grpo" / "v1"
+# The Tinker API's wire messages (service.tinker, worker.primitives), generated beside ours: one file, no imports.
+TINKER_PROTO = PROTO_ROOT / "tinker_public" / "tinker_public.proto"
 DEFAULT_OUT = REPO / "contract" / "gen"
 # The Python package that `DEFAULT_OUT` is; generated imports are made absolute to it.
 PYTHON_PACKAGE = "contract.gen"
@@ -50,7 +52,7 @@ def _plugin(name: str) -> str:
 
 
 def _run_protoc(staging: Path) -> None:
-    protos = sorted(str(p.relative_to(PROTO_ROOT)) for p in PROTO_PACKAGE_DIR.glob("*.proto"))
+    protos = sorted(str(p.relative_to(PROTO_ROOT)) for p in [*PROTO_PACKAGE_DIR.glob("*.proto"), TINKER_PROTO])
     well_known = Path(grpc_tools.__file__).parent / "_proto"  # google/protobuf/*.proto
     args = [
         "grpc_tools.protoc",
@@ -91,7 +93,17 @@ def generate(out: Path) -> list[Path]:
             dst = target / src.name
             dst.write_text(fix_imports(src.read_text()))
             written.append(dst)
-    for package in (out, out / "grpo", target):
+        tinker = out / "tinker_public"
+        tinker.mkdir(parents=True, exist_ok=True)
+        for stale in tinker.iterdir():
+            if stale.name.endswith(GENERATED_SUFFIXES):
+                stale.unlink()
+        for src in sorted((staging / "tinker_public").iterdir()):
+            if src.name.endswith(("_pb2.py", "_pb2.pyi")):
+                dst = tinker / src.name
+                dst.write_text(src.read_text())
+                written.append(dst)
+    for package in (out, out / "grpo", target, tinker):
         init = package / "__init__.py"
         init.write_text(_INIT_DOC)
         written.append(init)

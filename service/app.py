@@ -36,6 +36,8 @@ from service.ops.endpoints import router as ops_router
 from service.rewards.endpoints import router as rewards_router
 from service.tenants.endpoints import router as api_keys_router
 from service.tenants.ratelimit import RateLimitHeaders, close_buckets
+from service.tinker import errors as tinker_errors
+from service.tinker.endpoints import router as tinker_router
 from service.usage.endpoints import router as usage_router
 from service.webhooks import outbox
 from service.webhooks.endpoints import router as webhooks_router
@@ -64,6 +66,8 @@ async def _domain_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, DomainError)
     if openai_errors.in_scope(request):
         return openai_errors.render_domain(exc)
+    if tinker_errors.in_scope(request):
+        return tinker_errors.render_domain(exc)
     return JSONResponse(status_code=exc.http_status, content=exc.to_body(), headers=exc.http_headers() or None)
 
 
@@ -71,6 +75,8 @@ async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
     if openai_errors.in_scope(request):
         return openai_errors.render_validation(exc.errors())
+    if tinker_errors.in_scope(request):
+        return tinker_errors.render_validation(list(exc.errors()))
     errors = [
         {"field": ".".join(str(p) for p in e.get("loc", ())), "message": e.get("msg", ""), "type": e.get("type")}
         for e in exc.errors()
@@ -90,6 +96,8 @@ async def _http_error(request: Request, exc: Exception) -> JSONResponse:
     if openai_errors.in_scope(request):
         code = "invalid_api_key" if exc.status_code == 401 else code
         return openai_errors.error_response(exc.status_code, str(exc.detail), param=None, code=code, headers=headers)
+    if tinker_errors.in_scope(request):
+        return tinker_errors.error_response(exc.status_code, str(exc.detail), code=code, headers=headers)
     response = _error(exc.status_code, code, str(exc.detail), None)
     response.headers.update(headers)
     return response
@@ -159,6 +167,8 @@ def create_app() -> FastAPI:
     app.include_router(metrics_router)
     # The OpenAI-compatible door (docs/openai.md): OpenAI's shapes over the same domain services.
     app.include_router(openai_router, prefix=openai_errors.PREFIX)
+    # The Tinker-compatible door (docs/tinker.md): the tinker SDK's routes over the primitive training API.
+    app.include_router(tinker_router, prefix=tinker_errors.PREFIX)
     # Dataset uploads stream under their own limit (GRPO_MAX_DATASET_BYTES, service.datasets.multipart).
     app.add_middleware(
         BodyLimitMiddleware,

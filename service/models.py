@@ -8,6 +8,7 @@ from service.environments import models as environments_models
 from service.evaluations import models as evaluations_models
 from service.jobs import models as jobs_models
 from service.kit.db import Base
+from service.primitives import models as primitives_models
 from service.quotas import models as quotas_models
 from service.rewards import models as rewards_models
 from service.tenants import models as tenants_models
@@ -21,6 +22,7 @@ __all__ = [
     "environments_models",
     "evaluations_models",
     "jobs_models",
+    "primitives_models",
     "quotas_models",
     "rewards_models",
     "tenants_models",

@@ -57,6 +57,11 @@ def tensorboard_key(job_id: str, relative_path: str) -> str:
     return validate_key(f"checkpoints/{job_id}/tensorboard/{relative_path}")
 
 
+def primitive_weights_prefix(tenant_id: str, token: str) -> str:
+    """Weights a training client of the primitive API saved (`token`: fresh per save, chosen by the worker)."""
+    return validate_key(f"primitives/{tenant_id}/{token}")
+
+
 class Storage:
     """Blob operations on keys relative to one root URL."""
 

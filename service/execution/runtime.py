@@ -14,7 +14,14 @@ from service.kit.config import Settings, get_settings
 from service.kit.db import end_idle_transactions_after
 from service.kit.queue import queues_for_devices
 from service.observability.logs import job_context
-from service.storage import Storage, checkpoint_key, checkpoint_prefix, get_storage, tensorboard_key
+from service.storage import (
+    Storage,
+    checkpoint_key,
+    checkpoint_prefix,
+    get_storage,
+    primitive_weights_prefix,
+    tensorboard_key,
+)
 from service.webhooks import outbox
 
 __all__ = [
@@ -27,6 +34,7 @@ __all__ = [
     "get_storage",
     "job_context",
     "prepare_worker_process",
+    "primitive_weights_prefix",
     "queues_for_devices",
     "tensorboard_key",
 ]

@@ -238,6 +238,23 @@ class Settings(BaseSettings):
         description="Tenants (names or ids) whose `admin` keys manage every tenant's quotas over the API "
         "(JSON list). Other admin keys may only read their own tenant's.",
     )
+    primitives_base_models: list[str] = Field(
+        ["builtin:tiny-instruct"],
+        description="Base models the primitive training API (the Tinker door, /tinker) offers; `grpo primitives-worker` "
+        "loads each once and serves every tenant's LoRA training clients on it (JSON list).",
+    )
+    primitives_session_timeout_seconds: float = Field(
+        120.0, gt=0, description="A primitive-API session whose heartbeats (every 10 s from the SDK) stop this long is "
+        "closed and its training clients' adapters freed."
+    )
+    primitives_worker_stale_seconds: float = Field(
+        60.0, gt=0, description="A primitives worker silent this long is gone: its pending calls fail as retryable "
+        "and its clients move to another worker (restore them with load_weights)."
+    )
+    primitives_poll_seconds: float = Field(
+        25.0, gt=0, le=40, description="How long one `retrieve_future` waits for a result before answering `try_again` "
+        "(the SDK's poll times out at 45 s)."
+    )
     log_json: bool = Field(False, description="Structured JSON logs.")
     tensorboard: bool = Field(
         False,

@@ -151,8 +151,13 @@ def check_file(fd: descriptor_pb2.FileDescriptorProto) -> list[str]:
 
 
 def check_tree(proto_root: Path) -> list[str]:
-    """Compile every .proto under proto_root and return all violations (empty = clean)."""
-    files = sorted(str(p.relative_to(proto_root)) for p in proto_root.rglob("*.proto") if "node_modules" not in p.parts)
+    """Compile every .proto under proto_root and return all violations (empty = clean). `tinker_public/` is
+    excluded, as in buf.yaml: it mirrors a third party's wire format."""
+    files = sorted(
+        str(p.relative_to(proto_root))
+        for p in proto_root.rglob("*.proto")
+        if "node_modules" not in p.parts and "tinker_public" not in p.parts
+    )
     own = set(files)
     problems: list[str] = []
     for fd in compile_protos(proto_root, files).file:

@@ -114,6 +114,17 @@ def processes(tmp_path: Path) -> Iterator[Processes]:
         procs.stop_all()
 
 
+@pytest.fixture(scope="session")
+def instruct_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """builtin:tiny-instruct, built once into pytest's cache (named by its recipe hash, so never stale)."""
+    # The engine (torch) only for the tests that train: the other shipping tests import none of it.
+    from worker.grpo.model_paths import resolve_model_path
+
+    store = getattr(request.config, "cache", None)
+    cache = store.mkdir("grpo-models") if store is not None else tmp_path_factory.mktemp("models")
+    return Path(resolve_model_path("builtin:tiny-instruct", cache))
+
+
 def wait_http_ok(url: str, live: Live, *, timeout: float) -> None:
     """Poll `url` until it answers 200; fail early with the log when the process dies."""
     deadline = time.monotonic() + timeout

@@ -32,16 +32,6 @@ GRADER = {
 }
 
 
-@pytest.fixture(scope="session")
-def instruct_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """builtin:tiny-instruct, built once into pytest's cache (named by its recipe hash, so never stale)."""
-    from worker.grpo.model_paths import resolve_model_path
-
-    store = getattr(request.config, "cache", None)
-    cache = store.mkdir("grpo-models") if store is not None else tmp_path_factory.mktemp("models")
-    return Path(resolve_model_path("builtin:tiny-instruct", cache))
-
-
 def test_openai_sdk_runs_a_reinforcement_job(tmp_path: Path, processes: Processes, instruct_model: Path) -> None:
     started = time.monotonic()
     data = tmp_path / "data"

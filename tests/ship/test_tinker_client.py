@@ -1,0 +1,112 @@
+"""The official `tinker` SDK (0.38.0, in .venv-tinker, nothing of ours imported) drives a live `grpo serve` and
+`grpo primitives-worker`: a GRPO-style loop whose reward rises, save_state / load_state restoring the exact
+weights, a client created from the saved state; tenants see only their own models, futures and weights; bad
+input gets the SDK's error shape."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.ship.conftest import GRPO, REPO, Processes, clean_env, describe, free_port, run_cli, wait_http_ok
+
+pytestmark = pytest.mark.slow
+
+TINKER_PYTHON = REPO / ".venv-tinker" / "bin" / "python"
+SCRIPTS = Path(__file__).parent / "tinker_scripts"
+BASE_MODEL = "builtin:tiny-instruct"
+
+
+@dataclass(frozen=True)
+class Stack:
+    base_url: str  # what TINKER_BASE_URL is set to
+    keys: list[str]  # three tenants' keys, as the SDK takes them (tml-...)
+    processes: Processes
+
+    def sdk(self, script: str, key: str, **env: str) -> dict[str, object]:
+        """Run a script of tinker_scripts/ in the SDK's venv; its last stdout line is JSON."""
+        done = subprocess.run(
+            [str(TINKER_PYTHON), str(SCRIPTS / script)], capture_output=True, text=True, timeout=900, cwd=SCRIPTS,
+            env={"PATH": os.environ["PATH"], "HOME": os.environ.get("HOME", "/tmp"), "TINKER_BASE_URL": self.base_url,
+                 "TINKER_API_KEY": key, "TINKER_TELEMETRY": "0", "BASE_MODEL": BASE_MODEL, "HF_HUB_OFFLINE": "1",
+                 "OMP_NUM_THREADS": "1", **env},
+        )
+        assert done.returncode == 0, describe(done) + self.processes.logs()
+        return json.loads(done.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory, instruct_model: Path) -> Iterator[Stack]:
+    if not TINKER_PYTHON.exists():
+        pytest.fail(f"{TINKER_PYTHON} is missing: run `make tinker-sdk` (make test does)")
+    root = tmp_path_factory.mktemp("tinker")
+    (root / "data" / "models").mkdir(parents=True)
+    os.symlink(instruct_model, root / "data" / "models" / instruct_model.name)  # the worker finds it built
+    port = free_port()
+    env = clean_env(GRPO_ENV="development", GRPO_DATA_DIR=str(root / "data"), GRPO_API_PORT=str(port),
+                    GRPO_GRPC_PORT="0", GRPO_PRIMITIVES_BASE_MODELS=json.dumps([BASE_MODEL]))
+    processes = Processes(root)
+    try:
+        serve = processes.start("serve", [*GRPO, "serve", "--migrate"], env)
+        wait_http_ok(f"http://127.0.0.1:{port}/readyz", serve, timeout=60)
+        processes.start("primitives-worker", [*GRPO, "primitives-worker", "--device", "cpu"], env)
+        keys = []
+        for name in ("tinker-a", "tinker-b", "tinker-c"):
+            created = run_cli(env, "admin", "create-tenant", name)
+            assert created.returncode == 0, describe(created)
+            keys.append("tml-" + created.stdout.strip().splitlines()[-1])
+        yield Stack(f"http://127.0.0.1:{port}/tinker", keys, processes)
+    finally:
+        processes.stop_all()
+
+
+def test_the_sdk_runs_a_grpo_loop_and_round_trips_its_state(stack: Stack) -> None:
+    result = stack.sdk("rl_loop.py", stack.keys[0], STEPS="20")
+    assert result["capabilities"] == [BASE_MODEL]
+    rewards = result["rewards"]
+    assert isinstance(rewards, list) and len(rewards) == 20
+    first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
+    assert last > first + 0.1, f"the training reward did not rise: {rewards}"
+    before, after = result["accuracy"]  # type: ignore[misc]
+    assert after >= before + 0.2, f"greedy accuracy on 40 fixed questions: {before} -> {after}"
+    assert result["moved"] != result["before"]  # the extra step changed the weights...
+    assert result["restored"] == result["before"]  # ...and load_state put back exactly the saved ones
+    assert result["cloned"] == result["before"]  # as does a new client created from the saved state
+    assert str(result["saved"]).startswith(f"tinker://{result['model_id']}/weights/final")
+
+
+def test_tenants_see_only_their_own(stack: Stack) -> None:
+    owner, other = stack.keys[0], stack.keys[1]
+    url = stack.base_url + "/api/v1"
+    with httpx.Client(timeout=60) as http:
+        session = http.post(f"{url}/create_session", json={"sdk_version": "test"},
+                            headers={"X-API-Key": owner}).json()["session_id"]
+        created = http.post(f"{url}/create_model", headers={"X-API-Key": owner}, json={
+            "session_id": session, "model_seq_id": 0, "base_model": BASE_MODEL, "lora_config": {"rank": 4}})
+        request_id = created.json()["request_id"]
+        done = http.post(f"{url}/retrieve_future", headers={"X-API-Key": owner}, json={"request_id": request_id})
+        model_id = done.json()["model_id"]
+
+        def as_other(path: str, body: dict[str, object]) -> httpx.Response:
+            return http.post(f"{url}/{path}", headers={"X-API-Key": other}, json=body)
+
+        foreign = [
+            as_other("retrieve_future", {"request_id": request_id}),
+            as_other("get_info", {"model_id": model_id}),
+            as_other("optim_step", {"model_id": model_id, "seq_id": 1, "adam_params": {}}),
+            as_other("session_heartbeat", {"session_id": session}),
+            as_other("create_sampling_session", {"session_id": session, "sampling_session_seq_id": 0,
+                                                 "base_model": BASE_MODEL}),
+        ]
+        unknown = as_other("get_info", {"model_id": model_id.replace(session, "ses_01KNOWNNOTHING0000000000000")})
+        assert [r.status_code for r in foreign] == [404] * len(foreign)
+        assert all(r.json()["category"] == "user" and "not found" in r.json()["error"] for r in foreign)
+        # A foreign id reads exactly as an unknown one: only the id in the message differs.
+        assert unknown.status_code == 404 and set(unknown.json()) == set(foreign[1].json())

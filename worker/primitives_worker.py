@@ -1,0 +1,129 @@
+"""`grpo primitives-worker`: the worker role behind the primitive training API (the Tinker door).
+
+It loads each base model of GRPO_PRIMITIVES_BASE_MODELS once and keeps it resident; every tenant's training
+client is a LoRA adapter with its own AdamW state on that one copy (worker.grpo.resident), every sampler a
+frozen adapter or the base itself. The loop, on the execution port (service.execution.primitives):
+heartbeat; take new clients and samplers of its models; free those whose sessions closed; run the next call of
+each held target (a training client's in seq_id order); write each outcome to its future. Calls run one at a
+time: the base model is shared, and one call's forward and backward use the cores the machine has.
+
+Other workers' silence is noticed here too: a worker that stops heartbeating has its pending calls failed as
+retryable and its clients handed to a live worker, which starts them fresh (the client then calls
+load_weights), and sessions whose SDK stopped heartbeating are closed, which frees their adapters.
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from service.execution import primitives as port
+from service.execution.lease import process_worker_id
+from service.execution.primitives import PendingRequest, Target
+from service.execution.runtime import Settings, Storage
+from worker.grpo.model_paths import resolve_model_path
+from worker.grpo.resident import LoraSpec, ResidentBase
+from worker.primitive_calls import CallRefused, CallRunner
+
+log = logging.getLogger(__name__)
+
+# Seconds between the loop's idle polls of the database, and between its housekeeping rounds (heartbeat, other
+# workers' silence, silent sessions).
+IDLE_POLL_SECONDS = 0.05
+HOUSEKEEPING_SECONDS = 5.0
+
+
+class PrimitivesWorker:
+    def __init__(self, settings: Settings, storage: Storage, *, cache_dir: Path, device: str | None = None) -> None:
+        self.settings = settings
+        self.name = process_worker_id()
+        self.residents: dict[str, ResidentBase] = {}
+        self.published: dict[str, dict[str, Any]] = {}
+        for base_model in settings.primitives_base_models:
+            resident = ResidentBase(resolve_model_path(base_model, cache_dir), device=device or "cpu")
+            self.residents[base_model] = resident
+            self.published[base_model] = {
+                "tokenizer_id": resident.base_model_dir, "vocab_size": resident.vocab_size,
+                "arch": type(resident.model).__name__ if hasattr(resident, "model") else None,
+            }
+        self.held: dict[str, Target] = {}
+        self.calls = CallRunner(self.name, storage, self._open_snapshot_sampler)
+        self._last_housekeeping = 0.0
+
+    # --- the loop --------------------------------------------------------------------------------------------
+
+    def run(self, stop: threading.Event) -> None:
+        log.info("primitives worker %s serving %s", self.name, ", ".join(self.residents))
+        while not stop.is_set():
+            if not self.step():
+                stop.wait(IDLE_POLL_SECONDS)
+
+    def step(self) -> bool:
+        """One round; True when a call ran (the next round starts at once)."""
+        now = time.monotonic()
+        if now - self._last_housekeeping >= HOUSEKEEPING_SECONDS:
+            self._housekeeping()
+            self._last_housekeeping = now
+        for target in port.adopt(self.name, list(self.residents)):
+            self._hold(target)
+        for target_id in port.closed_targets(self.name, list(self.held)):
+            self._drop(target_id)
+        calls = port.next_requests(self.name, list(self.held))
+        for call in calls:
+            self._run(call)
+        return bool(calls)
+
+    def _housekeeping(self) -> None:
+        port.heartbeat(self.name, self.published)
+        port.release_lapsed_workers(timedelta(seconds=self.settings.primitives_worker_stale_seconds))
+        port.close_silent_sessions(timedelta(seconds=self.settings.primitives_session_timeout_seconds))
+
+    def _run(self, call: PendingRequest) -> None:
+        target = self.held[call.target_id]
+        try:
+            outcome = self.calls.run(self.residents[target.base_model], call)
+        except CallRefused as exc:
+            port.fail(self.name, call.id, str(exc), "user")
+        except Exception:
+            log.exception("call %s (%s) of %s failed", call.id, call.operation, call.target_id)
+            port.fail(self.name, call.id, f"{call.operation} failed on the server; resubmit it", "server")
+        else:
+            port.finish(self.name, call.id, outcome.body, outcome.media)
+
+    # --- what the worker holds -------------------------------------------------------------------------------
+
+    def _hold(self, target: Target) -> None:
+        resident = self.residents[target.base_model]
+        if target.kind == "training":
+            lora = target.lora or {}
+            resident.add_client(target.id, LoraSpec(
+                rank=int(lora["rank"]), seed=lora.get("seed"), train_mlp=bool(lora.get("train_mlp", True)),
+                train_attn=bool(lora.get("train_attn", True)), train_unembed=bool(lora.get("train_unembed", True)),
+            ))
+        elif target.weights_path is not None:
+            with tempfile.TemporaryDirectory() as tmp:
+                self.calls.download(target.weights_path, Path(tmp))
+                resident.add_sampler(target.id, tmp)
+            self.calls.samplers_with_weights.add(target.id)
+        self.held[target.id] = target
+
+    def _open_snapshot_sampler(self, client_id: str, sampler_id: str, weights_id: str, directory: Path) -> None:
+        client = self.held[client_id]
+        self.residents[client.base_model].add_sampler(sampler_id, directory)
+        self.calls.samplers_with_weights.add(sampler_id)
+        port.open_sampler(self.name, client_id, sampler_id, weights_id)
+        self.held[sampler_id] = Target(sampler_id, client.tenant_id, "sampling", client.base_model, None, None)
+
+    def _drop(self, target_id: str) -> None:
+        target = self.held.pop(target_id)
+        resident = self.residents[target.base_model]
+        if target.kind == "training":
+            resident.remove_client(target_id)
+        elif target_id in self.calls.samplers_with_weights:
+            resident.remove_sampler(target_id)
+            self.calls.samplers_with_weights.discard(target_id)
