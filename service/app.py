@@ -167,8 +167,10 @@ def create_app() -> FastAPI:
     app.include_router(metrics_router)
     # The OpenAI-compatible door (docs/openai.md): OpenAI's shapes over the same domain services.
     app.include_router(openai_router, prefix=openai_errors.PREFIX)
-    # The Tinker-compatible door (docs/tinker.md): the tinker SDK's routes over the primitive training API.
-    app.include_router(tinker_router, prefix=tinker_errors.PREFIX)
+    # The Tinker-compatible door (docs/tinker.md): the tinker SDK's routes over the primitive training API. Not in
+    # our OpenAPI description: their contract is the SDK's (X-API-Key, protobuf bodies, its error shape), and
+    # tests/ship/test_tinker_client.py holds them to it.
+    app.include_router(tinker_router, prefix=tinker_errors.PREFIX, include_in_schema=False)
     # Dataset uploads stream under their own limit (GRPO_MAX_DATASET_BYTES, service.datasets.multipart).
     app.add_middleware(
         BodyLimitMiddleware,

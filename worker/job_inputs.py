@@ -6,6 +6,10 @@ What the database says comes through the execution port (service.execution.input
 storage. A dataset that no longer parses fails the job (`dataset_invalid`); a `checkpoint:<id>` model that is
 missing or corrupt fails it (`base_checkpoint_invalid`); a resume checkpoint that does not verify is skipped for
 the one before it (event `checkpoint_unusable`, steps rewound).
+
+A `checkpoint:<id>` that holds only a LoRA adapter (weights saved through the Tinker API) is loaded onto the base
+model its adapter_config.json names (checked like any model source) and merged into a plain model beside the
+download (`<id>-merged`): what the job loads. Other nodes of the job merge their own copy the same way.
 """
 
 from __future__ import annotations
@@ -24,10 +28,15 @@ from outbound.rewards import RemoteRewardConfig
 from service.execution import inputs as port
 from service.execution import reporting
 from service.execution.lease import Claim
-from service.execution.runtime import Settings, Storage
+from service.execution.runtime import Settings, Storage, get_settings
 from worker.failures import JobFailure, checkpoint_problem
 from worker.grpo.data import DatasetError, PromptRow, load_jsonl
-from worker.model_sources import check_hub_size, check_source
+from worker.model_sources import (
+    adapter_only_base,
+    check_checkpoint_adapter_base,
+    check_hub_size,
+    check_source,
+)
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +52,22 @@ class FetchedCheckpoint:
     directory: Path
     storage_path: str
     manifest: list[dict[str, Any]]
+    adapter_base: str | None = None  # an adapter-only checkpoint's base model: merged at merged_dir(directory)
+
+
+def merged_dir(directory: Path) -> Path:
+    """Where an adapter-only checkpoint downloaded into `directory` is merged onto its base model."""
+    return directory.with_name(f"{directory.name}-merged")
+
+
+def merge_onto_base(directory: Path, base: str, cache_dir: Path) -> Path:
+    """The adapter in `directory` merged onto `base` (a checked model source: `builtin:` ones are built under
+    `cache_dir`) at merged_dir(directory)."""
+    # torch, peft and transformers: only the job's process may import them (the Celery parent forks children).
+    from worker.grpo.adapter_merge import merge_adapter
+    from worker.grpo.model_paths import resolve_model_path
+
+    return merge_adapter(directory, resolve_model_path(base, cache_dir), merged_dir(directory))
 
 
 def download_checkpoint_files(storage: Storage, storage_path: str, manifest: list[dict[str, Any]], directory: Path) -> Path:
@@ -107,12 +132,33 @@ class InputFetcher:
         from worker.grpo.checkpoint import CheckpointCorrupt
 
         try:
-            return self._fetch(checkpoint, directory)
+            self._fetch(checkpoint, directory)
+            base = adapter_only_base(directory)
         except (OSError, ValueError, CheckpointCorrupt) as exc:
             log.warning("job %s: %s: checkpoint %s unusable: %s", self.job_id, field, checkpoint_id, exc)
             raise JobFailure(
                 "base_checkpoint_invalid", f"{field}: checkpoint {checkpoint_id!r}: {checkpoint_problem(exc)}"
             ) from exc
+        if base is None:
+            return directory
+        return self._merged(field, checkpoint_id, directory, base)
+
+    def _merged(self, field: str, checkpoint_id: str, directory: Path, base: object) -> Path:
+        """An adapter-only checkpoint merged onto the base model its adapter names (checked first)."""
+        value = f"checkpoint:{checkpoint_id}"
+        source = check_checkpoint_adapter_base(field, value, base, port.ModelSourcePolicy.from_settings(self.settings))
+        if source.kind is port.ModelSourceKind.hub:
+            check_hub_size(field, source.value, self.settings.hub_model_max_bytes)
+        try:
+            merged = merge_onto_base(directory, source.value, Path(self.settings.data_dir) / "models")
+        except (OSError, ValueError) as exc:
+            log.warning("job %s: %s: adapter %s onto %r failed: %s", self.job_id, field, checkpoint_id, base, exc)
+            raise JobFailure(
+                "base_checkpoint_invalid",
+                f"{field}: checkpoint {checkpoint_id!r}: its adapter could not be loaded onto its base model {base!r}",
+            ) from exc
+        self.fetched[-1] = replace(self.fetched[-1], adapter_base=source.value)
+        return merged
 
     def _fetch(self, checkpoint: port.StoredCheckpoint, directory: Path) -> Path:
         """Download every listed file and verify it against the engine's manifest (CheckpointCorrupt)."""
@@ -178,7 +224,8 @@ class RankInputs:
             "model_paths": dict(self.model_paths), "output_dir": str(self.output_dir), "workdir": str(self.workdir),
             "node": self.node,
             "fetched": [
-                {"directory": str(f.directory), "storage_path": f.storage_path, "manifest": list(f.manifest)}
+                {"directory": str(f.directory), "storage_path": f.storage_path, "manifest": list(f.manifest),
+                 "adapter_base": f.adapter_base}
                 for f in self.fetched
             ],
         }
@@ -196,7 +243,8 @@ class RankInputs:
             spec, str(shared["queue"]), *rows, str(shared["base_model"]), None if resume is None else Path(resume),
             remote_configs, dict(shared["model_paths"]), Path(shared["output_dir"]), Path(shared["workdir"]),
             int(shared["node"]),
-            tuple(FetchedCheckpoint(Path(f["directory"]), f["storage_path"], f["manifest"]) for f in shared["fetched"]),
+            tuple(FetchedCheckpoint(Path(f["directory"]), f["storage_path"], f["manifest"], f.get("adapter_base"))
+                  for f in shared["fetched"]),
         )
 
     def write(self, path: Path) -> None:
@@ -228,10 +276,13 @@ class RankInputs:
                                (train, eval_rows, retain), configs)
 
     def fetch_onto(self, workdir: Path, storage: Storage) -> None:
-        """Download what rank 0 fetched into the same places under this node's `workdir`."""
+        """Download what rank 0 fetched into the same places under this node's `workdir` (and merge an
+        adapter-only checkpoint onto its base model there, as rank 0 did)."""
         for checkpoint in self.fetched:
             directory = workdir / checkpoint.directory.relative_to(self.workdir)
             download_checkpoint_files(storage, checkpoint.storage_path, checkpoint.manifest, directory)
+            if checkpoint.adapter_base is not None:
+                merge_onto_base(directory, checkpoint.adapter_base, Path(get_settings().data_dir) / "models")
 
     def on_node(self, workdir: Path) -> RankInputs:
         """These inputs with rank 0's working directory replaced by this node's `workdir`."""

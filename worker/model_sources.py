@@ -8,7 +8,9 @@ where the filesystem is:
   directory by `from_pretrained`: refused;
 - a hub download must fit `hub_model_max_bytes`, measured from the hub's file listing before anything is
   downloaded (skipped when HF_HUB_OFFLINE is set: nothing can be downloaded then);
-- a local path is handed to `from_pretrained` as the real path that was checked.
+- a local path is handed to `from_pretrained` as the real path that was checked;
+- a tenant's checkpoint that holds only an adapter (weights saved through the Tinker API) names its base model,
+  which passes the same policy before the worker loads the adapter onto it (worker.job_inputs).
 
 Failures become `ModelUnavailable` with a stable code and a message naming only the field and what the
 tenant wrote; the underlying exception (paths, hub responses) goes to the worker's log.
@@ -37,6 +39,7 @@ log = logging.getLogger(__name__)
 _CONFIG_SUFFIXES = (".json", ".txt", ".model", ".tiktoken", ".jinja")
 
 ADAPTER_CONFIG = "adapter_config.json"
+MERGED_DIR = "merged"  # worker.grpo.checkpoint.MERGED_DIR, which imports torch: a LoRA job's whole model
 
 HubFiles = Callable[[str], Iterable[tuple[str, int | None]]]
 
@@ -81,6 +84,30 @@ def check_adapter_base(field: str, value: str, directory: Path, policy: ModelSou
         log.warning("%s: the adapter in %s names base model %r: refused (%s)", field, directory, base, exc)
         raise ModelUnavailable(
             "model_source_refused", field, value, "is an adapter whose base model is not accepted here"
+        ) from exc
+
+
+def adapter_only_base(directory: Path) -> object | None:
+    """What an adapter-only checkpoint (adapter_config.json, no model of its own: weights saved through the Tinker
+    API) names as its base model; None for a checkpoint holding a whole model (a LoRA job's has `merged/`)."""
+    whole_model = (directory / "config.json").exists() or (directory / MERGED_DIR).exists()
+    if whole_model or not (directory / ADAPTER_CONFIG).is_file():
+        return None
+    config = json.loads((directory / ADAPTER_CONFIG).read_text(encoding="utf-8"))
+    return config.get("base_model_name_or_path", "") if isinstance(config, dict) else ""
+
+
+def check_checkpoint_adapter_base(field: str, value: str, base: object, policy: ModelSourcePolicy) -> ModelSource:
+    """The base model an adapter-only checkpoint names passes the policy of a model named directly (the Tinker
+    API names it as the service does: `builtin:...`, a hub id); never another checkpoint."""
+    try:
+        if not isinstance(base, str) or not base or base.startswith(CHECKPOINT_PREFIX):
+            raise ModelUnavailable("model_source_refused", field, str(base), "is not a model source")
+        return check_source(field, base, policy)
+    except ModelUnavailable as exc:
+        log.warning("%s: the adapter of %s names base model %r: refused (%s)", field, value, base, exc)
+        raise ModelUnavailable(
+            exc.code, field, value, "is an adapter whose base model is not accepted here"
         ) from exc
 
 

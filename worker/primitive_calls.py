@@ -3,11 +3,13 @@ body out (JSON, or protobuf for forward_backward and sampling, as the Tinker SDK
 
 Bad input raises `CallRefused` (the future fails with category "user": resent as is, it would fail again);
 anything else is the server's failure. Saved weights go to storage under a fresh prefix per save and are then
-recorded, so a recorded save is always complete.
+recorded, so a recorded save is always complete; each save is also a checkpoint of the tenant, whose id the
+save's result carries as `checkpoint_id` (an extra field: the SDK ignores it).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import secrets
 import tempfile
@@ -29,8 +31,10 @@ from contract.tinker.arrays import (
 from service.execution import primitives as port
 from service.execution.primitives import PendingRequest
 from service.execution.runtime import Storage, primitive_weights_prefix
+from worker.grpo.checkpoint import MANIFEST_NAME, build_manifest
 from worker.grpo.primitive_errors import PrimitiveInputError
 from worker.grpo.resident import AdamSettings, Datum, ResidentBase
+from worker.model_sources import ADAPTER_CONFIG
 
 PATH_KINDS = {"weights": "state", "sampler_weights": "sampler"}
 CHUNK = 1 << 20
@@ -44,6 +48,8 @@ class CallRefused(Exception):
 class Outcome:
     body: bytes
     media: str  # "json" | "protobuf"
+    tokens_generated: int = 0  # sampled
+    tokens_trained: int = 0  # through forward or forward_backward
 
 
 def _json(value: dict[str, Any]) -> Outcome:
@@ -98,7 +104,8 @@ class CallRunner:
         result = resident.forward_backward(request.target_id, data, call.loss_fn, call.loss_fn_config,
                                            forward_only=call.forward_only)
         outputs = [{"logprobs": out.logprobs, "elementwise_loss": out.elementwise_loss} for out in result.outputs]
-        return Outcome(encode_forward_backward_output(outputs, result.metrics), "protobuf")
+        return Outcome(encode_forward_backward_output(outputs, result.metrics), "protobuf",
+                       tokens_trained=sum(len(datum.tokens) for datum in data))
 
     def _optim_step(self, resident: ResidentBase, request: PendingRequest) -> Outcome:
         body = wire.OptimStep.model_validate_json(request.body)
@@ -109,21 +116,23 @@ class CallRunner:
 
     def _save_weights(self, resident: ResidentBase, request: PendingRequest) -> Outcome:
         body = wire.SaveWeights.model_validate_json(request.body)
-        path = self._save(resident, request, "state", body.path, optimizer=True)
-        return _json({"path": path, "type": "save_weights"})
+        saved = self._save(resident, request, "state", body.path, optimizer=True)
+        return _json({"path": saved.path, "checkpoint_id": saved.checkpoint_id, "type": "save_weights"})
 
     def _save_for_sampler(self, resident: ResidentBase, request: PendingRequest) -> Outcome:
         body = wire.SaveWeightsForSampler.model_validate_json(request.body)
         if body.sampler_id is None:
             assert body.path is not None  # the door requires one of them
-            return _json({"path": self._save(resident, request, "sampler", body.path, optimizer=False),
+            saved = self._save(resident, request, "sampler", body.path, optimizer=False)
+            return _json({"path": saved.path, "checkpoint_id": saved.checkpoint_id,
                           "type": "save_weights_for_sampler"})
         name = body.sampler_id.rsplit(":", 2)[-2] + "-" + body.sampler_id.rsplit(":", 1)[-1]
         with tempfile.TemporaryDirectory() as tmp:
             resident.save_state(request.target_id, tmp, optimizer=False)
-            path, weights_id = self._upload_and_record(request, "sampler", name, Path(tmp))
-            self.open_sampler(request.target_id, body.sampler_id, weights_id, Path(tmp))
-        return _json({"sampling_session_id": body.sampler_id, "path": path, "type": "save_weights_for_sampler"})
+            saved = self._upload_and_record(request, "sampler", name, Path(tmp))
+            self.open_sampler(request.target_id, body.sampler_id, saved.weights_id, Path(tmp))
+        return _json({"sampling_session_id": body.sampler_id, "path": saved.path,
+                      "checkpoint_id": saved.checkpoint_id, "type": "save_weights_for_sampler"})
 
     def _load_weights(self, resident: ResidentBase, request: PendingRequest) -> Outcome:
         body = wire.LoadWeights.model_validate_json(request.body)
@@ -133,19 +142,31 @@ class CallRunner:
             resident.load_state(request.target_id, tmp, optimizer=body.optimizer)
         return _json({"model_id": request.target_id, "path": body.path, "type": "load_weights"})
 
-    def _save(self, resident: ResidentBase, request: PendingRequest, kind: str, name: str, *, optimizer: bool) -> str:
+    def _save(self, resident: ResidentBase, request: PendingRequest, kind: str, name: str, *,
+              optimizer: bool) -> port.SavedWeights:
         with tempfile.TemporaryDirectory() as tmp:
             resident.save_state(request.target_id, tmp, optimizer=optimizer)
-            path, _ = self._upload_and_record(request, kind, name, Path(tmp))
-        return path
+            return self._upload_and_record(request, kind, name, Path(tmp))
 
-    def _upload_and_record(self, request: PendingRequest, kind: str, name: str, directory: Path) -> tuple[str, str]:
+    def _upload_and_record(self, request: PendingRequest, kind: str, name: str, directory: Path) -> port.SavedWeights:
+        """Upload a saved state under a fresh prefix (its manifest.json last) and record it with its checkpoint.
+
+        The adapter names its base model as the service does (`builtin:tiny-instruct`, a hub id), not by where
+        this worker built it, and manifest.json lists every file with its size and sha256 (as a job's
+        checkpoint does): the checkpoint downloads as it is, and a job's worker verifies it and loads it onto
+        that base (worker.job_inputs)."""
+        _name_base_model(directory, port.weights_base_model(request.tenant_id, request.target_id))
+        manifest = build_manifest(directory, 0)
+        (directory / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2, sort_keys=True), encoding="utf-8")
+        files = {**manifest["files"], MANIFEST_NAME: _described(directory / MANIFEST_NAME)}
         prefix = primitive_weights_prefix(request.tenant_id, secrets.token_hex(12))
-        for file in sorted(p for p in directory.rglob("*") if p.is_file()):
-            self.storage.put_stream(f"{prefix}/{file.relative_to(directory).as_posix()}", _chunks(file))
-        weights_id = port.record_weights(request.tenant_id, request.target_id, kind, name, prefix)
-        segment = "weights" if kind == "state" else "sampler_weights"
-        return f"tinker://{request.target_id}/{segment}/{name}", weights_id
+        try:
+            for relative in sorted(files, key=lambda path: path == MANIFEST_NAME):
+                self.storage.put_stream(f"{prefix}/{relative}", _chunks(directory / relative))
+        except BaseException:
+            self.storage.delete(prefix)  # nothing recorded names these files
+            raise
+        return port.record_weights(request.tenant_id, request.target_id, kind, name, prefix, files)
 
     def _resolve(self, tenant_id: str, path: str) -> port.WeightsRecord:
         parts = path.removeprefix("tinker://").split("/")
@@ -182,7 +203,22 @@ class CallRunner:
         return Outcome(encode_sample_response([
             SampledArrays(seq.tokens, np.asarray(seq.logprobs, dtype=np.float32).tolist(), seq.stop_reason)
             for seq in sequences
-        ]), "protobuf")
+        ]), "protobuf", tokens_generated=sum(len(seq.tokens) for seq in sequences))
+
+
+def _name_base_model(directory: Path, base_model: str) -> None:
+    """adapter_config.json's base_model_name_or_path := the service's name of the base model."""
+    config_file = directory / ADAPTER_CONFIG
+    config = json.loads(config_file.read_text(encoding="utf-8"))
+    config["base_model_name_or_path"] = base_model
+    config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
+def _described(file: Path) -> dict[str, Any]:
+    digest = hashlib.sha256()
+    for chunk in _chunks(file):
+        digest.update(chunk)
+    return {"size": file.stat().st_size, "sha256": digest.hexdigest()}
 
 
 def _chunks(file: Path) -> Iterator[bytes]:

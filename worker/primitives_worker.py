@@ -14,7 +14,9 @@ load_weights), and sessions whose SDK stopped heartbeating are closed, which fre
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import shutil
 import tempfile
 import threading
 import time
@@ -24,7 +26,7 @@ from typing import Any
 
 from service.execution import primitives as port
 from service.execution.lease import process_worker_id
-from service.execution.primitives import PendingRequest, Target
+from service.execution.primitives import CallUsage, PendingRequest, Target
 from service.execution.runtime import Settings, Storage
 from worker.grpo.model_paths import resolve_model_path
 from worker.grpo.resident import LoraSpec, ResidentBase
@@ -49,11 +51,15 @@ class PrimitivesWorker:
             self.residents[base_model] = resident
             self.published[base_model] = {
                 "tokenizer_id": resident.base_model_dir, "vocab_size": resident.vocab_size,
-                "arch": type(resident.model).__name__ if hasattr(resident, "model") else None,
+                "arch": resident.architecture,
             }
         self.held: dict[str, Target] = {}
         self.calls = CallRunner(self.name, storage, self._open_snapshot_sampler)
         self._last_housekeeping = 0.0
+        # Idle training clients' states on this worker's disk (`_offload_idle`), and when each client last ran.
+        self.offload_dir = Path(settings.data_dir) / "primitives-offload" / self.name
+        self.offloaded: dict[str, Path] = {}
+        self.last_used: dict[str, float] = {}
 
     # --- the loop --------------------------------------------------------------------------------------------
 
@@ -76,6 +82,7 @@ class PrimitivesWorker:
         calls = port.next_requests(self.name, list(self.held))
         for call in calls:
             self._run(call)
+        self._offload_idle(time.monotonic())
         return bool(calls)
 
     def _housekeeping(self) -> None:
@@ -85,15 +92,24 @@ class PrimitivesWorker:
 
     def _run(self, call: PendingRequest) -> None:
         target = self.held[call.target_id]
+        self.last_used[call.target_id] = time.monotonic()
+        started = time.perf_counter()
         try:
+            self._bring_back(call.target_id)
             outcome = self.calls.run(self.residents[target.base_model], call)
         except CallRefused as exc:
-            port.fail(self.name, call.id, str(exc), "user")
+            port.fail(self.name, call.id, str(exc), "user", self._usage(started))
         except Exception:
             log.exception("call %s (%s) of %s failed", call.id, call.operation, call.target_id)
-            port.fail(self.name, call.id, f"{call.operation} failed on the server; resubmit it", "server")
+            port.fail(self.name, call.id, f"{call.operation} failed on the server; resubmit it", "server",
+                      self._usage(started))
         else:
-            port.finish(self.name, call.id, outcome.body, outcome.media)
+            port.finish(self.name, call.id, outcome.body, outcome.media,
+                        self._usage(started, outcome.tokens_generated, outcome.tokens_trained))
+
+    @staticmethod
+    def _usage(started: float, generated: int = 0, trained: int = 0) -> CallUsage:
+        return CallUsage(generated, trained, time.perf_counter() - started)
 
     # --- what the worker holds -------------------------------------------------------------------------------
 
@@ -112,6 +128,29 @@ class PrimitivesWorker:
             self.calls.samplers_with_weights.add(target.id)
         self.held[target.id] = target
 
+    def _offload_idle(self, now: float) -> None:
+        """Move training clients idle for GRPO_PRIMITIVES_IDLE_OFFLOAD_SECONDS out of memory, adapter and AdamW
+        state, to this worker's disk; their next call brings them back exactly (`_bring_back`). A client whose
+        gradients await optim_step stays: a saved state holds no gradients."""
+        limit = self.settings.primitives_idle_offload_seconds
+        for target_id, target in list(self.held.items()):
+            idle = now - self.last_used.setdefault(target_id, now)
+            if target.kind != "training" or target_id in self.offloaded or idle < limit:
+                continue
+            resident = self.residents[target.base_model]
+            if resident.has_gradients(target_id):
+                continue
+            directory = self.offload_dir / hashlib.sha256(target_id.encode()).hexdigest()[:24]
+            resident.save_state(target_id, directory, optimizer=True)
+            resident.remove_client(target_id)
+            self.offloaded[target_id] = directory
+
+    def _bring_back(self, target_id: str) -> None:
+        directory = self.offloaded.pop(target_id, None)
+        if directory is not None:
+            self.residents[self.held[target_id].base_model].load_state(target_id, directory, optimizer=True)
+            shutil.rmtree(directory, ignore_errors=True)
+
     def _open_snapshot_sampler(self, client_id: str, sampler_id: str, weights_id: str, directory: Path) -> None:
         client = self.held[client_id]
         self.residents[client.base_model].add_sampler(sampler_id, directory)
@@ -121,8 +160,11 @@ class PrimitivesWorker:
 
     def _drop(self, target_id: str) -> None:
         target = self.held.pop(target_id)
+        self.last_used.pop(target_id, None)
         resident = self.residents[target.base_model]
-        if target.kind == "training":
+        if target_id in self.offloaded:
+            shutil.rmtree(self.offloaded.pop(target_id), ignore_errors=True)
+        elif target.kind == "training":
             resident.remove_client(target_id)
         elif target_id in self.calls.samplers_with_weights:
             resident.remove_sampler(target_id)

@@ -71,6 +71,16 @@ def decode_forward_backward(body: bytes) -> ForwardBackwardCall:
                                _loss_config(request))
 
 
+def call_identity(body: bytes) -> tuple[str, int] | None:
+    """The model_id and seq_id of a forward_backward body that parses, even if its contents are refused."""
+    request = pb.ForwardBackwardRequest()
+    try:
+        request.ParseFromString(body)
+    except DecodeError:
+        return None
+    return (request.model_id, request.seq_id) if request.model_id else None
+
+
 def _loss_config(request: pb.ForwardBackwardRequest) -> dict[str, float]:
     config = {key: float(value) for key, value in request.loss_fn_config.items()}
     for key, value in request.loss_fn_config_v2.items():
@@ -98,7 +108,7 @@ def _datum(datum: pb.Datum, path: str, loss_fn: str) -> DatumArrays:
     for name in LOSS_INPUTS[loss_fn]:
         if name not in datum.loss_fn_inputs:
             raise WireError(f"{path}.loss_fn_inputs", f"{loss_fn} needs {name!r}")
-    for name, tensor in datum.loss_fn_inputs.items():
+    for name, tensor in sorted(datum.loss_fn_inputs.items()):
         where = f"{path}.loss_fn_inputs.{name}"
         values = _tensor(tensor, where)
         if values.shape != tokens.shape:

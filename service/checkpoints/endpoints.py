@@ -1,14 +1,16 @@
-"""Routes (thin): parse, call the domain service, render. A job's list of checkpoints is a jobs route."""
+"""Routes (thin): parse, call the domain service, render. A job's list of checkpoints is a jobs route; the
+checkpoints of a tinker:// path (weights saved through the Tinker API) are listed here."""
 
 from __future__ import annotations
 
 from typing import Annotated
 from urllib.parse import quote
 
-from fastapi import APIRouter, Header
+from fastapi import APIRouter, Header, Query
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from contract.api.checkpoints import CheckpointOut
+from contract.api.checkpoints import CheckpointList, CheckpointOut
+from contract.fields import Text
 from service.checkpoints import retention, service
 from service.checkpoints.download import (
     RangeNotSatisfiable,
@@ -30,6 +32,30 @@ from service.tenants.auth import CurrentTenant
 router = APIRouter(tags=["checkpoints"])
 
 _BINARY = {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}
+
+
+@router.get(
+    "/checkpoints",
+    response_model=CheckpointList,
+    summary="The checkpoints of weights saved through the Tinker API as a tinker:// path",
+    responses=error_responses(401),
+)
+def list_tinker_checkpoints(
+    tinker_path: Annotated[
+        Text,
+        Query(
+            max_length=512,
+            description="`tinker://<model_id>/weights/<name>` or `tinker://<model_id>/sampler_weights/<name>`. "
+            "Each save under that path is a checkpoint, oldest first: the last is what the path loads now. "
+            "Another tenant's path lists nothing, like an unknown one.",
+        ),
+    ],
+    tenant: CurrentTenant,
+    session: SessionDep,
+) -> CheckpointList:
+    return CheckpointList(
+        data=[checkpoint_out(row) for row in service.tinker_checkpoints(session, tenant.tenant_id, tinker_path)]
+    )
 
 
 @router.get(

@@ -1,6 +1,8 @@
-"""Checkpoints saved by a job. The files live in storage under `storage_path`; the manifest lists them.
+"""Checkpoints: those a job saved, and weights a training client of the Tinker API saved (`tinker_path` set,
+`job_id` None: no job, no step, no metrics). The files live in storage under `storage_path`; the manifest lists them.
 
-Only manifest-listed paths can ever be downloaded, so the manifest is the allow-list for file access.
+Only manifest-listed paths can ever be downloaded, so the manifest is the allow-list for file access. Retention,
+resume and job deletion select a job's checkpoints by `job_id`, so they never touch the Tinker API's.
 """
 
 from __future__ import annotations
@@ -22,13 +24,18 @@ class Checkpoint(Base):
     __table_args__ = (
         UniqueConstraint("job_id", "step"),
         Index("ix_checkpoints_tenant_id_id", "tenant_id", "id"),
+        Index("ix_checkpoints_tenant_id_tinker_path", "tenant_id", "tinker_path"),
     )
 
     id: Mapped[str] = mapped_column(String(40), primary_key=True)
     # Denormalised from the job so tenant-scoped lookups are one indexed read.
     tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
-    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
-    step: Mapped[int] = mapped_column(Integer)
+    # None for weights saved through the Tinker API (then `tinker_path` says which).
+    job_id: Mapped[str | None] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), nullable=True)
+    # tinker://<training client>/<weights|sampler_weights>/<name> the weights were saved as; None for a job's.
+    # Saving under the same name again adds another checkpoint: the path then loads the newest.
+    tinker_path: Mapped[str | None] = mapped_column(String(512), nullable=True)
+    step: Mapped[int] = mapped_column(Integer)  # 0 for the Tinker API's
     storage_path: Mapped[str] = mapped_column(String(512))
     # [{"path": "adapter_model.safetensors", "size": 123, "sha256": "..."}], paths relative to storage_path.
     manifest: Mapped[list[dict[str, Any]]] = mapped_column(JSON)

@@ -21,6 +21,14 @@ def list_for_job(session: Session, job_id: str) -> Sequence[Checkpoint]:
     ).all()
 
 
+def list_for_tinker_path(session: Session, tenant_id: str, tinker_path: str) -> Sequence[Checkpoint]:
+    return session.scalars(
+        select(Checkpoint)
+        .where(Checkpoint.tenant_id == tenant_id, Checkpoint.tinker_path == tinker_path)
+        .order_by(Checkpoint.created_at, Checkpoint.id)
+    ).all()
+
+
 def get_by_step(session: Session, job_id: str, step: int) -> Checkpoint | None:
     stmt = select(Checkpoint).where(Checkpoint.job_id == job_id, Checkpoint.step == step)
     return session.scalars(stmt).one_or_none()

@@ -10,6 +10,7 @@ def checkpoint_out(checkpoint: Checkpoint) -> CheckpointOut:
     return CheckpointOut(
         id=checkpoint.id,
         job_id=checkpoint.job_id,
+        tinker_path=checkpoint.tinker_path,
         step=checkpoint.step,
         files=[CheckpointFile.model_validate(entry) for entry in checkpoint.downloadable],
         total_bytes=checkpoint.total_bytes,

@@ -1,9 +1,13 @@
-"""Checkpoints business logic: what the worker records, what a tenant may read and download.
+"""Checkpoints business logic: what the workers record, what a tenant may read and download.
 
 The manifest is the allow-list for downloads: a file is served only if its exact relative path is
 listed, and storage keys are built from ids plus that listed path (service.storage), never from
 the request. What a checkpoint does to its job (the attempt's fence, the resume point, the events, retention)
 is service.jobs.progress.record_checkpoint's; a job's list of checkpoints is service.jobs.service's.
+
+Weights a training client of the Tinker API saves are checkpoints too (`add_tinker_checkpoint`, recorded with the
+saved weights' row by service.execution.primitives): no job, step 0, no metrics, `tinker_path` naming them. Each
+save is a checkpoint of its own, so a checkpoint's files never change under its id.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from service.checkpoints.models import Checkpoint
 from service.kit.db import utcnow
 from service.kit.errors import Conflict, NotFound, ValidationFailed
 from service.kit.ids import new_id
-from service.storage import InvalidStorageKey, Storage, checkpoint_key, checkpoint_prefix, validate_key
+from service.storage import InvalidStorageKey, Storage, checkpoint_prefix, validate_key
 
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
@@ -50,7 +54,8 @@ def add_checkpoint(
     Each path must be a safe relative key and exist in storage with the listed size (ValidationFailed), and the
     job may have one checkpoint per step (Conflict).
     """
-    manifest = _manifest(storage, job_id, checkpoint_id, files)
+    storage_path = checkpoint_prefix(job_id, checkpoint_id)
+    manifest = _manifest(storage, storage_path, files)
     if repository.get_by_step(session, job_id, step) is not None:
         raise Conflict(f"job {job_id!r} already has a checkpoint at step {step}")
     checkpoint = Checkpoint(
@@ -58,7 +63,7 @@ def add_checkpoint(
         tenant_id=tenant_id,
         job_id=job_id,
         step=step,
-        storage_path=checkpoint_prefix(job_id, checkpoint_id),
+        storage_path=storage_path,
         manifest=manifest,
         total_bytes=sum(entry["size"] for entry in manifest),
         metrics=dict(metrics),
@@ -69,9 +74,36 @@ def add_checkpoint(
     return checkpoint
 
 
-def _manifest(
-    storage: Storage, job_id: str, checkpoint_id: str, files: Mapping[str, Mapping[str, Any]]
-) -> list[dict[str, Any]]:
+def add_tinker_checkpoint(
+    session: Session,
+    storage: Storage,
+    tenant_id: str,
+    *,
+    tinker_path: str,
+    storage_path: str,
+    files: Mapping[str, Mapping[str, Any]],
+) -> Checkpoint:
+    """Add the checkpoint of weights a Tinker API training client saved as `tinker_path`, whose files the
+    primitives worker uploaded under `storage_path`. `files` as for add_checkpoint (checked the same way)."""
+    manifest = _manifest(storage, storage_path, files)
+    checkpoint = Checkpoint(
+        id=new_checkpoint_id(),
+        tenant_id=tenant_id,
+        job_id=None,
+        tinker_path=tinker_path,
+        step=0,
+        storage_path=storage_path,
+        manifest=manifest,
+        total_bytes=sum(entry["size"] for entry in manifest),
+        metrics={},
+        attempt=0,
+        created_at=utcnow(),
+    )
+    session.add(checkpoint)
+    return checkpoint
+
+
+def _manifest(storage: Storage, storage_path: str, files: Mapping[str, Mapping[str, Any]]) -> list[dict[str, Any]]:
     if not files:
         raise ValidationFailed("files: a checkpoint needs at least one file")
     manifest = []
@@ -86,7 +118,7 @@ def _manifest(
             raise ValidationFailed(f"{field}.size: expected a non-negative integer, got {size!r}")
         if not isinstance(sha256, str) or not _SHA256.match(sha256):
             raise ValidationFailed(f"{field}.sha256: expected 64 lowercase hex digits")
-        key = checkpoint_key(job_id, checkpoint_id, path)
+        key = validate_key(f"{storage_path}/{path}")
         if not storage.exists(key) or storage.size(key) != size:
             raise ValidationFailed(f"{field}: not in storage with {size} bytes at {key!r}; upload it first")
         manifest.append({"path": path, "size": size, "sha256": sha256})
@@ -101,6 +133,12 @@ def get_checkpoint(session: Session, tenant_id: str, checkpoint_id: str) -> Chec
     if checkpoint is None:
         raise NotFound("checkpoint", checkpoint_id)
     return checkpoint
+
+
+def tinker_checkpoints(session: Session, tenant_id: str, tinker_path: str) -> list[Checkpoint]:
+    """The tenant's checkpoints saved as `tinker_path`, oldest first: the last is what the path loads now.
+    Empty for another tenant's path, as for an unknown one."""
+    return list(repository.list_for_tinker_path(session, tenant_id, tinker_path))
 
 
 def manifest_entry(checkpoint: Checkpoint, path: str) -> dict[str, Any]:

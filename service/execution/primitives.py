@@ -5,7 +5,8 @@ A worker serves the base models it has loaded. It takes new training clients and
 models (`adopt`), runs their requests one at a time in `seq_id` order (`next_requests`), and writes each
 outcome once (`finish`, `fail`): the row's status moves from running only to done or failed, and only for the
 worker that holds it. Requests of a worker that stopped are failed by `fail_orphaned` as retryable, so clients
-resubmit (a training client's state is then restored with load_weights).
+resubmit (a training client's state is then restored with load_weights). Saved weights are recorded together
+with a checkpoint of their tenant (`record_weights`), so they download and train like a job's.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any
 from sqlalchemy import delete, func, select, update
 from sqlalchemy.orm import Session
 
+from service.checkpoints.service import add_tinker_checkpoint
 from service.kit.db import session_scope, utcnow
 from service.kit.ids import new_id
 from service.primitives.models import (
@@ -29,6 +31,12 @@ from service.primitives.models import (
     TrainingClient,
 )
 from service.primitives.repository import close_session
+from service.storage import get_storage
+from service.usage.models import PrimitiveUsage
+from service.usage.repository import record_call
+
+# How long a training client's call waits for a missing predecessor (a seq_id that never arrived).
+SEQ_GAP_WAIT = timedelta(seconds=5)
 
 
 @dataclass(frozen=True)
@@ -114,49 +122,86 @@ def closed_targets(worker: str, held: Sequence[str]) -> list[str]:
         return [*closed_clients, *closed_samplers]
 
 
-def next_requests(worker: str, held: Sequence[str]) -> list[PendingRequest]:
-    """The next request of each held target, marked running for `worker`: for a training client the one right
-    after the last that ran (seq_id order, none skipped: an early one waits for its predecessors), for a
-    sampler the oldest."""
+def next_requests(worker: str, held: Sequence[str], *, now: datetime | None = None) -> list[PendingRequest]:
+    """The next request of each held target, marked running for `worker`: for a sampler the oldest; for a
+    training client the one right after the last that ran, in seq_id order. Calls the door refused (failed rows)
+    count as run. A call that arrived early waits for its predecessors, but at most SEQ_GAP_WAIT: a seq_id that
+    never comes (its request was lost on the way) must not stall the client for good."""
     if not held:
         return []
+    now = now or utcnow()
     with session_scope() as session:
-        rows = session.scalars(
-            select(PrimitiveRequest)
-            .where(PrimitiveRequest.target_id.in_(list(held)), PrimitiveRequest.status == "pending")
-            .order_by(PrimitiveRequest.target_id, PrimitiveRequest.seq_id)
-        ).all()
         last_run = dict(
             session.execute(
                 select(TrainingClient.id, TrainingClient.last_seq_id).where(TrainingClient.id.in_(list(held)))
             ).tuples().all()
         )
-        first: dict[str, PrimitiveRequest] = {}
+        rows = session.scalars(
+            select(PrimitiveRequest)
+            .where(
+                PrimitiveRequest.target_id.in_(list(held)),
+                (PrimitiveRequest.status == "pending")
+                | ((PrimitiveRequest.status == "failed") & PrimitiveRequest.worker.is_(None)),  # refused at the door
+            )
+            .order_by(PrimitiveRequest.target_id, PrimitiveRequest.seq_id)
+        ).all()
+        chosen: dict[str, PrimitiveRequest] = {}
         for row in rows:
-            if row.target_id in last_run and row.seq_id != last_run[row.target_id] + 1:
+            if row.target_id in chosen:
                 continue
-            first.setdefault(row.target_id, row)
-        for row in first.values():
+            if row.target_id not in last_run:  # a sampler: any order
+                if row.status == "pending":
+                    chosen[row.target_id] = row
+                continue
+            expected = last_run[row.target_id] + 1
+            if row.seq_id < expected:
+                continue
+            if row.status == "failed":  # refused by the door: its turn is over
+                if row.seq_id == expected:
+                    last_run[row.target_id] = row.seq_id
+                    _advance(session, row.target_id, row.seq_id)
+                continue
+            if row.seq_id == expected or row.created_at < now - SEQ_GAP_WAIT:
+                chosen[row.target_id] = row
+        for row in chosen.values():
             row.status, row.worker = "running", worker
         return [
-            PendingRequest(r.id, r.tenant_id, r.target_id, r.operation, r.seq_id, r.body) for r in first.values()
+            PendingRequest(r.id, r.tenant_id, r.target_id, r.operation, r.seq_id, r.body) for r in chosen.values()
         ]
 
 
-def finish(worker: str, request_id: str, result: bytes, media: str) -> None:
-    _settle(worker, request_id, status="done", result=result, media=media, error=None)
+def _advance(session: Session, client_id: str, seq_id: int) -> None:
+    session.execute(
+        update(TrainingClient)
+        .where(TrainingClient.id == client_id, TrainingClient.last_seq_id < seq_id)
+        .values(last_seq_id=seq_id)
+    )
 
 
-def fail(worker: str, request_id: str, message: str, category: str) -> None:
+@dataclass(frozen=True)
+class CallUsage:
+    """What a call cost: tokens sampled, tokens through the model (forward, forward_backward), device time."""
+
+    tokens_generated: int = 0
+    tokens_trained: int = 0
+    device_seconds: float = 0.0
+
+
+def finish(worker: str, request_id: str, result: bytes, media: str, usage: CallUsage | None = None) -> None:
+    _settle(worker, request_id, status="done", result=result, media=media, error=None, usage=usage)
+
+
+def fail(worker: str, request_id: str, message: str, category: str, usage: CallUsage | None = None) -> None:
     """`category` "user" (bad input: resubmitting the same call fails the same way) or "server"."""
     _settle(worker, request_id, status="failed", result=None, media="json",
-            error={"error": message, "category": category})
+            error={"error": message, "category": category}, usage=usage)
 
 
 def _settle(worker: str, request_id: str, *, status: str, result: bytes | None, media: str,
-            error: dict[str, Any] | None) -> None:
+            error: dict[str, Any] | None, usage: CallUsage | None) -> None:
+    """Write the call's outcome once (only the worker running it can) and, in the same transaction, its usage."""
     with session_scope() as session:
-        session.execute(
+        settled = session.execute(
             update(PrimitiveRequest)
             .where(
                 PrimitiveRequest.id == request_id,
@@ -166,12 +211,15 @@ def _settle(worker: str, request_id: str, *, status: str, result: bytes | None, 
             .values(status=status, result=result, media=media, error=error, finished_at=utcnow())
         )
         request = session.get(PrimitiveRequest, request_id)
-        if request is not None:  # a training client's next call may run now, success or not
-            session.execute(
-                update(TrainingClient)
-                .where(TrainingClient.id == request.target_id, TrainingClient.last_seq_id < request.seq_id)
-                .values(last_seq_id=request.seq_id)
-            )
+        if request is None or not settled.rowcount:  # type: ignore[attr-defined]
+            return
+        _advance(session, request.target_id, request.seq_id)  # a training client's next call may run now
+        if usage is not None:
+            record_call(session, PrimitiveUsage(
+                tenant_id=request.tenant_id, request_id=request.id, target_id=request.target_id,
+                operation=request.operation, tokens_generated=usage.tokens_generated,
+                tokens_trained=usage.tokens_trained, device_seconds=usage.device_seconds,
+            ))
 
 
 def saved_weights(tenant_id: str, client_id: str, kind: str, name: str) -> WeightsRecord | None:
@@ -193,8 +241,30 @@ def _record(row: PrimitiveWeights) -> WeightsRecord:
                          f"tinker://{row.training_client_id}/{segment}/{row.name}")
 
 
-def record_weights(tenant_id: str, client_id: str, kind: str, name: str, storage_path: str) -> str:
-    """Record weights a training client saved (replacing an earlier save under the same name); returns their id."""
+@dataclass(frozen=True)
+class SavedWeights:
+    """Recorded weights: the saved weights' row (what tinker:// paths resolve to) and the tenant's checkpoint
+    of this save (GET /v1/checkpoints/{id}, `checkpoint:<id>` in jobs and evaluations)."""
+
+    weights_id: str
+    checkpoint_id: str
+    path: str  # tinker://<training client>/<weights|sampler_weights>/<name>
+
+
+def weights_base_model(tenant_id: str, client_id: str) -> str:
+    """The base model a training client adapts, by the name it was created with (e.g. `builtin:tiny-instruct`):
+    what its saved adapters name as their base (adapter_config.json's base_model_name_or_path)."""
+    with session_scope() as session:
+        client = session.get(TrainingClient, client_id)
+        assert client is not None and client.tenant_id == tenant_id
+        return client.base_model
+
+
+def record_weights(tenant_id: str, client_id: str, kind: str, name: str, storage_path: str,
+                   files: Mapping[str, Mapping[str, Any]]) -> SavedWeights:
+    """Record weights a training client saved under `storage_path` (replacing an earlier save under the same
+    name), with the tenant's checkpoint of them (`files`: {relative path: {"size", "sha256"}}, every file
+    uploaded; service.checkpoints.service.add_tinker_checkpoint), in one transaction."""
     with session_scope() as session:
         client = session.get(TrainingClient, client_id)
         assert client is not None and client.tenant_id == tenant_id
@@ -206,7 +276,10 @@ def record_weights(tenant_id: str, client_id: str, kind: str, name: str, storage
             session.add(row)
         else:
             row.storage_path, row.created_at = storage_path, utcnow()
-        return row.id
+        path = _record(row).path
+        checkpoint = add_tinker_checkpoint(session, get_storage(), tenant_id, tinker_path=path,
+                                           storage_path=storage_path, files=files)
+        return SavedWeights(row.id, checkpoint.id, path)
 
 
 def open_sampler(worker: str, client_id: str, sampler_id: str, weights_id: str) -> None:

@@ -362,7 +362,8 @@ def dataset_to_proto(dataset: DatasetOut) -> datasets_pb2.Dataset:
 def checkpoint_to_proto(checkpoint: CheckpointOut) -> checkpoints_pb2.Checkpoint:
     return checkpoints_pb2.Checkpoint(
         id=checkpoint.id,
-        job_id=checkpoint.job_id,
+        job_id=checkpoint.job_id or "",
+        tinker_path=checkpoint.tinker_path or "",
         step=checkpoint.step,
         files=[common_pb2.FileInfo(path=f.path, size_bytes=f.size, sha256=f.sha256) for f in checkpoint.files],
         metrics=_finite_values(checkpoint.metrics),

@@ -251,6 +251,11 @@ class Settings(BaseSettings):
         60.0, gt=0, description="A primitives worker silent this long is gone: its pending calls fail as retryable "
         "and its clients move to another worker (restore them with load_weights)."
     )
+    primitives_idle_offload_seconds: float = Field(
+        600.0, gt=0, description="A training client of the primitive API idle this long leaves the worker's device "
+        "memory: its adapter and AdamW state go to the worker's disk and come back, exactly, on its next call "
+        "(not while it holds gradients awaiting optim_step)."
+    )
     primitives_poll_seconds: float = Field(
         25.0, gt=0, le=40, description="How long one `retrieve_future` waits for a result before answering `try_again` "
         "(the SDK's poll times out at 45 s)."

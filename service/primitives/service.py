@@ -33,6 +33,7 @@ from service.primitives.models import (
     SamplingSession,
     TrainingClient,
 )
+from service.usage.budget import refuse_if_tenant_exhausted
 
 TINKER_SCHEME = "tinker://"
 WEIGHT_KINDS = {"weights": "state", "sampler_weights": "sampler"}
@@ -128,6 +129,7 @@ def create_training_client(session: Session, tenant_id: str, session_id: str, mo
     id of its creation request (seq 0), which a worker serving `base_model` runs."""
     _open_session(session, tenant_id, session_id)
     check_base_model("base_model", base_model)
+    refuse_if_tenant_exhausted(session, tenant_id)
     client_id = f"{session_id}:train:{model_seq_id}"
     existing = repository.get_training_client(session, tenant_id, client_id)
     if existing is not None:  # the SDK's retry of the same creation
@@ -182,6 +184,7 @@ def submit(session: Session, tenant_id: str, client_id: str, operation: str, seq
     existing = _request_at(session, client_id, seq_id, required=False)
     if existing is not None:
         return existing.id
+    refuse_if_tenant_exhausted(session, tenant_id)  # the monthly caps count these calls too
     if seq_id <= client.last_seq_id:
         raise SequenceConflict(
             f"seq_id {seq_id} of model {client_id!r} arrived after call {client.last_seq_id} ran; "
@@ -189,6 +192,16 @@ def submit(session: Session, tenant_id: str, client_id: str, operation: str, seq
             details={"seq_id": seq_id, "last_run_seq_id": client.last_seq_id},
         )
     return _add_request(session, tenant_id, client_id, operation, seq_id, body).id
+
+
+def refuse(session: Session, tenant_id: str, client_id: str, operation: str, seq_id: int, message: str) -> None:
+    """Record a call the door refused as failed, so that its seq_id's turn passes at once (the client's later
+    calls would otherwise wait for it)."""
+    client = repository.get_training_client(session, tenant_id, client_id)
+    if client is None or seq_id <= client.last_seq_id or _request_at(session, client_id, seq_id, required=False):
+        return
+    row = _add_request(session, tenant_id, client_id, operation, seq_id, b"")
+    row.status, row.error = "failed", {"error": message, "category": "user"}
 
 
 def resolve_weights(session: Session, tenant_id: str, path: str, field: str) -> PrimitiveWeights:
@@ -249,6 +262,7 @@ def submit_sample(session: Session, tenant_id: str, sampler_id: str, seq_id: int
     existing = _request_at(session, sampler_id, seq_id, required=False)
     if existing is not None:
         return existing.id
+    refuse_if_tenant_exhausted(session, tenant_id)
     return _add_request(session, tenant_id, sampler_id, "sample", seq_id, body).id
 
 

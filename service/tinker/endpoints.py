@@ -18,11 +18,11 @@ from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
 from contract.tinker import requests as wire
-from contract.tinker.arrays import WireError, decode_forward_backward
+from contract.tinker.arrays import WireError, call_identity, decode_forward_backward
 from service.kit.config import get_settings
 from service.kit.db import run_read, session_scope
 from service.kit.deps import SessionDep
-from service.kit.errors import ValidationFailed
+from service.kit.errors import DomainError, ValidationFailed
 from service.primitives import service as primitives
 from service.tinker.auth import TinkerReader, TinkerWriter
 
@@ -101,6 +101,9 @@ async def forward_backward(request: Request, tenant: TinkerWriter) -> dict[str, 
     try:
         call = await run_in_threadpool(decode_forward_backward, raw)
     except WireError as exc:
+        if (identity := call_identity(raw)) is not None:
+            model_id, seq_id = identity
+            await run_in_threadpool(_refuse, tenant.tenant_id, model_id, "forward_backward", seq_id, str(exc))
         raise _invalid(exc, "body") from None
     operation = "forward" if call.forward_only else "forward_backward"
     return await run_in_threadpool(_submit, tenant.tenant_id, call.model_id, operation, call.seq_id, raw)
@@ -120,8 +123,9 @@ def save_weights(body: wire.SaveWeights, session: SessionDep, tenant: TinkerWrit
 def save_weights_for_sampler(body: wire.SaveWeightsForSampler, session: SessionDep,
                              tenant: TinkerWriter) -> dict[str, Any]:
     if (body.path is None) == (body.sampling_session_seq_id is None):
-        raise ValidationFailed("path: give a name (path) or sampling_session_seq_id, one of them",
-                               details=[{"field": "path", "message": "path or sampling_session_seq_id"}])
+        message = "path: give a name (path) or sampling_session_seq_id, one of them"
+        _refuse(tenant.tenant_id, body.model_id, "save_weights_for_sampler", body.seq_id, message)
+        raise ValidationFailed(message, details=[{"field": "path", "message": "path or sampling_session_seq_id"}])
     client = primitives.training_client(session, tenant.tenant_id, body.model_id)
     if body.sampling_session_seq_id is not None:
         body.sampler_id = f"{client.session_id}:sample:{body.sampling_session_seq_id}"
@@ -138,7 +142,11 @@ def load_weights(body: wire.LoadWeights, session: SessionDep, tenant: TinkerWrit
         _, request_id = primitives.create_training_client_from_weights(
             session, tenant.tenant_id, body.session_id, body.model_seq_id, body.path, body.optimizer)
         return {"request_id": request_id}
-    primitives.resolve_weights(session, tenant.tenant_id, body.path, "path")
+    try:
+        primitives.resolve_weights(session, tenant.tenant_id, body.path, "path")
+    except DomainError as exc:  # this call's turn passes: the client's next calls need not wait for it
+        _refuse(tenant.tenant_id, body.model_id, "load_weights", body.seq_id or 0, exc.message)
+        raise
     return _submit_in(session, tenant.tenant_id, body.model_id, "load_weights", body.seq_id or 0,
                       body.model_dump_json())
 
@@ -196,6 +204,12 @@ async def retrieve_future(body: wire.RetrieveFuture, request: Request, tenant: T
 def _read_future(tenant_id: str, request_id: str) -> primitives.Future:
     with session_scope() as session:
         return primitives.future(session, tenant_id, request_id)
+
+
+def _refuse(tenant_id: str, model_id: str, operation: str, seq_id: int, message: str) -> None:
+    """Record a refused training call in its own transaction (the request's is rolled back with the error)."""
+    with session_scope() as session:
+        primitives.refuse(session, tenant_id, model_id, operation, seq_id, message)
 
 
 def _submit(tenant_id: str, model_id: str, operation: str, seq_id: int, body: bytes) -> dict[str, Any]:

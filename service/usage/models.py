@@ -8,6 +8,8 @@
 - `usage_calibration`: per base model, what finished steps measured (sums), with its parameter-count
   bucket so an estimate for an unseen model of a known size can use its bucket.
 - `tenant_budgets`: a tenant's monthly caps, overriding the settings' defaults.
+- `primitive_usage`: one row per call of the primitive training API (the Tinker door) a worker ran, written in
+  the transaction that settles the call, so each call counts once. It adds to the tenant's totals and caps.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from service.tenants import models as tenants_models
 # The tenants table must be in the metadata wherever these rows are written (a worker imports no API module):
 # flushing resolves every foreign key of the mapped tables. The jobs table is: a step's usage is written for a
 # job its writer has loaded.
-__all__ = ["JobUsage", "TenantBudget", "UsageCalibration", "tenants_models"]
+__all__ = ["JobUsage", "PrimitiveUsage", "TenantBudget", "UsageCalibration", "tenants_models"]
 
 
 class JobUsage(Base):
@@ -71,3 +73,24 @@ class TenantBudget(Base):
     monthly_max_device_seconds: Mapped[float | None] = mapped_column(Float, nullable=True)
     monthly_max_tokens: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+
+
+class PrimitiveUsage(Base):
+    """A call of the primitive API: tokens sampled (generated), tokens through forward or forward_backward
+    (trained), and the seconds the worker's device spent on it. `target_id` is the training client or sampler."""
+
+    __tablename__ = "primitive_usage"
+    __table_args__ = (
+        Index("ix_primitive_usage_tenant_id_recorded_at", "tenant_id", "recorded_at"),
+        {"sqlite_autoincrement": True},
+    )
+
+    id: Mapped[int] = mapped_column(BigIntId, primary_key=True, autoincrement=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
+    request_id: Mapped[str] = mapped_column(String(40), unique=True)
+    target_id: Mapped[str] = mapped_column(String(80))
+    operation: Mapped[str] = mapped_column(String(32))
+    tokens_generated: Mapped[int] = mapped_column(BigInteger)
+    tokens_trained: Mapped[int] = mapped_column(BigInteger)
+    device_seconds: Mapped[float] = mapped_column(Float)
+    recorded_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)

@@ -7,17 +7,17 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import ColumnElement, delete, func, select
+from sqlalchemy import ColumnElement, delete, func, literal, select
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
 from service.kit.db import utcnow
-from service.usage.models import JobUsage, TenantBudget, UsageCalibration
+from service.usage.models import JobUsage, PrimitiveUsage, TenantBudget, UsageCalibration
 
 
 @dataclass(frozen=True)
 class Sums:
-    steps: int = 0
+    steps: int = 0  # a job's steps; a primitive API call counts as one
     tokens_generated: int = 0
     tokens_trained: int = 0
     reward_calls: int = 0
@@ -27,6 +27,11 @@ class Sums:
     def tokens(self) -> int:
         return self.tokens_generated + self.tokens_trained
 
+    def __add__(self, other: Sums) -> Sums:
+        return Sums(self.steps + other.steps, self.tokens_generated + other.tokens_generated,
+                    self.tokens_trained + other.tokens_trained, self.reward_calls + other.reward_calls,
+                    self.device_seconds + other.device_seconds)
+
 
 _SUMS = (
     func.count(JobUsage.id),
@@ -34,6 +39,15 @@ _SUMS = (
     func.coalesce(func.sum(JobUsage.tokens_trained), 0),
     func.coalesce(func.sum(JobUsage.reward_calls), 0),
     func.coalesce(func.sum(JobUsage.device_seconds), 0.0),
+)
+
+
+_PRIMITIVE_SUMS = (
+    func.count(PrimitiveUsage.id),
+    func.coalesce(func.sum(PrimitiveUsage.tokens_generated), 0),
+    func.coalesce(func.sum(PrimitiveUsage.tokens_trained), 0),
+    literal(0),
+    func.coalesce(func.sum(PrimitiveUsage.device_seconds), 0.0),
 )
 
 
@@ -73,29 +87,43 @@ def job_sums(session: Session, job_id: str) -> Sums:
 
 
 def tenant_sums(session: Session, tenant_id: str, start: datetime, end: datetime) -> Sums:
-    return _sums(session.execute(select(*_SUMS).where(
+    """Jobs' steps and primitive API calls of the tenant in [start, end)."""
+    jobs = _sums(session.execute(select(*_SUMS).where(
         JobUsage.tenant_id == tenant_id, JobUsage.recorded_at >= start, JobUsage.recorded_at < end
     )).one())
+    calls = _sums(session.execute(select(*_PRIMITIVE_SUMS).where(
+        PrimitiveUsage.tenant_id == tenant_id, PrimitiveUsage.recorded_at >= start, PrimitiveUsage.recorded_at < end
+    )).one())
+    return jobs + calls
 
 
-def _day(session: Session) -> ColumnElement[Any]:
+def _day(session: Session, recorded_at: Any) -> ColumnElement[Any]:
     """The UTC day of recorded_at as YYYY-MM-DD (SQLite stores the UTC time as text)."""
     if session.get_bind().dialect.name == "postgresql":
-        return func.to_char(func.timezone("UTC", JobUsage.recorded_at), "YYYY-MM-DD")
-    return func.substr(JobUsage.recorded_at, 1, 10)
+        return func.to_char(func.timezone("UTC", recorded_at), "YYYY-MM-DD")
+    return func.substr(recorded_at, 1, 10)
 
 
 def grouped_sums(
     session: Session, tenant_id: str, start: datetime, end: datetime, group_by: str
 ) -> list[tuple[str, Sums]]:
-    key = _day(session) if group_by == "day" else JobUsage.job_id
-    rows = session.execute(
-        select(key, *_SUMS)
-        .where(JobUsage.tenant_id == tenant_id, JobUsage.recorded_at >= start, JobUsage.recorded_at < end)
-        .group_by(key)
-        .order_by(key)
-    ).all()
-    return [(str(row[0]), _sums(row[1:])) for row in rows]
+    """Sums by UTC day, or by job (a primitive API training client or sampler is a group of its own)."""
+    key = _day(session, JobUsage.recorded_at) if group_by == "day" else JobUsage.job_id
+    call_key = _day(session, PrimitiveUsage.recorded_at) if group_by == "day" else PrimitiveUsage.target_id
+    groups: dict[str, Sums] = {}
+    for selected, sums, table in ((key, _SUMS, JobUsage), (call_key, _PRIMITIVE_SUMS, PrimitiveUsage)):
+        rows = session.execute(
+            select(selected, *sums)
+            .where(table.tenant_id == tenant_id, table.recorded_at >= start, table.recorded_at < end)
+            .group_by(selected)
+        ).all()
+        for row in rows:
+            groups[str(row[0])] = groups.get(str(row[0]), Sums()) + _sums(row[1:])
+    return sorted(groups.items())
+
+
+def record_call(session: Session, row: PrimitiveUsage) -> None:
+    session.add(row)
 
 
 def job_steps(session: Session, job_id: str) -> Sequence[JobUsage]:

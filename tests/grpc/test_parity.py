@@ -71,6 +71,8 @@ OPERATIONS: list[tuple[str, ModuleType, str, tuple[ModuleType, ...], str]] = [
     # The jobs domain's: `service.` over REST (jobs/endpoints), `jobs.` over gRPC.
     ("GET /v1/jobs/{job_id}/checkpoints", jobs_rest, "CheckpointService.ListCheckpoints", (checkpoints_grpc,), "list_job_checkpoints"),
     ("GET /v1/checkpoints/{checkpoint_id}", checkpoints_rest, "CheckpointService.GetCheckpoint", (checkpoints_grpc,), "service.get_checkpoint"),
+    # Weights saved through the Tinker API, by their tinker:// path: ListCheckpoints with `tinker_path`.
+    ("GET /v1/checkpoints", checkpoints_rest, "CheckpointService.ListCheckpoints", (checkpoints_grpc,), "service.tinker_checkpoints"),
     # Per-file Range download over REST; DownloadCheckpoint streams every (or the chosen) files with offsets.
     ("GET /v1/checkpoints/{checkpoint_id}/files/{path}", checkpoints_rest, "CheckpointService.DownloadCheckpoint", (checkpoints_grpc,), "service.manifest_entry"),
     ("POST /v1/environments", environments_rest, "EnvironmentService.RegisterEnvironment", (environments_grpc,), "service.create_environment"),

@@ -32,6 +32,7 @@ CONTRACT = {
     ("get", "/v1/jobs/{job_id}/samples"),
     ("get", "/v1/jobs/{job_id}/stream"),
     ("get", "/v1/jobs/{job_id}/checkpoints"),
+    ("get", "/v1/checkpoints"),
     ("get", "/v1/checkpoints/{checkpoint_id}"),
     ("get", "/v1/checkpoints/{checkpoint_id}/files/{path}"),
     ("get", "/v1/checkpoints/{checkpoint_id}/archive"),

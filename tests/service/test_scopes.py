@@ -29,10 +29,24 @@ ADMIN_PATH_PREFIXES = ("/v1/api-keys", "/v1/admin/")
 PUBLIC_PATHS = {"/healthz", "/readyz", "/metrics", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"}
 
 
+# The Tinker door's POSTs that only read or keep a session alive (service/tinker/auth.py).
+TINKER_READS = {f"/tinker/api/v1/{name}" for name in (
+    "client/config", "session_heartbeat", "telemetry", "get_info", "retrieve_future")}
+
+
 def expected_scope(method: str, path: str) -> str:
     if path.startswith(ADMIN_PATH_PREFIXES):
         return "admin"
+    if path in TINKER_READS:
+        return "read"
     return "read" if method in ("GET", "HEAD") else "write"
+
+
+def as_sent(path: str, headers: dict[str, str]) -> dict[str, str]:
+    """The Tinker SDK sends the key as X-API-Key with its tml- prefix; everything else as a bearer token."""
+    if not path.startswith("/tinker/"):
+        return headers
+    return {"X-API-Key": "tml-" + headers["Authorization"].removeprefix("Bearer ")}
 
 
 def every_route(app: FastAPI) -> Iterator[tuple[str, str]]:
@@ -67,8 +81,16 @@ def test_every_route_requires_its_scope(
             continue
         assert anonymous.status_code == 401, (method, path, anonymous.text)
         scope = expected_scope(method, path)
-        refused = client.request(method, path, headers=all_but[scope])
+        refused = client.request(method, path, headers=as_sent(path, all_but[scope]))
         assert refused.status_code == 403, (method, path, refused.text)
+        if path.startswith("/tinker/"):  # the Tinker SDK's error shape (docs/tinker.md)
+            body = refused.json()
+            assert body["code"] == "insufficient_scope" and body["details"]["required_scope"] == scope
+            assert body["category"] == "user" and f"{scope!r} scope" in body["error"]
+            allowed = client.request(method, path, headers=as_sent(path, only[scope]))
+            assert allowed.status_code != 403, (method, path, allowed.text)
+            checked.append((method, path))
+            continue
         error = refused.json()["error"]
         assert error["code"] == "insufficient_scope"
         if path.startswith("/openai/"):  # OpenAI's error shape (docs/openai.md)
@@ -80,6 +102,7 @@ def test_every_route_requires_its_scope(
         checked.append((method, path))
     # The enumeration itself found the routes (a refactor that hid them from app.routes would pass vacuously).
     assert ("POST", "/v1/jobs") in checked and ("DELETE", "/v1/datasets/x_1") in checked
+    assert ("POST", "/tinker/api/v1/forward_backward") in checked
     assert len([c for c in checked if c[0] != "GET"]) >= 12
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -32,14 +33,22 @@ class Stack:
 
     def sdk(self, script: str, key: str, **env: str) -> dict[str, object]:
         """Run a script of tinker_scripts/ in the SDK's venv; its last stdout line is JSON."""
-        done = subprocess.run(
-            [str(TINKER_PYTHON), str(SCRIPTS / script)], capture_output=True, text=True, timeout=900, cwd=SCRIPTS,
+        return self.wait(self.start_sdk(script, key, **env))
+
+    def start_sdk(self, script: str, key: str, **env: str) -> subprocess.Popen[str]:
+        return subprocess.Popen(
+            [str(TINKER_PYTHON), str(SCRIPTS / script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            cwd=SCRIPTS,
             env={"PATH": os.environ["PATH"], "HOME": os.environ.get("HOME", "/tmp"), "TINKER_BASE_URL": self.base_url,
                  "TINKER_API_KEY": key, "TINKER_TELEMETRY": "0", "BASE_MODEL": BASE_MODEL, "HF_HUB_OFFLINE": "1",
                  "OMP_NUM_THREADS": "1", **env},
         )
+
+    def wait(self, script: subprocess.Popen[str]) -> dict[str, object]:
+        stdout, stderr = script.communicate(timeout=900)
+        done = subprocess.CompletedProcess(script.args, script.returncode, stdout, stderr)
         assert done.returncode == 0, describe(done) + self.processes.logs()
-        return json.loads(done.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+        return json.loads(stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
 
 
 @pytest.fixture(scope="module")
@@ -67,8 +76,14 @@ def stack(tmp_path_factory: pytest.TempPathFactory, instruct_model: Path) -> Ite
         processes.stop_all()
 
 
-def test_the_sdk_runs_a_grpo_loop_and_round_trips_its_state(stack: Stack) -> None:
-    result = stack.sdk("rl_loop.py", stack.keys[0], STEPS="20")
+@pytest.fixture(scope="module")
+def trained(stack: Stack) -> dict[str, object]:
+    """The GRPO loop of tinker_scripts/rl_loop.py, run once by the first tenant."""
+    return stack.sdk("rl_loop.py", stack.keys[0], STEPS="20")
+
+
+def test_the_sdk_runs_a_grpo_loop_and_round_trips_its_state(trained: dict[str, object]) -> None:
+    result = trained
     assert result["capabilities"] == [BASE_MODEL]
     rewards = result["rewards"]
     assert isinstance(rewards, list) and len(rewards) == 20
@@ -80,6 +95,15 @@ def test_the_sdk_runs_a_grpo_loop_and_round_trips_its_state(stack: Stack) -> Non
     assert result["restored"] == result["before"]  # ...and load_state put back exactly the saved ones
     assert result["cloned"] == result["before"]  # as does a new client created from the saved state
     assert str(result["saved"]).startswith(f"tinker://{result['model_id']}/weights/final")
+
+
+def test_three_tenants_on_one_base_each_get_a_solo_runs_results(stack: Stack) -> None:
+    """The same loop (same seeds) run alone, then by three tenants at once on the one worker and base model:
+    every run's rewards and final log-probs are the solo run's, bit for bit."""
+    solo = stack.sdk("rl_loop.py", stack.keys[0], STEPS="3", ONLY_TRAIN="1")
+    scripts = [stack.start_sdk("rl_loop.py", key, STEPS="3", ONLY_TRAIN="1") for key in stack.keys]
+    together = [stack.wait(script) for script in scripts]
+    assert all(run == solo for run in together), (solo, together)
 
 
 def test_tenants_see_only_their_own(stack: Stack) -> None:
@@ -110,3 +134,45 @@ def test_tenants_see_only_their_own(stack: Stack) -> None:
         assert all(r.json()["category"] == "user" and "not found" in r.json()["error"] for r in foreign)
         # A foreign id reads exactly as an unknown one: only the id in the message differs.
         assert unknown.status_code == 404 and set(unknown.json()) == set(foreign[1].json())
+
+
+def test_bad_calls_get_the_sdks_errors_and_lose_nothing(stack: Stack, trained: dict[str, object]) -> None:
+    report = stack.sdk("bad_input.py", stack.keys[1], FOREIGN_PATH=str(trained["saved"]))
+    assert report["wrong_shape"]["type"] == "UnprocessableEntityError"  # type: ignore[index]
+    assert re.search(r"data\[0\]\.loss_fn_inputs\.target_tokens: shape \[\d+\], expected \[\d+\] \(one per input token\)",
+                     report["wrong_shape"]["message"])  # type: ignore[index]
+    assert report["outside_vocabulary"]["type"] == "RequestFailedError"  # type: ignore[index]
+    assert "outside the vocabulary" in report["outside_vocabulary"]["message"]  # type: ignore[index]
+    assert report["unknown_base_model"]["type"] == "UnprocessableEntityError"  # type: ignore[index]
+    for case in ("unknown_path", "foreign_path", "foreign_sampler"):
+        assert report[case]["type"] == "NotFoundError", report[case]  # type: ignore[index]
+        assert "not found" in report[case]["message"]  # type: ignore[index]
+    assert report["still_trains"]["type"] == "none"  # type: ignore[index]
+
+
+def test_calls_run_in_seq_id_order_and_a_late_one_is_refused(stack: Stack) -> None:
+    key = {"X-API-Key": stack.keys[2]}
+    url = stack.base_url + "/api/v1"
+    with httpx.Client(timeout=60) as http:
+        session = http.post(f"{url}/create_session", json={}, headers=key).json()["session_id"]
+        created = http.post(f"{url}/create_model", headers=key, json={
+            "session_id": session, "model_seq_id": 0, "base_model": BASE_MODEL, "lora_config": {"rank": 4}})
+        model_id = http.post(f"{url}/retrieve_future", headers=key,
+                             json={"request_id": created.json()["request_id"]}).json()["model_id"]
+
+        def step(seq_id: int) -> httpx.Response:
+            return http.post(f"{url}/optim_step", headers=key,
+                             json={"model_id": model_id, "seq_id": seq_id, "adam_params": {}})
+
+        second = step(2)  # arrives first: waits for 1
+        first = step(1)
+        assert step(2).json() == second.json()  # a resent seq_id is the same request
+        results = [http.post(f"{url}/retrieve_future", headers=key, json=r.json()).json() for r in (first, second)]
+        assert all("metrics" in r for r in results), results
+        late = step(1)  # already ran: the same request, not a new one
+        assert late.json() == first.json()
+        stale = http.post(f"{url}/save_weights", headers=key, json={"model_id": model_id, "seq_id": 3, "path": "x"})
+        assert http.post(f"{url}/retrieve_future", headers=key, json=stale.json()).json()["path"].endswith("/x")
+        refused = http.post(f"{url}/optim_step", headers=key,
+                            json={"model_id": model_id, "seq_id": 0, "adam_params": {}})
+        assert refused.status_code == 422 and "seq_id" in refused.json()["error"]

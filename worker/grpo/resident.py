@@ -184,6 +184,11 @@ class ResidentBase:
         with self._lock:
             return self._client(client_id).spec
 
+    def has_gradients(self, client_id: str) -> bool:
+        """Whether forward_backward calls have left gradients that the next optim_step will apply."""
+        with self._lock:
+            return any(param.grad is not None for param in self._client(client_id).params)
+
     def forward_backward(
         self,
         client_id: str,

@@ -1,5 +1,5 @@
 """CheckpointService: the same domain functions as /v1/checkpoints (service.checkpoints.service) and
-/v1/jobs/{job_id}/checkpoints (service.jobs.service).
+/v1/jobs/{job_id}/checkpoints (service.jobs.service); ListCheckpoints by `tinker_path` is GET /v1/checkpoints.
 
 DownloadCheckpoint is the gRPC twin of the per-file download with Range: each file is announced with its
 manifest entry (path, size, sha256) and the offset it starts at, then streamed in chunks read from storage
@@ -9,7 +9,7 @@ off the event loop. The manifest is the allow-list, exactly as for REST.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
 from typing import IO, Any
 
@@ -19,6 +19,7 @@ from sqlalchemy.orm import Session
 from contract.gen.grpo.v1 import checkpoints_pb2, checkpoints_pb2_grpc, common_pb2
 from service.checkpoints import retention, service
 from service.checkpoints.download import iter_file
+from service.checkpoints.models import Checkpoint
 from service.checkpoints.schemas import checkpoint_out
 from service.grpc.auth import current_tenant
 from service.grpc.calls import in_session
@@ -51,8 +52,8 @@ class _Planned:
 
 def _plan(session: Session, tenant_id: str, request: checkpoints_pb2.DownloadCheckpointRequest) -> list[_Planned]:
     checkpoint = service.get_checkpoint(session, tenant_id, request.checkpoint_id)
-    wanted = list(request.paths) or [entry["path"] for entry in checkpoint.manifest]
-    listed = {entry["path"] for entry in checkpoint.manifest}
+    wanted = list(request.paths) or [entry["path"] for entry in checkpoint.downloadable]
+    listed = {entry["path"] for entry in checkpoint.downloadable}
     for path in request.offsets:
         if path not in listed:
             raise NotFound("checkpoint file", path)
@@ -85,14 +86,22 @@ def _chunks(handle: IO[bytes], start: int, length: int, size: int) -> Iterator[b
             yield piece[i : i + size]
 
 
+def _listed(session: Session, tenant_id: str, request: checkpoints_pb2.ListCheckpointsRequest) -> Sequence[Checkpoint]:
+    """A job's checkpoints, or a tinker:// path's (exactly one of the two named)."""
+    if request.tinker_path and request.job_id:
+        message = "tinker_path: name a job_id or a tinker_path, not both"
+        raise ValidationFailed(message, details=[{"field": "tinker_path", "message": message}])
+    if request.tinker_path:
+        return service.tinker_checkpoints(session, tenant_id, request.tinker_path)
+    return jobs.list_job_checkpoints(session, tenant_id, request.job_id)
+
+
 class CheckpointServicer(checkpoints_pb2_grpc.CheckpointServiceServicer):
     async def ListCheckpoints(
         self, request: checkpoints_pb2.ListCheckpointsRequest, context: Context
     ) -> checkpoints_pb2.ListCheckpointsResponse:
         tenant = current_tenant()
-        rows = await in_session(
-            lambda s: [checkpoint_out(c) for c in jobs.list_job_checkpoints(s, tenant.tenant_id, request.job_id)]
-        )
+        rows = await in_session(lambda s: [checkpoint_out(c) for c in _listed(s, tenant.tenant_id, request)])
         return checkpoints_pb2.ListCheckpointsResponse(checkpoints=[checkpoint_to_proto(c) for c in rows])
 
     async def GetCheckpoint(

@@ -79,7 +79,7 @@ def train(tc: tinker.TrainingClient, steps: int, learning_rate: float) -> list[f
     rng = random.Random(0)
     history = []
     for step in range(steps):
-        sampler = tc.save_weights_and_get_sampling_client(name=f"step-{step}")
+        sampler = tc.save_weights_and_get_sampling_client(name=f"step-{step}").result()
         tasks = [task(rng) for _ in range(PROMPTS_PER_STEP)]
         prompts = [tokenizer.encode(text) for text, _ in tasks]
         futures = [
@@ -114,12 +114,18 @@ def probe_logprobs(tc: tinker.TrainingClient) -> list[float]:
 def main() -> None:
     service = tinker.ServiceClient()
     base_model = os.environ["BASE_MODEL"]
+    steps, learning_rate = int(os.environ.get("STEPS", "8")), float(os.environ.get("LEARNING_RATE", "1e-3"))
+    tc = service.create_lora_training_client(base_model=base_model, rank=8, seed=0).result()
+    if os.environ.get("ONLY_TRAIN"):  # the loop and where it ends, for comparing runs
+        rewards = train(tc, steps, learning_rate)
+        print(json.dumps({"rewards": rewards, "after": probe_logprobs(tc)}))
+        service.close("success")
+        return
     capabilities = [m.model_name for m in service.get_server_capabilities().supported_models]
-    tc = service.create_lora_training_client(base_model=base_model, rank=8, seed=0)
     tokenizer = tc.get_tokenizer()
-    accuracy_before = greedy_accuracy(service.create_sampling_client(base_model=base_model), tokenizer)
-    rewards = train(tc, int(os.environ.get("STEPS", "8")), float(os.environ.get("LEARNING_RATE", "1e-3")))
-    accuracy_after = greedy_accuracy(tc.save_weights_and_get_sampling_client(name="trained"), tokenizer)
+    accuracy_before = greedy_accuracy(service.create_sampling_client(base_model=base_model).result(), tokenizer)
+    rewards = train(tc, steps, learning_rate)
+    accuracy_after = greedy_accuracy(tc.save_weights_and_get_sampling_client(name="trained").result(), tokenizer)
 
     saved = tc.save_state("final").result().path
     before = probe_logprobs(tc)
@@ -127,11 +133,12 @@ def main() -> None:
     moved = probe_logprobs(tc)
     tc.load_state(saved).result()
     restored = probe_logprobs(tc)
-    clone = service.create_training_client_from_state(saved)
+    clone = service.create_training_client_from_state(saved).result()
     cloned = probe_logprobs(clone)
     service.close("success")
-    print(json.dumps({"capabilities": capabilities, "rewards": rewards, "accuracy": [accuracy_before, accuracy_after], "saved": saved, "before": before,
-                      "moved": moved, "restored": restored, "cloned": cloned, "model_id": tc.get_info().model_id}))
+    print(json.dumps({"capabilities": capabilities, "rewards": rewards, "accuracy": [accuracy_before, accuracy_after],
+                      "saved": saved, "before": before, "moved": moved, "restored": restored, "cloned": cloned,
+                      "model_id": tc.get_info().model_id}))
 
 
 if __name__ == "__main__":

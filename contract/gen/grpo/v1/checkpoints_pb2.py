@@ -26,7 +26,7 @@ from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__
 from contract.gen.grpo.v1 import common_pb2 as grpo_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19grpo/v1/checkpoints.proto\x12\x07grpo.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x14grpo/v1/common.proto\"\x80\x02\n\nCheckpoint\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12\x0c\n\x04step\x18\x03 \x01(\x03\x12 \n\x05\x66iles\x18\x04 \x03(\x0b\x32\x11.grpo.v1.FileInfo\x12\x31\n\x07metrics\x18\x05 \x03(\x0b\x32 .grpo.v1.Checkpoint.MetricsEntry\x12.\n\ncreated_at\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x13\n\x0btotal_bytes\x18\x07 \x01(\x03\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"(\n\x16ListCheckpointsRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"C\n\x17ListCheckpointsResponse\x12(\n\x0b\x63heckpoints\x18\x01 \x03(\x0b\x32\x13.grpo.v1.Checkpoint\"-\n\x14GetCheckpointRequest\x12\x15\n\rcheckpoint_id\x18\x01 \x01(\t\"@\n\x15GetCheckpointResponse\x12\'\n\ncheckpoint\x18\x01 \x01(\x0b\x32\x13.grpo.v1.Checkpoint\"\xc7\x01\n\x19\x44ownloadCheckpointRequest\x12\x15\n\rcheckpoint_id\x18\x01 \x01(\t\x12\r\n\x05paths\x18\x02 \x03(\t\x12@\n\x07offsets\x18\x03 \x03(\x0b\x32/.grpo.v1.DownloadCheckpointRequest.OffsetsEntry\x12\x12\n\nchunk_size\x18\x04 \x01(\x05\x1a.\n\x0cOffsetsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"=\n\nFileHeader\x12\x1f\n\x04\x66ile\x18\x01 \x01(\x0b\x32\x11.grpo.v1.FileInfo\x12\x0e\n\x06offset\x18\x02 \x01(\x03\"7\n\tFileChunk\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"q\n\x1a\x44ownloadCheckpointResponse\x12#\n\x04\x66ile\x18\x01 \x01(\x0b\x32\x13.grpo.v1.FileHeaderH\x00\x12#\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x12.grpo.v1.FileChunkH\x00\x42\t\n\x07payload2\x9a\x02\n\x11\x43heckpointService\x12T\n\x0fListCheckpoints\x12\x1f.grpo.v1.ListCheckpointsRequest\x1a .grpo.v1.ListCheckpointsResponse\x12N\n\rGetCheckpoint\x12\x1d.grpo.v1.GetCheckpointRequest\x1a\x1e.grpo.v1.GetCheckpointResponse\x12_\n\x12\x44ownloadCheckpoint\x12\".grpo.v1.DownloadCheckpointRequest\x1a#.grpo.v1.DownloadCheckpointResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19grpo/v1/checkpoints.proto\x12\x07grpo.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x14grpo/v1/common.proto\"\x95\x02\n\nCheckpoint\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12\x0c\n\x04step\x18\x03 \x01(\x03\x12 \n\x05\x66iles\x18\x04 \x03(\x0b\x32\x11.grpo.v1.FileInfo\x12\x31\n\x07metrics\x18\x05 \x03(\x0b\x32 .grpo.v1.Checkpoint.MetricsEntry\x12.\n\ncreated_at\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x13\n\x0btotal_bytes\x18\x07 \x01(\x03\x12\x13\n\x0btinker_path\x18\x08 \x01(\t\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"=\n\x16ListCheckpointsRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x13\n\x0btinker_path\x18\x02 \x01(\t\"C\n\x17ListCheckpointsResponse\x12(\n\x0b\x63heckpoints\x18\x01 \x03(\x0b\x32\x13.grpo.v1.Checkpoint\"-\n\x14GetCheckpointRequest\x12\x15\n\rcheckpoint_id\x18\x01 \x01(\t\"@\n\x15GetCheckpointResponse\x12\'\n\ncheckpoint\x18\x01 \x01(\x0b\x32\x13.grpo.v1.Checkpoint\"\xc7\x01\n\x19\x44ownloadCheckpointRequest\x12\x15\n\rcheckpoint_id\x18\x01 \x01(\t\x12\r\n\x05paths\x18\x02 \x03(\t\x12@\n\x07offsets\x18\x03 \x03(\x0b\x32/.grpo.v1.DownloadCheckpointRequest.OffsetsEntry\x12\x12\n\nchunk_size\x18\x04 \x01(\x05\x1a.\n\x0cOffsetsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"=\n\nFileHeader\x12\x1f\n\x04\x66ile\x18\x01 \x01(\x0b\x32\x11.grpo.v1.FileInfo\x12\x0e\n\x06offset\x18\x02 \x01(\x03\"7\n\tFileChunk\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"q\n\x1a\x44ownloadCheckpointResponse\x12#\n\x04\x66ile\x18\x01 \x01(\x0b\x32\x13.grpo.v1.FileHeaderH\x00\x12#\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x12.grpo.v1.FileChunkH\x00\x42\t\n\x07payload2\x9a\x02\n\x11\x43heckpointService\x12T\n\x0fListCheckpoints\x12\x1f.grpo.v1.ListCheckpointsRequest\x1a .grpo.v1.ListCheckpointsResponse\x12N\n\rGetCheckpoint\x12\x1d.grpo.v1.GetCheckpointRequest\x1a\x1e.grpo.v1.GetCheckpointResponse\x12_\n\x12\x44ownloadCheckpoint\x12\".grpo.v1.DownloadCheckpointRequest\x1a#.grpo.v1.DownloadCheckpointResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,27 +38,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DOWNLOADCHECKPOINTREQUEST_OFFSETSENTRY']._loaded_options = None
   _globals['_DOWNLOADCHECKPOINTREQUEST_OFFSETSENTRY']._serialized_options = b'8\001'
   _globals['_CHECKPOINT']._serialized_start=94
-  _globals['_CHECKPOINT']._serialized_end=350
-  _globals['_CHECKPOINT_METRICSENTRY']._serialized_start=304
-  _globals['_CHECKPOINT_METRICSENTRY']._serialized_end=350
-  _globals['_LISTCHECKPOINTSREQUEST']._serialized_start=352
-  _globals['_LISTCHECKPOINTSREQUEST']._serialized_end=392
-  _globals['_LISTCHECKPOINTSRESPONSE']._serialized_start=394
-  _globals['_LISTCHECKPOINTSRESPONSE']._serialized_end=461
-  _globals['_GETCHECKPOINTREQUEST']._serialized_start=463
-  _globals['_GETCHECKPOINTREQUEST']._serialized_end=508
-  _globals['_GETCHECKPOINTRESPONSE']._serialized_start=510
-  _globals['_GETCHECKPOINTRESPONSE']._serialized_end=574
-  _globals['_DOWNLOADCHECKPOINTREQUEST']._serialized_start=577
-  _globals['_DOWNLOADCHECKPOINTREQUEST']._serialized_end=776
-  _globals['_DOWNLOADCHECKPOINTREQUEST_OFFSETSENTRY']._serialized_start=730
-  _globals['_DOWNLOADCHECKPOINTREQUEST_OFFSETSENTRY']._serialized_end=776
-  _globals['_FILEHEADER']._serialized_start=778
-  _globals['_FILEHEADER']._serialized_end=839
-  _globals['_FILECHUNK']._serialized_start=841
-  _globals['_FILECHUNK']._serialized_end=896
-  _globals['_DOWNLOADCHECKPOINTRESPONSE']._serialized_start=898
-  _globals['_DOWNLOADCHECKPOINTRESPONSE']._serialized_end=1011
-  _globals['_CHECKPOINTSERVICE']._serialized_start=1014
-  _globals['_CHECKPOINTSERVICE']._serialized_end=1296
+  _globals['_CHECKPOINT']._serialized_end=371
+  _globals['_CHECKPOINT_METRICSENTRY']._serialized_start=325
+  _globals['_CHECKPOINT_METRICSENTRY']._serialized_end=371
+  _globals['_LISTCHECKPOINTSREQUEST']._serialized_start=373
+  _globals['_LISTCHECKPOINTSREQUEST']._serialized_end=434
+  _globals['_LISTCHECKPOINTSRESPONSE']._serialized_start=436
+  _globals['_LISTCHECKPOINTSRESPONSE']._serialized_end=503
+  _globals['_GETCHECKPOINTREQUEST']._serialized_start=505
+  _globals['_GETCHECKPOINTREQUEST']._serialized_end=550
+  _globals['_GETCHECKPOINTRESPONSE']._serialized_start=552
+  _globals['_GETCHECKPOINTRESPONSE']._serialized_end=616
+  _globals['_DOWNLOADCHECKPOINTREQUEST']._serialized_start=619
+  _globals['_DOWNLOADCHECKPOINTREQUEST']._serialized_end=818
+  _globals['_DOWNLOADCHECKPOINTREQUEST_OFFSETSENTRY']._serialized_start=772
+  _globals['_DOWNLOADCHECKPOINTREQUEST_OFFSETSENTRY']._serialized_end=818
+  _globals['_FILEHEADER']._serialized_start=820
+  _globals['_FILEHEADER']._serialized_end=881
+  _globals['_FILECHUNK']._serialized_start=883
+  _globals['_FILECHUNK']._serialized_end=938
+  _globals['_DOWNLOADCHECKPOINTRESPONSE']._serialized_start=940
+  _globals['_DOWNLOADCHECKPOINTRESPONSE']._serialized_end=1053
+  _globals['_CHECKPOINTSERVICE']._serialized_start=1056
+  _globals['_CHECKPOINTSERVICE']._serialized_end=1338
 # @@protoc_insertion_point(module_scope)

@@ -57,7 +57,8 @@ class CheckpointServiceServicer:
     """
 
     def ListCheckpoints(self, request, context):
-        """The checkpoints of one job of the caller's tenant, by step.
+        """The checkpoints of one job of the caller's tenant, by step; or those saved as one tinker:// path,
+        oldest first.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
