@@ -16,7 +16,17 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.ship.conftest import GRPO, REPO, Processes, clean_env, describe, free_port, run_cli, wait_http_ok
+from tests.ship.conftest import (
+    GRPO,
+    REPO,
+    Live,
+    Processes,
+    clean_env,
+    describe,
+    free_port,
+    run_cli,
+    wait_http_ok,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -25,11 +35,13 @@ SCRIPTS = Path(__file__).parent / "tinker_scripts"
 BASE_MODEL = "builtin:tiny-instruct"
 
 
-@dataclass(frozen=True)
+@dataclass
 class Stack:
     base_url: str  # what TINKER_BASE_URL is set to
     keys: list[str]  # three tenants' keys, as the SDK takes them (tml-...)
     processes: Processes
+    env: dict[str, str]
+    worker: Live
 
     def sdk(self, script: str, key: str, **env: str) -> dict[str, object]:
         """Run a script of tinker_scripts/ in the SDK's venv; its last stdout line is JSON."""
@@ -60,18 +72,19 @@ def stack(tmp_path_factory: pytest.TempPathFactory, instruct_model: Path) -> Ite
     os.symlink(instruct_model, root / "data" / "models" / instruct_model.name)  # the worker finds it built
     port = free_port()
     env = clean_env(GRPO_ENV="development", GRPO_DATA_DIR=str(root / "data"), GRPO_API_PORT=str(port),
-                    GRPO_GRPC_PORT="0", GRPO_PRIMITIVES_BASE_MODELS=json.dumps([BASE_MODEL]))
+                    GRPO_GRPC_PORT="0", GRPO_PRIMITIVES_BASE_MODELS=json.dumps([BASE_MODEL]),
+                    GRPO_PRIMITIVES_WORKER_STALE_SECONDS="3")
     processes = Processes(root)
     try:
         serve = processes.start("serve", [*GRPO, "serve", "--migrate"], env)
         wait_http_ok(f"http://127.0.0.1:{port}/readyz", serve, timeout=60)
-        processes.start("primitives-worker", [*GRPO, "primitives-worker", "--device", "cpu"], env)
+        worker = processes.start("primitives-worker", [*GRPO, "primitives-worker", "--device", "cpu"], env)
         keys = []
         for name in ("tinker-a", "tinker-b", "tinker-c"):
             created = run_cli(env, "admin", "create-tenant", name)
             assert created.returncode == 0, describe(created)
             keys.append("tml-" + created.stdout.strip().splitlines()[-1])
-        yield Stack(f"http://127.0.0.1:{port}/tinker", keys, processes)
+        yield Stack(f"http://127.0.0.1:{port}/tinker", keys, processes, env, worker)
     finally:
         processes.stop_all()
 
@@ -176,3 +189,37 @@ def test_calls_run_in_seq_id_order_and_a_late_one_is_refused(stack: Stack) -> No
         refused = http.post(f"{url}/optim_step", headers=key,
                             json={"model_id": model_id, "seq_id": 0, "adam_params": {}})
         assert refused.status_code == 422 and "seq_id" in refused.json()["error"]
+
+
+def test_a_killed_worker_fails_its_calls_as_retryable_and_the_client_resumes(stack: Stack) -> None:
+    """Last in this module: it replaces the stack's worker."""
+    key = {"X-API-Key": stack.keys[1]}
+    url = stack.base_url + "/api/v1"
+    with httpx.Client(timeout=60) as http:
+
+        def result(response: httpx.Response) -> dict[str, object]:
+            assert response.status_code == 200, response.text
+            return http.post(f"{url}/retrieve_future", headers=key, json=response.json()).json()  # type: ignore[no-any-return]
+
+        session = http.post(f"{url}/create_session", json={}, headers=key).json()["session_id"]
+        model_id = result(http.post(f"{url}/create_model", headers=key, json={
+            "session_id": session, "model_seq_id": 0, "base_model": BASE_MODEL, "lora_config": {"rank": 4}}))["model_id"]
+        saved = result(http.post(f"{url}/save_weights", headers=key,
+                                 json={"model_id": model_id, "seq_id": 1, "path": "before-crash"}))["path"]
+
+        stack.worker.popen.kill()  # SIGKILL: no goodbye, its heartbeats just stop
+        stack.worker.popen.wait()
+        stranded = http.post(f"{url}/optim_step", headers=key,
+                             json={"model_id": model_id, "seq_id": 2, "adam_params": {}})
+        stack.worker = stack.processes.start("primitives-worker-2", [*GRPO, "primitives-worker"], stack.env)
+        outcome = result(stranded)
+        while outcome.get("type") == "try_again":
+            outcome = result(stranded)
+        assert outcome["category"] == "server" and "load_weights" in str(outcome["error"]), outcome
+
+        loaded = result(http.post(f"{url}/load_weights", headers=key, json={
+            "model_id": model_id, "seq_id": 3, "path": saved, "optimizer": True}))
+        assert loaded["path"] == saved
+        stepped = result(http.post(f"{url}/optim_step", headers=key,
+                                   json={"model_id": model_id, "seq_id": 4, "adam_params": {}}))
+        assert "metrics" in stepped, stepped
