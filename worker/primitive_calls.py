@@ -28,6 +28,7 @@ from contract.tinker.arrays import (
     encode_forward_backward_output,
     encode_sample_response,
 )
+from contract.tinker.paths import parse_weights_path
 from service.execution import primitives as port
 from service.execution.primitives import PendingRequest
 from service.execution.runtime import Storage, primitive_weights_prefix
@@ -36,7 +37,6 @@ from worker.grpo.primitive_errors import PrimitiveInputError
 from worker.grpo.resident import AdamSettings, Datum, ResidentBase
 from worker.model_sources import ADAPTER_CONFIG
 
-PATH_KINDS = {"weights": "state", "sampler_weights": "sampler"}
 CHUNK = 1 << 20
 
 
@@ -169,10 +169,8 @@ class CallRunner:
         return port.record_weights(request.tenant_id, request.target_id, kind, name, prefix, files)
 
     def _resolve(self, tenant_id: str, path: str) -> port.WeightsRecord:
-        parts = path.removeprefix("tinker://").split("/")
-        record = None
-        if path.startswith("tinker://") and len(parts) == 3 and parts[1] in PATH_KINDS:
-            record = port.saved_weights(tenant_id, parts[0], PATH_KINDS[parts[1]], parts[2])
+        address = parse_weights_path(path)
+        record = port.saved_weights(tenant_id, *address) if address is not None else None
         if record is None:
             raise CallRefused(f"path: weights {path!r} not found")
         return record

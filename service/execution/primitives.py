@@ -19,6 +19,7 @@ from typing import Any
 from sqlalchemy import delete, func, select, update
 from sqlalchemy.orm import Session
 
+from contract.tinker.paths import weights_path
 from service.checkpoints.service import add_tinker_checkpoint
 from service.kit.db import session_scope, utcnow
 from service.kit.ids import new_id
@@ -30,7 +31,7 @@ from service.primitives.models import (
     SamplingSession,
     TrainingClient,
 )
-from service.primitives.repository import close_session
+from service.primitives.repository import close_session, get_weights
 from service.storage import get_storage
 from service.usage.models import PrimitiveUsage
 from service.usage.repository import record_call
@@ -225,7 +226,7 @@ def _settle(worker: str, request_id: str, *, status: str, result: bytes | None, 
 def saved_weights(tenant_id: str, client_id: str, kind: str, name: str) -> WeightsRecord | None:
     """The tenant's saved weights by their path's parts (None for another tenant's, as for unknown ones)."""
     with session_scope() as session:
-        row = _weights_row(session, tenant_id, client_id, kind, name)
+        row = get_weights(session, tenant_id, client_id, kind, name)
         return None if row is None else _record(row)
 
 
@@ -236,9 +237,8 @@ def weights_by_id(tenant_id: str, weights_id: str) -> WeightsRecord | None:
 
 
 def _record(row: PrimitiveWeights) -> WeightsRecord:
-    segment = "weights" if row.kind == "state" else "sampler_weights"
     return WeightsRecord(row.storage_path, row.base_model, dict(row.lora),
-                         f"tinker://{row.training_client_id}/{segment}/{row.name}")
+                         weights_path(row.training_client_id, row.kind, row.name))
 
 
 @dataclass(frozen=True)
@@ -268,7 +268,7 @@ def record_weights(tenant_id: str, client_id: str, kind: str, name: str, storage
     with session_scope() as session:
         client = session.get(TrainingClient, client_id)
         assert client is not None and client.tenant_id == tenant_id
-        row = _weights_row(session, tenant_id, client_id, kind, name)
+        row = get_weights(session, tenant_id, client_id, kind, name)
         if row is None:
             row = PrimitiveWeights(id=new_id("wts"), tenant_id=tenant_id, training_client_id=client_id,
                                    kind=kind, name=name, base_model=client.base_model, lora=dict(client.lora),
@@ -304,17 +304,6 @@ def close_silent_sessions(timeout: timedelta) -> int:
         for session_id in silent:
             close_session(session, session_id, now)
         return len(silent)
-
-
-def _weights_row(session: Session, tenant_id: str, client_id: str, kind: str, name: str) -> PrimitiveWeights | None:
-    return session.scalars(
-        select(PrimitiveWeights).where(
-            PrimitiveWeights.tenant_id == tenant_id,
-            PrimitiveWeights.training_client_id == client_id,
-            PrimitiveWeights.kind == kind,
-            PrimitiveWeights.name == name,
-        )
-    ).one_or_none()
 
 
 def heartbeat(worker: str, models: Mapping[str, Mapping[str, Any]]) -> None:

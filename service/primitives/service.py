@@ -20,6 +20,8 @@ import grpc
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from contract.tinker import paths
+from contract.tinker.paths import parse_weights_path
 from service.kit.config import get_settings
 from service.kit.db import utcnow
 from service.kit.errors import DomainError, NotFound, ValidationFailed
@@ -34,10 +36,6 @@ from service.primitives.models import (
     TrainingClient,
 )
 from service.usage.budget import refuse_if_tenant_exhausted
-
-TINKER_SCHEME = "tinker://"
-WEIGHT_KINDS = {"weights": "state", "sampler_weights": "sampler"}
-PATH_KIND = {kind: segment for segment, kind in WEIGHT_KINDS.items()}
 
 
 class SessionGone(DomainError):
@@ -206,21 +204,21 @@ def refuse(session: Session, tenant_id: str, client_id: str, operation: str, seq
 
 def resolve_weights(session: Session, tenant_id: str, path: str, field: str) -> PrimitiveWeights:
     """The saved weights `tinker://<model>/<weights|sampler_weights>/<name>` of this tenant (404 otherwise)."""
-    parts = path.removeprefix(TINKER_SCHEME).split("/") if path.startswith(TINKER_SCHEME) else []
-    if len(parts) != 3 or parts[1] not in WEIGHT_KINDS or not parts[0] or not parts[2]:
+    address = parse_weights_path(path)
+    if address is None:
         raise ValidationFailed(
             f"{field}: {path!r} is not a weights path (tinker://<model_id>/weights/<name> or "
             "tinker://<model_id>/sampler_weights/<name>)",
             details=[{"field": field, "message": "not a tinker:// weights path"}],
         )
-    row = repository.get_weights(session, tenant_id, parts[0], WEIGHT_KINDS[parts[1]], parts[2])
+    row = repository.get_weights(session, tenant_id, *address)
     if row is None:
         raise NotFound("weights", path)
     return row
 
 
 def weights_path(row: PrimitiveWeights) -> str:
-    return f"{TINKER_SCHEME}{row.training_client_id}/{PATH_KIND[row.kind]}/{row.name}"
+    return paths.weights_path(row.training_client_id, row.kind, row.name)
 
 
 # --- sampling sessions ---------------------------------------------------------------------------------
