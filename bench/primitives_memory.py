@@ -16,8 +16,9 @@ and optim_step (AdamW, lr 1e-4), one client after the other as the primitives wo
 client's AdamW state exists. Then, after a gc.collect(): `steady` = VmRSS, `peak` = VmHWM (the high-water mark
 of the whole child: imports, loading, every call), from /proc/self/status; then `trimmed` = VmRSS after glibc's
 malloc_trim(0), which hands back the freed pages glibc keeps (the activations of the last calls, and holes
-between live blocks): the live memory, to explain `steady`. The allocator is otherwise left as the primitives
-worker leaves it (glibc's defaults; worker.grpo.allocator is not applied, and nothing trims).
+between live blocks): the live memory, to explain `steady`. The allocator is set up as `grpo primitives-worker`
+sets it (worker.primitives_worker.prepare_process: large freed blocks go back to the kernel), or with
+`--allocator glibc` left at glibc's defaults; nothing else trims.
 
 Configurations, per model and rank:
 - `shared x1`: one ResidentBase, one client; `shared xK`: one ResidentBase, K clients (what the service runs);
@@ -179,6 +180,10 @@ def child_main(args: argparse.Namespace) -> None:
 
     torch.set_num_threads(args.threads)
     from worker.grpo import resident  # noqa: F401  # the runtime: imported before the first reading
+    from worker.primitives_worker import prepare_process  # what `grpo primitives-worker` sets up, or not
+
+    if args.allocator == "worker":
+        prepare_process()
 
     layout = Layout(args.layout, args.child_clients)
     workload = Workload(args.rank, args.calls, args.datums, args.tokens)
@@ -193,7 +198,7 @@ def child_main(args: argparse.Namespace) -> None:
 
 def measure(
     model_dir: Path, layout: Layout, workload: Workload, work: Path, *, threads: int = TORCH_THREADS,
-    timeout_s: float | None = 3600,
+    timeout_s: float | None = 3600, allocator: str = "worker",
 ) -> dict[str, float]:
     """One configuration in a fresh child process; its record (RECORD_KEYS), the child's rusage peak included."""
     record_path = work / f"record-{layout.layout}-{layout.clients}-r{workload.rank}.json"
@@ -201,7 +206,7 @@ def measure(
         "--child", "--model-dir", str(model_dir), "--layout", layout.layout,
         "--child-clients", str(layout.clients), "--rank", str(workload.rank), "--calls", str(workload.calls),
         "--datums", str(workload.datums), "--tokens", str(workload.tokens), "--threads", str(threads),
-        "--record", str(record_path),
+        "--record", str(record_path), "--allocator", allocator,
     ]
     pythonpath = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     env = _child_env("passive") | {"PYTHONPATH": pythonpath}
@@ -313,7 +318,7 @@ def bench_model(
         records: dict[Layout, list[dict[str, float]]] = {layout: [] for layout in layouts}
         for rep in range(args.reps):
             for layout in layouts if rep % 2 == 0 else layouts[::-1]:  # A B C, C B A: drift hits all alike
-                record = measure(model_dir, layout, workload, work, threads=args.threads)
+                record = measure(model_dir, layout, workload, work, threads=args.threads, allocator=args.allocator)
                 records[layout].append(record)
                 print(
                     f"{model} r {rank} rep {rep + 1} {layout.name}: runtime {record['runtime_mib']:.0f}, "
@@ -366,6 +371,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="where the builtin models are built once (default grpo-data/models)",
     )
     parser.add_argument("--json", type=Path, default=None, help="also write every record to this JSON file")
+    parser.add_argument(
+        "--allocator", choices=("worker", "glibc"), default="worker",
+        help="worker: the allocator policy `grpo primitives-worker` sets (default); glibc: glibc's own",
+    )
     # Internal: the child-process entry point.
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--child-clients", type=int, help=argparse.SUPPRESS)

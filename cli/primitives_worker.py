@@ -23,10 +23,11 @@ def primitives_worker(
     """Serve the primitive training API's calls on resident base models (GRPO_PRIMITIVES_BASE_MODELS)."""
     # Operator commands import the service and the worker only when run: the client install has neither.
     from service.execution.runtime import get_settings, get_storage, prepare_worker_process
-    from worker.primitives_worker import PrimitivesWorker
+    from worker.primitives_worker import PrimitivesWorker, prepare_process
 
     logging.basicConfig(level=loglevel.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     prepare_worker_process()
+    prepare_process()
     settings = get_settings()
     stop = threading.Event()
 

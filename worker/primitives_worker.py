@@ -28,6 +28,7 @@ from service.execution import primitives as port
 from service.execution.lease import process_worker_id
 from service.execution.primitives import CallUsage, PendingRequest, Target
 from service.execution.runtime import Settings, Storage
+from worker.grpo.allocator import return_freed_memory
 from worker.grpo.model_paths import resolve_model_path
 from worker.grpo.resident import LoraSpec, ResidentBase
 from worker.primitive_calls import CallRefused, CallRunner
@@ -38,6 +39,17 @@ log = logging.getLogger(__name__)
 # workers' silence, silent sessions).
 IDLE_POLL_SECONDS = 0.05
 HOUSEKEEPING_SECONDS = 5.0
+
+
+def prepare_process() -> None:
+    """Process-wide settings of a primitives worker, called once by its entry point before the models load.
+
+    Large freed blocks go back to the kernel (worker.grpo.allocator.return_freed_memory): a worker holds many
+    tenants' adapters and AdamW states for hours, and with glibc's default policy the freed activations of each
+    call stay in the process, between those states, so resident memory grows with the calls rather than with
+    the clients (bench/README.md, "Many LoRA clients on one base: memory").
+    """
+    return_freed_memory()
 
 
 class PrimitivesWorker:
