@@ -232,6 +232,9 @@ class AsyncGRPOClient:
     async def list_checkpoints(self, job_id: str) -> CheckpointList:
         return await self._run(calls.list_checkpoints(job_id))
 
+    async def tinker_checkpoints(self, tinker_path: str) -> CheckpointList:
+        return await self._run(calls.tinker_checkpoints(tinker_path))
+
     async def get_checkpoint(self, checkpoint_id: str) -> CheckpointOut:
         return await self._run(calls.get_checkpoint(checkpoint_id))
 

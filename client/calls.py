@@ -203,6 +203,11 @@ class calls:  # noqa: N801 - a namespace of request builders, one per endpoint
         return Call("GET", f"/v1/jobs/{job_id}/checkpoints", CheckpointList, idempotent=True)
 
     @staticmethod
+    def tinker_checkpoints(tinker_path: str) -> Call[CheckpointList]:
+        """The checkpoints of weights saved through the Tinker API as `tinker_path` (tinker://...), oldest first."""
+        return Call("GET", "/v1/checkpoints", CheckpointList, query_params(tinker_path=tinker_path), idempotent=True)
+
+    @staticmethod
     def get_checkpoint(checkpoint_id: str) -> Call[CheckpointOut]:
         return Call("GET", f"/v1/checkpoints/{checkpoint_id}", CheckpointOut, idempotent=True)
 

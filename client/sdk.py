@@ -323,6 +323,10 @@ class GRPOClient:
     def list_checkpoints(self, job_id: str) -> CheckpointList:
         return self._run(calls.list_checkpoints(job_id))
 
+    def tinker_checkpoints(self, tinker_path: str) -> CheckpointList:
+        """The checkpoints of a tinker:// path saved through the Tinker API (the last is what the path loads)."""
+        return self._run(calls.tinker_checkpoints(tinker_path))
+
     def get_checkpoint(self, checkpoint_id: str) -> CheckpointOut:
         return self._run(calls.get_checkpoint(checkpoint_id))
 
