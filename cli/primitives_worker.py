@@ -37,4 +37,7 @@ def primitives_worker(
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
     worker = PrimitivesWorker(settings, get_storage(), cache_dir=Path(settings.data_dir) / "models", device=device)
-    worker.run(stop)
+    try:
+        worker.run(stop)
+    finally:
+        worker.close()

@@ -30,6 +30,7 @@ from service.execution.primitives import CallUsage, PendingRequest, Target
 from service.execution.runtime import Settings, Storage
 from worker.grpo.allocator import return_freed_memory
 from worker.grpo.model_paths import resolve_model_path
+from worker.grpo.primitive_vllm import VLLMSampler
 from worker.grpo.resident import LoraSpec, ResidentBase
 from worker.primitive_calls import CallRefused, CallRunner
 
@@ -60,6 +61,8 @@ class PrimitivesWorker:
         self.published: dict[str, dict[str, Any]] = {}
         for base_model in settings.primitives_base_models:
             resident = ResidentBase(resolve_model_path(base_model, cache_dir), device=device or "cpu")
+            if settings.primitives_sampler == "vllm":
+                resident.use_vllm(self._vllm_engine(resident))
             self.residents[base_model] = resident
             self.published[base_model] = {
                 "tokenizer_id": resident.base_model_dir, "vocab_size": resident.vocab_size,
@@ -72,6 +75,19 @@ class PrimitivesWorker:
         self.offload_dir = Path(settings.data_dir) / "primitives-offload" / self.name
         self.offloaded: dict[str, Path] = {}
         self.last_used: dict[str, float] = {}
+
+    def _vllm_engine(self, resident: ResidentBase) -> VLLMSampler:
+        folder = hashlib.sha256(resident.base_model_dir.encode()).hexdigest()[:24]
+        return VLLMSampler(
+            resident.base_model_dir, Path(self.settings.data_dir) / "primitives-vllm" / self.name / folder,
+            max_lora_rank=self.settings.primitives_vllm_max_lora_rank, device=resident.device,
+            gpu_memory_utilization=self.settings.primitives_vllm_gpu_memory_utilization,
+        )
+
+    def close(self) -> None:
+        """Stop the residents' vLLM engines, if any (the process's exit frees the rest)."""
+        for resident in self.residents.values():
+            resident.close()
 
     # --- the loop --------------------------------------------------------------------------------------------
 

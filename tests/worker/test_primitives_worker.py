@@ -17,6 +17,7 @@ from service.kit.db import session_scope
 from service.primitives import service as primitives
 from service.storage import get_storage
 from tests.service.factories import create_tenant
+from worker.grpo.resident import LoraSpec
 from worker.primitives_worker import PrimitivesWorker
 
 MODEL = "builtin:tiny"
@@ -103,3 +104,68 @@ def test_the_loop_trains_offloads_and_frees_a_client(worker: PrimitivesWorker) -
         primitives.finish_session(session, tenant.id, session_id)
     worker.step()
     assert not worker.held and not worker.offloaded
+
+
+def test_the_vllm_sampler_serves_snapshots_and_the_base(
+    settings: Settings, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """GRPO_PRIMITIVES_SAMPLER=vllm: a snapshot taken by save_weights_for_sampler samples through vLLM what its
+    client samples natively, a base-model sampler samples the base, and a closed session takes the snapshot's
+    adapter out of the engine."""
+    monkeypatch.setenv("GRPO_PRIMITIVES_BASE_MODELS", json.dumps([MODEL]))
+    monkeypatch.setenv("GRPO_PRIMITIVES_SAMPLER", "vllm")
+    monkeypatch.setenv("GRPO_PRIMITIVES_VLLM_MAX_LORA_RANK", "8")
+    get_settings.cache_clear()
+    worker = PrimitivesWorker(get_settings(), get_storage(), cache_dir=tmp_path / "models", device="cpu")
+    resident = worker.residents[MODEL]
+    engine = resident._vllm
+    assert engine is not None
+    try:
+        with session_scope() as session:
+            tenant, _ = create_tenant(session, "vllm-sampler")
+            session_id = primitives.start_session(session, tenant.id, "test", [], {})
+            client, creation = primitives.create_training_client(session, tenant.id, session_id, 0, MODEL,
+                                                                 {"rank": 4, "seed": 3})
+        _run(worker, tenant.id, creation)
+
+        def call(target: str, operation: str, seq_id: int, body: bytes) -> bytes:
+            with session_scope() as session:
+                if operation == "sample":
+                    request_id = primitives.submit_sample(session, tenant.id, target, seq_id, body)
+                else:
+                    request_id = primitives.submit(session, tenant.id, target, operation, seq_id, body)
+            future = _run(worker, tenant.id, request_id)
+            assert future.status == "done", future.error
+            return future.result or b""
+
+        call(client, "forward_backward", 1, _forward(client, 1, forward_only=False))
+        call(client, "optim_step", 2, json.dumps({"model_id": client, "seq_id": 2,
+                                                  "adam_params": {"learning_rate": 0.05}}).encode())
+        snapshot = json.loads(call(client, "save_weights_for_sampler", 3, json.dumps({
+            "model_id": client, "seq_id": 3, "sampling_session_seq_id": 0,
+            "sampler_id": f"{session_id}:sample:0"}).encode()))["sampling_session_id"]
+        assert engine.has_adapter(snapshot)
+
+        def sample(sampler_id: str) -> list[list[int]]:
+            body = {"sampling_session_id": sampler_id, "seq_id": 0, "num_samples": 2,
+                    "prompt": {"chunks": [{"type": "encoded_text", "tokens": TOKENS}]},
+                    "sampling_params": {"max_tokens": 6, "temperature": 0.0, "stop": []}}
+            response = pb.SampleResponse.FromString(call(sampler_id, "sample", 0, json.dumps(body).encode()))
+            return [np.frombuffer(sequence.tokens, dtype="<i4").tolist() for sequence in response.sequences]
+
+        native = resident.sample(client, TOKENS, num_samples=2, max_tokens=6, temperature=0.0, stop=[])
+        assert sample(snapshot) == [s.tokens for s in native]
+        with session_scope() as session:
+            base_sampler = primitives.create_sampling_session(session, tenant.id, session_id, 1, base_model=MODEL,
+                                                              model_path=None)
+        resident.add_client("fresh", LoraSpec(rank=2, seed=0))  # B = 0: it samples the base, natively
+        assert sample(base_sampler) == [resident.sample("fresh", TOKENS, max_tokens=6, temperature=0.0,
+                                                        stop=[])[0].tokens] * 2
+        resident.remove_client("fresh")
+
+        with session_scope() as session:
+            primitives.finish_session(session, tenant.id, session_id)
+        worker.step()
+        assert not worker.held and not engine.has_adapter(snapshot)
+    finally:
+        worker.close()

