@@ -73,7 +73,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory, instruct_model: Path) -> Ite
     port = free_port()
     env = clean_env(GRPO_ENV="development", GRPO_DATA_DIR=str(root / "data"), GRPO_API_PORT=str(port),
                     GRPO_GRPC_PORT="0", GRPO_PRIMITIVES_BASE_MODELS=json.dumps([BASE_MODEL]),
-                    GRPO_PRIMITIVES_WORKER_STALE_SECONDS="3")
+                    GRPO_PRIMITIVES_WORKER_STALE_SECONDS="3",
+                    # `vllm` runs the module's SDK loops on the vLLM sampler (GRPO_PRIMITIVES_SAMPLER).
+                    GRPO_PRIMITIVES_SAMPLER=os.environ.get("GRPO_TEST_TINKER_SAMPLER", "native"))
     processes = Processes(root)
     try:
         serve = processes.start("serve", [*GRPO, "serve", "--migrate"], env)
