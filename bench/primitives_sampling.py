@@ -39,8 +39,8 @@ sys.path.insert(0, str(BENCH))
 
 from common import TORCH_THREADS  # noqa: E402
 from grpo_step import _child_env, _run_child  # noqa: E402
+from primitives_memory import MODELS, _int_list  # noqa: E402
 
-MODELS = {"tiny": "builtin:tiny-instruct", "smollm2": "builtin:smollm2-135m-instruct"}
 SAMPLERS = ("native", "vllm")
 PROMPT_TEXT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 
@@ -174,12 +174,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     unknown = [item for item in args.model_list if item not in MODELS]
     if unknown or not args.model_list:
         parser.error(f"--models: unknown {', '.join(unknown) or '(none given)'}; choose from {', '.join(MODELS)}")
-    try:
-        args.sampler_list = sorted({int(item) for item in args.samplers.split(",") if item.strip()})
-    except ValueError:
-        parser.error(f"--samplers: comma-separated positive integers, got {args.samplers!r}")
-    if not args.sampler_list or args.sampler_list[0] < 1:
-        parser.error(f"--samplers: comma-separated positive integers, got {args.samplers!r}")
+    args.sampler_list = _int_list(parser, "--samplers", args.samplers)
     for option in ("rank", "samples", "tokens", "calls", "reps", "threads"):
         if getattr(args, option) < 1:
             parser.error(f"--{option.replace('_', '-')} must be at least 1")
