@@ -7,11 +7,14 @@ One engine for the module on the tiny model (~2-4 s to build), float32 on both s
 
 from __future__ import annotations
 
+import os
 import shutil
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
+import psutil
 import pytest
 
 from worker.grpo.primitive_errors import PrimitiveNotFound
@@ -32,11 +35,43 @@ def _teach(resident: ResidentBase, client_id: str, tokens: list[int]) -> None:
         resident.optim_step(client_id, AdamSettings(learning_rate=0.02))
 
 
+def _outside_interface() -> str | None:
+    """A network interface of this machine with an IPv4 address that is not loopback, if there is one."""
+    for name, entries in psutil.net_if_addrs().items():
+        if any(e.family == socket.AF_INET and not e.address.startswith("127.") for e in entries):
+            return name
+    return None
+
+
+def _listening_addresses() -> set[str]:
+    """The local addresses (hex, as /proc/net/tcp writes them) of this process's listening TCP sockets."""
+    inodes = {os.readlink(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd")
+              if os.path.exists(f"/proc/self/fd/{fd}")}
+    addresses = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and f"socket:[{fields[9]}]" in inodes:  # 0A: LISTEN
+                addresses.add(fields[1].split(":")[0])
+    return addresses
+
+
 @pytest.fixture(scope="module")
 def resident(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ResidentBase]:
     base = ResidentBase(tiny_model_dir)
-    base.use_vllm(VLLMSampler(tiny_model_dir, tmp_path_factory.mktemp("vllm"), max_lora_rank=8,
-                              device=base.device, gpu_memory_utilization=0.3))
+    # An outside interface where the environment names one: the engine must bind to loopback all the same.
+    saved = {name: os.environ.get(name) for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")}
+    os.environ["GLOO_SOCKET_IFNAME"] = _outside_interface() or "lo"
+    try:
+        base.use_vllm(VLLMSampler(tiny_model_dir, tmp_path_factory.mktemp("vllm"), max_lora_rank=8,
+                                  device=base.device, gpu_memory_utilization=0.3))
+        base.sample(None, PROMPT, max_tokens=2)  # the engine's process group is up
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
     base.add_client("trained", LoraSpec(rank=8, seed=1))
     _teach(base, "trained", PROMPT + [30, 31, 32, 30, 31, 32])
     saved = tmp_path_factory.mktemp("saved")
@@ -148,3 +183,12 @@ def test_eos_ends_a_sample_unless_stop_is_empty(resident: ResidentBase, tmp_path
     finally:
         resident.remove_sampler("eos-sampler")
         resident.remove_client("eos")
+
+
+def test_the_engine_listens_on_loopback_only(resident: ResidentBase) -> None:
+    """Its process group is one process: gloo's sockets bind to loopback even where GLOO_SOCKET_IFNAME named
+    an outside interface (the fixture sets one, where the machine has one)."""
+    addresses = _listening_addresses()
+    assert addresses, "the engine's process group listens somewhere"
+    loopback = {"0100007F", "00000000000000000000000001000000"}  # 127.0.0.1, ::1
+    assert addresses <= loopback, addresses

@@ -33,7 +33,7 @@ import torch
 from transformers import AutoConfig
 
 from worker.grpo.primitive_sampling import SampledSequence, SamplingSettings, StopReason
-from worker.grpo.vllm_rollout import VLLMUnavailable, build_llm, vllm_installed
+from worker.grpo.vllm_rollout import VLLMUnavailable, bind_engine_to_loopback, build_llm, vllm_installed
 
 # Adapters kept loaded in host memory beyond the one in the active slot.
 MAX_CPU_LORAS = 16
@@ -79,6 +79,7 @@ class VLLMSampler:
             kv_bytes, self.max_length = _cpu_kv_cache(Path(model_dir))
             options |= {"enforce_eager": True, "kv_cache_memory_bytes": kv_bytes, "max_model_len": self.max_length}
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process engine, as the rollouts'
+        bind_engine_to_loopback()  # a process group of one
         self.llm = build_llm(options)
 
     def serves(self, rank: int) -> bool:

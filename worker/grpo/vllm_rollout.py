@@ -49,6 +49,7 @@ from worker.grpo.checkpoint import capture_rng_state, restore_rng_state
 from worker.grpo.concurrency import SideThread
 from worker.grpo.distributed import Parallel, Ranks
 from worker.grpo.full_weights import base_model, gathered_layer, policy_weights
+from worker.grpo.launch import interface_of
 from worker.grpo.modeling import ModelBundle
 from worker.grpo.rollout import Rollout, completion_mask_after_eos, eos_token_ids, tokenize_prompts
 
@@ -73,6 +74,13 @@ class VLLMUnavailable(RuntimeError):
 def vllm_installed() -> bool:
     """Without importing it (seconds, and it patches torch)."""
     return importlib.util.find_spec("vllm") is not None
+
+
+def bind_engine_to_loopback() -> None:
+    """For an engine whose process group is this process alone: its gloo (and NCCL) sockets bind to loopback,
+    not to the interface the host name resolves to, since nothing outside the process joins the group."""
+    loopback = interface_of("127.0.0.1")
+    os.environ["GLOO_SOCKET_IFNAME"] = os.environ["NCCL_SOCKET_IFNAME"] = loopback
 
 
 def build_llm(options: dict[str, Any]) -> Any:
@@ -140,7 +148,9 @@ class VLLMRollout:
             # Temperature applied, as in the trainer's log-probs (the raw ones would bias the IS ratio).
             "logprobs_mode": "processed_logprobs",
         }
-        if self.parallel.ranks.distributed:
+        if not self.parallel.ranks.distributed:
+            bind_engine_to_loopback()
+        else:
             # An engine per rank in the job's process group (RANK, LOCAL_RANK and WORLD_SIZE come from the
             # launcher), tensor parallelism 1: its groups are one rank each, so engines never wait on each other.
             options["distributed_executor_backend"] = "external_launcher"
