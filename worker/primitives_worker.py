@@ -33,6 +33,7 @@ from worker.grpo.model_paths import resolve_model_path
 from worker.grpo.primitive_vllm import VLLMSampler
 from worker.grpo.resident import LoraSpec, ResidentBase
 from worker.primitive_calls import CallRefused, CallRunner
+from worker.scratch import claim_scratch, release_scratch
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +58,9 @@ class PrimitivesWorker:
     def __init__(self, settings: Settings, storage: Storage, *, cache_dir: Path, device: str | None = None) -> None:
         self.settings = settings
         self.name = process_worker_id()
+        # Idle training clients' states on this worker's disk (`_offload_idle`); the adapters its vLLM engines read.
+        self.offload_dir = claim_scratch(Path(settings.data_dir) / "primitives-offload", self.name)
+        self.vllm_dir = claim_scratch(Path(settings.data_dir) / "primitives-vllm", self.name)
         self.residents: dict[str, ResidentBase] = {}
         self.published: dict[str, dict[str, Any]] = {}
         for base_model in settings.primitives_base_models:
@@ -71,23 +75,25 @@ class PrimitivesWorker:
         self.held: dict[str, Target] = {}
         self.calls = CallRunner(self.name, storage, self._open_snapshot_sampler)
         self._last_housekeeping = 0.0
-        # Idle training clients' states on this worker's disk (`_offload_idle`), and when each client last ran.
-        self.offload_dir = Path(settings.data_dir) / "primitives-offload" / self.name
+        # The clients offloaded, and when each client last ran.
         self.offloaded: dict[str, Path] = {}
         self.last_used: dict[str, float] = {}
 
     def _vllm_engine(self, resident: ResidentBase) -> VLLMSampler:
         folder = hashlib.sha256(resident.base_model_dir.encode()).hexdigest()[:24]
         return VLLMSampler(
-            resident.base_model_dir, Path(self.settings.data_dir) / "primitives-vllm" / self.name / folder,
+            resident.base_model_dir, self.vllm_dir / folder,
             max_lora_rank=self.settings.primitives_vllm_max_lora_rank, device=resident.device,
             gpu_memory_utilization=self.settings.primitives_vllm_gpu_memory_utilization,
         )
 
     def close(self) -> None:
-        """Stop the residents' vLLM engines, if any (the process's exit frees the rest)."""
+        """Stop the residents' vLLM engines, if any, and remove this worker's files (the process's exit frees
+        the rest; a killed worker's files go when the next worker starts: worker.scratch)."""
         for resident in self.residents.values():
             resident.close()
+        release_scratch(self.offload_dir)
+        release_scratch(self.vllm_dir)
 
     # --- the loop --------------------------------------------------------------------------------------------
 

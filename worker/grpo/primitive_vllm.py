@@ -33,13 +33,19 @@ import torch
 from transformers import AutoConfig
 
 from worker.grpo.primitive_sampling import SampledSequence, SamplingSettings, StopReason
-from worker.grpo.vllm_rollout import VLLMUnavailable, bind_engine_to_loopback, build_llm, vllm_installed
+from worker.grpo.vllm_rollout import (
+    CPU_KV_CACHE_MAX_BYTES,
+    CPU_KV_CACHE_MIN_BYTES,
+    VLLMUnavailable,
+    bind_engine_to_loopback,
+    build_llm,
+    kv_bytes_per_token,
+    vllm_installed,
+)
 
 # Adapters kept loaded in host memory beyond the one in the active slot.
 MAX_CPU_LORAS = 16
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
-_CPU_KV_CACHE_MIN_BYTES = 64 * 2**20
-_CPU_KV_CACHE_MAX_BYTES = 4 * 2**30
 _BASE = "\0base"  # the base's own adapter (set_base_adapter), under a key that no sampler id is
 _CPU_KV_SEQUENCES = 4  # a CPU engine's KV cache holds this many sequences at the model's full length
 
@@ -161,9 +167,7 @@ def _cpu_kv_cache(model_dir: Path) -> tuple[int, int]:
     """A CPU engine's KV cache bytes and longest sequence: room for _CPU_KV_SEQUENCES sequences at the model's
     full length within [64 MiB, 4 GiB] (float32), the length cut to what 4 GiB holds."""
     config = AutoConfig.from_pretrained(model_dir)
-    heads = config.num_key_value_heads or config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    per_token = 2 * config.num_hidden_layers * heads * head_dim * 4  # K and V, every layer, float32
+    per_token = kv_bytes_per_token(config, 4)  # float32
     positions = int(getattr(config, "max_position_embeddings", 4096))
-    length = min(positions, _CPU_KV_CACHE_MAX_BYTES // (_CPU_KV_SEQUENCES * per_token))
-    return max(_CPU_KV_CACHE_MIN_BYTES, _CPU_KV_SEQUENCES * length * per_token), length
+    length = min(positions, CPU_KV_CACHE_MAX_BYTES // (_CPU_KV_SEQUENCES * per_token))
+    return max(CPU_KV_CACHE_MIN_BYTES, _CPU_KV_SEQUENCES * length * per_token), length

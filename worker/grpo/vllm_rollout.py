@@ -56,8 +56,16 @@ from worker.grpo.rollout import Rollout, completion_mask_after_eos, eos_token_id
 # The field a job names when it asks for vLLM, for errors about a worker that lacks it.
 USE_VLLM_FIELD = "hyperparameters.use_vllm"
 
-_CPU_KV_CACHE_MIN_BYTES = 64 * 2**20
-_CPU_KV_CACHE_MAX_BYTES = 4 * 2**30
+# Bounds of a CPU engine's KV cache (vLLM's own default there is a share of the host's memory).
+CPU_KV_CACHE_MIN_BYTES = 64 * 2**20
+CPU_KV_CACHE_MAX_BYTES = 4 * 2**30
+
+
+def kv_bytes_per_token(config: Any, element_bytes: int) -> int:
+    """What one token's keys and values take in a KV cache, every layer (`config`: a transformers config)."""
+    heads = config.num_key_value_heads or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return 2 * config.num_hidden_layers * heads * head_dim * element_bytes
 
 
 class VLLMUnavailable(RuntimeError):
@@ -175,13 +183,10 @@ class VLLMRollout:
 
     def _cpu_kv_cache_bytes(self) -> int:
         """Room for the whole step's batch at full length, within [64 MiB, 4 GiB]."""
-        model_config = base_model(self.models).config
-        heads = model_config.num_key_value_heads or model_config.num_attention_heads
-        head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // model_config.num_attention_heads
         element = torch.finfo(next(self.models.policy.parameters()).dtype).bits // 8
-        per_token = 2 * model_config.num_hidden_layers * heads * head_dim * element  # K and V, every layer
+        per_token = kv_bytes_per_token(base_model(self.models).config, element)
         tokens = self.config.completions_per_step * (self._max_model_length() or 4096)
-        return max(_CPU_KV_CACHE_MIN_BYTES, min(per_token * tokens, _CPU_KV_CACHE_MAX_BYTES))
+        return max(CPU_KV_CACHE_MIN_BYTES, min(per_token * tokens, CPU_KV_CACHE_MAX_BYTES))
 
     # --- rollout -------------------------------------------------------------------------------
 
