@@ -52,7 +52,8 @@ $(BENCH_STAMP): $(STAMP)
 
 install: $(STAMP)
 
-$(OPENENV_STAMP): pyproject.toml
+# After the main venv: two editable installs of this project at once would race on its egg-info.
+$(OPENENV_STAMP): pyproject.toml $(STAMP)
 	@test -x $(OPENENV)/bin/python || $(PYTHON) -m venv $(OPENENV)
 	$(OPENENV)/bin/python -m pip install -q --upgrade pip
 	$(OPENENV)/bin/python -m pip install -q -e '.[env]'
@@ -93,7 +94,11 @@ test-lowest: install $(LOWEST_STAMP)
 		--ignore=tests/engine/test_primitive_vllm.py \
 		--deselect tests/engine/test_async_generation.py::test_vllm_async_run_and_a_sampler_that_keeps_old_weights
 
-test: lint typecheck pytest test-lowest
+# The main venv first. Then ruff, the import contracts and mypy run beside the installs of the other venvs (each
+# of them mostly one core, none needing another), and the suites after all of them.
+test: install
+	$(MAKE) -j4 lint typecheck $(OPENENV_STAMP) $(TINKER_STAMP) $(LOWEST_STAMP)
+	$(MAKE) pytest test-lowest
 
 demo: install
 	$(VENV)/bin/grpo demo
