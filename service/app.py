@@ -174,7 +174,7 @@ def create_app() -> FastAPI:
     # Dataset uploads stream under their own limit (GRPO_MAX_DATASET_BYTES, service.datasets.multipart).
     app.add_middleware(
         BodyLimitMiddleware,
-        max_bytes=get_settings().max_request_body_bytes,
+        max_bytes=lambda: get_settings().max_request_body_bytes,
         exempt={("POST", "/v1/datasets"), ("POST", f"{openai_errors.PREFIX}/files")},
     )
     app.add_middleware(RateLimitHeaders)

@@ -11,7 +11,7 @@ the JSON error body every other failure has; hence this small middleware.)
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 
 from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse
@@ -40,7 +40,12 @@ class BodyTooLarge(HTTPException):
 
 
 class BodyLimitMiddleware:
-    def __init__(self, app: ASGIApp, *, max_bytes: int, exempt: Collection[tuple[str, str]] = ()) -> None:
+    """`max_bytes` is asked at each request, so that building the app reads no settings: like the lifespan, the
+    middleware takes the limit from the settings the app is served with."""
+
+    def __init__(
+        self, app: ASGIApp, *, max_bytes: Callable[[], int], exempt: Collection[tuple[str, str]] = ()
+    ) -> None:
         self.app = app
         self.max_bytes = max_bytes
         self.exempt = frozenset(exempt)  # (method, path) pairs
@@ -49,7 +54,7 @@ class BodyLimitMiddleware:
         if scope["type"] != "http" or (scope["method"], scope["path"]) in self.exempt:
             await self.app(scope, receive, send)
             return
-        limit = self.max_bytes
+        limit = self.max_bytes()
         declared = dict(scope["headers"]).get(b"content-length", b"")
         if declared.isdigit() and (len(declared) > _MAX_DIGITS or int(declared) > limit):
             error = payload_too_large(limit)

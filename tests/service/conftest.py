@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import functools
 import shutil
 import uuid
 from collections.abc import Callable, Iterator
@@ -63,11 +64,23 @@ def new_postgres_database(postgres_admin_url: str) -> Iterator[str]:
 
 
 def _truncate_all(url: str) -> None:
-    tables = ", ".join(f'"{t.name}"' for t in Base.metadata.sorted_tables)
+    """Empty every table and restart every id sequence, as a fresh migration leaves them.
+
+    DELETE, children first, on the tables that hold rows, and setval on the sequences that have moved: a test
+    touches a handful of tables, and TRUNCATE does file work for each table it names (and each one it cascades to),
+    rows or not."""
+    names = [table.name for table in Base.metadata.sorted_tables]
+    probe = " UNION ALL ".join(f"SELECT '{name}' WHERE EXISTS (SELECT 1 FROM \"{name}\")" for name in names)
+    used_sequences = "SELECT sequencename FROM pg_sequences WHERE schemaname = 'public' AND last_value IS NOT NULL"
     engine = create_engine(url)
     try:
         with engine.begin() as conn:
-            conn.execute(text(f"TRUNCATE {tables} RESTART IDENTITY CASCADE"))
+            holding = set(conn.execute(text(probe)).scalars())
+            for name in reversed(names):
+                if name in holding:
+                    conn.execute(text(f'DELETE FROM "{name}"'))
+            for sequence in conn.execute(text(used_sequences)).scalars().all():
+                conn.execute(text("SELECT setval(:sequence, 1, false)"), {"sequence": f'"{sequence}"'})
     finally:
         engine.dispose()
 
@@ -103,11 +116,26 @@ def settings(db_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> It
     kit_db._factory_for.cache_clear()
 
 
-@pytest.fixture
-def app(settings: Settings) -> FastAPI:
+@functools.cache
+def process_app() -> FastAPI:
+    """One app per test process. Building one analyses every route's signature and models, and most service tests
+    need an app; it reads no settings (its lifespan and each request do), so one serves every test's settings."""
     from service.app import create_app
 
     return create_app()
+
+
+@pytest.fixture
+def app(settings: Settings) -> Iterator[FastAPI]:
+    """The app, under this test's settings, without what an earlier test left on it: dependency overrides, and the
+    state its lifespan or first request makes from the settings in force (a test that adds routes builds its own)."""
+    shared = process_app()
+    for name in ("grading", "reads"):
+        if hasattr(shared.state, name):
+            delattr(shared.state, name)
+    shared.dependency_overrides.clear()
+    yield shared
+    shared.dependency_overrides.clear()
 
 
 @pytest.fixture

@@ -14,8 +14,10 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
+from service.app import create_app
 from service.jobs import progress
 from service.jobs.schemas import SampleIn
+from service.kit.config import Settings
 from service.kit.db import session_scope
 from service.rewards.models import RewardFunction
 from tests.service.factories import TenantHeaders
@@ -284,10 +286,11 @@ class TestStoredRewardHeaders:
 
 class TestUnhandledErrors:
     @pytest.fixture
-    def failing_app(self, app: FastAPI) -> Iterator[FastAPI]:
+    def failing_app(self, settings: Settings) -> Iterator[FastAPI]:
         def boom() -> None:
             raise RuntimeError("a bug")
 
+        app = create_app()  # its own: the `app` fixture's is shared by the process's tests
         app.add_api_route("/boom", boom)
         yield app
 

@@ -13,11 +13,12 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from contract.dataset_format import MAX_COLUMN_NAME_CHARS, MAX_COLUMNS
 from contract.spec import MAX_METADATA_JSON_BYTES, MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS
-from service.kit.config import Settings
+from service.kit.config import Settings, get_settings
 from tests.service.factories import TenantHeaders
 from tests.service.jobs_support import job_spec, make_dataset
 
@@ -38,6 +39,17 @@ def metadata_body(spec: dict[str, Any], value_bytes: int) -> Iterator[bytes]:
 class TestBodyLimit:
     def test_settings_default(self, settings: Settings) -> None:
         assert settings.max_request_body_bytes == LIMIT
+
+    def test_the_limit_in_force_is_the_served_settings_one(
+        self, app: FastAPI, tenant_a: TenantHeaders, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """The app reads its settings when it serves, not when it is built (the test fixture shares one app)."""
+        monkeypatch.setenv("GRPO_MAX_REQUEST_BODY_BYTES", str(64 * 1024))
+        get_settings.cache_clear()
+        with TestClient(app) as client:
+            response = client.post("/v1/jobs", content=b"x" * (64 * 1024 + 1), headers=tenant_a)
+        assert response.status_code == 413, response.text[:300]
+        assert response.json()["error"]["details"] == {"limit_bytes": 64 * 1024}
 
     @pytest.mark.parametrize("declared", [True, False])
     def test_100_mb_metadata_is_413_within_seconds(
