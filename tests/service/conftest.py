@@ -4,9 +4,9 @@
   `settings`/`app`/`client`/`tenant_a`) runs on both.
   * sqlite: one database migrated per session with Alembic, copied to a fresh file per test.
   * postgres: one throwaway database `grpo_test_<random>` per session on 127.0.0.1:5432, migrated with
-    Alembic, every table truncated before each test, dropped at the end.
+    Alembic, emptied before each test (rows deleted, sequences restarted), dropped at the end.
 - `settings`: GRPO_* env pointing at that database, tmp storage, `memory://` broker; caches cleared.
-- `client`: starlette TestClient over `create_app()` (the real ASGI app, in-process).
+- `app`: the real ASGI app, one per test process (`process_app`); `client`: a starlette TestClient over it.
 - `tenant_a` / `tenant_b`: `TenantHeaders` (a headers dict with `.tenant_id` and `.api_key`).
 """
 
