@@ -23,7 +23,7 @@ from worker.grpo.tool_calls import HERMES_LINES_TEMPLATE
 from worker.grpo.tool_tasks import ToolItem, split, tool_schemas
 from worker.grpo.warm import WarmRecipe, build_warm_model
 
-TOOLS_RECIPE = WarmRecipe(tasks=(), steps=300, batch_size=32, data_version=102)  # bump when the data changes
+TOOLS_RECIPE = WarmRecipe(tasks=(), steps=150, batch_size=16, data_version=102)  # bump when the data changes
 
 
 def tools_tokenizer() -> PreTrainedTokenizerFast:
