@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import threading
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,15 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from worker.grpo.model_paths import resolve_model_path
 from worker.grpo.synthetic import TASKS, held_out_items, split, train_items
-from worker.grpo.warm import DEFAULT_RECIPE, WarmRecipe, build_instruct_model, instruct_dir
+from worker.grpo.tiny import build_tokenizer, exclusive_build
+from worker.grpo.warm import (
+    DEFAULT_RECIPE,
+    WarmRecipe,
+    build_instruct_model,
+    build_warm_model,
+    instruct_dir,
+    supervised_batch,
+)
 
 QUICK = WarmRecipe(steps=4, batch_size=8)
 
@@ -37,6 +46,34 @@ def test_cache_is_keyed_by_the_recipe(tmp_path: Path) -> None:
     assert (built / "model.safetensors").stat().st_mtime_ns == mtime
     assert instruct_dir(tmp_path, WarmRecipe(steps=5, batch_size=8)) != built
     assert (built / "recipe.json").is_file()
+
+
+def test_a_build_waits_for_the_same_build_in_progress_and_takes_its_result(tmp_path: Path) -> None:
+    """Two processes asking for one builtin model: the second waits on the build lock, then finds the model
+    and trains nothing. (flock locks belong to open files, so a thread holding it stands for another process.)"""
+    out_dir = instruct_dir(tmp_path, QUICK)
+    holding, release = threading.Event(), threading.Event()
+
+    def first_build() -> None:
+        with exclusive_build(out_dir):
+            holding.set()
+            release.wait(30)
+            build_instruct_model(tmp_path / "elsewhere", QUICK).rename(out_dir)
+
+    first = threading.Thread(target=first_build)
+    first.start()
+    assert holding.wait(30)
+    batches: list[int] = []
+    result: list[Path] = []
+    second = threading.Thread(target=lambda: result.append(build_warm_model(
+        out_dir, QUICK, build_tokenizer(), lambda rng: batches.append(1) or supervised_batch(build_tokenizer(), []))))
+    second.start()
+    second.join(1.0)
+    assert second.is_alive() and not result  # waiting for the first build
+    release.set()
+    first.join(60)
+    second.join(60)
+    assert result == [out_dir] and batches == []  # the first build's model, nothing trained again
 
 
 def test_held_out_items_never_appear_in_training_and_their_answers_do() -> None:

@@ -32,7 +32,7 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
-from worker.grpo.tiny import PRETRAINED_PRESET, is_complete_model, save_model_atomically
+from worker.grpo.tiny import PRETRAINED_PRESET, exclusive_build, is_complete_model, save_model_atomically
 
 log = logging.getLogger(__name__)
 
@@ -173,9 +173,12 @@ def build_smollm2(cache_dir: Path) -> Path:
     out_dir = Path(cache_dir) / f"{SMOLLM2_PRESET}-{SMOLLM2_VERSION}-{template_digest}"
     if is_complete_model(out_dir):
         return out_dir
-    source = smollm2_gguf()
-    log.info("building builtin:%s from %s (once)", SMOLLM2_PRESET, source.name)
-    return convert_gguf(source, out_dir, chat_template=SMOLLM2_TOOLS_TEMPLATE)
+    with exclusive_build(out_dir):
+        if is_complete_model(out_dir):  # converted while this process waited for the lock
+            return out_dir
+        source = smollm2_gguf()
+        log.info("building builtin:%s from %s (once)", SMOLLM2_PRESET, source.name)
+        return convert_gguf(source, out_dir, chat_template=SMOLLM2_TOOLS_TEMPLATE)
 
 
 def convert_local_gguf(gguf_path: Path, cache_dir: Path) -> Path:

@@ -11,10 +11,13 @@ tokenizer's post-processor (like Llama's), so the chat template does not add one
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import string
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -155,6 +158,18 @@ def build_tiny_model(preset: TinyPreset, out_dir: Path, *, seed: int = 0) -> Pat
     if out_dir.exists():
         out_dir.rmdir()  # empty (checked above); rename cannot replace a directory
     return save_model_atomically(model, tokenizer, out_dir)
+
+
+@contextmanager
+def exclusive_build(out_dir: Path) -> Iterator[None]:
+    """Hold the build lock of `out_dir` (an flock on a sibling file) for the block. A builtin model costs seconds
+    to minutes of CPU to build: a second process asking for the same one on this machine (another worker, another
+    rank) waits for the first one's result instead of repeating the work. Callers check for the finished model
+    again once they hold it. The lock goes with the file's descriptor, so a build that dies releases it."""
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    with open(out_dir.parent / f".{out_dir.name}.lock", "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        yield
 
 
 def save_model_atomically(

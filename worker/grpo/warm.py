@@ -33,6 +33,7 @@ from worker.grpo.tiny import (
     INSTRUCT_PRESET,
     TinyPreset,
     build_tokenizer,
+    exclusive_build,
     is_complete_model,
     model_config,
     save_model_atomically,
@@ -85,9 +86,12 @@ def build_warm_model(
     written beside the weights."""
     if is_complete_model(out_dir):
         return out_dir
-    model = fit(recipe, tokenizer, next_batch)
-    recipe_json = json.dumps(asdict(recipe), indent=2, sort_keys=True) + "\n"
-    return save_model_atomically(model, tokenizer, out_dir, extra={"recipe.json": recipe_json})
+    with exclusive_build(out_dir):
+        if is_complete_model(out_dir):  # built while this process waited for the lock
+            return out_dir
+        model = fit(recipe, tokenizer, next_batch)
+        recipe_json = json.dumps(asdict(recipe), indent=2, sort_keys=True) + "\n"
+        return save_model_atomically(model, tokenizer, out_dir, extra={"recipe.json": recipe_json})
 
 
 Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
