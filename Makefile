@@ -95,13 +95,10 @@ test-lowest: install $(LOWEST_STAMP)
 		--deselect tests/engine/test_async_generation.py::test_vllm_async_run_and_a_sampler_that_keeps_old_weights
 
 # The main venv first. Then ruff, the import contracts and mypy run beside the installs of the other venvs (each
-# of them mostly one core, none needing another), and the two suites after all of them, side by side: a suite's
-# workers spend part of their time waiting (processes starting, leases lapsing, servers polled), which the other
-# suite's workers fill. They share nothing: their PostgreSQL databases are named at random, the lowest suite
-# (tests/engine) uses no Redis broker, and ports are free ones. Each suite's output is printed when it ends.
+# of them mostly one core, none needing another), and the suites after all of them.
 test: install
 	$(MAKE) -j4 lint typecheck $(OPENENV_STAMP) $(TINKER_STAMP) $(LOWEST_STAMP)
-	$(MAKE) -j2 --output-sync=target pytest test-lowest
+	$(MAKE) pytest test-lowest
 
 demo: install
 	$(VENV)/bin/grpo demo
