@@ -12,10 +12,11 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 
 from tests.worker.conftest import PROMPTS, tiny_spec
-from tests.worker.job_network import ListenerWatch, not_on, plant_rendezvous_pickles
+from tests.worker.job_network import ListenerWatch, job_processes, not_on, plant_rendezvous_pickles
 from tests.worker.procs import ApiClient, Stack, fresh_redis_database, private_tmp, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres, pytest.mark.redis]
@@ -28,20 +29,29 @@ def two_device_spec(dataset: str, **hyper: object) -> dict[str, object]:
 
 
 def rank_pid(stack: Stack, rank: int) -> int | None:
-    """The process of `rank` of this stack's running job (a worker.rank_job process with RANK set)."""
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
+    """The process of `rank` of this stack's running job. A node's launcher starts its ranks in local-rank order,
+    as its own children or, forked, as its fork server's (worker.grpo.rank_fork): their environment is then the
+    server's, so the rank is found by that order, not by RANK."""
+    for launcher in job_processes(stack):
         try:
-            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
-            environ = (entry / "environ").read_bytes().split(b"\0")
-        except OSError:
+            args = launcher.cmdline()
+            if "worker.grpo.launch" not in args:
+                continue
+            node, per_node = int(option(args, "--node-rank")), int(option(args, "--nproc-per-node"))
+            if not node * per_node <= rank < (node + 1) * per_node:
+                continue
+            children = launcher.children()
+            servers = [c for c in children if "multiprocessing.forkserver" in " ".join(c.cmdline())]
+            ranks = sorted(servers[0].children() if servers else children, key=lambda p: (p.create_time(), p.pid))
+            index = rank - node * per_node
+            return ranks[index].pid if index < len(ranks) else None
+        except psutil.Error:
             continue
-        if b"worker.rank_job" in cmdline and f"RANK={rank}".encode() in environ and (
-            f"GRPO_DATA_DIR={stack.data_dir}".encode() in environ
-        ):
-            return int(entry.name)
     return None
+
+
+def option(args: list[str], name: str) -> str:
+    return next(arg.split("=", 1)[1] for arg in args if arg.startswith(f"{name}="))
 
 
 @pytest.fixture(scope="module")

@@ -19,6 +19,10 @@ ranks learn their place from the environment this launcher sets (`RANK`, `WORLD_
 `LOCAL_WORLD_SIZE`, `GROUP_RANK` as torchrun names them, plus `GRPO_STORE_*`, `GRPO_RUN_ID` and
 `GRPO_JOIN_TIMEOUT_S`) and meet in `worker.grpo.distributed.init_from_env`.
 
+On a machine without CUDA the ranks are forked from a server that imported their module once, rather than
+each importing torch and the engine again (worker.grpo.rank_fork says when that is safe and how a forked rank
+matches a fresh one).
+
 The launcher watches its ranks: the first one to exit with an error (or a signal) makes it stop the others,
 and it exits with that rank's code; with every rank done it exits 0. SIGTERM stops the ranks the same way.
 No restarts: a failed rank ends the attempt and the job resumes from its checkpoint.
@@ -34,12 +38,15 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from types import FrameType
+from typing import Protocol
 
 import psutil
+
+from worker.grpo.rank_fork import ForkServer, forking_is_safe
 
 POLL_S = 0.2
 STOP_GRACE_S = 10.0
@@ -137,26 +144,47 @@ def rank_environment(world: World, local_rank: int, store_port: int, base: dict[
     return env
 
 
-class Launcher:
-    """Starts one node's ranks and stops them all when one fails."""
+class Rank(Protocol):
+    """A running rank: a process of its own (subprocess.Popen) or forked from a fork server (ForkedRank)."""
 
-    def __init__(self, world: World, command: list[str]) -> None:
+    def poll(self) -> int | None: ...
+    def wait(self, timeout: float | None = None) -> int: ...
+    def terminate(self) -> None: ...
+    def kill(self) -> None: ...
+
+
+class Launcher:
+    """Starts one node's ranks and stops them all when one fails. `fork`: the ranks are forked from a server
+    that imported the module once (worker.grpo.rank_fork), instead of each starting `python -m module`."""
+
+    def __init__(self, world: World, module: str, args: Sequence[str], *, fork: bool = False) -> None:
         self.world = world
-        self.command = command
-        self.ranks: list[subprocess.Popen[bytes]] = []
+        self.module = module
+        self.args = list(args)
+        self.fork = fork
+        self.ranks: list[Rank] = []
         self._stopping = False
 
     def run(self) -> int:
         store, port = self._serve_store()
         try:
+            start = self._starter()
             base = dict(os.environ)
             for local_rank in range(self.world.nproc_per_node):
-                env = rank_environment(self.world, local_rank, port, base)
-                self.ranks.append(subprocess.Popen(self.command, env=env))
+                self.ranks.append(start(rank_environment(self.world, local_rank, port, base)))
             return self._watch()
         finally:
             self._stop()
             del store  # the store stops serving with its last reference
+
+    def _starter(self) -> Callable[[dict[str, str]], Rank]:
+        if not self.fork:
+            command = [sys.executable, "-m", self.module, *self.args]
+            return lambda env: subprocess.Popen(command, env=env)
+        # The server imports the module with this process's environment: the ranks' OpenMP default goes there
+        # first (rank_environment gives each rank the same), as libgomp reads it only when torch loads.
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        return ForkServer(self.module, self.args).start
 
     def _serve_store(self) -> tuple[object | None, int]:
         """Node 0 serves the job's store on its address only; the others reach it there."""
@@ -204,6 +232,7 @@ class Launcher:
 
 
 def parse(argv: Sequence[str]) -> tuple[World, list[str]]:
+    """The world and `[module, *args]` of the ranks."""
     parser = argparse.ArgumentParser(prog="python -m worker.grpo.launch", description=__doc__.splitlines()[0])
     parser.add_argument("--nproc-per-node", type=int, required=True)
     parser.add_argument("--nnodes", type=int, default=1)
@@ -225,12 +254,12 @@ def parse(argv: Sequence[str]) -> tuple[World, list[str]]:
         parser.error("--node-rank must be in [0, --nnodes) and --nproc-per-node at least 1")
     if world.node_rank == 0 and world.store_host != world.address:
         parser.error("node 0 serves the store on its own --address")
-    return world, [sys.executable, "-m", options.module, *options.args]
+    return world, [options.module, *options.args]
 
 
 def main(argv: Sequence[str]) -> int:
-    world, command = parse(argv)
-    launcher = Launcher(world, command)
+    world, (module, *args) = parse(argv)
+    launcher = Launcher(world, module, args, fork=forking_is_safe())
     signal.signal(signal.SIGTERM, launcher.on_signal)
     signal.signal(signal.SIGINT, launcher.on_signal)
     return launcher.run()
