@@ -146,3 +146,12 @@ def test_a_bad_local_environment_or_a_model_without_tools_exits_2(
     spec = TOOLS_SPEC.replace(*change)
     assert run_local(_job(tmp_path, spec, [json.dumps(split()[0][0].row())]), tmp_path / "out") == EXIT_BAD_INPUT
     assert message in capsys.readouterr().out.replace("\n", "")
+
+
+def test_the_module_imports_no_torch_so_a_multi_device_parent_launches_without_it() -> None:
+    """The parent of a multi-device `grpo train` only launches its ranks (they import the engine, or their fork
+    server does): importing torch there would cost every run seconds of CPU for nothing."""
+    code = "import sys, worker.grpo.local; print(sorted({'torch', 'transformers'} & set(sys.modules)))"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO_ROOT)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "[]"

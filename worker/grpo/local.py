@@ -44,7 +44,6 @@ from rich.table import Table
 from contract.environment_factory import load_class
 from contract.reward_types import RewardError
 from contract.spec import JobSpec
-from worker.grpo.checkpoint import CheckpointCorrupt, latest_checkpoint
 from worker.grpo.data import DatasetError, PromptRow, load_jsonl
 from worker.grpo.environment import LocalEnvironment, MultiTurnSettings
 from worker.grpo.launch import launch_command
@@ -167,8 +166,9 @@ def run_local(config_path: Path, output_dir: Path | None) -> int:
             console.print("[bold red]error:[/bold red] grpo train runs on one machine: set resources.nodes to 1")
             return EXIT_BAD_INPUT
         return _launch_ranks(config_path, job.output_dir, devices)
-    # worker.grpo.distributed imports transformers (seconds): bad input fails first, and the parent of a
-    # multi-device run launches its ranks without it.
+    # worker.grpo.distributed imports transformers and worker.grpo.checkpoint torch (seconds): bad input fails
+    # first, and the parent of a multi-device run launches its ranks without them.
+    from worker.grpo.checkpoint import CheckpointCorrupt
     from worker.grpo.distributed import Ranks, init_from_env
 
     ranks = init_from_env() if in_launched_rank else Ranks()
@@ -211,6 +211,7 @@ def _train(job: LocalJob, console: Console, ranks: Ranks) -> int:
     # Imported here: torch and transformers take seconds to import; bad input should fail fast.
     import transformers
 
+    from worker.grpo.checkpoint import latest_checkpoint
     from worker.grpo.distributed import device_for
     from worker.grpo.rewards import build_reward_sources
     from worker.grpo.trainer import GRPOTrainer
