@@ -35,6 +35,14 @@ def seen(tmp_path: Path, rank: int) -> dict[str, Any]:
     return json.loads((tmp_path / f"rank-{rank}.json").read_text())
 
 
+def runs(pid: int) -> bool:
+    """Whether `pid` still runs: a rank orphaned by its fork server's death may linger as a zombie no one reaps."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 @pytest.mark.parametrize("fork", [False, True], ids=["fresh", "forked"])
 def test_each_rank_runs_the_module_as_main_in_its_place_of_the_world(tmp_path: Path, fork: bool) -> None:
     assert launch(tmp_path, "0,0", fork=fork) == 0
@@ -54,10 +62,43 @@ def test_the_first_rank_to_fail_stops_the_others_and_its_code_is_the_launchers(t
     started = time.monotonic()
     assert launch(tmp_path, "sleep,7", fork=fork) == 7
     assert time.monotonic() - started < STOP_GRACE_S + 60  # rank 0 would sleep for 120 s
-    assert not psutil.pid_exists(seen(tmp_path, 0)["pid"])
+    assert not runs(seen(tmp_path, 0)["pid"])
 
 
 def test_a_forked_rank_keeps_an_operators_thread_setting(tmp_path: Path) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "2"}
     assert launch(tmp_path, "0,0", fork=True, env=env) == 0
     assert seen(tmp_path, 0)["threads"] == seen(tmp_path, 1)["threads"] == 2
+
+
+@pytest.mark.parametrize("fork", [False, True], ids=["fresh", "forked"])
+def test_a_module_that_fails_to_import_fails_the_launch(tmp_path: Path, fork: bool) -> None:
+    """An ImportError the fork server swallows while preloading is raised again in each rank; any other error
+    there ends the server, and the launcher with it. Either way the launch fails, as with fresh ranks."""
+    (tmp_path / "broken_rank.py").write_text("raise RuntimeError('a rank module that cannot load')\n")
+    for module in ("tests.engine.no_such_rank_module", "broken_rank"):
+        command = launch_command(module, [], nproc_per_node=2, run_id="r" * 32)
+        env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{REPO_ROOT}"}
+        run = subprocess.run([sys.executable, "-c", LAUNCH.format(fork=fork), *command[3:]], env=env,
+                             capture_output=True, text=True, timeout=120)
+        assert run.returncode != 0, (module, run.stderr[-2000:])
+
+
+def test_a_killed_fork_server_ends_the_launch_and_its_ranks(tmp_path: Path) -> None:
+    command = launch_command("tests.engine.launch_probe", [str(tmp_path), "sleep,sleep"], nproc_per_node=2,
+                             run_id="r" * 32)
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"} | {"PYTHONPATH": str(REPO_ROOT)}
+    launcher = subprocess.Popen([sys.executable, "-c", LAUNCH.format(fork=True), *command[3:]], env=env)
+    try:
+        deadline = time.monotonic() + 60
+        while not all((tmp_path / f"rank-{rank}.json").exists() for rank in (0, 1)):
+            assert time.monotonic() < deadline and launcher.poll() is None, "the ranks did not start"
+            time.sleep(0.1)
+        servers = [p for p in psutil.Process(launcher.pid).children()
+                   if "multiprocessing.forkserver" in " ".join(p.cmdline())]
+        assert len(servers) == 1
+        servers[0].kill()
+        assert launcher.wait(timeout=STOP_GRACE_S + 30) != 0
+        assert not any(runs(seen(tmp_path, rank)["pid"]) for rank in (0, 1))
+    finally:
+        launcher.kill()

@@ -190,8 +190,8 @@ class Launcher:
         """Node 0 serves the job's store on its address only; the others reach it there."""
         if self.world.node_rank != 0:
             return None, self.world.store_port
-        # torch only here, on node 0, for the store: the launcher and the worker that builds its command
-        # (launch_command) import no torch otherwise.
+        # torch here, on node 0, for the store (and in forking_is_safe): the worker that builds the launcher's
+        # command (launch_command) imports none of it.
         import torch.distributed as dist
 
         sock = listening_socket(self.world.address, self.world.store_port)
@@ -219,11 +219,12 @@ class Launcher:
         self._stopping = True
 
     def _stop(self) -> None:
-        alive = [rank for rank in self.ranks if rank.poll() is None]
-        for rank in alive:
+        # Every rank, not only those without an exit code: a forked rank whose server died has one (255) and may
+        # still run. Stopping a rank that has exited does nothing.
+        for rank in self.ranks:
             rank.terminate()
         deadline = time.monotonic() + STOP_GRACE_S
-        for rank in alive:
+        for rank in self.ranks:
             try:
                 rank.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:

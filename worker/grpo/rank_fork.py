@@ -26,10 +26,14 @@ import atexit
 import multiprocessing
 import os
 import runpy
+import signal
 import subprocess
 import sys
+import time
 from collections.abc import Sequence
 from multiprocessing.process import BaseProcess
+
+import psutil
 
 
 def forking_is_safe() -> bool:
@@ -57,32 +61,61 @@ class ForkServer:
 
 
 class ForkedRank:
-    """A forked rank, with the part of subprocess.Popen's interface the launcher uses."""
+    """A forked rank, with the part of subprocess.Popen's interface the launcher uses.
+
+    The fork server reports a rank's exit code. If the server dies first (killed), that report is lost:
+    multiprocessing then gives 255 while the rank may still run, and would no longer signal it. So the rank is
+    also followed by its pid (with its start time, against pid reuse): a launcher that stops its ranks stops
+    this one too, and waits until it is gone."""
 
     def __init__(self, process: BaseProcess) -> None:
         self.process = process
-
-    @property
-    def pid(self) -> int:
-        assert self.process.pid is not None  # started in ForkServer.start
-        return self.process.pid
+        assert process.pid is not None  # started by ForkServer.start
+        self.pid = process.pid
+        try:
+            self._started = psutil.Process(self.pid).create_time()
+        except psutil.NoSuchProcess:
+            self._started = None  # already gone: nothing to follow
 
     def poll(self) -> int | None:
-        """The exit code (negative: killed by that signal), or None while it runs."""
+        """The exit code (negative: killed by that signal; 255: the server died before reporting it), or None
+        while it runs."""
         return self.process.exitcode
 
+    def running(self) -> bool:
+        """Whether the rank's process still runs (neither exited nor a zombie), whatever the server reported."""
+        if self._started is None:
+            return False
+        try:
+            proc = psutil.Process(self.pid)
+            return proc.create_time() == self._started and proc.status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
     def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
         self.process.join(timeout)
+        while self.running():  # a rank whose server died: only its pid tells
+            if deadline is not None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(self.process.name, timeout or 0.0)
+            time.sleep(0.05)
         code = self.process.exitcode
         if code is None:
             raise subprocess.TimeoutExpired(self.process.name, timeout or 0.0)
         return code
 
     def terminate(self) -> None:
-        self.process.terminate()
+        self._signal(signal.SIGTERM)
 
     def kill(self) -> None:
-        self.process.kill()
+        self._signal(signal.SIGKILL)
+
+    def _signal(self, signum: int) -> None:
+        if self.running():
+            try:
+                os.kill(self.pid, signum)
+            except ProcessLookupError:
+                pass
 
 
 def run_module(module: str, args: list[str], env: dict[str, str]) -> None:
