@@ -7,11 +7,13 @@ STAMP := $(VENV)/.installed-dev
 BENCH_STAMP := $(VENV)/.installed-bench
 # Every venv is filled by uv, which installs the same resolution as pip (same versions, checked with `pip freeze`)
 # in a fraction of the time: it downloads and unpacks in parallel. uv does not read pip's configuration, so the
-# wheel folders pip is configured with on this machine (the CPU torch on disk) are passed on.
+# wheel folders pip is configured with on this machine (the CPU torch on disk) are passed on. Bytecode is
+# compiled at install, as pip does: where PYTHONDONTWRITEBYTECODE is set, every process that imports torch would
+# otherwise compile it again.
 UV_PIN := uv==0.13.9
 UV := $(VENV)/bin/uv
 PIP_FIND_LINKS ?= $(shell $(PYTHON) -m pip config get global.find-links 2>/dev/null)
-UV_PIP := $(UV) pip install -q $(foreach l,$(PIP_FIND_LINKS),--find-links $(l)) --python
+UV_PIP := $(UV) pip install -q --compile-bytecode $(foreach l,$(PIP_FIND_LINKS),--find-links $(l)) --python
 # The lowest transformers the engine supports, with the huggingface_hub and tokenizers it accepts, installed
 # beside the main venv and put in front of it on PYTHONPATH (torch and peft stay the main venv's).
 LOWEST := .venv-lowest
@@ -117,8 +119,8 @@ test:
 
 checks: lint typecheck
 
-suites: install $(OPENENV_STAMP) $(TINKER_STAMP) $(LOWEST_STAMP)
-	$(MAKE) -j1 pytest test-lowest
+suites: pytest
+	$(MAKE) test-lowest
 
 demo: install
 	$(VENV)/bin/grpo demo
