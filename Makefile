@@ -82,8 +82,7 @@ lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/lint-imports
 
-# mypy's own worker processes: on a fresh clone (no .mypy_cache) most of its time is torch's and transformers'
-# stubs, which it then reads side by side.
+# mypy checks modules side by side in this many worker processes: a fresh clone, as CI has, has no .mypy_cache.
 MYPY_WORKERS ?= 2
 typecheck: install
 	$(VENV)/bin/mypy --num-workers $(MYPY_WORKERS) service worker contract outbound cli client
@@ -110,8 +109,8 @@ test-lowest: install $(LOWEST_STAMP)
 		--deselect tests/engine/test_async_generation.py::test_vllm_async_run_and_a_sampler_that_keeps_old_weights
 
 # The venvs side by side (make orders what needs the main venv after it). Then ruff, the import contracts and
-# mypy beside the suites: the checks take a core for about a minute and a half on a fresh clone, where the suites
-# leave some idle (processes starting, jobs waiting on one another). The suites run one after the other: each
+# mypy beside the suites: on a fresh clone the checks keep a core busy for a while, and the suites leave some
+# idle (processes starting, jobs waiting on one another). The suites run one after the other: each
 # keeps both cores busy. A failing check fails `make test` when the suites end; its message comes first.
 test:
 	$(MAKE) -j4 install $(TINKER_STAMP) $(OPENENV_STAMP) $(LOWEST_STAMP)
