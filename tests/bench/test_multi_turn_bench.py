@@ -28,7 +28,7 @@ from worker.grpo.pretrained import build_smollm2  # noqa: E402
 pytestmark = pytest.mark.slow
 
 GRPO = Path(sys.executable).parent / "grpo"
-SHORT_RUN = {"max_steps": 1, "eval_every": 1, "eval_samples": 2, "prompts_per_step": 2, "num_generations": 2}
+SHORT_RUN = {"max_steps": 1, "eval_every": 1, "eval_samples": 1, "prompts_per_step": 2, "num_generations": 2}
 
 
 def _rows(path: Path) -> list[dict[str, Any]]:

@@ -10,6 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from tests.engine.trainer_helpers import shared_model_cache
 from worker.grpo.model_paths import resolve_model_path
 from worker.grpo.synthetic import TASKS, held_out_items, split, train_items
 from worker.grpo.tiny import build_tokenizer, exclusive_build
@@ -88,10 +89,11 @@ def test_held_out_items_never_appear_in_training_and_their_answers_do() -> None:
 
 
 @pytest.mark.slow
-def test_default_warm_model_is_partly_right_on_held_out_prompts(tmp_path: Path) -> None:
-    """The starting point RL needs: often right among 8 samples, right only sometimes greedily."""
-    path = resolve_model_path("builtin:tiny-instruct", tmp_path)
-    assert Path(path) == instruct_dir(tmp_path, DEFAULT_RECIPE)
+def test_default_warm_model_is_partly_right_on_held_out_prompts() -> None:
+    """The starting point RL needs: often right among 8 samples, right only sometimes greedily. The model every
+    test of it shares (built once per machine)."""
+    path = resolve_model_path("builtin:tiny-instruct", shared_model_cache())
+    assert Path(path) == instruct_dir(shared_model_cache(), DEFAULT_RECIPE)
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path).eval()
     items = held_out_items("larger")

@@ -23,6 +23,7 @@ import typer.main
 from typer.core import TyperGroup
 
 from cli import app as cli_app
+from tests.worker.procs import stop_together
 
 REPO = Path(__file__).resolve().parents[2]
 PYTHON = sys.executable
@@ -81,7 +82,7 @@ class Live:
 
 
 class Processes:
-    """Starts background processes and stops all of them at the end of the test, in reverse order."""
+    """Starts background processes and stops all of them, together, at the end of the test."""
 
     def __init__(self, log_dir: Path) -> None:
         self.log_dir = log_dir
@@ -98,8 +99,7 @@ class Processes:
         return live
 
     def stop_all(self) -> None:
-        for live in reversed(self.started):
-            live.stop()
+        stop_together(self.started)
 
     def logs(self) -> str:
         return "\n".join(f"--- {p.name} (exit {p.popen.poll()}):\n{p.log()[-4000:]}" for p in self.started)
@@ -115,14 +115,14 @@ def processes(tmp_path: Path) -> Iterator[Processes]:
 
 
 @pytest.fixture(scope="session")
-def instruct_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """builtin:tiny-instruct, built once into pytest's cache (named by its recipe hash, so never stale)."""
+def instruct_model() -> Path:
+    """builtin:tiny-instruct, built once per machine into the tests' model cache, where the engine's and the
+    worker's tests find it too (named by its recipe hash, so never stale)."""
     # The engine (torch) only for the tests that train: the other shipping tests import none of it.
-    from worker.grpo.model_paths import resolve_model_path
+    from tests.engine.trainer_helpers import shared_model_cache
+    from worker.grpo.warm import build_instruct_model
 
-    store = getattr(request.config, "cache", None)
-    cache = store.mkdir("grpo-models") if store is not None else tmp_path_factory.mktemp("models")
-    return Path(resolve_model_path("builtin:tiny-instruct", cache))
+    return build_instruct_model(shared_model_cache())
 
 
 def wait_http_ok(url: str, live: Live, *, timeout: float) -> None:

@@ -14,9 +14,11 @@ import pytest
 
 from cli.demo import DEMO_TASK, demo_hyperparameters
 from service.evaluations.stats import pass_at_k
+from tests.engine.trainer_helpers import shared_model_cache
 from tests.worker.conftest import PROMPTS, tiny_spec
 from tests.worker.procs import ApiClient, Stack, fresh_redis_database, private_tmp, wait_for
 from worker.grpo.synthetic import held_out_items, split
+from worker.grpo.warm import build_instruct_model
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres, pytest.mark.redis]
 
@@ -28,7 +30,11 @@ TRAIN_STEPS = 60  # the demo trains 120; half already moves held-out accuracy fa
 @pytest.fixture(scope="module")
 def stack(_postgres_database: str, redis_base_url: str) -> Iterator[Stack]:
     broker = fresh_redis_database(redis_base_url)
-    stack = Stack(database_url=_postgres_database, broker_url=broker, data_dir=private_tmp("grpo-evals-"))
+    built = build_instruct_model(shared_model_cache())  # trained once per machine, then cached
+    data_dir = private_tmp("grpo-evals-")
+    (data_dir / "models").mkdir(parents=True)
+    (data_dir / "models" / built.name).symlink_to(built)  # the worker finds it built
+    stack = Stack(database_url=_postgres_database, broker_url=broker, data_dir=data_dir)
     try:
         stack.start_api()
         yield stack

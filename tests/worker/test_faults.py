@@ -21,6 +21,7 @@ from tests.worker.procs import (
     free_port,
     fresh_redis_database,
     private_tmp,
+    stop_together,
     wait_for,
 )
 
@@ -114,8 +115,7 @@ class TestWorkerDeath:
             api.wait_status(job_id, {"succeeded"}, timeout=300)
             _assert_resumed_cleanly(stack, api, job_id, 12)
         finally:
-            first.stop()
-            second.stop()
+            stop_together([first, second])
 
 
 class TestBrokerRestart:
