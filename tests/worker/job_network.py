@@ -101,7 +101,7 @@ def plant_rendezvous_pickles(address: str, port: int, marker: Path, guesses: lis
         keys = [k for k in store.list_keys() if "rendezvous" in k]
     except Exception:
         return []
-    value = base64.b64encode(pickle.dumps(Payload(marker)))
+    value = base64.b64encode(pickle.dumps(Payload(marker))).decode("ascii")  # the store keeps its UTF-8 bytes
     written = []
     for key in [*keys, *guesses]:
         try:
