@@ -40,6 +40,8 @@ def stack(_postgres_database: str, redis_base_url: str) -> Iterator[Stack]:
         yield stack
     finally:
         stack.stop_all()
+    # The workers took the shared model: none trained a copy of its own beside the link.
+    assert [p.name for p in (data_dir / "models").iterdir() if p.name.startswith("tiny-instruct")] == [built.name]
 
 
 def evaluate(api: ApiClient, dataset: str, model: str, **fields: Any) -> str:
