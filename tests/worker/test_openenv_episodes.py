@@ -83,11 +83,16 @@ class TestEpisodes:
     def test_a_second_episode_waits_for_capacity_and_gets_it(self, calculator: str) -> None:
         async def scenario() -> tuple[Episode, float]:
             holder, _ = await open_episode(config(calculator), ROW)
-            waiting = asyncio.create_task(open_episode(config(calculator, max_attempts=10), ROW))
-            await asyncio.sleep(0.4)
-            assert not waiting.done()  # still retrying: the one session is taken
-            released = asyncio.get_running_loop().time()
-            await holder.close()
+            # Twenty attempts wait about 3.5 s in all (full jitter), so a loaded machine that wakes this coroutine
+            # late still finds the second one retrying.
+            patient = config(calculator, max_attempts=20, backoff_s=0.1, backoff_max_s=0.4)
+            waiting = asyncio.create_task(open_episode(patient, ROW))
+            try:
+                await asyncio.sleep(0.4)
+                assert not waiting.done()  # still retrying: the one session is taken
+            finally:  # a failure here must not leave the one session taken for the tests after it
+                released = asyncio.get_running_loop().time()
+                await holder.close()
             second, first = await waiting
             await second.close()
             assert first.observation["metadata"]["question"] == ROW["question"]
