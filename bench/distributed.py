@@ -101,13 +101,14 @@ def run_memory_case(root: Path, name: str, document: dict[str, Any]) -> tuple[li
     from safetensors import safe_open
 
     from worker.grpo.launch import launch_command
+    from worker.grpo.local import RANK_MODULE
 
     config = root / f"mem-{name.replace(' ', '-')}.yaml"
     config.write_text(yaml.safe_dump(document))
     output, results = root / f"out-{config.stem}", root / f"rss-{config.stem}"
     results.mkdir()
     devices = document["resources"]["devices"]
-    inner = ["worker.grpo.local", str(config), str(output)]
+    inner = [RANK_MODULE, str(config), str(output)]
     command = (
         [sys.executable, "-m", "bench.peak_rss", str(results), *inner]
         if devices == 1

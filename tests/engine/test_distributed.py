@@ -23,6 +23,7 @@ from safetensors.torch import load_file
 from contract.spec import JobSpec
 from worker.grpo.checkpoint import verify_manifest
 from worker.grpo.distributed import SHARDED_DIR, merge_rank_stats
+from worker.grpo.local import RANK_MODULE
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -223,7 +224,7 @@ def grpo_train_on_two_nodes(root: Path, name: str, spec: dict[str, Any], output:
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
     launchers = [
         subprocess.Popen(
-            launch_command("worker.grpo.local", [str(config), str(output)], nproc_per_node=1, nnodes=2,
+            launch_command(RANK_MODULE, [str(config), str(output)], nproc_per_node=1, nnodes=2,
                            node_rank=node, store=endpoint, run_id=f"{name:0>32}", join_timeout_s=120),
             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )

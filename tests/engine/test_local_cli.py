@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.engine.trainer_helpers import shared_model_cache
+from worker.grpo import local
 from worker.grpo.checkpoint import latest_checkpoint, load_checkpoint, verify_manifest
 from worker.grpo.local import EXIT_BAD_INPUT, EXIT_OK, load_local_job, run_local
 from worker.grpo.tool_tasks import split
@@ -148,10 +149,28 @@ def test_a_bad_local_environment_or_a_model_without_tools_exits_2(
     assert message in capsys.readouterr().out.replace("\n", "")
 
 
-def test_the_module_imports_no_torch_so_a_multi_device_parent_launches_without_it() -> None:
-    """The parent of a multi-device `grpo train` only launches its ranks (they import the engine, or their fork
-    server does): importing torch there would cost every run seconds of CPU for nothing."""
-    code = "import sys, worker.grpo.local; print(sorted({'torch', 'transformers'} & set(sys.modules)))"
+def test_the_parent_imports_no_torch_and_the_rank_module_imports_the_engine() -> None:
+    """The parent of a multi-device `grpo train` only launches its ranks: importing torch there would cost every
+    run seconds of CPU for nothing. The ranks' module imports the engine at the top, so that their fork server
+    (worker.grpo.rank_fork) loads it once for all of them instead of each rank loading it after the fork."""
+    code = (
+        "import importlib, sys, worker.grpo.local as local; print(sorted({'torch', 'transformers'} & set(sys.modules)));"
+        " importlib.import_module(local.RANK_MODULE); print('worker.grpo.trainer' in sys.modules)"
+    )
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO_ROOT)
     assert run.returncode == 0, run.stderr
-    assert run.stdout.strip() == "[]"
+    assert run.stdout.split() == ["[]", "True"]
+
+
+def test_a_multi_device_run_launches_the_rank_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    launched: list[list[str]] = []
+
+    def call(command: list[str]) -> int:
+        launched.append(command)
+        return 0
+
+    monkeypatch.setattr(local.subprocess, "call", call)
+    spec = VALID_SPEC.replace("prompts_per_step: 1", "prompts_per_step: 2") + "resources: {devices: 2}\n"
+    assert run_local(_job(tmp_path, spec), tmp_path / "out") == 0
+    (command,) = launched
+    assert local.RANK_MODULE in command and "worker.grpo.local" not in command

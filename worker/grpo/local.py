@@ -6,7 +6,8 @@ where `train_dataset` / `eval_dataset` are JSONL paths relative to the YAML file
 from its newest checkpoint. Ctrl-C stops after the current step and saves a checkpoint.
 
 With `resources.devices: N > 1` the command launches N ranks on this machine (worker.grpo.launch,
-gloo on CPU, NCCL on GPUs) that each run this module; rank 0 shows the progress and writes the checkpoint.
+gloo on CPU, NCCL on GPUs) that each run `run_local` (worker.grpo.local_rank); rank 0 shows the progress and
+writes the checkpoint.
 
 Models the engine builds (`builtin:` presets, SmolLM2 converted from its GGUF file, local GGUF files) are kept
 in one cache for every run of the user (`model_cache_dir`), so a new output directory does not build them again.
@@ -21,7 +22,6 @@ import os
 import secrets
 import signal
 import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,6 +53,8 @@ if TYPE_CHECKING:
     from worker.grpo.distributed import Ranks
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
+# What each rank of a multi-device run executes: it imports the engine at the top, for the ranks' fork server.
+RANK_MODULE = "worker.grpo.local_rank"
 
 
 class LocalJobError(Exception):
@@ -188,9 +190,9 @@ def run_local(config_path: Path, output_dir: Path | None) -> int:
 
 
 def _launch_ranks(config_path: Path, output_dir: Path, devices: int) -> int:
-    """Run this module as `devices` ranks; rank 0's exit code (the launcher's) is the command's."""
+    """Run worker.grpo.local_rank as `devices` ranks; rank 0's exit code (the launcher's) is the command's."""
     command = launch_command(
-        "worker.grpo.local", [str(config_path), str(output_dir)], nproc_per_node=devices,
+        RANK_MODULE, [str(config_path), str(output_dir)], nproc_per_node=devices,
         run_id=secrets.token_hex(16),
     )
     return subprocess.call(command)
@@ -307,7 +309,3 @@ def _summary(history: list[dict[str, float]], step: int, seconds: float) -> Tabl
 
 def _fmt(value: float) -> str:
     return "nan" if math.isnan(value) else f"{value:.4f}"
-
-
-if __name__ == "__main__":  # one rank of a multi-device `grpo train` (see _launch_ranks)
-    sys.exit(run_local(Path(sys.argv[1]), Path(sys.argv[2])))
