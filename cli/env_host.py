@@ -22,7 +22,7 @@ from openenv.core.env_server.mcp_environment import MCPEnvironment
 from openenv.core.env_server.mcp_types import CallToolAction, CallToolObservation
 from openenv.core.env_server.types import Action, Observation, State
 
-from contract.environment_factory import load_class, public_tools
+from contract.environment_factory import public_tools
 
 
 def hosted(cls: type) -> type[MCPEnvironment]:
@@ -68,7 +68,6 @@ def hosted(cls: type) -> type[MCPEnvironment]:
     return Hosted
 
 
-def hosted_app(target: str, max_sessions: int) -> FastAPI:
-    cls = load_class(target)
+def hosted_app(cls: type, max_sessions: int) -> FastAPI:
     return create_app(hosted(cls), CallToolAction, CallToolObservation, env_name=cls.__name__,
                       max_concurrent_envs=max_sessions)

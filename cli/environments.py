@@ -6,6 +6,7 @@ from __future__ import annotations
 import typer
 
 from cli.output import JsonOpt, api_client, emit
+from contract.environment_factory import load_class, public_tools
 
 app = typer.Typer(help="Environments: OpenEnv servers that multi-turn jobs run episodes on.", no_args_is_help=True)
 COLUMNS = ["id", "name", "url", "max_concurrency", "health", "created_at"]
@@ -74,14 +75,16 @@ def serve(
     max_sessions: int = typer.Option(8, min=1, help="Episodes served at once (OpenEnv's max_concurrent_envs)."),
 ) -> None:
     """Serve an environment class over OpenEnv's protocol: its public methods are tools, one instance a session."""
-    # OpenEnv and uvicorn are the `env` extra's: imported when the command runs, not with the CLI.
+    try:
+        cls = load_class(target)
+        public_tools(cls)
+    except (ValueError, ImportError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    # OpenEnv and uvicorn are the `env` extra's: imported when the command runs, not with the CLI. A class that
+    # cannot be served is refused above, before OpenEnv's import (gradio with it) costs seconds.
     import uvicorn
 
     from cli.env_host import hosted_app
 
-    try:
-        app_ = hosted_app(target, max_sessions)
-    except (ValueError, ImportError) as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(2) from None
-    uvicorn.run(app_, host=host, port=port)
+    uvicorn.run(hosted_app(cls, max_sessions), host=host, port=port)
