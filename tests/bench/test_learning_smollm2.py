@@ -34,8 +34,9 @@ from worker.grpo.pretrained import build_smollm2  # noqa: E402
 pytestmark = pytest.mark.slow
 
 GRPO = Path(sys.executable).parent / "grpo"
+# Two held-out prompts: the test checks that the evaluations are computed, printed and recorded, not their value.
 SHORT_RUN = {
-    "max_steps": 2, "eval_every": 2, "eval_samples": 8, "prompts_per_step": 2, "num_generations": 4,
+    "max_steps": 2, "eval_every": 2, "eval_samples": 2, "prompts_per_step": 2, "num_generations": 4,
     "log_completions_every": 1,
 }
 
@@ -101,5 +102,5 @@ def test_a_short_run_of_the_example_trains_and_reports_held_out_accuracy(tmp_pat
     for metrics in history:
         assert 0.0 <= metrics["reward/mean"] <= 1.0 and metrics["time/step_s"] > 0 and "loss" in metrics
     final = history[-1]
-    assert final["eval/accuracy"] == printed[2]  # the held-out exact match, over the 8 prompts evaluated
+    assert final["eval/accuracy"] == printed[2]  # the held-out exact match, over the 2 prompts evaluated
     assert 0.0 <= final["eval/pass@4"] <= 1.0

@@ -28,7 +28,9 @@ from worker.grpo.pretrained import build_smollm2  # noqa: E402
 pytestmark = pytest.mark.slow
 
 GRPO = Path(sys.executable).parent / "grpo"
-SHORT_RUN = {"max_steps": 1, "eval_every": 1, "eval_samples": 1, "prompts_per_step": 2, "num_generations": 2}
+# One prompt of G = 2 episodes per step and one held-out prompt: the test checks that episodes run, train and are
+# evaluated, not what they learn.
+SHORT_RUN = {"max_steps": 1, "eval_every": 1, "eval_samples": 1, "prompts_per_step": 1, "num_generations": 2}
 
 
 def _rows(path: Path) -> list[dict[str, Any]]:
@@ -79,4 +81,4 @@ def test_a_short_run_of_the_example_trains_on_episodes(tmp_path: Path) -> None:
     checkpoint = latest_checkpoint(output)
     assert checkpoint is not None and (checkpoint / "adapter_config.json").exists()
     (metrics,) = load_checkpoint(checkpoint).trainer_state["history"]
-    assert metrics["env/episodes"] == 4 and metrics["env/errors"] == 0 and metrics["env/tool_calls"] > 0
+    assert metrics["env/episodes"] == 2 and metrics["env/errors"] == 0 and metrics["env/tool_calls"] > 0
