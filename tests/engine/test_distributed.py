@@ -12,6 +12,7 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ import yaml
 from safetensors.torch import load_file
 
 from contract.spec import JobSpec
+from tests.engine.preloaded import Preloaded
 from worker.grpo.checkpoint import verify_manifest
 from worker.grpo.distributed import SHARDED_DIR, merge_rank_stats
 from worker.grpo.local import RANK_MODULE
@@ -52,11 +54,19 @@ def _spec(devices: int, parallelism: str, lora: bool, **hyper: Any) -> dict[str,
     return spec
 
 
+def run_env() -> dict[str, str]:
+    """The environment of a `grpo train` child: the repository importable, one OpenMP thread (as the ranks')."""
+    return {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
+
+
 def grpo_train(
-    root: Path, name: str, spec: dict[str, Any], output: Path | None = None, *, module_forward: bool = False
+    root: Path, name: str, spec: dict[str, Any], output: Path | None = None, *, module_forward: bool = False,
+    python: Preloaded | None = None,
 ) -> Path:
     """`grpo train` in a child process (the ranks are its children); returns the output directory.
-    `module_forward`: one process on the hf backend even where the fused one applies (what fsdp runs on)."""
+    `module_forward`: one process on the hf backend even where the fused one applies (what fsdp runs on).
+    `python`: the child is forked from that server, which imported the engine once for all the runs, instead of
+    importing it again in a new interpreter."""
     root.mkdir(parents=True, exist_ok=True)
     (root / "train.jsonl").write_text("".join(json.dumps({"prompt": f"{w}: "}) + "\n" for w in WORDS))
     config = root / f"{name}.yaml"
@@ -68,8 +78,11 @@ def grpo_train(
     )
     if module_forward:  # `auto` then finds the fused path does not apply
         code = "import worker.grpo.backends as backends; backends.fused_applies = lambda *_: False; " + code
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
-    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    if python is None:
+        result = subprocess.run([sys.executable, "-c", code], env=run_env(), capture_output=True, text=True,
+                                timeout=300)
+    else:
+        result = python.run(code, env=run_env(), timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     (output / "grpo-train.log").write_text(result.stdout)
     return output
@@ -108,16 +121,17 @@ class Runs(dict[str, Path]):
     """"single-full", "fsdp-lora"...: each run made the first time a test asks for it, then shared. "hf-full":
     one process on the hf backend, the one fsdp runs on (the tiny model takes the fused one by default)."""
 
-    def __init__(self, root: Path, **hyper: Any) -> None:
+    def __init__(self, root: Path, *, python: Preloaded | None = None, **hyper: Any) -> None:
         super().__init__()
         self.root = root
+        self.python = python  # where the runs are forked from (grpo_train), if anywhere
         self.hyper = hyper  # hyperparameters every run sets besides SPEC's (e.g. use_vllm)
 
     def __missing__(self, name: str) -> Path:
         scheme, kind = name.split("-")
         devices, parallelism = (1, "auto") if scheme in ("single", "hf") else (2, scheme)
         spec = _spec(devices, parallelism, kind == "lora", **self.hyper)
-        self[name] = grpo_train(self.root, name, spec, module_forward=scheme == "hf")
+        self[name] = grpo_train(self.root, name, spec, module_forward=scheme == "hf", python=self.python)
         return self[name]
 
 
@@ -127,8 +141,15 @@ def one_process(parallelism: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
-    return Runs(tmp_path_factory.mktemp("dist"))
+def engine() -> Iterator[Preloaded]:
+    """The engine imported once, in the environment of the runs, for the `grpo train` children forked from it."""
+    with Preloaded([RANK_MODULE], run_env()) as python:
+        yield python
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory, engine: Preloaded) -> Runs:
+    return Runs(tmp_path_factory.mktemp("dist"), python=engine)
 
 
 @pytest.mark.parametrize("kind", ["full", "lora"])
@@ -188,13 +209,14 @@ class TestCheckpoints:
         [("fsdp-full", 1, "auto"), ("single-full", 2, "fsdp"), ("ddp-full", 2, "fsdp"), ("fsdp-full", 2, "ddp")],
     )
     def test_resume_on_another_rank_count(
-        self, runs: dict[str, Path], tmp_path: Path, written_by: str, resumed_on: int, parallelism: str
+        self, runs: dict[str, Path], engine: Preloaded, tmp_path: Path, written_by: str, resumed_on: int,
+        parallelism: str,
     ) -> None:
         """Stopped after step 2, resumed elsewhere for step 3: the same as never stopping."""
         output = tmp_path / "resumed"
         shutil.copytree(runs[written_by], output)
         shutil.rmtree(output / "checkpoint-3")
-        grpo_train(tmp_path, "resume", _spec(resumed_on, parallelism, False), output)
+        grpo_train(tmp_path, "resume", _spec(resumed_on, parallelism, False), output, python=engine)
         diff = max_abs_diff(weights(runs["single-full"] / "checkpoint-3", False), weights(output / "checkpoint-3", False))
         print(f"{written_by} checkpoint-2 resumed on {resumed_on} rank(s) ({parallelism}): max abs difference {diff:.3g}")
         assert diff <= 1e-4
@@ -221,7 +243,7 @@ def grpo_train_on_two_nodes(root: Path, name: str, spec: dict[str, Any], output:
     config.write_text(yaml.safe_dump(spec))
     output = output or root / name
     endpoint = f"127.0.0.1:{free_port()}"
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
+    env = run_env()
     launchers = [
         subprocess.Popen(
             launch_command(RANK_MODULE, [str(config), str(output)], nproc_per_node=1, nnodes=2,
@@ -263,12 +285,13 @@ class TestTwoNodes:
 
     @pytest.mark.parametrize(("resumed_on", "parallelism"), [(1, "auto"), (2, "fsdp")])
     def test_resumes_on_one_node(
-        self, runs: dict[str, Path], two_nodes: Path, tmp_path: Path, resumed_on: int, parallelism: str
+        self, runs: dict[str, Path], engine: Preloaded, two_nodes: Path, tmp_path: Path, resumed_on: int,
+        parallelism: str,
     ) -> None:
         output = tmp_path / "resumed"
         shutil.copytree(two_nodes, output)
         shutil.rmtree(output / "checkpoint-3")
-        grpo_train(tmp_path, "resume", _spec(resumed_on, parallelism, False), output)
+        grpo_train(tmp_path, "resume", _spec(resumed_on, parallelism, False), output, python=engine)
         diff = max_abs_diff(weights(runs["single-full"] / "checkpoint-3", False), weights(output / "checkpoint-3", False))
         print(f"two-node checkpoint-2 resumed on {resumed_on} rank(s) ({parallelism}): max abs difference {diff:.3g}")
         assert diff <= 1e-4

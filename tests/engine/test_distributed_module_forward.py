@@ -7,10 +7,12 @@ to different workers: each launches ranks for minutes.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from tests.engine.preloaded import Preloaded
 from tests.engine.test_distributed import (
     Runs,
     _spec,
@@ -18,9 +20,11 @@ from tests.engine.test_distributed import (
     grpo_train,
     history,
     max_abs_diff,
+    run_env,
     weights,
 )
 from tests.engine.test_hf_architectures import build
+from worker.grpo.local import RANK_MODULE
 
 pytestmark = pytest.mark.slow  # each test launches ranks in child processes
 
@@ -28,8 +32,8 @@ pytestmark = pytest.mark.slow  # each test launches ranks in child processes
 class ModuleForwardRuns(Runs):
     """Runs of the Phi-3 model (hf backend): "single-full", "ddp-lora", ..."""
 
-    def __init__(self, root: Path, model: Path) -> None:
-        super().__init__(root)
+    def __init__(self, root: Path, model: Path, python: Preloaded) -> None:
+        super().__init__(root, python=python)
         self.model = model
 
     def __missing__(self, name: str) -> Path:
@@ -37,16 +41,18 @@ class ModuleForwardRuns(Runs):
         devices, parallelism = (1, "auto") if scheme == "single" else (2, scheme)
         spec = _spec(devices, parallelism, kind == "lora")
         spec["base_model"] = str(self.model)
-        self[name] = grpo_train(self.root, name, spec)
+        self[name] = grpo_train(self.root, name, spec, python=self.python)
         return self[name]
 
 
 @pytest.fixture(scope="module")
-def module_runs(tmp_path_factory: pytest.TempPathFactory) -> ModuleForwardRuns:
+def module_runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ModuleForwardRuns]:
     root = tmp_path_factory.mktemp("dist-hf")
-    # A tiny Phi-3: the fused backend does not cover it, so its jobs train through the module forward (the hf
-    # backend) and the library wrappers, DistributedDataParallel and per-layer FSDP2.
-    return ModuleForwardRuns(root, build("phi3", root / "phi3", layers=4))
+    # The `grpo train` children are forked from a process that imported the engine once (grpo_train).
+    with Preloaded([RANK_MODULE], run_env()) as python:
+        # A tiny Phi-3: the fused backend does not cover it, so its jobs train through the module forward (the
+        # hf backend) and the library wrappers, DistributedDataParallel and per-layer FSDP2.
+        yield ModuleForwardRuns(root, build("phi3", root / "phi3", layers=4), python)
 
 
 @pytest.mark.parametrize(

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.engine.preloaded import Preloaded
 from tests.engine.trainer_helpers import small_config, spread_reward, word_rows
 from worker.grpo.checkpoint import CheckpointCorrupt
 from worker.grpo.trainer import GRPOTrainer
@@ -52,7 +52,7 @@ SETTINGS: dict[str, dict[str, Any]] = {
     },
 }
 
-# Run in a fresh interpreter: resume from argv[1] into argv[2] with the settings in argv[3].
+# Run in a fresh process: resume from argv[1] into argv[2] with the settings in argv[3].
 RESUME_SCRIPT = """
 import json, sys
 from pathlib import Path
@@ -84,9 +84,20 @@ def _comparable(metrics: dict[str, float]) -> dict[str, float]:
     return {k: v for k, v in metrics.items() if not k.startswith("time/") and k not in timing}
 
 
+@pytest.fixture(scope="module")
+def engine() -> Iterator[Preloaded]:
+    """The fresh processes: forked from one that imported the engine once (and ran nothing), instead of each
+    importing it again."""
+    with Preloaded(["worker.grpo.trainer", "tests.engine.trainer_helpers"],
+                   {**os.environ, "PYTHONPATH": str(REPO_ROOT)}) as python:
+        yield python
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["full", "lora", "async"])
-def test_resume_in_a_fresh_process_continues_exactly(tmp_path: Path, tiny_model_dir: Path, kind: str) -> None:
+def test_resume_in_a_fresh_process_continues_exactly(
+    tmp_path: Path, tiny_model_dir: Path, engine: Preloaded, kind: str
+) -> None:
     models = tiny_model_dir.parent
     settings = SETTINGS[kind]
     common: dict[str, Any] = {
@@ -104,24 +115,17 @@ def test_resume_in_a_fresh_process_continues_exactly(tmp_path: Path, tiny_model_
     ).train()
     assert first_half.stopped and first_half.step == 2
 
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
-    completed = subprocess.run(
+    completed = engine.run(
+        RESUME_SCRIPT,
         [
-            sys.executable,
-            "-c",
-            RESUME_SCRIPT,
             str(first_half.last_checkpoint),
             str(tmp_path / "split"),
             json.dumps(settings),
             str(models),
             str(torch.get_num_threads()),  # the same layout of work as the runs here
         ],
-        capture_output=True,
-        text=True,
         cwd=REPO_ROOT,
-        env=env,
         timeout=300,
-        check=False,
     )
     assert completed.returncode == 0, completed.stderr[-3000:]
     resumed = json.loads(completed.stdout.strip().splitlines()[-1])
