@@ -7,6 +7,7 @@ import base64
 import ipaddress
 import pickle
 import threading
+import time
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
@@ -20,16 +21,16 @@ JOB_MODULES = ("worker.grpo.launch", "worker.rank_job", "torch.distributed.run")
 
 def job_processes(stack: Stack) -> list[psutil.Process]:
     """The launcher and rank processes of this stack's jobs (by their command line and data directory)."""
-    found = []
-    for proc in psutil.process_iter(["cmdline", "environ"]):
-        try:
-            cmdline = " ".join(proc.info["cmdline"] or [])
-            environ = proc.info["environ"] or {}
-        except (psutil.Error, TypeError):
-            continue
-        if any(m in cmdline for m in JOB_MODULES) and environ.get("GRPO_DATA_DIR") == str(stack.data_dir):
-            found.append(proc)
-    return found
+    return [proc for proc in psutil.process_iter() if is_job_process(proc, stack)]
+
+
+def is_job_process(proc: psutil.Process, stack: Stack) -> bool:
+    try:
+        if not any(m in " ".join(proc.cmdline()) for m in JOB_MODULES):
+            return False
+        return bool(proc.environ().get("GRPO_DATA_DIR") == str(stack.data_dir))
+    except psutil.Error:
+        return False
 
 
 def listeners(processes: list[psutil.Process]) -> set[tuple[str, int]]:
@@ -52,6 +53,8 @@ class ListenerWatch:
         self.stack = stack
         self.seen: set[tuple[str, int]] = set()
         self.on_listener = on_listener
+        self._began = time.time()
+        self._not_jobs: set[psutil.Process] = set()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -63,9 +66,23 @@ class ListenerWatch:
         self._stop.set()
         self._thread.join(timeout=30)
 
+    def _job_processes(self) -> list[psutil.Process]:
+        """job_processes(stack), reading once only each process that ran before the watch began and was not one
+        of the job's then: a job starts its processes after that, and rereading every command line and
+        environment of the machine at each sample costs a good part of a CPU core on a busy machine."""
+        found = []
+        for proc in psutil.process_iter():
+            if proc in self._not_jobs:
+                continue
+            if is_job_process(proc, self.stack):
+                found.append(proc)
+            elif proc.create_time() < self._began:
+                self._not_jobs.add(proc)
+        return found
+
     def _run(self) -> None:
         while not self._stop.wait(0.05):
-            for address, port in listeners(job_processes(self.stack)) - self.seen:
+            for address, port in listeners(self._job_processes()) - self.seen:
                 self.seen.add((address, port))
                 if self.on_listener is not None:
                     self.on_listener(address, port)

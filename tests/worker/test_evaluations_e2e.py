@@ -17,6 +17,7 @@ from service.evaluations.stats import pass_at_k
 from tests.engine.trainer_helpers import shared_model_cache
 from tests.worker.conftest import PROMPTS, tiny_spec
 from tests.worker.procs import ApiClient, Stack, fresh_redis_database, private_tmp, wait_for
+from tests.worker.spare_workers import SpareWorkers
 from worker.grpo.synthetic import held_out_items, split
 from worker.grpo.warm import build_instruct_model
 
@@ -42,6 +43,12 @@ def stack(_postgres_database: str, redis_base_url: str) -> Iterator[Stack]:
         stack.stop_all()
     # The workers took the shared model: none trained a copy of its own beside the link.
     assert [p.name for p in (data_dir / "models").iterdir() if p.name.startswith("tiny-instruct")] == [built.name]
+
+
+@pytest.fixture(scope="module")
+def workers(stack: Stack) -> SpareWorkers:
+    """One worker serves the tests in turn (the stack stops the last one)."""
+    return SpareWorkers(stack)
 
 
 def evaluate(api: ApiClient, dataset: str, model: str, **fields: Any) -> str:
@@ -78,10 +85,11 @@ def compare(api: ApiClient, a: str, b: str) -> dict[str, Any]:
 
 
 class TestEvaluations:
-    def test_results_match_a_direct_computation_and_a_trained_checkpoint_beats_its_base(self, stack: Stack) -> None:
+    def test_results_match_a_direct_computation_and_a_trained_checkpoint_beats_its_base(
+        self, stack: Stack, workers: SpareWorkers
+    ) -> None:
         api = stack.make_client()
-        worker = stack.start_worker()
-        try:
+        with workers.lent(workers.take()):
             hyper = {k: v for k, v in demo_hyperparameters(TRAIN_STEPS).items() if not k.startswith(("eval", "log"))}
             job = api.submit({
                 "base_model": "builtin:tiny-instruct", "train_dataset": api.upload_dataset(TRAIN),
@@ -92,8 +100,6 @@ class TestEvaluations:
             trained = evaluate(api, dataset, f"checkpoint:{api.checkpoints(job)[-1]['id']}", samples_per_item=4, seed=3)
             base = evaluate(api, dataset, "builtin:tiny-instruct", samples_per_item=4, seed=3)
             trained_body, base_body = finished(api, trained, stack), finished(api, base, stack)
-        finally:
-            worker.stop()
         results = trained_body["results"]
         scored = items(api, trained)
         assert [i["index"] for i in scored] == list(range(len(HELD_OUT)))
@@ -111,10 +117,9 @@ class TestEvaluations:
         assert comparison["test"] == "paired_permutation" and comparison["p_value"] < 0.01
         assert base_body["results"]["accuracy"] < results["accuracy"]
 
-    def test_one_checkpoint_against_itself_includes_zero(self, stack: Stack) -> None:
+    def test_one_checkpoint_against_itself_includes_zero(self, stack: Stack, workers: SpareWorkers) -> None:
         api = stack.make_client()
-        worker = stack.start_worker()
-        try:
+        with workers.lent(workers.take()):
             train = api.upload_dataset(PROMPTS)
             job = api.submit(tiny_spec(train, max_steps=2, checkpoint_every=2))
             api.wait_status(job, {"succeeded"}, timeout=240)
@@ -125,8 +130,6 @@ class TestEvaluations:
             other_seed = evaluate(api, dataset, model, seed=2)
             for evaluation_id in (first, again, other_seed):
                 finished(api, evaluation_id, stack)
-        finally:
-            worker.stop()
         # The same spec samples the same completions: the comparison is exactly 0.
         assert [i["completions"] for i in items(api, first)] == [i["completions"] for i in items(api, again)]
         same = compare(api, first, again)
@@ -137,9 +140,9 @@ class TestEvaluations:
         resampled = compare(api, first, other_seed)
         assert resampled["p_value"] > 0.001, resampled
 
-    def test_a_worker_killed_mid_evaluation_leaves_each_item_once(self, stack: Stack) -> None:
+    def test_a_worker_killed_mid_evaluation_leaves_each_item_once(self, stack: Stack, workers: SpareWorkers) -> None:
         api = stack.make_client()
-        first = stack.start_worker()
+        first = workers.take()
         dataset = api.upload_dataset(HELD_OUT * 4)
         evaluation = evaluate(api, dataset, "builtin:tiny", samples_per_item=2, max_tokens=8)
         try:
@@ -147,11 +150,8 @@ class TestEvaluations:
         finally:
             first.kill()  # SIGKILL the Celery parent and the child running the evaluation
         recorded = api.job(evaluation)["progress"]["step"]
-        second = stack.start_worker()
-        try:
+        with workers.lent(stack.start_worker()):
             body = finished(api, evaluation, stack, timeout=400)
-        finally:
-            second.stop()
         assert body["attempt"] == 2 and body["progress"]["items_done"] == 4 * len(HELD_OUT)
         assert api.resume_step(evaluation, attempt=2) >= recorded > 0
         assert [i["index"] for i in items(api, evaluation)] == list(range(4 * len(HELD_OUT)))

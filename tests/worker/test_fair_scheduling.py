@@ -22,7 +22,9 @@ def stack(request: pytest.FixtureRequest) -> Iterator[Stack]:
     if request.param == "sqlite":
         stack = Stack(
             database_url=f"sqlite:///{data_dir}/grpo.db", broker_url=f"sqla+sqlite:///{data_dir}/broker.db",
-            data_dir=data_dir,
+            # CPU only: the embedded worker imports the engine once, as Stack.start_worker's workers do, not in
+            # each job's child.
+            data_dir=data_dir, extra_env={"GRPO_WORKER_PRELOAD_ENGINE": "true"},
         )
     else:
         database = request.getfixturevalue("_postgres_database")

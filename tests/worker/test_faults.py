@@ -24,6 +24,7 @@ from tests.worker.procs import (
     stop_together,
     wait_for,
 )
+from tests.worker.spare_workers import SpareWorkers
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres, pytest.mark.redis]
 
@@ -76,30 +77,37 @@ def stack(_postgres_database: str, redis_base_url: str) -> Iterator[Stack]:
         stack.stop_all()
 
 
+@pytest.fixture(scope="module")
+def workers(stack: Stack) -> SpareWorkers:
+    """The worker that took over a test's job is the next test's first worker (the stack stops it at the end)."""
+    return SpareWorkers(stack)
+
+
 class TestWorkerDeath:
     # Asynchronous generation too: the batches in flight die with the worker; the resumed attempt samples them
     # again from the checkpoint's weights and prompt cursor.
     @pytest.mark.parametrize("hyper", [{}, {"async_generation": True, "max_staleness": 2}], ids=["sync", "async"])
-    def test_sigkill_after_checkpoint_resumes_on_new_worker(self, stack: Stack, hyper: dict[str, object]) -> None:
+    def test_sigkill_after_checkpoint_resumes_on_new_worker(
+        self, stack: Stack, workers: SpareWorkers, hyper: dict[str, object]
+    ) -> None:
         api = stack.make_client()
-        first = stack.start_worker()
+        first = workers.take()
         dataset = api.upload_dataset(PROMPTS)
         job_id = api.submit(tiny_spec(dataset, max_steps=8, checkpoint_every=2, **hyper))
         api.wait_step(job_id, 3)
         # Checkpoints register after their upload, which a fast step can outrun: kill once one is registered.
         wait_for(lambda: api.checkpoints(job_id), timeout=120, what="a registered checkpoint")
         first.kill()  # SIGKILL the Celery parent and the child running the job
-        second = stack.start_worker()
-        try:
+        with workers.lent(stack.start_worker()):
             api.wait_status(job_id, {"succeeded"}, timeout=300)
             _assert_resumed_cleanly(stack, api, job_id, 8)
             assert any(e["type"] == "lease_expired" for e in api.events(job_id))
-        finally:
-            second.stop()
 
-    def test_frozen_worker_loses_lease_and_its_late_writes_are_refused(self, stack: Stack) -> None:
+    def test_frozen_worker_loses_lease_and_its_late_writes_are_refused(
+        self, stack: Stack, workers: SpareWorkers
+    ) -> None:
         api = stack.make_client()
-        first = stack.start_worker()
+        first = workers.take()
         dataset = api.upload_dataset(PROMPTS)
         job_id = api.submit(tiny_spec(dataset, max_steps=12, checkpoint_every=2))
         api.wait_step(job_id, 3)
@@ -109,8 +117,9 @@ class TestWorkerDeath:
             wait_for(lambda: api.job(job_id)["attempt"] == 2, timeout=120, what="attempt 2 to claim the job")
             taken_at = api.job(job_id)["progress"]["step"]
             api.wait_step(job_id, taken_at + 1)  # the new attempt is writing
+            earlier = len(first.log())  # what a worker handed on from an earlier test logged is not this test's
             first.signal_group(signal.SIGCONT)  # the zombie wakes up mid-step and tries to report
-            wait_for(lambda: "lost the job to a newer attempt" in first.log(), timeout=120,
+            wait_for(lambda: "lost the job to a newer attempt" in first.log()[earlier:], timeout=120,
                      what="the frozen worker to find its writes refused")
             api.wait_status(job_id, {"succeeded"}, timeout=300)
             _assert_resumed_cleanly(stack, api, job_id, 12)

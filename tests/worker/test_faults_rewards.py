@@ -64,8 +64,9 @@ def reward_server(plan: Switchboard) -> Iterator[RewardServer]:
 @pytest.fixture(scope="module")
 def stack() -> Iterator[Stack]:
     data_dir = private_tmp("grpo-reward-faults-")
+    # CPU only: the embedded worker imports the engine once, not each job's (and resumed attempt's) child again.
     stack = Stack(database_url=f"sqlite:///{data_dir}/grpo.db", broker_url=f"sqla+sqlite:///{data_dir}/broker.db",
-                  data_dir=data_dir)
+                  data_dir=data_dir, extra_env={"GRPO_WORKER_PRELOAD_ENGINE": "true"})
     try:
         api_proc = stack.start_api(worker=True)
         wait_for(lambda: " ready." in api_proc.log(), timeout=90, what="the embedded worker")
