@@ -36,6 +36,7 @@ from the step's batch instead (`kv_cache_memory_bytes`).
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import os
 from pathlib import Path
@@ -101,8 +102,17 @@ def build_llm(options: dict[str, Any]) -> Any:
     from vllm import LLM
 
     threads, set_num_threads, rng = torch.get_num_threads(), torch.set_num_threads, capture_rng_state()
+    # vLLM collects garbage over the whole heap several times while it builds (loading the model, profiling),
+    # then freezes the heap once built and unfreezes it at shutdown. Freezing what the process holds already
+    # (torch, transformers, the trainer: collected first, so no garbage is kept) spares those passes the objects
+    # they would only walk past; what the build allocates is still collected.
+    gc.collect()
+    gc.freeze()
     try:
         return LLM(**options)
+    except BaseException:
+        gc.unfreeze()  # no engine to unfreeze it at shutdown
+        raise
     finally:
         torch.set_num_threads = set_num_threads  # type: ignore[assignment]
         torch.set_num_threads(threads)
