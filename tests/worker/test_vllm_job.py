@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from tests.worker.procs import ApiClient, Stack, fresh_redis_database, private_tmp, wait_for
+from tests.worker.spare_workers import SpareWorkers
 from tests.worker.test_faults import _assert_resumed_cleanly
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres, pytest.mark.redis]
@@ -69,17 +70,20 @@ def stack(_postgres_database: str, redis_base_url: str) -> Iterator[Stack]:
         stack.stop_all()
 
 
-def test_vllm_job_trains_the_vowel_example_end_to_end(stack: Stack, tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def workers(stack: Stack) -> SpareWorkers:
+    """The worker left idle by a test is the next test's first worker (the stack stops it at the end)."""
+    return SpareWorkers(stack)
+
+
+def test_vllm_job_trains_the_vowel_example_end_to_end(stack: Stack, workers: SpareWorkers, tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM
 
     api = stack.make_client()
-    worker = stack.start_worker()
-    try:
+    with workers.lent(workers.take()):
         job_id = api.submit(_vowel_spec(api.upload_dataset(VOWEL_ROWS)))
         job = api.wait_status(job_id, {"succeeded", "failed"}, timeout=400)
-    finally:
-        worker.stop()
-    assert job["status"] == "succeeded", (job.get("error"), stack.logs())
+        assert job["status"] == "succeeded", (job.get("error"), stack.logs())
     assert api.metric_steps(job_id) == list(range(1, 25))
     series = _series(api, job_id)
     for name in IS_METRICS:
@@ -93,19 +97,16 @@ def test_vllm_job_trains_the_vowel_example_end_to_end(stack: Stack, tmp_path: Pa
     assert AutoModelForCausalLM.from_pretrained(local).num_parameters() > 0
 
 
-def test_vllm_job_resumes_after_sigkill_from_its_checkpoint(stack: Stack) -> None:
+def test_vllm_job_resumes_after_sigkill_from_its_checkpoint(stack: Stack, workers: SpareWorkers) -> None:
     api = stack.make_client()
-    first = stack.start_worker()
+    first = workers.take()
     job_id = api.submit(_vowel_spec(api.upload_dataset(VOWEL_ROWS), max_steps=8, checkpoint_every=2))
     api.wait_step(job_id, 3, timeout=300)
     wait_for(lambda: api.checkpoints(job_id), timeout=120, what="a registered checkpoint")
     first.kill()  # SIGKILL the Celery parent and the child running the job with its engine
-    second = stack.start_worker()
-    try:
+    with workers.lent(stack.start_worker()):
         api.wait_status(job_id, {"succeeded"}, timeout=400)
         _assert_resumed_cleanly(stack, api, job_id, 8)
-    finally:
-        second.stop()
     # The second attempt's engine was built from the checkpoint: it samples as the resumed policy does.
     diffs = _series(api, job_id)["sampling/sampling_logp_difference/max"]
     assert diffs["steps"] == list(range(1, 9))
