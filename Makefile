@@ -29,14 +29,18 @@ TINKER := .venv-tinker
 TINKER_STAMP := $(TINKER)/.installed
 TINKER_PIN := tinker==0.38.0
 export PYTHONUNBUFFERED := 1
-# pytest-xdist workers: one per core, at most 8 (each has its own PostgreSQL database, Redis brokers and ports).
+# pytest-xdist workers: one more than the cores, at most 8 (each has its own PostgreSQL database, Redis brokers and
+# ports). One more: the end-to-end tests spend part of their time waiting (for a lease to lapse, a collective to
+# time out, a server to answer), and a worker per core would leave a core idle then.
 # Whole files go to a worker (`--dist loadfile`): module-scoped stacks and models are built once. They go in
 # collection order, files with a slow test first (tests/conftest.py); xdist's own reorder (most tests first) would
 # leave the longest single tests to the end, one worker running them while the other idles.
-PYTEST_WORKERS ?= $(shell n=$$(nproc); echo $$(( n < 8 ? n : 8 )))
+PYTEST_WORKERS ?= $(shell n=$$(nproc); echo $$(( n + 1 < 8 ? n + 1 : 8 )))
 XDIST := -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder
+LOWEST_WORKERS ?= $(PYTEST_WORKERS)
+LOWEST_XDIST := -n $(LOWEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
-.PHONY: install openenv tinker-sdk test checks suites lint typecheck pytest test-lowest demo proto bench gpu-wheels clean
+.PHONY: install openenv tinker-sdk test checks lint typecheck pytest test-lowest demo proto bench gpu-wheels clean
 
 $(UV):
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -102,24 +106,24 @@ $(LOWEST_STAMP): Makefile | $(UV)
 test-lowest: install $(LOWEST_STAMP)
 	$(PY) -c 'from tests.engine.trainer_helpers import shared_model_cache as c; from worker.grpo.pretrained import build_smollm2; build_smollm2(c())'
 	PYTHONPATH=$(CURDIR)/$(LOWEST) $(PY) -c 'import transformers; print("transformers", transformers.__version__)'
-	PYTHONPATH=$(CURDIR)/$(LOWEST) $(VENV)/bin/pytest -q -ra -p no:cacheprovider $(XDIST) tests/engine \
+	PYTHONPATH=$(CURDIR)/$(LOWEST) $(VENV)/bin/pytest -q -ra -p no:cacheprovider $(LOWEST_XDIST) tests/engine \
 		--ignore=tests/engine/test_vllm_rollout.py --ignore=tests/engine/test_distributed_vllm.py \
 		--ignore=tests/engine/test_vllm_server.py --ignore=tests/engine/test_multi_turn_vllm.py \
 		--ignore=tests/engine/test_primitive_vllm.py \
 		--deselect tests/engine/test_async_generation.py::test_vllm_async_run_and_a_sampler_that_keeps_old_weights
 
-# The venvs side by side (make orders what needs the main venv after it). Then ruff, the import contracts and
-# mypy beside the suites: on a fresh clone the checks keep a core busy for a while, and the suites leave some
-# idle (processes starting, jobs waiting on one another). The suites run one after the other: each
-# keeps both cores busy. A failing check fails `make test` when the suites end; its message comes first.
+# The venvs side by side (make orders what needs the main venv after it). Then everything else at once: ruff,
+# the import contracts and mypy, the suite, and the engine's tests on the lowest transformers (on 2 workers, as
+# the suite keeps the cores busy). The machine is the limit, not any one of them: each leaves cores idle at times
+# (processes starting, jobs waiting on a lease or a timeout, a suite's last long test), which the others fill.
+# The two suites share no state: tests/engine uses neither PostgreSQL nor Redis, and builtin models are built
+# under a lock. Lines of their output interleave; each summary names its suite's tests. A failing check or suite
+# fails `make test` once all have ended.
 test:
 	$(MAKE) -j4 install $(TINKER_STAMP) $(OPENENV_STAMP) $(LOWEST_STAMP)
-	$(MAKE) -j2 checks suites
+	$(MAKE) -j4 --keep-going --output-sync=line checks pytest test-lowest LOWEST_WORKERS=2
 
 checks: lint typecheck
-
-suites: pytest
-	$(MAKE) test-lowest
 
 demo: install
 	$(VENV)/bin/grpo demo
