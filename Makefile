@@ -40,7 +40,7 @@ XDIST := -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder
 LOWEST_WORKERS ?= $(PYTEST_WORKERS)
 LOWEST_XDIST := -n $(LOWEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
-.PHONY: install openenv tinker-sdk test checks lint typecheck pytest test-lowest demo proto bench gpu-wheels clean
+.PHONY: install openenv tinker-sdk test beside-pytest checks lint typecheck pytest test-lowest demo proto bench gpu-wheels clean
 
 $(UV):
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -117,11 +117,14 @@ test-lowest: install $(LOWEST_STAMP)
 # the suite keeps the cores busy). The machine is the limit, not any one of them: each leaves cores idle at times
 # (processes starting, jobs waiting on a lease or a timeout, a suite's last long test), which the others fill.
 # The two suites share no state: tests/engine uses neither PostgreSQL nor Redis, and builtin models are built
-# under a lock. Lines of their output interleave; each summary names its suite's tests. A failing check or suite
-# fails `make test` once all have ended.
+# under a lock. A failing check or suite fails `make test` once all have ended.
 test:
 	$(MAKE) -j4 install $(TINKER_STAMP) $(OPENENV_STAMP) $(LOWEST_STAMP)
-	$(MAKE) -j4 --keep-going --output-sync=line checks pytest test-lowest LOWEST_WORKERS=2
+	$(MAKE) -j2 --keep-going pytest beside-pytest
+
+# What runs beside the suite in `make test`. Its output comes a target at a time, the suite's as it runs.
+beside-pytest:
+	$(MAKE) -j3 --keep-going --output-sync=target checks test-lowest LOWEST_WORKERS=2
 
 checks: lint typecheck
 
