@@ -1,7 +1,7 @@
 """A rank for tests/engine/test_launch.py: `python -m tests.engine.launch_probe OUT_DIR CODES`.
 
-It writes what it sees to OUT_DIR/rank-N.json and, at exit, OUT_DIR/atexit-N; then it exits with the N-th of the
-comma-separated CODES, where "sleep" means: wait until stopped."""
+It writes what it sees to OUT_DIR/rank-N.json and, at exit, OUT_DIR/atexit-N; then, once every rank has written its
+file, it exits with the N-th of the comma-separated CODES, where "sleep" means: wait until stopped."""
 
 from __future__ import annotations
 
@@ -28,11 +28,20 @@ def main(out_dir: Path, codes: list[str]) -> int:
         "threads": torch.get_num_threads(),
         "env": {key: os.environ.get(key) for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "GRPO_RUN_ID")},
     }
-    (out_dir / f"rank-{rank}.json").write_text(json.dumps(seen))
+    written = out_dir / f"rank-{rank}.json.tmp"
+    written.write_text(json.dumps(seen))
+    written.rename(out_dir / f"rank-{rank}.json")  # whole or absent: a rank may be stopped at any moment
     atexit.register(lambda: (out_dir / f"atexit-{rank}").touch())
     if codes[rank] == "sleep":
         time.sleep(120)
-    return int(codes[rank]) if codes[rank] != "sleep" else 0
+        return 0
+    # No rank exits before every rank has written what it sees: the first to fail stops the others, and the tests
+    # read what each saw (its pid among it), however slowly a busy machine starts them.
+    world = int(os.environ["WORLD_SIZE"])
+    deadline = time.monotonic() + 60
+    while not all((out_dir / f"rank-{r}.json").exists() for r in range(world)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return int(codes[rank])
 
 
 if __name__ == "__main__":
