@@ -1,5 +1,5 @@
-"""What it costs a node to start a job's ranks: forked from a server that imported the rank's module once
-(worker.grpo.rank_fork, machines without CUDA) against each rank starting fresh with `python -m` (CUDA machines).
+"""What it costs a node to start a job's ranks: forked from the launcher once it has imported the rank's
+module (worker.grpo.rank_fork, machines without CUDA) against each rank starting fresh with `python -m` (CUDA machines).
 
     python bench/rank_start.py [--ranks 2] [--rounds 5] [--module worker.rank_job]
 
@@ -7,8 +7,8 @@ Each launch is worker.grpo.launch's Launcher in a child process, starting `--ran
 module imports what a job's rank imports (`--module`, default the worker's rank, worker.rank_job) and exits.
 The two ways alternate launch by launch, so that a machine whose load changes affects both alike. Printed per
 way: the median wall time of a launch and the median CPU seconds of the launcher and everything it started
-(user + system); then forked / fresh. The driver is a child subreaper (Linux): the fork server outlives the
-launcher by a moment, is handed to the driver and waited for, so that its CPU time counts too.
+(user + system); then forked / fresh. The driver is a child subreaper (Linux): whatever outlives the launcher
+is handed to the driver and waited for, so that its CPU time counts too.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ PR_SET_CHILD_SUBREAPER = 36
 
 
 def become_subreaper() -> None:
-    """Orphaned descendants (the fork server, multiprocessing's resource tracker) become this process's children."""
+    """Orphaned descendants become this process's children."""
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER)")

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import sys
 
-PRELOADED = "torch" in sys.modules  # before this module's own imports: imported by a fork server already
+PRELOADED = "torch" in sys.modules  # before this module's own imports: imported by the launcher it was forked from
 
 import atexit  # noqa: E402
 import json  # noqa: E402
@@ -15,6 +15,7 @@ import os  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
+import psutil  # noqa: E402
 import torch  # noqa: E402
 
 
@@ -26,6 +27,7 @@ def main(out_dir: Path, codes: list[str]) -> int:
         "pid": os.getpid(),
         "preloaded": PRELOADED,
         "threads": torch.get_num_threads(),
+        "listening": [c.laddr.port for c in psutil.Process().net_connections("tcp") if c.status == psutil.CONN_LISTEN],
         "env": {key: os.environ.get(key) for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "GRPO_RUN_ID")},
     }
     written = out_dir / f"rank-{rank}.json.tmp"

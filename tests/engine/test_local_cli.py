@@ -151,7 +151,7 @@ def test_a_bad_local_environment_or_a_model_without_tools_exits_2(
 
 def test_the_parent_imports_no_torch_and_the_rank_module_imports_the_engine() -> None:
     """The parent of a multi-device `grpo train` only launches its ranks: importing torch there would cost every
-    run seconds of CPU for nothing. The ranks' module imports the engine at the top, so that their fork server
+    run seconds of CPU for nothing. The ranks' module imports the engine at the top, so that their launcher
     (worker.grpo.rank_fork) loads it once for all of them instead of each rank loading it after the fork."""
     code = (
         "import importlib, sys, worker.grpo.local as local; print(sorted({'torch', 'transformers'} & set(sys.modules)));"

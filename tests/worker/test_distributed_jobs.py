@@ -30,19 +30,20 @@ def two_device_spec(dataset: str, **hyper: object) -> dict[str, object]:
 
 def rank_pid(stack: Stack, rank: int) -> int | None:
     """The process of `rank` of this stack's running job. A node's launcher starts its ranks in local-rank order,
-    as its own children or, forked, as its fork server's (worker.grpo.rank_fork): their environment is then the
-    server's, so the rank is found by that order, not by RANK."""
-    for launcher in job_processes(stack):
+    as its children, fresh or forked from it (worker.grpo.rank_fork). A forked rank keeps the launcher's command
+    line and environment, so the launcher is the one whose parent is no job process, and the rank is found by
+    that order, not by RANK."""
+    processes = job_processes(stack)
+    pids = {proc.pid for proc in processes}
+    for launcher in processes:
         try:
             args = launcher.cmdline()
-            if "worker.grpo.launch" not in args:
+            if "worker.grpo.launch" not in args or launcher.ppid() in pids:
                 continue
             node, per_node = int(option(args, "--node-rank")), int(option(args, "--nproc-per-node"))
             if not node * per_node <= rank < (node + 1) * per_node:
                 continue
-            children = launcher.children()
-            servers = [c for c in children if "multiprocessing.forkserver" in " ".join(c.cmdline())]
-            ranks = sorted(servers[0].children() if servers else children, key=lambda p: (p.create_time(), p.pid))
+            ranks = sorted(launcher.children(), key=lambda p: (p.create_time(), p.pid))
             index = rank - node * per_node
             return ranks[index].pid if index < len(ranks) else None
         except psutil.Error:

@@ -19,7 +19,7 @@ ranks learn their place from the environment this launcher sets (`RANK`, `WORLD_
 `LOCAL_WORLD_SIZE`, `GROUP_RANK` as torchrun names them, plus `GRPO_STORE_*`, `GRPO_RUN_ID` and
 `GRPO_JOIN_TIMEOUT_S`) and meet in `worker.grpo.distributed.init_from_env`.
 
-On a machine without CUDA the ranks are forked from a server that imported their module once, rather than
+On a machine without CUDA the launcher imports the ranks' module once and forks them from itself, rather than
 each importing torch and the engine again (worker.grpo.rank_fork says when that is safe and how a forked rank
 matches a fresh one).
 
@@ -46,7 +46,7 @@ from typing import Protocol
 
 import psutil
 
-from worker.grpo.rank_fork import ForkServer, forking_is_safe
+from worker.grpo.rank_fork import RankForker, forking_is_safe
 
 POLL_S = 0.2
 STOP_GRACE_S = 10.0
@@ -145,7 +145,7 @@ def rank_environment(world: World, local_rank: int, store_port: int, base: dict[
 
 
 class Rank(Protocol):
-    """A running rank: a process of its own (subprocess.Popen) or forked from a fork server (ForkedRank)."""
+    """A running rank: a process of its own (subprocess.Popen) or forked from the launcher (ForkedRank)."""
 
     def poll(self) -> int | None: ...
     def wait(self, timeout: float | None = None) -> int: ...
@@ -154,8 +154,8 @@ class Rank(Protocol):
 
 
 class Launcher:
-    """Starts one node's ranks and stops them all when one fails. `fork`: the ranks are forked from a server
-    that imported the module once (worker.grpo.rank_fork), instead of each starting `python -m module`."""
+    """Starts one node's ranks and stops them all when one fails. `fork`: the ranks are forked from this process
+    once it has imported the module (worker.grpo.rank_fork), instead of each starting `python -m module`."""
 
     def __init__(self, world: World, module: str, args: Sequence[str], *, fork: bool = False) -> None:
         self.world = world
@@ -166,41 +166,53 @@ class Launcher:
         self._stopping = False
 
     def run(self) -> int:
-        store, port = self._serve_store()
+        listener = self._store_socket()
+        port = self.world.store_port if listener is None else int(listener.getsockname()[1])
+        store = None
         try:
-            start = self._starter()
+            start = self._starter(listener)
             base = dict(os.environ)
             for local_rank in range(self.world.nproc_per_node):
                 self.ranks.append(start(rank_environment(self.world, local_rank, port, base)))
+            # After the ranks: the store's server runs threads, and a forked rank must not start with them.
+            # Until it serves, a rank's connection waits in the socket's backlog.
+            store = self._serve_store(listener)
             return self._watch()
         finally:
             self._stop()
             del store  # the store stops serving with its last reference
+            if listener is not None:
+                listener.close()  # if no store took it over
 
-    def _starter(self) -> Callable[[dict[str, str]], Rank]:
+    def _starter(self, listener: socket.socket | None) -> Callable[[dict[str, str]], Rank]:
         if not self.fork:
             command = [sys.executable, "-m", self.module, *self.args]
             return lambda env: subprocess.Popen(command, env=env)
-        # The server imports the module with this process's environment: the ranks' OpenMP default goes there
-        # first (rank_environment gives each rank the same), as libgomp reads it only when torch loads.
+        # This process imports the module now, with its environment: the ranks' OpenMP default goes there first
+        # (rank_environment gives each rank the same), as libgomp reads it only when torch loads.
         os.environ.setdefault("OMP_NUM_THREADS", "1")
-        return ForkServer(self.module, self.args).start
+        close = [] if listener is None else [listener.fileno()]
+        return RankForker(self.module, self.args, close_fds=close).start
 
-    def _serve_store(self) -> tuple[object | None, int]:
-        """Node 0 serves the job's store on its address only; the others reach it there."""
+    def _store_socket(self) -> socket.socket | None:
+        """Node 0's store socket, bound to its address only; the other nodes reach node 0's."""
         if self.world.node_rank != 0:
-            return None, self.world.store_port
+            return None
+        return listening_socket(self.world.address, self.world.store_port)
+
+    def _serve_store(self, listener: socket.socket | None) -> object | None:
+        """Node 0 serves the job's store through `listener`, which the store takes over."""
+        if listener is None:
+            return None
         # torch here, on node 0, for the store (and in forking_is_safe): the worker that builds the launcher's
         # command (launch_command) imports none of it.
         import torch.distributed as dist
 
-        sock = listening_socket(self.world.address, self.world.store_port)
-        port = int(sock.getsockname()[1])
-        store = dist.TCPStore(
+        port = int(listener.getsockname()[1])
+        return dist.TCPStore(
             self.world.store_host, port, None, True, timedelta(seconds=self.world.join_timeout_s),
-            wait_for_workers=False, master_listen_fd=sock.detach(),
+            wait_for_workers=False, master_listen_fd=listener.detach(),
         )
-        return store, port
 
     def _watch(self) -> int:
         while True:
@@ -260,6 +272,8 @@ def parse(argv: Sequence[str]) -> tuple[World, list[str]]:
 
 def main(argv: Sequence[str]) -> int:
     world, (module, *args) = parse(argv)
+    # Before forking_is_safe loads torch: libgomp reads it then, and forked ranks inherit what it read.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
     launcher = Launcher(world, module, args, fork=forking_is_safe())
     signal.signal(signal.SIGTERM, launcher.on_signal)
     signal.signal(signal.SIGINT, launcher.on_signal)

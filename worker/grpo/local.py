@@ -53,7 +53,7 @@ if TYPE_CHECKING:
     from worker.grpo.distributed import Ranks
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
-# What each rank of a multi-device run executes: it imports the engine at the top, for the ranks' fork server.
+# What each rank of a multi-device run executes: it imports the engine at the top, once, in the launcher the ranks are forked from.
 RANK_MODULE = "worker.grpo.local_rank"
 
 
