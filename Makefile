@@ -7,13 +7,18 @@ STAMP := $(VENV)/.installed-dev
 BENCH_STAMP := $(VENV)/.installed-bench
 # Every venv is filled by uv, which installs the same resolution as pip (same versions, checked with `pip freeze`)
 # in a fraction of the time: it downloads and unpacks in parallel. uv does not read pip's configuration, so the
-# wheel folders pip is configured with on this machine (the CPU torch on disk) are passed on. Bytecode is
-# compiled at install, as pip does: where PYTHONDONTWRITEBYTECODE is set, every process that imports torch would
-# otherwise compile it again.
+# wheel folders pip is configured with on this machine (the CPU torch on disk) are passed on. The main venv's
+# bytecode is compiled at install, as pip does: where PYTHONDONTWRITEBYTECODE is set, every process run from it
+# by hand would otherwise compile torch and transformers again. The venvs only the tests use (OpenEnv, tinker,
+# the lowest transformers) are not: their processes import a small part of them, and Python caches the bytecode of
+# what it imports, as it does by default, since make's recipes run without PYTHONDONTWRITEBYTECODE.
 UV_PIN := uv==0.13.9
 UV := $(VENV)/bin/uv
 PIP_FIND_LINKS ?= $(shell $(PYTHON) -m pip config get global.find-links 2>/dev/null)
-UV_PIP := $(UV) pip install -q --compile-bytecode $(foreach l,$(PIP_FIND_LINKS),--find-links $(l)) --python
+UV_INSTALL := $(UV) pip install -q $(foreach l,$(PIP_FIND_LINKS),--find-links $(l))
+UV_PIP := $(UV_INSTALL) --compile-bytecode --python
+UV_PIP_LAZY := $(UV_INSTALL) --python
+unexport PYTHONDONTWRITEBYTECODE
 # The lowest transformers the engine supports, with the huggingface_hub and tokenizers it accepts, installed
 # beside the main venv and put in front of it on PYTHONPATH (torch and peft stay the main venv's).
 LOWEST := .venv-lowest
@@ -70,14 +75,14 @@ install: $(STAMP)
 # After the main venv: two editable installs of this project at once would race on its egg-info.
 $(OPENENV_STAMP): pyproject.toml $(STAMP)
 	@test -x $(OPENENV)/bin/python || $(PYTHON) -m venv --without-pip $(OPENENV)
-	$(UV_PIP) $(OPENENV)/bin/python -e '.[env]'
+	$(UV_PIP_LAZY) $(OPENENV)/bin/python -e '.[env]'
 	touch $@
 
 openenv: $(OPENENV_STAMP)
 
 $(TINKER_STAMP): Makefile | $(UV)
 	@test -x $(TINKER)/bin/python || $(PYTHON) -m venv --without-pip $(TINKER)
-	$(UV_PIP) $(TINKER)/bin/python $(TINKER_PIN)
+	$(UV_PIP_LAZY) $(TINKER)/bin/python $(TINKER_PIN)
 	touch $@
 
 tinker-sdk: $(TINKER_STAMP)
@@ -96,7 +101,7 @@ pytest: install $(OPENENV_STAMP) $(TINKER_STAMP)
 
 $(LOWEST_STAMP): Makefile | $(UV)
 	rm -rf $(LOWEST)
-	$(UV_PIP) $(PY) --no-deps --target $(LOWEST) $(LOWEST_PINS)
+	$(UV_PIP_LAZY) $(PY) --no-deps --target $(LOWEST) $(LOWEST_PINS)
 	touch $@
 
 # The engine's tests again on the lowest supported transformers (`pytest` runs them on the newest).
