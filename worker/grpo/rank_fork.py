@@ -14,7 +14,8 @@ Rules that make a forked rank the same as a fresh one:
 - What a rank reads when it runs (RANK, WORLD_SIZE, the store's address, the socket interfaces) is set in the
   rank before its module runs. What is read once at import comes from the launcher's environment when it
   imports the module: libgomp reads OMP_NUM_THREADS when torch loads, so the launcher sets the ranks' default
-  there first.
+  there first, and each rank sets torch's intra-op thread count from its own OMP_NUM_THREADS again, as a fresh
+  rank's torch would read it, whatever the launcher's torch read.
 - The rank closes the launcher's descriptors that are not its own (the store's listening socket), takes back
   the default signal handlers, and dies with its launcher (PR_SET_PDEATHSIG): a launcher killed outright takes
   its ranks with it, as a fresh rank's exit would not.
@@ -151,6 +152,9 @@ def run_module(module: str, args: list[str], env: dict[str, str]) -> None:
     """In the forked rank: `python -m module args` with environment `env`."""
     os.environ.clear()
     os.environ.update(env)
+    torch = sys.modules.get("torch")  # loaded by the launcher with the module, or not at all
+    if torch is not None and env.get("OMP_NUM_THREADS", "").isdigit() and int(env["OMP_NUM_THREADS"]) > 0:
+        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
     sys.argv = [module, *args]  # runpy puts the module's file in sys.argv[0], as `python -m` does
     sys.modules.pop(module, None)
     try:
