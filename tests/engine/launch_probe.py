@@ -25,6 +25,7 @@ def main(out_dir: Path, codes: list[str]) -> int:
         "name": __name__,
         "argv": sys.argv[1:],
         "pid": os.getpid(),
+        "ppid": os.getppid(),
         "preloaded": PRELOADED,
         "threads": torch.get_num_threads(),
         "listening": [c.laddr.port for c in psutil.Process().net_connections("tcp") if c.status == psutil.CONN_LISTEN],

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -107,3 +108,39 @@ def test_a_killed_launcher_takes_its_forked_ranks_with_it(tmp_path: Path) -> Non
             time.sleep(0.1)
     finally:
         launcher.kill()
+
+
+RUN_RANKS = "import sys, threading, time; from worker.grpo.launch import run_ranks; {thread}" \
+            "sys.exit(run_ranks('tests.engine.launch_probe', sys.argv[1:], nproc_per_node=2, run_id='r' * 32))"
+A_THREAD = "threading.Thread(target=time.sleep, args=(600,), daemon=True).start(); "
+
+
+@pytest.mark.parametrize("thread", [False, True], ids=["alone", "beside-a-thread"])
+def test_run_ranks_forks_them_from_its_caller_unless_another_thread_runs(tmp_path: Path, thread: bool) -> None:
+    """`grpo train` is its ranks' launcher, with no interpreter between them; a caller that runs threads has
+    its ranks started by a launcher process of its own, as a thread's lock would stay held in a forked rank."""
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"} | {"PYTHONPATH": str(REPO_ROOT)}
+    code = RUN_RANKS.format(thread=A_THREAD if thread else "")
+    caller = subprocess.Popen([sys.executable, "-c", code, str(tmp_path), "0,0"], env=env)
+    assert caller.wait(timeout=120) == 0
+    ranks = [seen(tmp_path, rank) for rank in (0, 1)]
+    assert all(view["preloaded"] for view in ranks)  # forked from a launcher either way (no CUDA here)
+    assert {view["ppid"] == caller.pid for view in ranks} == {not thread}
+
+
+def test_the_caller_launching_its_ranks_stops_them_on_sigint_and_exits_130(tmp_path: Path) -> None:
+    """Ctrl-C on `grpo train` reaches its launcher, the command itself: it stops the ranks and exits 130, the
+    code of a command interrupted, rather than dying and leaving them to its death signal."""
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"} | {"PYTHONPATH": str(REPO_ROOT)}
+    caller = subprocess.Popen([sys.executable, "-c", RUN_RANKS.format(thread=""), str(tmp_path), "sleep,sleep"],
+                              env=env)
+    try:
+        deadline = time.monotonic() + 60
+        while not all((tmp_path / f"rank-{rank}.json").exists() for rank in (0, 1)):
+            assert time.monotonic() < deadline and caller.poll() is None, "the ranks did not start"
+            time.sleep(0.1)
+        caller.send_signal(signal.SIGINT)
+        assert caller.wait(timeout=STOP_GRACE_S + 30) == 130  # the ranks would sleep for 120 s
+        assert not any(runs(seen(tmp_path, rank)["pid"]) for rank in (0, 1))
+    finally:
+        caller.kill()

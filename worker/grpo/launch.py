@@ -24,7 +24,8 @@ each importing torch and the engine again (worker.grpo.rank_fork says when that 
 matches a fresh one).
 
 The launcher watches its ranks: the first one to exit with an error (or a signal) makes it stop the others,
-and it exits with that rank's code; with every rank done it exits 0. SIGTERM stops the ranks the same way.
+and it exits with that rank's code; with every rank done it exits 0. SIGTERM or SIGINT stops the ranks the same way,
+and the launcher then exits with 128 plus the signal's number, as a shell reports a process the signal ended.
 No restarts: a failed rank ends the attempt and the job resumes from its checkpoint.
 """
 
@@ -37,6 +38,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -51,6 +53,7 @@ from worker.grpo.rank_fork import RankForker, forking_is_safe
 POLL_S = 0.2
 STOP_GRACE_S = 10.0
 LOOPBACK = "127.0.0.1"
+LAUNCHER = (sys.executable, "-m", "worker.grpo.launch")  # a launcher process of its own
 
 
 @dataclass(frozen=True)
@@ -83,19 +86,32 @@ def launch_command(
     address: str = LOOPBACK,
     join_timeout_s: float | None = None,
 ) -> list[str]:
-    """The command line of this launcher running `python -m module args` as `nproc_per_node` ranks.
-    `store` is `ip:port` of the job's store (node 0 serves it there; port 0 = a free one), `address` this
-    node's IP address; without them, one node on loopback."""
+    """The command line of this launcher running `python -m module args` as `nproc_per_node` ranks (after
+    `LAUNCHER`, `main`'s argv). `store` is `ip:port` of the job's store (node 0 serves it there; port 0 = a
+    free one), `address` this node's IP address; without them, one node on loopback."""
     if store is None and nnodes > 1:
         raise ValueError("a job on several nodes needs the store's address")
     command = [
-        sys.executable, "-m", "worker.grpo.launch",
+        *LAUNCHER,
         f"--nproc-per-node={nproc_per_node}", f"--nnodes={nnodes}", f"--node-rank={node_rank}",
         f"--store={store or f'{LOOPBACK}:0'}", f"--address={address}", f"--run-id={run_id}",
     ]
     if join_timeout_s is not None:
         command.append(f"--join-timeout={join_timeout_s}")
     return [*command, "-m", module, *args]
+
+
+def run_ranks(module: str, args: Sequence[str], *, nproc_per_node: int, run_id: str) -> int:
+    """Runs `python -m module args` as `nproc_per_node` ranks on loopback and waits; the launcher's exit code.
+
+    This process is their launcher while it runs no other thread: a thread that holds a lock when the ranks are
+    forked would leave that lock held in every rank. Otherwise a launcher process of its own starts them. A
+    caller that has not loaded the module yet pays for it once either way, and one that has (a process forked
+    from one that imported the engine) pays nothing: no interpreter stands between it and its ranks."""
+    command = launch_command(module, args, nproc_per_node=nproc_per_node, run_id=run_id)
+    if threading.active_count() > 1:
+        return subprocess.call(command)
+    return main(command[len(LAUNCHER):])
 
 
 def interface_of(address: str) -> str:
@@ -163,7 +179,7 @@ class Launcher:
         self.args = list(args)
         self.fork = fork
         self.ranks: list[Rank] = []
-        self._stopping = False
+        self._stopped_by = 0  # the signal that asked the launcher to stop, if any
 
     def run(self) -> int:
         listener = self._store_socket()
@@ -223,12 +239,12 @@ class Launcher:
                 return 128 - code if code < 0 else code  # killed by a signal: the shell's convention
             if all(code == 0 for code in codes):
                 return 0
-            if self._stopping:
-                return 128 + signal.SIGTERM
+            if self._stopped_by:
+                return 128 + self._stopped_by
             time.sleep(POLL_S)
 
     def on_signal(self, signum: int, frame: FrameType | None) -> None:
-        self._stopping = True
+        self._stopped_by = signum
 
     def _stop(self) -> None:
         # Every rank, not only those without an exit code: a forked rank whose server died has one (255) and may
@@ -275,9 +291,13 @@ def main(argv: Sequence[str]) -> int:
     # Before forking_is_safe loads torch: libgomp reads it then, and forked ranks inherit what it read.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     launcher = Launcher(world, module, args, fork=forking_is_safe())
-    signal.signal(signal.SIGTERM, launcher.on_signal)
-    signal.signal(signal.SIGINT, launcher.on_signal)
-    return launcher.run()
+    # The caller's own handlers come back afterwards (run_ranks makes the caller the launcher).
+    previous = {signum: signal.signal(signum, launcher.on_signal) for signum in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        return launcher.run()
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 if __name__ == "__main__":

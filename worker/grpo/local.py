@@ -3,7 +3,8 @@
 The YAML file is the job spec a user would submit to the service (`contract.spec.JobSpec`),
 where `train_dataset` / `eval_dataset` are JSONL paths relative to the YAML file, plus an optional
 `output_dir` (relative to the YAML file too). Re-running with the same output directory resumes
-from its newest checkpoint. Ctrl-C stops after the current step and saves a checkpoint.
+from its newest checkpoint. On one device, Ctrl-C stops after the current step and saves a checkpoint; on
+several, it stops the ranks, and the run resumes from its last checkpoint.
 
 With `resources.devices: N > 1` the command launches N ranks on this machine (worker.grpo.launch,
 gloo on CPU, NCCL on GPUs) that each run `run_local` (worker.grpo.local_rank); rank 0 shows the progress and
@@ -21,7 +22,6 @@ import math
 import os
 import secrets
 import signal
-import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,7 +46,7 @@ from contract.reward_types import RewardError
 from contract.spec import JobSpec
 from worker.grpo.data import DatasetError, PromptRow, load_jsonl
 from worker.grpo.environment import LocalEnvironment, MultiTurnSettings
-from worker.grpo.launch import launch_command
+from worker.grpo.launch import run_ranks
 from worker.grpo.tool_calls import NoToolFormat
 
 if TYPE_CHECKING:
@@ -169,7 +169,7 @@ def run_local(config_path: Path, output_dir: Path | None) -> int:
             return EXIT_BAD_INPUT
         return _launch_ranks(config_path, job.output_dir, devices)
     # worker.grpo.distributed imports transformers and worker.grpo.checkpoint torch (seconds): bad input fails
-    # first, and the parent of a multi-device run launches its ranks without them.
+    # first, and a multi-device run loads them once, for its forked ranks (worker.grpo.local_rank).
     from worker.grpo.checkpoint import CheckpointCorrupt
     from worker.grpo.distributed import Ranks, init_from_env
 
@@ -190,12 +190,11 @@ def run_local(config_path: Path, output_dir: Path | None) -> int:
 
 
 def _launch_ranks(config_path: Path, output_dir: Path, devices: int) -> int:
-    """Run worker.grpo.local_rank as `devices` ranks; rank 0's exit code (the launcher's) is the command's."""
-    command = launch_command(
-        RANK_MODULE, [str(config_path), str(output_dir)], nproc_per_node=devices,
-        run_id=secrets.token_hex(16),
-    )
-    return subprocess.call(command)
+    """Run worker.grpo.local_rank as `devices` ranks; rank 0's exit code (the launcher's) is the command's.
+    This process launches them (worker.grpo.launch.run_ranks), with no interpreter between: Ctrl-C stops them and
+    the command exits 130."""
+    return run_ranks(RANK_MODULE, [str(config_path), str(output_dir)], nproc_per_node=devices,
+                     run_id=secrets.token_hex(16))
 
 
 def model_cache_dir() -> Path:

@@ -1,9 +1,10 @@
 """One rank of a multi-device `grpo train` (worker.grpo.local launches `devices` of them).
 
-The engine is imported here, at the top, on purpose: on machines without CUDA the launcher imports this module
-and forks the ranks from itself (worker.grpo.rank_fork), so torch, transformers and the trainer load once
-per run instead of once per rank. worker.grpo.local keeps them out of its own import, so that the parent of a
-multi-device run, which only launches ranks, and bad input, which fails before any training, pay nothing.
+The engine is imported here, at the top, on purpose: on machines without CUDA the launcher (the `grpo train`
+command itself, worker.grpo.launch.run_ranks) imports this module and forks the ranks from itself
+(worker.grpo.rank_fork), so torch, transformers and the trainer load once per run instead of once per rank.
+worker.grpo.local keeps them out of its own import, so that bad input, which fails before any training, pays
+nothing.
 """
 
 from __future__ import annotations
