@@ -104,17 +104,22 @@ $(LOWEST_STAMP): Makefile | $(UV)
 	$(UV_PIP_LAZY) $(PY) --no-deps --target $(LOWEST) $(LOWEST_PINS)
 	touch $@
 
-# The engine's tests again on the lowest supported transformers (`pytest` runs them on the newest).
-# Not the vLLM tests (rollouts, the primitives sampler): vLLM itself needs transformers >= 5.16.1.
+# The engine's tests of what it asks of transformers, again on the lowest supported transformers (`pytest` runs
+# every test on the newest): the test files that call transformers themselves (parity of every architecture and
+# of both backends with its forward, on the real SmolLM2 too; loading, GGUF conversion, checkpoints, adapters,
+# tokenizers and chat templates, generation; training through each backend). Not the multi-process tests
+# (launchers, DDP, FSDP, `grpo train` on several devices): their ranks run the same module forward as these,
+# under torch.distributed, which does not change with transformers. Not the vLLM tests either (rollouts, the
+# primitives sampler): vLLM itself needs transformers >= 5.16.1.
 # transformers 5.0 converts SmolLM2's GGUF tokenizer wrongly and the engine refuses it (worker/grpo/pretrained.py):
 # the main venv converts it first, into the cache the tests share, as a user on 5.0 would with a newer transformers.
+LOWEST_TESTS := $(addprefix tests/engine/test_,$(addsuffix .py,adapter_merge async_generation checkpoint \
+	concurrency fast_decoder fast_decoder_family generic_path gguf_sources hf_architectures logprobs loss \
+	module_logprobs multi_turn rewards rollout smollm2 smollm2_tools tiny trainer warm))
 test-lowest: install $(LOWEST_STAMP)
 	$(PY) -c 'from tests.engine.trainer_helpers import shared_model_cache as c; from worker.grpo.pretrained import build_smollm2; build_smollm2(c())'
 	PYTHONPATH=$(CURDIR)/$(LOWEST) $(PY) -c 'import transformers; print("transformers", transformers.__version__)'
-	PYTHONPATH=$(CURDIR)/$(LOWEST) $(VENV)/bin/pytest -q -ra -p no:cacheprovider $(LOWEST_XDIST) tests/engine \
-		--ignore=tests/engine/test_vllm_rollout.py --ignore=tests/engine/test_distributed_vllm.py \
-		--ignore=tests/engine/test_vllm_server.py --ignore=tests/engine/test_multi_turn_vllm.py \
-		--ignore=tests/engine/test_primitive_vllm.py \
+	PYTHONPATH=$(CURDIR)/$(LOWEST) $(VENV)/bin/pytest -q -ra -p no:cacheprovider $(LOWEST_XDIST) $(LOWEST_TESTS) \
 		--deselect tests/engine/test_async_generation.py::test_vllm_async_run_and_a_sampler_that_keeps_old_weights
 
 # The venvs side by side (make orders what needs the main venv after it). Then everything else at once: ruff,
