@@ -163,14 +163,14 @@ def test_the_parent_imports_no_torch_and_the_rank_module_imports_the_engine() ->
 
 
 def test_a_multi_device_run_launches_the_rank_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    launched: list[list[str]] = []
+    launched: list[tuple[str, list[str], int]] = []
 
-    def call(command: list[str]) -> int:
-        launched.append(command)
+    def run_ranks(module: str, args: list[str], *, nproc_per_node: int, run_id: str) -> int:
+        launched.append((module, list(args), nproc_per_node))
         return 0
 
-    monkeypatch.setattr(local.subprocess, "call", call)
+    monkeypatch.setattr(local, "run_ranks", run_ranks)
     spec = VALID_SPEC.replace("prompts_per_step: 1", "prompts_per_step: 2") + "resources: {devices: 2}\n"
-    assert run_local(_job(tmp_path, spec), tmp_path / "out") == 0
-    (command,) = launched
-    assert local.RANK_MODULE in command and "worker.grpo.local" not in command
+    config = _job(tmp_path, spec)
+    assert run_local(config, tmp_path / "out") == 0
+    assert launched == [(local.RANK_MODULE, [str(config), str(tmp_path / "out")], 2)]
