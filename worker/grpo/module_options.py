@@ -5,10 +5,13 @@
   its matmuls run in bf16 and accumulate in float32 where the kernels do. The forward is wrapped on the model
   instance, as accelerate does, so every caller and every thread gets it. The log-probs stay float32: the LM
   head's log-softmax (`worker.grpo.logprobs.head_logprobs`) runs outside the forward, on its float32 input.
-- `torch_compile`: each decoder layer is compiled (`nn.Module.compile`, dynamic shapes: prompt and completion
-  lengths change every step), the granularity torchtitan and TRL's FSDP2 recipes use. The whole model is not:
-  the log-prob forward stops at the LM head by raising from a hook (`module_logprobs`), which a compiled graph
-  would break on, and one graph per layer compiles once for all layers of the same shape.
+- `torch_compile`: each decoder layer's forward is compiled (`torch.compile`, dynamic shapes: prompt and
+  completion lengths change every step), the granularity torchtitan and TRL's FSDP2 recipes use. The whole model
+  is not: the log-prob forward stops at the LM head by raising from a hook (`module_logprobs`), which a compiled
+  graph would break on, and one graph per layer serves every layer of the same shape. That holds where the layers
+  run without a KV cache: the training and log-prob forwards, where the compute is. Decoding runs them eagerly:
+  each layer reads its own entry of the cache (`past_key_values.layers[layer_idx]`), which dynamo guards on, so
+  every layer would compile a graph of its own and, past dynamo's recompile limit, run eagerly all the same.
 
 Neither applies to the `fused` backend, which reads the weights directly: `backends.fused_applies` sends such
 jobs to `hf`.
@@ -26,9 +29,24 @@ def apply_module_options(model: Any, *, bf16: bool, compile_layers: bool) -> Non
     """Set up `model` (a transformers causal LM, or a peft model around one) as the job asks; in place."""
     if compile_layers:
         for layer in decoder_layers(model):
-            layer.compile(dynamic=True)
+            compile_without_cache(layer)
     if bf16:
         autocast_forward(model, torch.bfloat16)
+
+
+def compile_without_cache(layer: torch.nn.Module) -> None:
+    """`layer`'s forward compiled, except where it is given a KV cache (decoding): the module docstring says why.
+    transformers' models pass the cache to their decoder layers by name (`past_key_values=`)."""
+    eager = layer.forward
+    compiled = torch.compile(eager, dynamic=True)
+
+    @functools.wraps(eager)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("past_key_values") is not None:
+            return eager(*args, **kwargs)
+        return compiled(*args, **kwargs)
+
+    layer.forward = forward
 
 
 def autocast_forward(model: Any, dtype: torch.dtype) -> None:
