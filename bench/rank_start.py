@@ -58,9 +58,9 @@ def rank_module(workdir: Path, module: str) -> str:
 
 def launch(ranks: int, probe: str, workdir: Path, *, fork: bool) -> tuple[float, float]:
     """Wall seconds and CPU seconds (the launcher and all it started) of one launch."""
-    from worker.grpo.launch import launch_command  # imported here: the driver itself stays light
+    from worker.grpo.launch import LAUNCHER, launch_command  # imported here: the driver itself stays light
 
-    command = launch_command(probe, [], nproc_per_node=ranks, run_id="b" * 32)[3:]
+    command = launch_command(probe, [], nproc_per_node=ranks, run_id="b" * 32)[len(LAUNCHER):]
     env = {**os.environ, "PYTHONPATH": f"{workdir}{os.pathsep}{REPO}"}
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     started = time.perf_counter()

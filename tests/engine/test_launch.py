@@ -16,7 +16,7 @@ from typing import Any
 import psutil
 import pytest
 
-from worker.grpo.launch import STOP_GRACE_S, launch_command
+from worker.grpo.launch import LAUNCHER, STOP_GRACE_S, launch_command
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 LAUNCH = "import sys; from worker.grpo.launch import Launcher, parse; w, (m, *a) = parse(sys.argv[1:]); " \
@@ -29,7 +29,7 @@ def launch(tmp_path: Path, codes: str, *, fork: bool, env: dict[str, str] | None
     code = LAUNCH.format(fork=fork)
     environ = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"} if env is None else env
     environ["PYTHONPATH"] = str(REPO_ROOT)
-    return subprocess.run([sys.executable, "-c", code, *command[3:]], env=environ, timeout=120).returncode
+    return subprocess.run([sys.executable, "-c", code, *command[len(LAUNCHER):]], env=environ, timeout=120).returncode
 
 
 def seen(tmp_path: Path, rank: int) -> dict[str, Any]:
@@ -81,7 +81,7 @@ def test_a_module_that_fails_to_import_fails_the_launch(tmp_path: Path, fork: bo
     for module in ("tests.engine.no_such_rank_module", "broken_rank"):
         command = launch_command(module, [], nproc_per_node=2, run_id="r" * 32)
         env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{REPO_ROOT}"}
-        run = subprocess.run([sys.executable, "-c", LAUNCH.format(fork=fork), *command[3:]], env=env,
+        run = subprocess.run([sys.executable, "-c", LAUNCH.format(fork=fork), *command[len(LAUNCHER):]], env=env,
                              capture_output=True, text=True, timeout=120)
         assert run.returncode != 0, (module, run.stderr[-2000:])
 
@@ -92,7 +92,7 @@ def test_a_killed_launcher_takes_its_forked_ranks_with_it(tmp_path: Path) -> Non
     command = launch_command("tests.engine.launch_probe", [str(tmp_path), "sleep,sleep"], nproc_per_node=2,
                              run_id="r" * 32)
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"} | {"PYTHONPATH": str(REPO_ROOT)}
-    launcher = subprocess.Popen([sys.executable, "-c", LAUNCH.format(fork=True), *command[3:]], env=env)
+    launcher = subprocess.Popen([sys.executable, "-c", LAUNCH.format(fork=True), *command[len(LAUNCHER):]], env=env)
     try:
         deadline = time.monotonic() + 60
         while not all((tmp_path / f"rank-{rank}.json").exists() for rank in (0, 1)):
