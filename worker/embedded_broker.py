@@ -15,11 +15,20 @@ just with a different `broker_url`. Its known weaknesses are covered elsewhere:
 kombu passes every transport option straight to `create_engine`, so the polling interval cannot be set
 through `broker_transport_options`; a transport subclass is the supported way. The producer side
 (the API) keeps using kombu's stock `sqla+` transport: both share the same two tables.
+
+Forks wait for the channel's SQLite calls (`_BROKER_CALLS`). The worker's pool forks each job's child from
+a thread of its own (billiard's supervisor; a polling transport has no event loop) while the main thread
+polls this channel. libsqlite guards its allocator with a process-wide mutex: a fork that lands while the
+poll holds it leaves the child holding a mutex no thread will release, and the child hangs at its first
+SQLite call, before it claims its job.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import os
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from kombu.transport import sqlalchemy as kombu_sqla
 from sqlalchemy import Engine, create_engine, event
@@ -28,6 +37,25 @@ from sqlalchemy.exc import IntegrityError
 
 POLL_SECONDS = 0.2
 TRANSPORT_PATH = "worker.embedded_broker:EmbeddedTransport"
+
+T = TypeVar("T")
+
+# Re-entrant: `_put`, `_get` and `_size` call `_get_or_create`. The forking thread holds it across the fork,
+# so the child's copy is released by the same thread (the child's only one).
+_BROKER_CALLS = threading.RLock()
+os.register_at_fork(
+    before=_BROKER_CALLS.acquire, after_in_parent=_BROKER_CALLS.release, after_in_child=_BROKER_CALLS.release
+)
+
+
+def _fork_safe(call: Callable[..., T]) -> Callable[..., T]:
+    """`call` runs with the channel's SQLite connection and no fork under way (module docstring)."""
+
+    def guarded(*args: Any, **kwargs: Any) -> T:
+        with _BROKER_CALLS:
+            return call(*args, **kwargs)
+
+    return guarded
 
 
 def _sqlite_engine(url: str) -> Engine:
@@ -46,6 +74,12 @@ def _sqlite_engine(url: str) -> Engine:
 
 
 class EmbeddedChannel(kombu_sqla.Channel):
+    _get = _fork_safe(kombu_sqla.Channel._get)
+    _put = _fork_safe(kombu_sqla.Channel._put)
+    _purge = _fork_safe(kombu_sqla.Channel._purge)
+    _size = _fork_safe(kombu_sqla.Channel._size)
+
+    @_fork_safe
     def _get_or_create(self, queue: str) -> Any:
         # kombu guards the insert of a new queue's row with a lock of its own process only: when the API
         # publishes the first job of a queue while the worker declares that queue at start-up, the second

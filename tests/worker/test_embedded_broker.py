@@ -1,8 +1,11 @@
-"""The embedded broker (kombu's SQLAlchemy transport on SQLite) when two processes create a queue's row at once:
-the API publishing a queue's first job while the worker declares that queue at start-up."""
+"""The embedded broker (kombu's SQLAlchemy transport on SQLite): two processes creating a queue's row at once (the
+API publishing a queue's first job while the worker declares that queue at start-up), and forks during a poll."""
 
 from __future__ import annotations
 
+import os
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -34,3 +37,36 @@ def test_a_queue_created_meanwhile_by_another_process_is_used(tmp_path: Path) ->
         assert message is not None and message.payload == {"job": 1}
     with other.connect() as conn:
         assert conn.execute(text("SELECT count(*) FROM kombu_queue WHERE name = 'cpu'")).scalar_one() == 1
+
+
+def test_a_fork_waits_for_the_poll_under_way(tmp_path: Path) -> None:
+    # The worker's pool forks a job's child from a thread of its own while the main thread polls: a fork in the
+    # middle of a SQLite call leaves the child with libsqlite's allocator mutex held, and the child hangs.
+    url = f"sqlite:///{tmp_path / 'broker.db'}"
+    inside, finished = threading.Event(), threading.Event()
+    forked_at: list[float] = []
+    with Connection(hostname=url, transport=TRANSPORT_PATH) as connection:
+        channel: Any = connection.default_channel
+        Queue("gpu", channel=channel).declare()
+
+        @event.listens_for(channel.session.get_bind(), "before_cursor_execute")
+        def _slow_poll(*_args: Any) -> None:
+            inside.set()
+            time.sleep(0.5)  # the fork below is asked for meanwhile
+            finished.set()
+
+        def fork() -> None:
+            inside.wait(10)
+            pid = os.fork()
+            if pid == 0:
+                os._exit(0)
+            forked_at.append(time.monotonic())
+            os.waitpid(pid, 0)
+
+        forking = threading.Thread(target=fork)
+        forking.start()
+        assert Queue("gpu", channel=channel).get(no_ack=True) is None
+        poll_done = time.monotonic()
+        forking.join(10)
+        event.remove(channel.session.get_bind(), "before_cursor_execute", _slow_poll)
+    assert finished.is_set() and forked_at and forked_at[0] >= poll_done - 0.05
