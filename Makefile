@@ -91,10 +91,15 @@ lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/lint-imports
 
-# mypy checks modules side by side in this many worker processes: a fresh clone, as CI has, has no .mypy_cache.
+# mypy checks modules side by side in this many worker processes. Its cache lives outside the clone, as a CI
+# cache would keep it, so a fresh clone checks only what changed: mypy takes a cached module's results only where
+# the source's hash matches the one it checked (a clone's new mtimes make it compare), so the cache never hides an
+# error. MYPY_CACHE_DIR= (empty) checks from scratch into the clone's .mypy_cache.
 MYPY_WORKERS ?= 2
+MYPY_CACHE_DIR ?= $(HOME)/.cache/grpo/mypy
 typecheck: install
-	$(VENV)/bin/mypy --num-workers $(MYPY_WORKERS) service worker contract outbound cli client
+	$(VENV)/bin/mypy --num-workers $(MYPY_WORKERS) $(if $(MYPY_CACHE_DIR),--cache-dir $(MYPY_CACHE_DIR)) \
+		service worker contract outbound cli client
 
 pytest: install $(OPENENV_STAMP) $(TINKER_STAMP)
 	$(VENV)/bin/pytest -q -ra $(XDIST) $(PYTEST_ARGS)
