@@ -36,8 +36,9 @@ def stack(_postgres_database: str, redis_base_url: str) -> Iterator[Stack]:
     )
     try:
         stack.start_api()
-        stack.start_worker(devices=1)
-        stack.start_worker(devices=1)
+        # Their jobs run in ranks only, which their launchers start: a preloaded engine would go unused.
+        stack.start_worker(devices=1, preload_engine=False)
+        stack.start_worker(devices=1, preload_engine=False)
         yield stack
     finally:
         stack.stop_all()
