@@ -128,8 +128,8 @@ test-lowest: install $(LOWEST_STAMP)
 		--deselect tests/engine/test_async_generation.py::test_vllm_async_run_and_a_sampler_that_keeps_old_weights
 
 # The venvs side by side (make orders what needs the main venv after it). Then everything else at once: ruff,
-# the import contracts and mypy, the suite, and the engine's tests on the lowest transformers (on 2 workers, as
-# the suite keeps the cores busy). The machine is the limit, not any one of them: each leaves cores idle at times
+# the import contracts and mypy, the suite, and the engine's tests on the lowest transformers (in one process:
+# the suite keeps the cores busy, and each xdist worker would collect the tests and import the engine again). The machine is the limit, not any one of them: each leaves cores idle at times
 # (processes starting, jobs waiting on a lease or a timeout, a suite's last long test), which the others fill.
 # The two suites share no state: tests/engine uses neither PostgreSQL nor Redis, and builtin models are built
 # under a lock. A failing check or suite fails `make test` once all have ended.
@@ -139,7 +139,7 @@ test:
 
 # What runs beside the suite in `make test`. Its output comes a target at a time, the suite's as it runs.
 beside-pytest:
-	$(MAKE) -j3 --keep-going --output-sync=target checks test-lowest LOWEST_WORKERS=2
+	$(MAKE) -j3 --keep-going --output-sync=target checks test-lowest LOWEST_XDIST=
 
 checks: lint typecheck
 
