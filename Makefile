@@ -129,8 +129,9 @@ test-lowest: install $(LOWEST_STAMP)
 
 # The venvs side by side (make orders what needs the main venv after it). Then everything else at once: ruff,
 # the import contracts and mypy, the suite, and the engine's tests on the lowest transformers (in one process:
-# the suite keeps the cores busy, and each xdist worker would collect the tests and import the engine again). The machine is the limit, not any one of them: each leaves cores idle at times
-# (processes starting, jobs waiting on a lease or a timeout, a suite's last long test), which the others fill.
+# the suite keeps the cores busy, and each xdist worker would collect the tests and import the engine again).
+# The machine is the limit, not any one of them: each leaves cores idle at times (processes starting, jobs
+# waiting on a lease or a timeout, a suite's last long test), which the others fill.
 # The two suites share no state: tests/engine uses neither PostgreSQL nor Redis, and builtin models are built
 # under a lock. A failing check or suite fails `make test` once all have ended.
 test:
