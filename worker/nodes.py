@@ -29,7 +29,6 @@ import logging
 import secrets
 import shutil
 import socket
-import subprocess
 import time
 import uuid
 from dataclasses import asdict
@@ -43,7 +42,8 @@ from service.execution import reporting
 from service.execution.lease import OWNED_STATES, Claim, with_db_retry
 from service.execution.runtime import Settings, get_settings
 from worker.grpo.launch import launch_command
-from worker.processes import stop_process
+from worker.processes import ChildProcess, stop_process
+from worker.spare_launcher import SpareLauncher, start_launcher
 
 log = logging.getLogger(__name__)
 
@@ -114,15 +114,17 @@ def invite(claim: Claim, queue: str, resources: Resources, settings: Settings) -
     return invitation
 
 
-def launch_node(invitation: Invitation, workdir: Path, *, settings: Settings) -> subprocess.Popen[bytes]:
-    """This node's launcher (worker.grpo.launch) for the invitation's attempt."""
+def launch_node(
+    invitation: Invitation, workdir: Path, *, settings: Settings, spare: SpareLauncher | None = None
+) -> ChildProcess:
+    """This node's launcher (worker.grpo.launch) for the invitation's attempt, run by `spare` where there is one."""
     command = launch_command(
         "worker.rank_job", [json.dumps(invitation.claim), str(workdir), invitation.queue],
         nproc_per_node=invitation.nproc_per_node, run_id=invitation.run_id, nnodes=invitation.nnodes,
         node_rank=invitation.node_rank, store=invitation.endpoint, address=node_address(settings),
         join_timeout_s=settings.node_join_timeout_seconds,
     )
-    return subprocess.Popen(command)
+    return start_launcher(command, spare)
 
 
 def attempt_owns_job(job_id: str, attempt: int) -> bool:
@@ -130,8 +132,9 @@ def attempt_owns_job(job_id: str, attempt: int) -> bool:
     return control is not None and control.attempt == attempt and control.status in OWNED_STATES
 
 
-def join(invitation: Invitation, settings: Settings | None = None) -> str:
-    """Run this node's ranks of the invited attempt; returns what happened (for the worker log)."""
+def join(invitation: Invitation, settings: Settings | None = None, spare: SpareLauncher | None = None) -> str:
+    """Run this node's ranks of the invited attempt (through `spare` where the task has one); returns what
+    happened (for the worker log)."""
     settings = settings or get_settings()
     if not with_db_retry(lambda: attempt_owns_job(invitation.job_id, invitation.attempt)):
         log.info("job %s: invitation for attempt %d is stale; dropped", invitation.job_id, invitation.attempt)
@@ -140,7 +143,7 @@ def join(invitation: Invitation, settings: Settings | None = None) -> str:
         Path(settings.data_dir) / "work" / invitation.job_id / f"attempt-{invitation.attempt}-node-{uuid.uuid4().hex[:8]}"
     )
     log.info("job %s: joining attempt %d at %s", invitation.job_id, invitation.attempt, invitation.endpoint)
-    launcher = launch_node(invitation, workdir, settings=settings)
+    launcher = launch_node(invitation, workdir, settings=settings, spare=spare)
     try:
         checked = time.monotonic()
         while launcher.poll() is None:

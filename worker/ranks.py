@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import logging
-import subprocess
 from dataclasses import asdict
 from pathlib import Path
 
@@ -22,23 +21,25 @@ from service.execution.runtime import Settings
 from worker import nodes
 from worker.grpo.launch import launch_command
 from worker.processes import stop_process
+from worker.spare_launcher import SpareLauncher, start_launcher
 
 log = logging.getLogger(__name__)
 
 
 def run_on_ranks(
-    claim: Claim, heartbeat: Heartbeat, workdir: Path, resources: Resources, queue: str, settings: Settings
+    claim: Claim, heartbeat: Heartbeat, workdir: Path, resources: Resources, queue: str, settings: Settings,
+    spare: SpareLauncher | None = None,
 ) -> str:
-    """Launch the ranks and wait; the outcome as JobRunner.run returns it ("rank_failed" when they exited before
-    the job ended)."""
+    """Launch the ranks (through `spare` where the task has one) and wait; the outcome as JobRunner.run returns
+    it ("rank_failed" when they exited before the job ended)."""
     if resources.nodes > 1:
         invitation = nodes.invite(claim, queue, resources, settings)
-        launcher = nodes.launch_node(invitation, workdir, settings=settings)
+        launcher = nodes.launch_node(invitation, workdir, settings=settings, spare=spare)
     else:
-        launcher = subprocess.Popen(launch_command(
+        launcher = start_launcher(launch_command(
             "worker.rank_job", [json.dumps(asdict(claim)), str(workdir), queue],
             nproc_per_node=resources.devices_per_node, run_id=nodes.new_run_id(),
-        ))
+        ), spare)
     while launcher.poll() is None:
         # The job left this attempt's hands: rank 0 finished it (the ranks are exiting), or a newer
         # attempt took it over (they must stop).

@@ -85,6 +85,7 @@ from worker.job_inputs import RANK_INPUTS_FILE, InputFetcher, RankInputs, Rows
 from worker.model_sources import ModelUnavailable
 from worker.ranks import run_on_ranks
 from worker.reward_setup import RewardSetup, build_rewards, endpoint_config
+from worker.spare_launcher import SpareLauncher
 from worker.usage_meter import UsageMeter
 
 if TYPE_CHECKING:
@@ -127,9 +128,10 @@ class JobRunner:
 
     # --- entry points --------------------------------------------------------------------------
 
-    def run(self) -> str:
+    def run(self, spare: SpareLauncher | None = None) -> str:
         """"duplicate" when the claim was refused, "lease_lost" when a newer attempt took over,
-        else the job's final state for this attempt.
+        else the job's final state for this attempt. `spare` launches the ranks of a job on several devices
+        (worker.spare_launcher), where the task has one.
 
         The job run is the fair choice of this job's queue (service.execution.lease.claim_next): `job_id` afterwards."""
         claim = with_db_retry(self._claim)
@@ -145,7 +147,7 @@ class JobRunner:
             with Heartbeat(claim) as heartbeat, job_context(self.job_id, claim.attempt):
                 placement = with_db_retry(lambda: port.job_placement(claim.job_id))
                 if placement is not None and placement[0].devices > 1:
-                    return run_on_ranks(claim, heartbeat, workdir, *placement, self.settings)
+                    return run_on_ranks(claim, heartbeat, workdir, *placement, self.settings, spare)
                 return self._run_claimed(claim, heartbeat, workdir).value
         except LeaseLost:
             log.warning("job %s: attempt %d lost the job to a newer attempt; stopped", self.job_id, claim.attempt)

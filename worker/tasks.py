@@ -23,6 +23,7 @@ from service.execution.runtime import end_idle_transactions_after, get_settings
 from worker.celery_app import RUN_JOB_TASK, app
 from worker.nodes import JOIN_JOB_TASK, Invitation, join
 from worker.runner import JobRunner
+from worker.spare_launcher import spare_launcher
 
 # Mapper configuration is per process and costs a noticeable fraction of a second; done once here, it is
 # inherited by every child. (No database connection is opened in the parent: connections must not cross fork.)
@@ -36,8 +37,10 @@ def run_job(job_id: str) -> str:
     """Run (or resume, or ignore as a duplicate) the job; returns the outcome for the worker log."""
     # A worker frozen longer than its lease has lost the job anyway: its open transaction must not
     # keep the job row locked against the reaper (db.end_idle_transactions_after).
-    end_idle_transactions_after(get_settings().lease_seconds)
-    outcome = JobRunner(job_id).run()
+    settings = get_settings()
+    end_idle_transactions_after(settings.lease_seconds)
+    with spare_launcher(settings.worker_preload_engine) as spare:
+        outcome = JobRunner(job_id).run(spare)
     log.info("grpo.run_job %s -> %s", job_id, outcome)
     return outcome
 
@@ -45,6 +48,7 @@ def run_job(job_id: str) -> str:
 @app.task(name=JOIN_JOB_TASK, ignore_result=True, acks_late=True, reject_on_worker_lost=True)
 def join_job(invitation: dict[str, Any]) -> str:
     """Run this worker's node of a job on several nodes (a stale invitation returns at once)."""
-    outcome = join(Invitation.model_validate(invitation))
+    with spare_launcher(get_settings().worker_preload_engine) as spare:
+        outcome = join(Invitation.model_validate(invitation), spare=spare)
     log.info("grpo.join_job %s attempt %s -> %s", invitation["claim"]["job_id"], invitation["claim"]["attempt"], outcome)
     return outcome

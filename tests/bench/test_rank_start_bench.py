@@ -1,4 +1,5 @@
-"""bench/rank_start.py: one launch each way of two ranks importing a light module (`json`), and its report.
+"""bench/rank_start.py: one launch each way of two ranks importing a light module (`json`), and its report; the
+same with `--spare` (the launcher of its own vs forked from the task).
 
 No ratio is asserted (bench/README.md has the figures): the run shows the script still drives the launcher both
 ways, counts the CPU of what the launcher leaves behind, and prints its lines."""
@@ -24,3 +25,16 @@ def test_one_round_of_each_way_prints_wall_cpu_and_the_ratio() -> None:
     # Both ways run a launcher that imports torch for its store: neither costs nothing.
     assert all(float(cpu) > 0.5 for cpu in figures.values()), run.stdout
     assert re.search(r"^forked / fresh: wall [\d.]+x, CPU [\d.]+x$", run.stdout, re.MULTILINE), run.stdout
+
+
+def test_spare_one_round_of_each_way_prints_wall_cpu_and_the_ratio() -> None:
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "rank_start.py"), "--spare", "--rounds", "1", "--module", "json"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    figures = dict(re.findall(r"^\s*(own|spare): wall\s+[\d.]+ s\s+CPU\s+([\d.]+) s$", run.stdout, re.MULTILINE))
+    assert set(figures) == {"own", "spare"}, run.stdout
+    # Either way the launcher imports torch for its store and forks two ranks: neither costs nothing.
+    assert all(float(cpu) > 0.3 for cpu in figures.values()), run.stdout
+    assert re.search(r"^spare / own: wall [\d.]+x, CPU [\d.]+x$", run.stdout, re.MULTILINE), run.stdout

@@ -26,6 +26,8 @@ def main(out_dir: Path, codes: list[str]) -> int:
         "argv": sys.argv[1:],
         "pid": os.getpid(),
         "ppid": os.getppid(),
+        "process_name": psutil.Process().name(),
+        "launcher_name": psutil.Process(os.getppid()).name(),
         "preloaded": PRELOADED,
         "threads": torch.get_num_threads(),
         "listening": [c.laddr.port for c in psutil.Process().net_connections("tcp") if c.status == psutil.CONN_LISTEN],

@@ -7,7 +7,6 @@ import base64
 import ipaddress
 import pickle
 import threading
-import time
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
@@ -17,18 +16,26 @@ import psutil
 from tests.worker.procs import Stack
 
 JOB_MODULES = ("worker.grpo.launch", "worker.rank_job", "torch.distributed.run")
+# What forked launchers and ranks name themselves: their command line is the worker's (worker.spare_launcher)
+FORKED_NAMES = ("grpo-launcher", "grpo-rank-")
 
 
 def job_processes(stack: Stack) -> list[psutil.Process]:
-    """The launcher and rank processes of this stack's jobs (by their command line and data directory)."""
-    return [proc for proc in psutil.process_iter() if is_job_process(proc, stack)]
+    """The launcher and rank processes of this stack's jobs: descendants of its processes, by their name or command
+    line. (Not by their environment: Celery's process titles overwrite what /proc shows of a forked one's.)"""
+    found: list[psutil.Process] = []
+    for proc in stack.procs:
+        try:
+            descendants = psutil.Process(proc.popen.pid).children(recursive=True)
+        except psutil.Error:
+            continue
+        found.extend(child for child in descendants if is_job_process(child))
+    return found
 
 
-def is_job_process(proc: psutil.Process, stack: Stack) -> bool:
+def is_job_process(proc: psutil.Process) -> bool:
     try:
-        if not any(m in " ".join(proc.cmdline()) for m in JOB_MODULES):
-            return False
-        return bool(proc.environ().get("GRPO_DATA_DIR") == str(stack.data_dir))
+        return proc.name().startswith(FORKED_NAMES) or any(m in " ".join(proc.cmdline()) for m in JOB_MODULES)
     except psutil.Error:
         return False
 
@@ -53,8 +60,6 @@ class ListenerWatch:
         self.stack = stack
         self.seen: set[tuple[str, int]] = set()
         self.on_listener = on_listener
-        self._began = time.time()
-        self._not_jobs: set[psutil.Process] = set()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -66,23 +71,9 @@ class ListenerWatch:
         self._stop.set()
         self._thread.join(timeout=30)
 
-    def _job_processes(self) -> list[psutil.Process]:
-        """job_processes(stack), reading once only each process that ran before the watch began and was not one
-        of the job's then: a job starts its processes after that, and rereading every command line and
-        environment of the machine at each sample costs a good part of a CPU core on a busy machine."""
-        found = []
-        for proc in psutil.process_iter():
-            if proc in self._not_jobs:
-                continue
-            if is_job_process(proc, self.stack):
-                found.append(proc)
-            elif proc.create_time() < self._began:
-                self._not_jobs.add(proc)
-        return found
-
     def _run(self) -> None:
         while not self._stop.wait(0.05):
-            for address, port in listeners(self._job_processes()) - self.seen:
+            for address, port in listeners(job_processes(self.stack)) - self.seen:
                 self.seen.add((address, port))
                 if self.on_listener is not None:
                     self.on_listener(address, port)

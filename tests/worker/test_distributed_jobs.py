@@ -29,30 +29,18 @@ def two_device_spec(dataset: str, **hyper: object) -> dict[str, object]:
 
 
 def rank_pid(stack: Stack, rank: int) -> int | None:
-    """The process of `rank` of this stack's running job. A node's launcher starts its ranks in local-rank order,
-    as its children, fresh or forked from it (worker.grpo.rank_fork). A forked rank keeps the launcher's command
-    line and environment, so the launcher is the one whose parent is no job process, and the rank is found by
-    that order, not by RANK."""
-    processes = job_processes(stack)
-    pids = {proc.pid for proc in processes}
-    for launcher in processes:
+    """The process of `rank` of this stack's running job. A rank forked from its launcher (worker.grpo.rank_fork)
+    keeps the launcher's command line and environment and names itself `grpo-rank-N`; a fresh one's environment
+    has its RANK."""
+    for proc in job_processes(stack):
         try:
-            args = launcher.cmdline()
-            if "worker.grpo.launch" not in args or launcher.ppid() in pids:
-                continue
-            node, per_node = int(option(args, "--node-rank")), int(option(args, "--nproc-per-node"))
-            if not node * per_node <= rank < (node + 1) * per_node:
-                continue
-            ranks = sorted(launcher.children(), key=lambda p: (p.create_time(), p.pid))
-            index = rank - node * per_node
-            return ranks[index].pid if index < len(ranks) else None
+            if proc.name() == f"grpo-rank-{rank}":
+                return proc.pid
+            if "worker.rank_job" in " ".join(proc.cmdline()) and proc.environ().get("RANK") == str(rank):
+                return proc.pid
         except psutil.Error:
             continue
     return None
-
-
-def option(args: list[str], name: str) -> str:
-    return next(arg.split("=", 1)[1] for arg in args if arg.startswith(f"{name}="))
 
 
 @pytest.fixture(scope="module")
@@ -147,6 +135,8 @@ class TestRankFailure:
         wait_for(lambda: api.checkpoints(job_id), timeout=120, what="a registered checkpoint")
         pid = rank_pid(stack, 1)
         assert pid is not None, stack.logs()
+        # The worker preloads the engine: its task's child forked the launcher (worker.spare_launcher).
+        assert psutil.Process(pid).parent().name() == "grpo-launcher"
         os.kill(pid, sig)
         signalled = time.monotonic()
         failed = wait_for(

@@ -11,6 +11,7 @@ import signal
 from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 
 from tests.worker.conftest import PROMPTS, tiny_spec
@@ -36,9 +37,10 @@ def stack(_postgres_database: str, redis_base_url: str) -> Iterator[Stack]:
     )
     try:
         stack.start_api()
-        # Their jobs run in ranks only, which their launchers start: a preloaded engine would go unused.
-        stack.start_worker(devices=1, preload_engine=False)
-        stack.start_worker(devices=1, preload_engine=False)
+        # The engine preloaded (the default), as on CPU workers: each node's launcher is forked from the task's
+        # child (worker.spare_launcher).
+        stack.start_worker(devices=1)
+        stack.start_worker(devices=1)
         yield stack
     finally:
         stack.stop_all()
@@ -90,6 +92,8 @@ class TestTwoNodeJob:
         wait_for(lambda: api.checkpoints(job_id), timeout=120, what="a registered checkpoint")
         pid = rank_pid(stack, 1)
         assert pid is not None, stack.logs()
+        # The worker preloads the engine: its task's child forked the launcher (worker.spare_launcher).
+        assert psutil.Process(pid).parent().name() == "grpo-launcher"
         os.kill(pid, signal.SIGKILL)
         failed = wait_for(
             lambda: [e for e in api.events(job_id) if e["type"] == "rank_failed"], timeout=180,

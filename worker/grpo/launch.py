@@ -161,7 +161,7 @@ def rank_environment(world: World, local_rank: int, store_port: int, base: dict[
 
 
 class Rank(Protocol):
-    """A running rank: a process of its own (subprocess.Popen) or forked from the launcher (ForkedRank)."""
+    """A running rank: a process of its own (subprocess.Popen) or forked from the launcher (ForkedProcess)."""
 
     def poll(self) -> int | None: ...
     def wait(self, timeout: float | None = None) -> int: ...

@@ -18,7 +18,8 @@ Rules that make a forked rank the same as a fresh one:
   rank's torch would read it, whatever the launcher's torch read.
 - The rank closes the launcher's descriptors that are not its own (the store's listening socket), takes back
   the default signal handlers, and dies with its launcher (PR_SET_PDEATHSIG): a launcher killed outright takes
-  its ranks with it, as a fresh rank's exit would not.
+  its ranks with it, as a fresh rank's exit would not. It names itself `grpo-rank-N` (its command line is the
+  launcher's).
 - The module itself is dropped from `sys.modules` before it runs as `__main__`, as `python -m` leaves it.
 - `atexit` handlers run when the module returns or exits, and the exit code is the interpreter's: 0 on return,
   `sys.exit`'s code, 1 with the traceback on an uncaught exception.
@@ -41,6 +42,7 @@ from typing import NoReturn
 
 POLL_S = 0.05
 PR_SET_PDEATHSIG = 1
+PR_SET_NAME = 15
 
 
 def forking_is_safe() -> bool:
@@ -60,7 +62,7 @@ class RankForker:
         self.close_fds = list(close_fds)  # the launcher's own descriptors, closed in each rank
         importlib.import_module(module)
 
-    def start(self, env: dict[str, str]) -> ForkedRank:
+    def start(self, env: dict[str, str]) -> ForkedProcess:
         """One rank with environment `env`."""
         sys.stdout.flush()  # what is buffered would otherwise be written again by the rank
         sys.stderr.flush()
@@ -68,11 +70,12 @@ class RankForker:
         pid = os.fork()
         if pid == 0:
             become_rank(self.module, self.args, env, self.close_fds, parent)
-        return ForkedRank(pid)
+        return ForkedProcess(pid)
 
 
-class ForkedRank:
-    """A forked rank, with the part of subprocess.Popen's interface the launcher uses."""
+class ForkedProcess:
+    """A forked child (a rank, or a job's launcher: worker.spare_launcher), with the part of subprocess.Popen's
+    interface its parent uses."""
 
     def __init__(self, pid: int) -> None:
         self.pid = pid
@@ -90,7 +93,7 @@ class ForkedRank:
         deadline = None if timeout is None else time.monotonic() + timeout
         while (code := self.poll()) is None:
             if deadline is not None and time.monotonic() >= deadline:
-                raise subprocess.TimeoutExpired(f"rank {self.pid}", timeout or 0.0)
+                raise subprocess.TimeoutExpired(f"process {self.pid}", timeout or 0.0)
             time.sleep(POLL_S)
         return code
 
@@ -115,6 +118,7 @@ def become_rank(
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)
         die_with(parent)
+        set_process_name(f"grpo-rank-{env.get('RANK', '')}")
         for fd in close_fds:
             os.close(fd)
         run_module(module, args, env)
@@ -136,6 +140,13 @@ def die_with(parent: int) -> None:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG)")
     if os.getppid() != parent:  # it died before the line above: no signal will come
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def set_process_name(name: str) -> None:
+    """This process's name (Linux's `comm`: `top`, `ps -o comm`; 15 bytes at most): a forked rank's command line
+    is its launcher's, so its name tells it apart."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_NAME, name.encode()[:15], 0, 0, 0)
 
 
 def exit_code(stop: SystemExit) -> int:
