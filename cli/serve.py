@@ -25,6 +25,7 @@ import signal
 import subprocess
 import sys
 from collections.abc import Iterator
+from types import FrameType
 from typing import TYPE_CHECKING
 
 import typer
@@ -65,9 +66,19 @@ def serve(
     if settings.allow_private_reward_urls:
         log.warning("reward endpoints on loopback/private addresses are ALLOWED (GRPO_ALLOW_PRIVATE_REWARD_URLS; "
                     "development default). Set GRPO_ENV=production to refuse them.")
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     with _reaper(settings, enabled=reaper), _webhooks(settings), _embedded_worker(worker_queues, enabled=worker):
         asyncio.run(_serve_apis(settings, host or settings.api_host, port or settings.api_port,
                                 settings.grpc_port if grpc_port is None else grpc_port))
+
+
+def _exit_on_sigterm(signum: int, _frame: FrameType | None) -> None:
+    """SIGTERM ends `serve` as SystemExit (status 143), through its cleanups. uvicorn stops on it, then raises
+    it again once it has shut down: with the default action this process would end right there, before it stops
+    its embedded worker, reaper and webhook dispatcher, and the worker, left to its parent-death signal, can hang
+    in Celery's cold shutdown for good (a pool child that the same SIGTERM, sent to the whole process group,
+    ended while it held the pool's queue lock)."""
+    raise SystemExit(128 + signum)
 
 
 async def _serve_apis(settings: Settings, host: str, port: int, grpc_port: int) -> None:
@@ -166,3 +177,4 @@ def _stop(process: subprocess.Popen[bytes]) -> None:
     except subprocess.TimeoutExpired:
         process.kill()
         process.wait()
+    log.info("embedded worker stopped (exit code %d)", process.returncode)

@@ -1,4 +1,5 @@
-"""`grpo serve --worker` killed outright (SIGKILL) takes its embedded worker with it: no orphan keeps polling."""
+"""`grpo serve --worker` killed outright (SIGKILL) takes its embedded worker with it: no orphan keeps polling.
+Stopped with SIGTERM, it stops the worker itself before it exits."""
 
 from __future__ import annotations
 
@@ -27,6 +28,18 @@ def _children(pid: int) -> list[int]:
     return found
 
 
+def _workers(pid: int) -> list[int]:
+    """The embedded worker among the children of `pid`."""
+    found = []
+    for child in _children(pid):
+        try:
+            if b"--queues" in Path(f"/proc/{child}/cmdline").read_bytes():
+                found.append(child)
+        except OSError:
+            continue
+    return found
+
+
 def _alive(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
@@ -49,5 +62,26 @@ def test_sigkilled_serve_takes_its_embedded_worker_down() -> None:
     finally:
         stack.stop_all()
         for pid in workers:  # never leave an orphan behind, even when the assertion failed
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_sigterm_stops_serve_after_its_embedded_worker() -> None:
+    data_dir = private_tmp("grpo-sigterm-")
+    stack = Stack(database_url=f"sqlite:///{data_dir}/grpo.db", broker_url="", data_dir=data_dir)
+    workers: list[int] = []
+    try:
+        serve = stack.start_api(worker=True)
+        # Its other children (multiprocessing's forkserver and resource tracker) exit by themselves after it.
+        wait_for(lambda: _workers(serve.popen.pid) or None, timeout=60, what="the embedded worker")
+        workers = _workers(serve.popen.pid)
+        os.kill(serve.popen.pid, signal.SIGTERM)
+        # SystemExit(128 + SIGTERM) once its cleanups ran, not the signal's default action (-SIGTERM).
+        assert serve.popen.wait(timeout=60) == 128 + signal.SIGTERM, serve.log()
+        assert "embedded worker stopped" in serve.log()
+        assert not any(_alive(pid) for pid in workers)
+    finally:
+        stack.stop_all()
+        for pid in workers:
             if _alive(pid):
                 os.kill(pid, signal.SIGKILL)
