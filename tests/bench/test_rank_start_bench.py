@@ -11,30 +11,22 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_one_round_of_each_way_prints_wall_cpu_and_the_ratio() -> None:
+@pytest.mark.parametrize(("option", "ways"), [([], ("fresh", "forked")), (["--spare"], ("own", "spare"))])
+def test_one_round_of_each_way_prints_wall_cpu_and_the_ratio(option: list[str], ways: tuple[str, str]) -> None:
     run = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "rank_start.py"), "--rounds", "1", "--module", "json"],
+        [sys.executable, str(ROOT / "bench" / "rank_start.py"), *option, "--rounds", "1", "--module", "json"],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
     )
     assert run.returncode == 0, run.stdout + run.stderr
-    figures = dict(re.findall(r"^\s*(fresh|forked): wall\s+[\d.]+ s\s+CPU\s+([\d.]+) s$", run.stdout, re.MULTILINE))
-    assert set(figures) == {"fresh", "forked"}, run.stdout
-    # Both ways run a launcher that imports torch for its store: neither costs nothing.
+    figures = dict(re.findall(rf"^\s*({'|'.join(ways)}): wall\s+[\d.]+ s\s+CPU\s+([\d.]+) s$", run.stdout, re.MULTILINE))
+    assert set(figures) == set(ways), run.stdout
+    # Either way the launcher imports torch (for its store, or the spare's check for CUDA) and forks two ranks:
+    # neither costs nothing.
     assert all(float(cpu) > 0.5 for cpu in figures.values()), run.stdout
-    assert re.search(r"^forked / fresh: wall [\d.]+x, CPU [\d.]+x$", run.stdout, re.MULTILINE), run.stdout
-
-
-def test_spare_one_round_of_each_way_prints_wall_cpu_and_the_ratio() -> None:
-    run = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "rank_start.py"), "--spare", "--rounds", "1", "--module", "json"],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
-    )
-    assert run.returncode == 0, run.stdout + run.stderr
-    figures = dict(re.findall(r"^\s*(own|spare): wall\s+[\d.]+ s\s+CPU\s+([\d.]+) s$", run.stdout, re.MULTILINE))
-    assert set(figures) == {"own", "spare"}, run.stdout
-    # Either way the launcher imports torch for its store and forks two ranks: neither costs nothing.
-    assert all(float(cpu) > 0.3 for cpu in figures.values()), run.stdout
-    assert re.search(r"^spare / own: wall [\d.]+x, CPU [\d.]+x$", run.stdout, re.MULTILINE), run.stdout
+    baseline, ours = ways
+    assert re.search(rf"^{ours} / {baseline}: wall [\d.]+x, CPU [\d.]+x$", run.stdout, re.MULTILINE), run.stdout

@@ -6,11 +6,13 @@ from __future__ import annotations
 import os
 import signal
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 
-from tests.worker.procs import Stack, private_tmp, wait_for
+from tests.worker.procs import Proc, Stack, private_tmp, wait_for
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="parent-death signal is Linux-only")
 
@@ -48,26 +50,11 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
-def test_sigkilled_serve_takes_its_embedded_worker_down() -> None:
-    data_dir = private_tmp("grpo-orphan-")
-    stack = Stack(database_url=f"sqlite:///{data_dir}/grpo.db", broker_url="", data_dir=data_dir)
-    workers: list[int] = []
-    try:
-        serve = stack.start_api(worker=True)
-        wait_for(lambda: _children(serve.popen.pid) or None, timeout=60, what="the embedded worker")
-        workers = _children(serve.popen.pid)
-        os.kill(serve.popen.pid, signal.SIGKILL)
-        serve.popen.wait(timeout=10)
-        wait_for(lambda: not any(_alive(pid) for pid in workers) or None, timeout=60, what="the worker to exit")
-    finally:
-        stack.stop_all()
-        for pid in workers:  # never leave an orphan behind, even when the assertion failed
-            if _alive(pid):
-                os.kill(pid, signal.SIGKILL)
-
-
-def test_sigterm_stops_serve_after_its_embedded_worker() -> None:
-    data_dir = private_tmp("grpo-sigterm-")
+@contextmanager
+def serve_with_worker(prefix: str) -> Iterator[tuple[Proc, list[int]]]:
+    """`grpo serve --worker` on SQLite and the embedded broker, and its worker's pid, once it runs. Afterwards nothing
+    is left behind, even when the test failed."""
+    data_dir = private_tmp(prefix)
     stack = Stack(database_url=f"sqlite:///{data_dir}/grpo.db", broker_url="", data_dir=data_dir)
     workers: list[int] = []
     try:
@@ -75,13 +62,25 @@ def test_sigterm_stops_serve_after_its_embedded_worker() -> None:
         # Its other children (multiprocessing's forkserver and resource tracker) exit by themselves after it.
         wait_for(lambda: _workers(serve.popen.pid) or None, timeout=60, what="the embedded worker")
         workers = _workers(serve.popen.pid)
-        os.kill(serve.popen.pid, signal.SIGTERM)
-        # SystemExit(128 + SIGTERM) once its cleanups ran, not the signal's default action (-SIGTERM).
-        assert serve.popen.wait(timeout=60) == 128 + signal.SIGTERM, serve.log()
-        assert "embedded worker stopped" in serve.log()
-        assert not any(_alive(pid) for pid in workers)
+        yield serve, workers
     finally:
         stack.stop_all()
         for pid in workers:
             if _alive(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+def test_sigkilled_serve_takes_its_embedded_worker_down() -> None:
+    with serve_with_worker("grpo-orphan-") as (serve, workers):
+        os.kill(serve.popen.pid, signal.SIGKILL)
+        serve.popen.wait(timeout=10)
+        wait_for(lambda: not any(_alive(pid) for pid in workers) or None, timeout=60, what="the worker to exit")
+
+
+def test_sigterm_stops_serve_after_its_embedded_worker() -> None:
+    with serve_with_worker("grpo-sigterm-") as (serve, workers):
+        os.kill(serve.popen.pid, signal.SIGTERM)
+        # SystemExit(128 + SIGTERM) once its cleanups ran, not the signal's default action (-SIGTERM).
+        assert serve.popen.wait(timeout=60) == 128 + signal.SIGTERM, serve.log()
+        assert "embedded worker stopped" in serve.log()
+        assert not any(_alive(pid) for pid in workers)
