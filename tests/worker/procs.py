@@ -30,6 +30,7 @@ import redis
 from service.kit import db as kit_db
 from service.kit.config import get_settings
 from tests.service.factories import create_tenant
+from tests.worker.forked_workers import fork_worker
 
 T = TypeVar("T")
 REPO = Path(__file__).resolve().parents[2]
@@ -79,12 +80,25 @@ def fresh_redis_database(base_url: str) -> str:
         client.flushdb()
     return url
 
+class Child(Protocol):
+    """What the tests use of a child process: a subprocess.Popen, or a worker forked from the zygote."""
+
+    @property
+    def pid(self) -> int: ...
+    @property
+    def returncode(self) -> int | None: ...
+    def poll(self) -> int | None: ...
+    def wait(self, timeout: float | None = None) -> int: ...
+    def send_signal(self, sig: int) -> None: ...
+    def kill(self) -> None: ...
+
+
 @dataclass
 class Proc:
     """A child process in its own process group, logging to a file."""
 
     name: str
-    popen: subprocess.Popen[bytes]
+    popen: Child
     log_path: Path
 
     def signal_group(self, sig: int) -> None:
@@ -110,8 +124,14 @@ class Proc:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
 
-def spawn(name: str, args: list[str], env: dict[str, str], log_dir: Path) -> Proc:
+def spawn(name: str, args: list[str], env: dict[str, str], log_dir: Path, *, fork: bool = False) -> Proc:
+    """`args` in a process group of its own, logging to `log_dir/<name>.log`. With `fork`, a `grpo worker` with
+    the engine preloaded is forked from the zygote that has imported the engine (tests/worker/zygote.py)."""
     log_path = log_dir / f"{name}.log"
+    if fork:
+        forked = fork_worker(args, env, REPO, log_path)
+        if forked is not None:
+            return Proc(name, forked, log_path)
     with log_path.open("ab") as log_file:
         popen = subprocess.Popen(
             args, env=env, cwd=REPO, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True
@@ -212,6 +232,7 @@ class Stack:
             [*GRPO, "worker", "--queues", "gpu,cpu", "--devices", str(devices), "--hostname", f"{name}@%h"],
             {**self.env, "GRPO_WORKER_PRELOAD_ENGINE": "true" if preload_engine else "false"},
             self.data_dir,
+            fork=preload_engine,
         )
         self.procs.append(proc)
         wait_for(lambda: self._worker_ready(proc), timeout=ready_timeout, what=f"{name} to be ready")

@@ -1,0 +1,159 @@
+"""The test process's side of tests/worker/zygote.py: `grpo worker` processes forked from one interpreter that has
+the engine imported, behind subprocess.Popen's surface (pid, poll, wait, send_signal, kill), so the tests drive them
+as they drive any child process."""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+from typing import IO, Any
+
+# Settings (GRPO_*) are read by the forked worker itself; PYTEST_CURRENT_TEST changes with every test. Every other
+# variable may be read by a library while the zygote imports it, so it must be the same as the zygote's.
+PER_PROCESS_PREFIXES = ("GRPO_", "PYTEST_CURRENT_TEST")
+ZYGOTE_START_TIMEOUT_S = 120
+FORK_TIMEOUT_S = 30
+
+
+def library_environment(env: dict[str, str]) -> dict[str, str]:
+    """The part of a process's environment the zygote's imports may have read."""
+    return {key: value for key, value in env.items() if not key.startswith(PER_PROCESS_PREFIXES)}
+
+
+class ForkedChild:
+    """A child of the zygote, as the tests use a subprocess.Popen: a signal reaches it by pid; its exit status
+    comes from the zygote, which reaps it."""
+
+    def __init__(self, zygote: Zygote, pid: int, args: list[str]) -> None:
+        self._zygote = zygote
+        self.pid = pid
+        self.args = args
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.returncode = self._zygote.exit_code(self.pid, timeout=0)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            self.returncode = self._zygote.exit_code(self.pid, timeout=timeout)
+            if self.returncode is None:
+                raise subprocess.TimeoutExpired(self.args, timeout or 0)
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+class Zygote:
+    """One `python -m tests.worker.zygote` and the exit statuses of its children."""
+
+    def __init__(self, env: dict[str, str], cwd: Path) -> None:
+        self.environment = library_environment(env)
+        self._stderr = tempfile.TemporaryFile()
+        self._process = subprocess.Popen(
+            [sys.executable, "-m", "tests.worker.zygote"], env=self.environment, cwd=cwd, text=True,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr, start_new_session=True,
+        )
+        self._pids: queue.Queue[int] = queue.Queue()
+        self._exits: dict[int, int] = {}
+        self._ended = threading.Condition()
+        self._gone = False
+        self._requests = threading.Lock()
+        self._ready: queue.Queue[bool] = queue.Queue()
+        threading.Thread(target=self._read, name="zygote-reader", daemon=True).start()
+        try:
+            self._ready.get(timeout=ZYGOTE_START_TIMEOUT_S)
+        except queue.Empty:
+            raise RuntimeError(f"the zygote did not start:\n{self.stderr()}") from None
+        if self._gone:
+            raise RuntimeError(f"the zygote exited:\n{self.stderr()}")
+
+    def fork(self, args: list[str], env: dict[str, str], cwd: Path, log_path: Path) -> ForkedChild:
+        request = {"args": args, "env": env, "cwd": str(cwd), "log": str(log_path)}
+        with self._requests:
+            stdin: IO[str] = self._process.stdin  # type: ignore[assignment]
+            stdin.write(json.dumps(request) + "\n")
+            stdin.flush()
+            try:
+                pid = self._pids.get(timeout=FORK_TIMEOUT_S)
+            except queue.Empty:
+                raise RuntimeError(f"the zygote did not fork:\n{self.stderr()}") from None
+        return ForkedChild(self, pid, args)
+
+    def exit_code(self, pid: int, timeout: float | None) -> int | None:
+        """The child's exit status once it has ended; None if it still runs after `timeout` seconds."""
+        with self._ended:
+            self._ended.wait_for(lambda: pid in self._exits or self._gone, timeout=timeout)
+            if pid in self._exits:
+                return self._exits[pid]
+            if self._gone:
+                raise RuntimeError(f"the zygote exited before its child {pid}:\n{self.stderr()}")
+            return None
+
+    def stderr(self) -> str:
+        self._stderr.seek(0)
+        return self._stderr.read().decode(errors="replace")[-4000:]
+
+    def close(self) -> None:
+        if self._process.stdin is not None:
+            self._process.stdin.close()
+        self._process.wait(timeout=30)
+
+    def _read(self) -> None:
+        assert self._process.stdout is not None
+        for line in self._process.stdout:
+            message: dict[str, Any] = json.loads(line)
+            if "ready" in message:
+                self._ready.put(True)
+            elif "pid" in message:
+                self._pids.put(int(message["pid"]))
+            else:
+                with self._ended:
+                    self._exits[int(message["exit"])] = int(message["code"])
+                    self._ended.notify_all()
+        with self._ended:
+            self._gone = True
+            self._ended.notify_all()
+        self._ready.put(False)
+
+
+_zygote: Zygote | None = None
+_zygote_lock = threading.Lock()
+
+
+def process_zygote(env: dict[str, str], cwd: Path) -> Zygote:
+    """This test process's zygote, started on first use with `env`'s library environment."""
+    global _zygote
+    with _zygote_lock:
+        if _zygote is None:
+            _zygote = Zygote(env, cwd)
+            atexit.register(_zygote.close)
+        return _zygote
+
+
+def fork_worker(args: list[str], env: dict[str, str], cwd: Path, log_path: Path) -> ForkedChild | None:
+    """`args` forked from this test process's zygote; None where `env` differs from the zygote's outside settings,
+    and a fresh process must run it instead."""
+    if os.environ.get("GRPO_TEST_FORK_WORKERS", "true") == "false":  # each worker a fresh interpreter, as before
+        return None
+    zygote = process_zygote(env, cwd)
+    if library_environment(env) != zygote.environment:
+        return None
+    return zygote.fork(args, env, cwd, log_path)
