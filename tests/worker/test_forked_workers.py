@@ -59,5 +59,6 @@ def test_an_environment_the_imports_could_read_differently_gets_a_fresh_process(
     env = {**os.environ, "GRPO_ANY_SETTING": "x", "PYTEST_CURRENT_TEST": "another"}
     assert library_environment(env) == library_environment(dict(os.environ))
     changed = {**os.environ, "HF_HUB_OFFLINE": "0" if os.environ.get("HF_HUB_OFFLINE") == "1" else "1"}
-    fork_worker([sys.executable, "-c", "pass"], dict(os.environ), REPO, tmp_path / "first.log").wait(timeout=30)
+    same = fork_worker([sys.executable, "-c", "pass"], dict(os.environ), REPO, tmp_path / "first.log")
+    assert same is not None and same.wait(timeout=30) == 0
     assert fork_worker([sys.executable, "-c", "pass"], changed, REPO, tmp_path / "other.log") is None
