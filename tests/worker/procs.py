@@ -30,7 +30,7 @@ import redis
 from service.kit import db as kit_db
 from service.kit.config import get_settings
 from tests.service.factories import create_tenant
-from tests.worker.forked_workers import fork_worker
+from tests.worker.forked_processes import fork_process
 
 T = TypeVar("T")
 REPO = Path(__file__).resolve().parents[2]
@@ -124,12 +124,13 @@ class Proc:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
 
-def spawn(name: str, args: list[str], env: dict[str, str], log_dir: Path, *, fork: bool = False) -> Proc:
-    """`args` in a process group of its own, logging to `log_dir/<name>.log`. With `fork`, a `grpo worker` with
-    the engine preloaded is forked from the zygote that has imported the engine (tests/worker/zygote.py)."""
+def spawn(name: str, args: list[str], env: dict[str, str], log_dir: Path, *, fork: str | None = None) -> Proc:
+    """`args` in a process group of its own, logging to `log_dir/<name>.log`. With `fork` ("worker" for a `grpo
+    worker` with the engine preloaded, "api" for `grpo serve`), forked from the zygote that has imported that
+    command's modules (tests/worker/zygote.py)."""
     log_path = log_dir / f"{name}.log"
-    if fork:
-        forked = fork_worker(args, env, REPO, log_path)
+    if fork is not None:
+        forked = fork_process(fork, args, env, REPO, log_path)
         if forked is not None:
             return Proc(name, forked, log_path)
     with log_path.open("ab") as log_file:
@@ -207,7 +208,7 @@ class Stack:
             "--migrate",
             "--worker" if worker else "--no-worker",
         ]
-        proc = spawn("api", args, self.env, self.data_dir)
+        proc = spawn("api", args, self.env, self.data_dir, fork="api")
         self.procs.append(proc)
         wait_for(
             lambda: self._api_up(proc), timeout=90, what=f"the API on port {self.api_port}\n{proc.log()}"
@@ -232,7 +233,7 @@ class Stack:
             [*GRPO, "worker", "--queues", "gpu,cpu", "--devices", str(devices), "--hostname", f"{name}@%h"],
             {**self.env, "GRPO_WORKER_PRELOAD_ENGINE": "true" if preload_engine else "false"},
             self.data_dir,
-            fork=preload_engine,
+            fork="worker" if preload_engine else None,
         )
         self.procs.append(proc)
         wait_for(lambda: self._worker_ready(proc), timeout=ready_timeout, what=f"{name} to be ready")

@@ -1,20 +1,22 @@
-"""A zygote for the end-to-end tests' `grpo worker` processes: one interpreter per test process that has imported
-what a worker with the engine preloaded imports (torch, transformers, peft, Celery and the engine), and forks each
-worker from there, instead of every worker starting an interpreter and importing all of it again (seconds of CPU
-each, dozens of workers a run).
+"""Zygotes for the end-to-end tests' `grpo worker` and `grpo serve` processes: an interpreter per kind and test
+process that has imported what that command imports, and forks each such process from there, instead of every
+one starting an interpreter and importing all of it again (seconds of CPU each, dozens a run).
 
-A forked worker is the real `grpo worker`: its own session and process group, its own environment, working
-directory and log file, the same `from cli import main; main()` code with the same arguments, and the worker's
-own imports (its Celery app and settings) run in it after the fork. Only the libraries are loaded beforehand, and
+- `worker`: what a worker with the engine preloaded imports (torch, transformers, peft, Celery and the engine).
+- `api`: what `grpo serve` imports (FastAPI, the app's modules, gRPC, uvicorn, Alembic); never torch.
+
+A forked process is the real command: its own session and process group, its own environment, working directory
+and log file, the same `from cli import main; main()` code with the same arguments, and the command's own
+set-up (its Celery app, its app and settings) runs in it after the fork. Only modules are loaded beforehand, and
 nothing imported here reads settings: the zygote never sees a stack's GRPO_* environment. Everything else in the
 environment must equal the zygote's (library import-time state such as HF_HUB_OFFLINE or OMP_NUM_THREADS): a
-request that differs gets a fresh process instead (tests/worker/procs.py decides).
+request that differs gets a fresh process instead (tests/worker/forked_processes.py decides).
 
 Protocol, one JSON object per line. In: {"args": [...], "env": {...}, "cwd": ..., "log": ...}; out: {"pid": N}
 for each request, in order, and {"exit": N, "code": C} when a child ends (C as subprocess's returncode: -signal
 for a signal). The zygote stays single-threaded (it forks) and exits when its input closes.
 
-    python -m tests.worker.zygote
+    python -m tests.worker.zygote worker|api
 """
 
 from __future__ import annotations
@@ -26,22 +28,34 @@ import signal
 import sys
 from typing import Any
 
-# What `grpo worker` with GRPO_WORKER_PRELOAD_ENGINE imports before its pool forks, less the modules that read
-# settings when imported (worker.celery_app builds its Celery app from them; worker.tasks imports it).
-PRELOAD = [
-    "cli", "cli.worker", "celery.apps.worker", "celery.worker", "kombu.transport.redis", "service.kit.config",
-    "service.observability.logs", "service.execution", "worker.grpo.trainer",
-]
+PRELOAD = {
+    # What `grpo worker` with GRPO_WORKER_PRELOAD_ENGINE imports before its pool forks, less the modules that read
+    # settings when imported (worker.celery_app builds its Celery app from them; worker.tasks imports it).
+    "worker": [
+        "cli", "cli.worker", "celery.apps.worker", "celery.worker", "kombu.transport.redis", "service.kit.config",
+        "service.observability.logs", "service.execution", "worker.grpo.trainer",
+    ],
+    # What `grpo serve` imports before it serves (cli/serve.py), less the app itself, which it builds.
+    "api": [
+        "cli", "cli.serve", "cli.migrate", "alembic.command", "uvicorn", "service.app", "service.grpc.server",
+        "service.execution.reaper", "service.kit.queue", "service.observability.logs",
+    ],
+}
 REAP_INTERVAL_S = 0.1
 
 
 def main() -> None:
-    for module in PRELOAD:
+    kind = sys.argv[1]
+    # What cli.main() sets before any command imports torch: OpenMP reads it when torch loads it, here.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    for module in PRELOAD[kind]:
         __import__(module)
     from service.kit.config import get_settings  # loaded by PRELOAD; checked, not imported anew
 
     if get_settings.cache_info().currsize:
-        raise SystemExit("the zygote's imports read settings: a forked worker would keep the zygote's")
+        raise SystemExit("the zygote's imports read settings: a forked process would keep the zygote's")
+    if kind == "api" and "torch" in sys.modules:
+        raise SystemExit("the API zygote imported torch, which `grpo serve` never does")
     _send({"ready": os.getpid()})
     while True:
         readable, _, _ = select.select([sys.stdin], [], [], REAP_INTERVAL_S)

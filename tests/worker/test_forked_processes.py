@@ -1,4 +1,4 @@
-"""tests/worker/zygote.py: a process forked from the zygote is set up as subprocess.Popen would start it (its own
+"""tests/worker/zygote.py: a process forked from a zygote is set up as subprocess.Popen would start it (its own
 session, environment, working directory, standard streams and arguments), its exit status and signals reach the
 test as a Popen's do, and an environment the zygote's imports could have read differently gets a fresh process."""
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.worker.forked_workers import Zygote, fork_worker, library_environment, process_zygote
+from tests.worker.forked_processes import Zygote, fork_process, library_environment, process_zygote
 
 REPO = Path(__file__).resolve().parents[2]
 REPORT = (
@@ -26,7 +26,7 @@ REPORT = (
 
 @pytest.fixture
 def zygote() -> Zygote:
-    return process_zygote(dict(os.environ), REPO)
+    return process_zygote("worker", dict(os.environ), REPO)
 
 
 def test_a_forked_process_starts_as_popen_would_start_it(zygote: Zygote, tmp_path: Path) -> None:
@@ -55,10 +55,18 @@ def test_a_signal_ends_it_with_the_code_popen_gives(zygote: Zygote, tmp_path: Pa
     assert child.wait(timeout=30) == -signal.SIGKILL
 
 
-def test_an_environment_the_imports_could_read_differently_gets_a_fresh_process(tmp_path: Path) -> None:
-    env = {**os.environ, "GRPO_ANY_SETTING": "x", "PYTEST_CURRENT_TEST": "another"}
-    assert library_environment(env) == library_environment(dict(os.environ))
-    changed = {**os.environ, "HF_HUB_OFFLINE": "0" if os.environ.get("HF_HUB_OFFLINE") == "1" else "1"}
-    same = fork_worker([sys.executable, "-c", "pass"], dict(os.environ), REPO, tmp_path / "first.log")
+def test_an_environment_the_imports_could_read_differently_gets_a_fresh_process(zygote: Zygote, tmp_path: Path) -> None:
+    env = {**zygote.environment, "GRPO_ANY_SETTING": "x", "PYTEST_CURRENT_TEST": "another"}
+    assert library_environment(env) == zygote.environment
+    same = fork_process("worker", [sys.executable, "-c", "pass"], env, REPO, tmp_path / "same.log")
     assert same is not None and same.wait(timeout=30) == 0
-    assert fork_worker([sys.executable, "-c", "pass"], changed, REPO, tmp_path / "other.log") is None
+    changed = {**env, "HF_HUB_OFFLINE": "0" if env.get("HF_HUB_OFFLINE") == "1" else "1"}
+    assert fork_process("worker", [sys.executable, "-c", "pass"], changed, REPO, tmp_path / "other.log") is None
+
+
+def test_the_api_zygote_has_the_app_imported_and_never_torch(tmp_path: Path) -> None:
+    code = "import json, sys; print(json.dumps([m in sys.modules for m in ('service.app', 'uvicorn', 'torch')]))"
+    api = process_zygote("api", dict(os.environ), REPO)
+    child = api.fork([sys.executable, "-c", code], api.environment, tmp_path, tmp_path / "api.log")
+    assert child.wait(timeout=30) == 0
+    assert json.loads((tmp_path / "api.log").read_text()) == [True, True, False]

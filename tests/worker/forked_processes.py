@@ -1,6 +1,6 @@
-"""The test process's side of tests/worker/zygote.py: `grpo worker` processes forked from one interpreter that has
-the engine imported, behind subprocess.Popen's surface (pid, poll, wait, send_signal, kill), so the tests drive them
-as they drive any child process."""
+"""The test process's side of tests/worker/zygote.py: `grpo worker` and `grpo serve` processes forked from an
+interpreter that has their modules imported, behind subprocess.Popen's surface (pid, poll, wait, send_signal,
+kill), so the tests drive them as they drive any child process."""
 
 from __future__ import annotations
 
@@ -64,11 +64,11 @@ class ForkedChild:
 class Zygote:
     """One `python -m tests.worker.zygote` and the exit statuses of its children."""
 
-    def __init__(self, env: dict[str, str], cwd: Path) -> None:
+    def __init__(self, kind: str, env: dict[str, str], cwd: Path) -> None:
         self.environment = library_environment(env)
         self._stderr = tempfile.TemporaryFile()
         self._process = subprocess.Popen(
-            [sys.executable, "-m", "tests.worker.zygote"], env=self.environment, cwd=cwd, text=True,
+            [sys.executable, "-m", "tests.worker.zygote", kind], env=self.environment, cwd=cwd, text=True,
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr, start_new_session=True,
         )
         self._pids: queue.Queue[int] = queue.Queue()
@@ -134,26 +134,26 @@ class Zygote:
         self._ready.put(False)
 
 
-_zygote: Zygote | None = None
-_zygote_lock = threading.Lock()
+_zygotes: dict[str, Zygote] = {}
+_zygotes_lock = threading.Lock()
 
 
-def process_zygote(env: dict[str, str], cwd: Path) -> Zygote:
-    """This test process's zygote, started on first use with `env`'s library environment."""
-    global _zygote
-    with _zygote_lock:
-        if _zygote is None:
-            _zygote = Zygote(env, cwd)
-            atexit.register(_zygote.close)
-        return _zygote
+def process_zygote(kind: str, env: dict[str, str], cwd: Path) -> Zygote:
+    """This test process's zygote of `kind` (tests/worker/zygote.py), started on first use with `env`'s library
+    environment."""
+    with _zygotes_lock:
+        if kind not in _zygotes:
+            _zygotes[kind] = Zygote(kind, env, cwd)
+            atexit.register(_zygotes[kind].close)
+        return _zygotes[kind]
 
 
-def fork_worker(args: list[str], env: dict[str, str], cwd: Path, log_path: Path) -> ForkedChild | None:
-    """`args` forked from this test process's zygote; None where `env` differs from the zygote's outside settings,
-    and a fresh process must run it instead."""
-    if os.environ.get("GRPO_TEST_FORK_WORKERS", "true") == "false":  # each worker a fresh interpreter, as before
+def fork_process(kind: str, args: list[str], env: dict[str, str], cwd: Path, log_path: Path) -> ForkedChild | None:
+    """`args` forked from this test process's zygote of `kind`; None where `env` differs from the zygote's outside
+    settings, and a fresh process must run it instead."""
+    if os.environ.get("GRPO_TEST_FORK_PROCESSES", "true") == "false":  # each a fresh interpreter instead
         return None
-    zygote = process_zygote(env, cwd)
+    zygote = process_zygote(kind, env, cwd)
     if library_environment(env) != zygote.environment:
         return None
     return zygote.fork(args, env, cwd, log_path)
