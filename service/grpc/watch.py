@@ -90,9 +90,12 @@ async def watch_job(
             last_job = job
         pending = [(cid, step) for cid, step in poll.checkpoints if cid not in sent_checkpoints and step >= from_step]
         for metrics in poll.steps:
+            # A checkpoint follows the metrics of its step and comes before any later step's, also when it was
+            # recorded after a poll had sent its step's metrics.
+            for message in _checkpoints_up_to(pending, sent_checkpoints, metrics.step - 1):
+                yield message
             yield jobs_pb2.WatchJobResponse(metrics=metrics)
             next_step = metrics.step + 1
-            # A checkpoint follows the metrics of its step.
             for message in _checkpoints_up_to(pending, sent_checkpoints, metrics.step):
                 yield message
         for event in poll.health:  # after the metrics of their step (the worker writes them in that order)

@@ -183,3 +183,34 @@ class TestWatchOutlivingItsKey:
 def _finish(job_id: str, attempt: int) -> None:
     with session_scope() as session:
         worker_transition(session, job_id, attempt, JobStatus.succeeded, reason="done")
+
+
+def test_a_checkpoint_recorded_after_its_steps_metrics_went_out_still_comes_before_the_next_step(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The worker records step 3's metrics, then its checkpoint, then step 4's: a poll between the first two sees
+    step 3 without its checkpoint, and the next poll sees the checkpoint beside step 4's metrics."""
+    from types import SimpleNamespace
+
+    running, done = SimpleNamespace(status=JobStatus.running), SimpleNamespace(status=JobStatus.succeeded)
+    polls = iter([
+        watch._Poll(running, [jobs_pb2.StepMetrics(step=3)], False, []),  # type: ignore[arg-type]
+        watch._Poll(running, [jobs_pb2.StepMetrics(step=4)], False, [("ckpt_3", 3)]),  # type: ignore[arg-type]
+        watch._Poll(done, [], False, [("ckpt_3", 3)]),  # type: ignore[arg-type]
+    ])
+
+    async def scripted_poll(*_: object) -> watch._Poll:
+        return next(polls)
+
+    async def authorized() -> None:
+        return None
+
+    monkeypatch.setattr(watch, "_poll", scripted_poll)
+    monkeypatch.setattr(watch, "job_to_proto", lambda job: jobs_pb2.Job(id="job_x"))
+
+    async def collect() -> list[tuple[str | None, int]]:
+        stream = watch.watch_job(None, "tenant", "job_x", 3, authorized, poll_interval_s=0)  # type: ignore[arg-type]
+        return [(m.WhichOneof("event"), m.metrics.step or m.checkpoint.step) async for m in stream
+                if m.WhichOneof("event") != "job"]
+
+    assert asyncio.run(collect()) == [("metrics", 3), ("checkpoint", 3), ("metrics", 4)]
