@@ -29,8 +29,8 @@ import redis
 
 from service.kit import db as kit_db
 from service.kit.config import get_settings
+from tests.forked_processes import fork_process
 from tests.service.factories import create_tenant
-from tests.worker.forked_processes import fork_process
 
 T = TypeVar("T")
 REPO = Path(__file__).resolve().parents[2]
@@ -127,7 +127,7 @@ class Proc:
 def spawn(name: str, args: list[str], env: dict[str, str], log_dir: Path, *, fork: str | None = None) -> Proc:
     """`args` in a process group of its own, logging to `log_dir/<name>.log`. With `fork` ("worker" for a `grpo
     worker` with the engine preloaded, "api" for `grpo serve`), forked from the zygote that has imported that
-    command's modules (tests/worker/zygote.py)."""
+    command's modules (tests/zygote.py)."""
     log_path = log_dir / f"{name}.log"
     if fork is not None:
         forked = fork_process(fork, args, env, REPO, log_path)

@@ -1,6 +1,7 @@
-"""The test process's side of tests/worker/zygote.py: `grpo worker` and `grpo serve` processes forked from an
-interpreter that has their modules imported, behind subprocess.Popen's surface (pid, poll, wait, send_signal,
-kill), so the tests drive them as they drive any child process."""
+"""The test process's side of tests/zygote.py: processes forked from an interpreter that has their modules
+imported, behind subprocess.Popen's surface (pid, poll, wait, send_signal, kill), so the tests drive them as they
+drive any child process. The end-to-end stacks fork their `grpo worker` and `grpo serve` processes this way
+(`fork_process`), the engine tests their `python -c` runs (tests/engine/preloaded.py)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,19 @@ from typing import IO, Any
 # Settings (GRPO_*) are read by the forked worker itself; PYTEST_CURRENT_TEST changes with every test. Every other
 # variable may be read by a library while the zygote imports it, so it must be the same as the zygote's.
 PER_PROCESS_PREFIXES = ("GRPO_", "PYTEST_CURRENT_TEST")
+ZYGOTE_MODULES = {
+    # What `grpo worker` with GRPO_WORKER_PRELOAD_ENGINE imports before its pool forks, less the modules that read
+    # settings when imported (worker.celery_app builds its Celery app from them; worker.tasks imports it).
+    "worker": [
+        "cli", "cli.worker", "celery.apps.worker", "celery.worker", "kombu.transport.redis", "service.kit.config",
+        "service.observability.logs", "service.execution", "worker.grpo.trainer",
+    ],
+    # What `grpo serve` imports before it serves (cli/serve.py), less the app itself, which it builds; never torch.
+    "api": [
+        "cli", "cli.serve", "cli.migrate", "alembic.command", "uvicorn", "service.app", "service.grpc.server",
+        "service.execution.reaper", "service.kit.queue", "service.observability.logs",
+    ],
+}
 ZYGOTE_START_TIMEOUT_S = 120
 FORK_TIMEOUT_S = 30
 
@@ -62,13 +76,14 @@ class ForkedChild:
 
 
 class Zygote:
-    """One `python -m tests.worker.zygote` and the exit statuses of its children."""
+    """One `python -m tests.zygote MODULE...`, with `env` less its settings, and the exit statuses of its
+    children."""
 
-    def __init__(self, kind: str, env: dict[str, str], cwd: Path) -> None:
+    def __init__(self, modules: list[str], env: dict[str, str], cwd: Path) -> None:
         self.environment = library_environment(env)
         self._stderr = tempfile.TemporaryFile()
         self._process = subprocess.Popen(
-            [sys.executable, "-m", "tests.worker.zygote", kind], env=self.environment, cwd=cwd, text=True,
+            [sys.executable, "-m", "tests.zygote", *modules], env=self.environment, cwd=cwd, text=True,
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr, start_new_session=True,
         )
         self._pids: queue.Queue[int] = queue.Queue()
@@ -85,8 +100,14 @@ class Zygote:
         if self._gone:
             raise RuntimeError(f"the zygote exited:\n{self.stderr()}")
 
-    def fork(self, args: list[str], env: dict[str, str], cwd: Path, log_path: Path) -> ForkedChild:
-        request = {"args": args, "env": env, "cwd": str(cwd), "log": str(log_path)}
+    def fork(
+        self, args: list[str], env: dict[str, str], cwd: Path, stdout: Path, stderr: Path | None = None, *,
+        session: bool = True,
+    ) -> ForkedChild:
+        """`args` (`[python, "-c", CODE, ...]`) in a forked child writing to `stdout` and `stderr` (appending;
+        both to `stdout` without `stderr`), in a session of its own with `session`."""
+        request = {"args": args, "env": env, "cwd": str(cwd), "stdout": str(stdout), "stderr": str(stderr or stdout),
+                   "session": session}
         with self._requests:
             stdin: IO[str] = self._process.stdin  # type: ignore[assignment]
             stdin.write(json.dumps(request) + "\n")
@@ -139,11 +160,11 @@ _zygotes_lock = threading.Lock()
 
 
 def process_zygote(kind: str, env: dict[str, str], cwd: Path) -> Zygote:
-    """This test process's zygote of `kind` (tests/worker/zygote.py), started on first use with `env`'s library
+    """This test process's zygote of `kind` (tests/zygote.py), started on first use with `env`'s library
     environment."""
     with _zygotes_lock:
         if kind not in _zygotes:
-            _zygotes[kind] = Zygote(kind, env, cwd)
+            _zygotes[kind] = Zygote(ZYGOTE_MODULES[kind], env, cwd)
             atexit.register(_zygotes[kind].close)
         return _zygotes[kind]
 

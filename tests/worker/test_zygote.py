@@ -1,4 +1,4 @@
-"""tests/worker/zygote.py: a process forked from a zygote is set up as subprocess.Popen would start it (its own
+"""tests/zygote.py: a process forked from a zygote is set up as subprocess.Popen would start it (its own
 session, environment, working directory, standard streams and arguments), its exit status and signals reach the
 test as a Popen's do, and an environment the zygote's imports could have read differently gets a fresh process."""
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.worker.forked_processes import Zygote, fork_process, library_environment, process_zygote
+from tests.forked_processes import Zygote, fork_process, library_environment, process_zygote
 
 REPO = Path(__file__).resolve().parents[2]
 REPORT = (
