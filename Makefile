@@ -34,14 +34,14 @@ TINKER := .venv-tinker
 TINKER_STAMP := $(TINKER)/.installed
 TINKER_PIN := tinker==0.38.0
 export PYTHONUNBUFFERED := 1
-# pytest-xdist workers: two more than the cores, at most 8 (each has its own PostgreSQL database, Redis brokers and
-# ports). More than the cores: the end-to-end tests spend part of their time waiting (for a lease to lapse, a
-# collective to time out, a server to answer), and a worker per core would leave a core idle then; with one more
-# the cores still idled about 6 % of the run on 2 cores, with two more about 2 %.
+# pytest-xdist workers: one more than the cores, at most 8 (each has its own PostgreSQL database, Redis brokers and
+# ports). One more: the end-to-end tests spend part of their time waiting (for a lease to lapse, a collective to
+# time out, a server to answer), and a worker per core would leave a core idle then. Two more left the cores less
+# idle, but made tests with fixed connect timeouts flaky on 2 cores.
 # Whole files go to a worker (`--dist loadfile`): module-scoped stacks and models are built once. They go in
 # collection order, files with a slow test first (tests/conftest.py); xdist's own reorder (most tests first) would
 # leave the longest single tests to the end, one worker running them while the other idles.
-PYTEST_WORKERS ?= $(shell n=$$(nproc); echo $$(( n + 2 < 8 ? n + 2 : 8 )))
+PYTEST_WORKERS ?= $(shell n=$$(nproc); echo $$(( n + 1 < 8 ? n + 1 : 8 )))
 XDIST := -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder
 LOWEST_WORKERS ?= $(PYTEST_WORKERS)
 LOWEST_XDIST := -n $(LOWEST_WORKERS) --dist loadfile --no-loadscope-reorder
