@@ -144,6 +144,8 @@ class Zygote:
             if "ready" in message:
                 self._ready.put(True)
             elif "pid" in message:
+                with self._ended:  # an earlier child's status under a reused pid is not this child's
+                    self._exits.pop(int(message["pid"]), None)
                 self._pids.put(int(message["pid"]))
             else:
                 with self._ended:
