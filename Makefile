@@ -7,15 +7,17 @@ STAMP := $(VENV)/.installed-dev
 BENCH_STAMP := $(VENV)/.installed-bench
 # Every venv is filled by uv, which installs the same resolution as pip (same versions, checked with `pip freeze`)
 # in a fraction of the time: it downloads and unpacks in parallel. uv does not read pip's configuration, so the
-# wheel folders pip is configured with on this machine (the CPU torch on disk) are passed on. Bytecode is compiled for
-# what the `grpo` commands import (`$(BYTECODE_STAMP)`), not for the whole venv: compiling all of torch, transformers
-# and vLLM costs more CPU than `make test` on a fresh machine spends importing the part of them it uses, which Python
-# compiles and caches on first import, as it does by default (make's recipes run without PYTHONDONTWRITEBYTECODE).
+# wheel folders pip is configured with on this machine (the CPU torch on disk) are passed on. The main venv's
+# bytecode is compiled at install, as pip does: where PYTHONDONTWRITEBYTECODE is set, every process run from it
+# by hand would otherwise compile torch and transformers again. The venvs only the tests use (OpenEnv, tinker,
+# the lowest transformers) are not: their processes import a small part of them, and Python caches the bytecode of
+# what it imports, as it does by default, since make's recipes run without PYTHONDONTWRITEBYTECODE.
 UV_PIN := uv==0.13.9
 UV := $(VENV)/bin/uv
 PIP_FIND_LINKS ?= $(shell $(PYTHON) -m pip config get global.find-links 2>/dev/null)
 UV_INSTALL := $(UV) pip install -q $(foreach l,$(PIP_FIND_LINKS),--find-links $(l))
-UV_PIP := $(UV_INSTALL) --python
+UV_PIP := $(UV_INSTALL) --compile-bytecode --python
+UV_PIP_LAZY := $(UV_INSTALL) --python
 unexport PYTHONDONTWRITEBYTECODE
 # The lowest transformers the engine supports, with the huggingface_hub and tokenizers it accepts, installed
 # beside the main venv and put in front of it on PYTHONPATH (torch and peft stay the main venv's).
@@ -69,26 +71,19 @@ $(BENCH_STAMP): $(STAMP)
 	$(UV) pip uninstall -q --python $(PY) torchvision torchaudio torchcodec
 	touch $@
 
-# The bytecode of what the `grpo` commands import (server, worker, engine), compiled and cached once by importing
-# it: where PYTHONDONTWRITEBYTECODE is set, each process run by hand would otherwise compile it again as it starts.
-BYTECODE_STAMP := $(VENV)/.installed-bytecode
-$(BYTECODE_STAMP): $(STAMP)
-	$(PY) -c 'import cli.demo, cli.serve, cli.train, cli.worker, service.app, service.grpc.server, worker.grpo.trainer'
-	touch $@
-
-install: $(STAMP) $(BYTECODE_STAMP)
+install: $(STAMP)
 
 # After the main venv: two editable installs of this project at once would race on its egg-info.
 $(OPENENV_STAMP): pyproject.toml $(STAMP)
 	@test -x $(OPENENV)/bin/python || $(PYTHON) -m venv --without-pip $(OPENENV)
-	$(UV_PIP) $(OPENENV)/bin/python -e '.[env]'
+	$(UV_PIP_LAZY) $(OPENENV)/bin/python -e '.[env]'
 	touch $@
 
 openenv: $(OPENENV_STAMP)
 
 $(TINKER_STAMP): Makefile | $(UV)
 	@test -x $(TINKER)/bin/python || $(PYTHON) -m venv --without-pip $(TINKER)
-	$(UV_PIP) $(TINKER)/bin/python $(TINKER_PIN)
+	$(UV_PIP_LAZY) $(TINKER)/bin/python $(TINKER_PIN)
 	touch $@
 
 tinker-sdk: $(TINKER_STAMP)
@@ -112,7 +107,7 @@ pytest: install $(OPENENV_STAMP) $(TINKER_STAMP)
 
 $(LOWEST_STAMP): Makefile | $(UV)
 	rm -rf $(LOWEST)
-	$(UV_PIP) $(PY) --no-deps --target $(LOWEST) $(LOWEST_PINS)
+	$(UV_PIP_LAZY) $(PY) --no-deps --target $(LOWEST) $(LOWEST_PINS)
 	touch $@
 
 # The engine's tests of what it asks of transformers, again on the lowest supported transformers (`pytest` runs
