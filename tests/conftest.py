@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import socket
 from collections.abc import Iterator
@@ -14,6 +15,14 @@ REDIS_URL = os.environ.get("GRPO_TEST_REDIS_URL", "redis://127.0.0.1:6379")
 # Every app lifespan would otherwise run a full collection of the test process's heap before freezing it
 # (~0.2 s with torch loaded, hundreds of times a run). tests/service/test_heap.py turns it on where it is tested.
 os.environ.setdefault("GRPO_GC_FREEZE", "false")
+
+# The test processes run the cyclic collector less often than CPython's default (700, 10, 10). A full collection
+# walks every object the process tracks, and one that has imported torch, transformers, vLLM and the app tracks
+# millions; the objects the tests keep alive for a while (apps, engines, models, sessions) set one off every few
+# seconds at the default thresholds, which then took a sizeable share of a test process's CPU (bench/README.md).
+# Garbage is still collected: a young collection every 10,000 net allocations, and a full one after every ten
+# collections of the middle generation, as by default.
+gc.set_threshold(10_000, 20, 10)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

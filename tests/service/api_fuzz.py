@@ -42,7 +42,7 @@ SOCKET_DIR = os.environ.get("GRPO_TEST_POSTGRES_SOCKET_DIR", "/var/run/postgresq
 SEED = 20261125
 # Examples per operation in the fuzzing phase. Its cost grows with this number (hypothesis draws every case) while
 # the coverage phase's boundary cases do not depend on it; GRPO_TEST_FUZZ_EXAMPLES runs a deeper search on demand.
-MAX_EXAMPLES = int(os.environ.get("GRPO_TEST_FUZZ_EXAMPLES", "40"))
+MAX_EXAMPLES = int(os.environ.get("GRPO_TEST_FUZZ_EXAMPLES", "20"))
 
 # Drawn in place of a generated value with the probability below: the classes of input that reached a 500.
 # Text and integers apart: in a query string 99999999999999999999 is also a valid string, so an integer drawn for
