@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import gc
+import itertools
 import os
 import socket
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -28,9 +30,23 @@ gc.set_threshold(10_000, 20, 10)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Files holding a test marked slow run first. `make test` hands whole files to its pytest-xdist workers in
     collection order (`--dist loadfile`): the long files start at once and the short ones fill in around them,
-    instead of one long file running alone at the end. A stable sort: the order within each file is kept."""
+    instead of one long file running alone at the end.
+
+    Within each of the two groups the folders take turns, a file of each (tests/bench, tests/engine, ...,
+    tests/worker, then again): the end-to-end files of one folder spend much of their time waiting on their
+    stacks (a lease to lapse, a queue, a timeout), and side by side on every worker they left the cores idle,
+    where beside another folder's computing tests they do not. A stable sort: the order within each file is kept."""
     slow_files = {item.path for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: item.path not in slow_files)
+    files = list(dict.fromkeys(item.path for item in items))
+    order: dict[Path, int] = {}
+    for slow in (True, False):
+        folders: dict[Path, list[Path]] = {}
+        for path in files:
+            if (path in slow_files) == slow:
+                folders.setdefault(path.parent, []).append(path)
+        for turn in itertools.zip_longest(*folders.values()):
+            order.update((path, len(order)) for path in turn if path is not None)
+    items.sort(key=lambda item: order[item.path])
 
 
 def _reachable(host: str, port: int) -> bool:
